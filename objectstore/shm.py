@@ -1,0 +1,130 @@
+"""Shared-memory segments for same-node pulls.
+
+One segment per object, a file under /dev/shm named `asyncrl-os-<owner pid>-<id>`. A batch's
+columns lie one after another, each starting on a page boundary, so a consumer can map exactly
+the pages of the rows it wants. The owner pid in the name lets `remove_stale_segments` clean
+up after a store that died without closing (a crash, SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import tempfile
+import uuid
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+SEGMENT_PREFIX = "asyncrl-os-"
+PAGE = mmap.ALLOCATIONGRANULARITY
+# Pre-faulting the whole segment in one syscall is much cheaper than one page fault per 4 KiB
+# while copying; Linux only.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def align_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Page-aligned offsets for regions of `sizes` bytes, and the segment size."""
+    offsets, pos = [], 0
+    for size in sizes:
+        offsets.append(pos)
+        pos = align_up(pos + size)
+    return offsets, max(pos, PAGE)
+
+
+class Segment:
+    """An owner's shared-memory segment, mapped read-write."""
+
+    def __init__(self, path: str, size: int, mm: mmap.mmap) -> None:
+        self.path = path
+        self.size = size
+        self.mm = mm
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @classmethod
+    def create(cls, size: int, tag: str = "", shm_dir: str = SHM_DIR) -> Segment:
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{tag[:12]}{uuid.uuid4().hex[:12]}"
+        path = os.path.join(shm_dir, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the memory; the name stays until unlink
+        return cls(path, size, mm)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over bytes [offset, offset + nbytes) of the segment."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, offset=offset, count=nbytes)
+
+    def unlink(self) -> None:
+        """Remove the name; mappings (ours and consumers') stay valid until dropped."""
+        _unlink(self.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def map_region(path: str, offset: int, nbytes: int) -> memoryview:
+    """Map bytes [offset, offset + nbytes) of a segment copy-on-write: reads share the owner's
+    pages (zero-copy), writes stay private to this process."""
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    start = offset - offset % PAGE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+    finally:
+        os.close(fd)
+    return memoryview(mm)[offset - start:offset - start + nbytes]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Names of every object-store segment in `shm_dir`."""
+    try:
+        return sorted(n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink segments whose owner process is gone; returns their names."""
+    removed = []
+    for name in list_segments(shm_dir):
+        pid_text = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            _unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+    if removed:
+        log.info("removed %d stale shared-memory segments of dead stores", len(removed))
+    return removed

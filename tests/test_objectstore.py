@@ -1,0 +1,431 @@
+"""Object store: refs, local/shm/TCP pulls, shards, refcounts, limits, lost owners, futures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from objectstore import (
+    ObjectFuture,
+    ObjectLostError,
+    ObjectNotFoundError,
+    ObjectRef,
+    ObjectStore,
+    ObjectStoreFullError,
+    ObjectTypeError,
+    RowRange,
+    ShardRangeError,
+    list_segments,
+    remove_stale_segments,
+    resolve_refs,
+    shard_rows,
+)
+from objectstore.errors import from_remote
+from transport import CurveConfig, RemoteError, RpcClient, codec
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
+
+# A helper process: an object store plus a small control server the test drives.
+WORKER = r"""
+import asyncio, json, signal, sys, torch
+from objectstore import ObjectStore
+from transport import RpcServer
+from transport.loop import run
+
+async def main(node_id):
+    store = ObjectStore(node_id=node_id, insecure=True, name="child",
+                        heartbeat_interval=0.1, heartbeat_timeout=1.0)
+    await store.start()
+    ctl = RpcServer("tcp://127.0.0.1:0", insecure=True, name="ctl")
+    def put(rows, cols):
+        return store.put(torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols))
+    def put_batch(rows):
+        return store.put({"x": torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4),
+                          "y": torch.arange(rows, dtype=torch.int64)})
+    async def get(ref, rows=None, transport=None):
+        return await store.get(ref, rows, transport=transport)
+    ctl.register("put", put)
+    ctl.register("put_batch", put_batch)
+    ctl.register("get", get)
+    ctl.register("stats", store.stats)
+    ep = await ctl.start()
+    print(json.dumps({"ctl": ep, "store": store.endpoint}), flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await ctl.close()
+        await store.close()
+
+run(main(sys.argv[1]))
+"""
+
+
+class Child:
+    """A helper process with its own store; always killed by the fixture."""
+
+    def __init__(self, node_id: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, node_id], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, start_new_session=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("helper process failed to start")
+        info = json.loads(line)
+        self.store_endpoint = info["store"]
+        self.ctl = RpcClient(info["ctl"], insecure=True, heartbeat_interval=0.1, heartbeat_timeout=2.0)
+
+    async def call(self, method: str, *args, **kwargs):
+        return await self.ctl.call(method, *args, timeout=20, **kwargs)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(5)
+
+    async def stop(self) -> None:
+        await self.ctl.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self.proc.stdout.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments():
+    yield
+    remove_stale_segments()  # segments of helpers we SIGKILLed on purpose
+    assert list_segments() == [], "shared-memory segments left behind"
+
+
+@pytest.fixture
+async def stores():
+    """Start stores on demand; all closed at the end."""
+    started: list[ObjectStore] = []
+
+    async def make(**kw) -> ObjectStore:
+        kw.setdefault("insecure", "curve" not in kw)
+        store = ObjectStore(**{**FAST, **kw})
+        started.append(store)
+        await store.start()
+        return store
+
+    try:
+        yield make
+    finally:
+        for store in started:
+            await store.close()
+
+
+@pytest.fixture
+async def child():
+    made: list[Child] = []
+
+    async def make(node_id: str) -> Child:
+        c = await asyncio.get_running_loop().run_in_executor(None, Child, node_id)
+        made.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            await c.stop()
+
+
+def matrix(rows: int = 64, cols: int = 8) -> torch.Tensor:
+    return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+
+
+# refs and futures ---------------------------------------------------------------------------
+def test_ref_roundtrips_through_codec():
+    ref = ObjectRef("abc", "node0", "tcp://1.2.3.4:5", "1.2.3.4:6", "batch", "cpu", 96,
+                    columns=(("x", "float32", (4, 4)), ("y", "int64", (4,))), num_rows=4)
+    out = codec.decode(codec.encode({"refs": [ref], "rows": RowRange(0, 2)}))
+    back = out["refs"][0]
+    assert back == ref and back.columns == ref.columns and back.num_rows == 4
+    assert back.column_specs == {"x": ("float32", (4, 4)), "y": ("int64", (4,))}
+    assert RowRange(*out["rows"]) == RowRange(0, 2)
+
+
+def test_shard_rows_split_evenly():
+    assert [shard_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ShardRangeError):
+        shard_rows(10, 3, 3)
+
+
+async def test_object_future_passed_along(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    fut = ObjectFuture("producer")
+    t = matrix()
+
+    async def consume(args):
+        (ref,) = (await resolve_refs(args))["inputs"]
+        return await consumer.get(ref, (0, 8))
+
+    task = asyncio.create_task(consume({"inputs": [fut]}))
+    await asyncio.sleep(0.05)
+    assert not task.done()  # the consumer waits for the producer
+    fut.set_result(owner.put(t))
+    assert torch.equal(await task, t[:8])
+
+    failed = ObjectFuture()
+    failed.set_exception(RuntimeError("producer crashed"))
+    with pytest.raises(RuntimeError, match="producer crashed"):
+        await resolve_refs((1, [failed]))
+
+
+def test_remote_errors_become_typed():
+    err = from_remote(RemoteError("objectstore.errors.ShardRangeError", "rows out"))
+    assert isinstance(err, ShardRangeError) and "rows out" in str(err)
+    other = RemoteError("builtins.ValueError", "x")
+    assert from_remote(other) is other
+
+
+# same process ---------------------------------------------------------------------------
+async def test_same_process_get_returns_the_object(stores):
+    store = await stores()
+    t = matrix()
+    ref = store.put(t)
+    assert ref.kind == "tensor" and ref.shape == (64, 8) and ref.nbytes == t.nbytes
+    assert await store.get(ref) is t
+    part = await store.get(ref, (8, 16))
+    assert part.data_ptr() == t[8:16].data_ptr()  # a view, no copy
+    batch = {"x": t, "y": torch.arange(64)}
+    bref = store.put(batch)
+    assert bref.kind == "batch" and bref.num_rows == 64
+    assert await store.get(bref) is batch
+    vref = store.put({"step": 3, "loss": 0.5})
+    assert await store.get(vref) == {"step": 3, "loss": 0.5}
+    assert store.stats()["objects"] == 3
+
+
+async def test_batch_with_unequal_rows_is_refused(stores):
+    store = await stores()
+    with pytest.raises(ObjectTypeError, match="share dim 0"):
+        store.put({"x": torch.zeros(3, 2), "y": torch.zeros(4)})
+
+
+# same node, shared memory ---------------------------------------------------------------------
+async def test_shm_pull_between_stores(stores):
+    owner, consumer = await stores(node_id="n"), await stores(node_id="n")
+    t = matrix(4096, 16)
+    ref = owner.put(t)
+    got = await consumer.get(ref)
+    assert torch.equal(got, t)
+    assert consumer.stats()["pulls_shm"] == 1 and owner.stats()["shm_segments"] == 1
+    part = await consumer.get(ref, (1000, 1100))
+    assert torch.equal(part, t[1000:1100])
+    # only the requested rows are mapped
+    assert consumer.stats()["bytes_mapped_shm"] == t.nbytes + 100 * 16 * 4
+    part[:] = -1  # copy-on-write: the owner's data is untouched
+    assert torch.equal(await owner.get(ref, (1000, 1100)), t[1000:1100])
+    await owner.free(ref)
+    assert list_segments() == []
+
+
+async def test_shm_pull_from_another_process(stores, child):
+    helper = await child("n")
+    store = await stores(node_id="n")
+    ref = await helper.call("put", 1000, 32)
+    assert ref.node_id == "n" and ref.endpoint == helper.store_endpoint
+    assert torch.equal(await store.get(ref), matrix(1000, 32))
+    bref = await helper.call("put_batch", 100)
+    part = await store.get(bref, (50, 75))
+    assert torch.equal(part["x"], matrix(100, 4)[50:75]) and torch.equal(part["y"], torch.arange(50, 75))
+    # and the other way: the helper maps what we put
+    mine = store.put(matrix(300, 4))
+    assert torch.equal(await helper.call("get", mine, [10, 20]), matrix(300, 4)[10:20])
+    assert store.stats()["shm_segments"] == 1
+    assert (await helper.call("stats"))["pulls_shm"] == 1
+
+
+# other node, TCP --------------------------------------------------------------------------------
+async def test_tcp_pull_moves_only_the_rows(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    t = matrix(1000, 64)
+    batch = {"x": t, "mask": torch.ones(1000, dtype=torch.bool)}
+    ref = owner.put(batch)
+    got = await consumer.get(ref)
+    assert torch.equal(got["x"], t) and got["mask"].all()
+    before = consumer.stats()["bytes_received_tcp"]
+    rows = shard_rows(1000, 1, 2)
+    part = await consumer.get(ref, rows)
+    assert torch.equal(part["x"], t[500:])
+    moved = consumer.stats()["bytes_received_tcp"] - before
+    assert moved == ref.row_bytes(rows) == 500 * 64 * 4 + 500
+    assert consumer.stats()["pulls_shm"] == 0 and owner.stats()["shm_segments"] == 0
+
+
+async def test_tcp_pull_from_another_process(stores, child):
+    helper = await child("other-node")
+    store = await stores(node_id="n")
+    ref = await helper.call("put", 2000, 16)
+    assert torch.equal(await store.get(ref, (100, 300)), matrix(2000, 16)[100:300])
+    assert store.stats()["pulls_tcp"] == 1
+    # forcing the path works on one node too
+    assert torch.equal(await store.get(ref, transport="tcp"), matrix(2000, 16))
+
+
+async def test_bulk_port_rejects_unknown_tokens(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    ref = owner.put(matrix())
+    host, port = owner.bulk_addr.rsplit(":", 1)
+
+    def knock(payload: bytes) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            return s.recv(100)
+
+    assert await asyncio.to_thread(knock, os.urandom(16)) == b"\x00"
+    assert owner.stats()["bulk_rejected"] == 1
+    assert torch.equal(await consumer.get(ref), matrix())  # still serving
+
+
+async def test_curve_authenticated_stores(stores):
+    curve = CurveConfig.ephemeral()
+    owner = await stores(node_id="a", curve=curve)
+    consumer = await stores(node_id="b", curve=curve)
+    same_node = await stores(node_id="a", curve=curve)
+    ref = owner.put(matrix())
+    assert torch.equal(await consumer.get(ref), matrix())
+    assert torch.equal(await same_node.get(ref), matrix())
+
+
+# reference counting and free -----------------------------------------------------------------
+async def test_owner_frees_after_holders_release(stores):
+    owner, holder = await stores(node_id="n"), await stores(node_id="n")
+    ref = owner.put(matrix())
+    await holder.incref(ref)
+    await holder.get(ref)  # creates a segment
+    await owner.decref(ref)  # the producer is done; the holder still holds it
+    assert owner.stats()["objects"] == 1
+    assert torch.equal(await holder.get(ref, (0, 4)), matrix()[:4])
+    await holder.decref(ref)
+    assert owner.stats()["objects"] == 0 and owner.stats()["bytes"] == 0
+    assert list_segments() == []
+    with pytest.raises(ObjectNotFoundError):
+        await holder.get(ref)
+
+
+async def test_free_then_get_is_not_found_and_store_keeps_serving(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    ref, keep = owner.put(matrix()), owner.put(matrix(8, 8))
+    assert await consumer.free(ref) is True
+    assert await owner.free(ref) is False
+    with pytest.raises(ObjectNotFoundError, match="freed"):
+        await owner.get(ref)
+    for transport in ("tcp", "shm"):
+        with pytest.raises(ObjectNotFoundError, match="freed"):
+            await consumer.get(ref, transport=transport)
+        assert torch.equal(await consumer.get(keep, transport=transport), matrix(8, 8))
+    with pytest.raises(ObjectNotFoundError):
+        await consumer.incref(ref)
+
+
+# bad input --------------------------------------------------------------------------------------
+async def test_out_of_range_rows(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    ref = owner.put(matrix(10, 2))
+    for rows in [(0, 11), (-1, 3), (5, 4)]:
+        with pytest.raises(ShardRangeError, match="out of bounds"):
+            await consumer.get(ref, rows)
+    # a ref claiming more rows than the owner has is caught by the owner
+    forged = ObjectRef(ref.object_id, ref.node_id, ref.endpoint, ref.bulk_addr, "tensor", "cpu",
+                       ref.nbytes, "float32", (20, 2), num_rows=20)
+    with pytest.raises(ShardRangeError, match="out of bounds"):
+        await consumer.get(forged, (0, 15))
+    value = owner.put([1, 2, 3])
+    with pytest.raises(ShardRangeError, match="without rows"):
+        await consumer.get(value, (0, 1))
+    assert torch.equal(await consumer.get(ref, (8, 10)), matrix(10, 2)[8:])
+
+
+async def test_dtype_and_shape_mismatch(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    ref = owner.put(matrix(10, 2))
+    with pytest.raises(ObjectTypeError, match="float32"):
+        await consumer.get(ref, dtype=torch.int64)
+    with pytest.raises(ObjectTypeError, match="shape"):
+        await consumer.get(ref, shape=(10, 3))
+    got = await consumer.get(ref, dtype=torch.float32, shape=(10, 2))
+    assert torch.equal(got, matrix(10, 2))
+    with pytest.raises(ObjectTypeError):
+        await consumer.get("not a ref")
+    with pytest.raises(ObjectTypeError):
+        owner.put(object())
+
+
+async def test_memory_limit(stores):
+    store = await stores(memory_limit_bytes=10_000)
+    a = store.put(torch.zeros(2000))  # 8000 bytes
+    with pytest.raises(ObjectStoreFullError, match="10000-byte memory limit") as info:
+        store.put(torch.zeros(1000))
+    assert "8000" in str(info.value) and "memory_limit_bytes" in str(info.value)
+    assert store.stats()["bytes"] == 8000 and store.stats()["limit"] == 10_000
+    await store.free(a)
+    store.put(torch.zeros(1000))
+
+
+# lost owners ------------------------------------------------------------------------------------
+async def test_owner_killed_gives_object_lost(stores, child):
+    helper = await child("dead-node")
+    store = await stores(node_id="n")
+    ref = await helper.call("put", 100, 4)
+    assert torch.equal(await store.get(ref), matrix(100, 4))
+    helper.kill()
+    start = time.monotonic()
+    with pytest.raises(ObjectLostError) as info:
+        await store.get(ref)
+    assert time.monotonic() - start < 5
+    assert info.value.node_id == "dead-node" and info.value.endpoint == helper.store_endpoint
+    assert "dead-node" in str(info.value) and helper.store_endpoint in str(info.value)
+    with pytest.raises(ObjectLostError):
+        await store.get(ref, transport="tcp")
+    # the consumer itself is fine
+    mine = store.put(matrix())
+    assert await store.get(mine) is not None
+
+
+# GPU ------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+@pytest.mark.gpu
+@gpu
+async def test_cuda_ipc_pull(stores, child):
+    owner, consumer = await stores(node_id="n"), await stores(node_id="n")
+    t = torch.arange(4096, device="cuda", dtype=torch.float32).reshape(64, 64)
+    ref = owner.put(t)
+    assert ref.device.startswith("cuda")
+    # in one process CUDA IPC cannot open its own handle; the path is checked across stores via
+    # a host copy fallback when IPC is refused
+    got = await consumer.get(ref, (0, 32), transport="tcp")
+    assert torch.equal(got, t[:32].cpu())
+
+
+@pytest.mark.gpu
+@gpu
+async def test_gpu_object_over_tcp_to_device(stores):
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    t = torch.randn(128, 16, device="cuda")
+    ref = owner.put(t)
+    got = await consumer.get(ref, (64, 128), device="cuda")
+    assert got.is_cuda and torch.equal(got, t[64:])

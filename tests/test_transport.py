@@ -1,0 +1,392 @@
+"""transport/: codec, RPC, liveness, CurveZMQ and hostile input."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from transport import (
+    AuthenticationError,
+    Blob,
+    CodecError,
+    ConnectionLost,
+    CurveConfig,
+    RemoteError,
+    RpcClient,
+    RpcServer,
+    RpcTimeout,
+    expose,
+    generate_keys,
+    register_type,
+)
+from transport import codec
+from transport.rpc import REQUEST
+
+
+# codec ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
+def test_tensor_roundtrip_is_zero_copy(dtype):
+    t = (torch.arange(4096) % 3).to(dtype).view(64, 64)
+    frames = codec.encode({"t": t})
+    assert len(frames) == 2, "a large tensor travels as its own frame"
+    assert frames[1].nbytes == t.numel() * t.element_size()
+    buf = bytearray(frames[1])
+    out = codec.decode([frames[0], buf])["t"]
+    assert out.dtype == dtype and out.shape == t.shape and torch.equal(out, t)
+    # zero-copy: the decoded tensor views the received buffer
+    assert out.untyped_storage().data_ptr() == np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def test_codec_values():
+    msg = {
+        "small": torch.tensor([1.5, 2.5]),
+        "noncontig": torch.arange(20000).view(100, 200).t(),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(3.0),
+        "arr": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "blob": Blob(b"x" * 100_000),
+        "dtype": torch.bfloat16,
+        "nested": [1, "two", None, {"k": (3, 4)}],
+    }
+    out = codec.decode(codec.encode(msg))
+    assert torch.equal(out["small"], msg["small"])
+    assert torch.equal(out["noncontig"], msg["noncontig"])
+    assert out["empty"].shape == (0, 3)
+    assert out["scalar"].item() == 3.0
+    assert np.array_equal(out["arr"], msg["arr"])
+    assert bytes(out["blob"]) == b"x" * 100_000
+    assert out["dtype"] is torch.bfloat16
+    assert out["nested"] == [1, "two", None, {"k": [3, 4]}]
+
+
+def test_codec_refuses_unknown_types_instead_of_pickling():
+    class Thing:
+        pass
+
+    with pytest.raises(CodecError, match="register_type"):
+        codec.encode({"x": Thing()})
+    with pytest.raises(CodecError, match="object arrays"):
+        codec.encode(np.array([object()], dtype=object))
+
+
+def test_codec_registered_type():
+    class Point:
+        def __init__(self, x, t):
+            self.x, self.t = x, t
+
+    register_type(Point, 120, lambda p: [p.x, p.t], lambda v: Point(*v))
+    out = codec.decode(codec.encode([Point(3, torch.ones(1000))]))[0]
+    assert isinstance(out, Point) and out.x == 3 and out.t.sum().item() == 1000
+
+
+@pytest.mark.parametrize("frames", [
+    [b"\xc1"],                                       # never-used msgpack byte
+    [msgpack.packb(msgpack.ExtType(1, b"junk"))],    # bad tensor record
+    [msgpack.packb(msgpack.ExtType(1, msgpack.packb(["float32", [10], 5])))],  # missing frame
+    [msgpack.packb(msgpack.ExtType(1, msgpack.packb(["float32", [10], 1]))), b"1234"],  # size mismatch
+    [msgpack.packb(msgpack.ExtType(1, msgpack.packb(["evil", [1], 1]))), b"1234"],
+    [msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], 1]))), b"12345678"],
+    [msgpack.packb(msgpack.ExtType(99, b""))],
+])
+def test_codec_rejects_malformed(frames):
+    with pytest.raises(CodecError):
+        codec.decode(frames)
+
+
+# RPC --------------------------------------------------------------------------------------
+class Calc:
+    def __init__(self):
+        self.seen = []
+
+    @expose
+    def add(self, a, b):
+        return a + b
+
+    @expose
+    async def slow(self, seconds):
+        await asyncio.sleep(seconds)
+        return seconds
+
+    @expose(blocking=True)
+    def sleepy(self, seconds):
+        time.sleep(seconds)
+        return "woke"
+
+    @expose
+    def fail(self):
+        raise KeyError("no such thing")
+
+    @expose
+    def record(self, value):
+        self.seen.append(value)
+
+    def hidden(self):
+        return "not exposed"
+
+
+@pytest.fixture
+async def calc_server():
+    calc = Calc()
+    server = RpcServer("tcp://127.0.0.1:0", insecure=True, max_message_bytes=1 << 20, name="calc")
+    server.register_object(calc)
+    await server.start()
+    server.calc = calc
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def client(calc_server):
+    c = RpcClient(calc_server.endpoint, insecure=True, heartbeat_interval=0.1, heartbeat_timeout=1.0)
+    await c.connect()
+    yield c
+    await c.close()
+
+
+async def test_call_sync_async_blocking_and_tensors(client):
+    assert await client.call("add", 2, 3) == 5
+    t = torch.randn(300, 300)
+    assert torch.equal(await client.call("add", t, t), t + t)
+    assert await client.call("slow", 0.01) == 0.01
+    assert await client.call("sleepy", 0.05) == "woke"
+
+
+async def test_many_concurrent_calls_match_by_id(client):
+    results = await asyncio.gather(*[client.call("add", i, i) for i in range(500)])
+    assert results == [2 * i for i in range(500)]
+    # slow and fast calls interleave: replies arrive out of order and still match
+    slow = asyncio.ensure_future(client.call("slow", 0.2))
+    assert await client.call("add", 1, 1) == 2
+    assert not slow.done()
+    assert await slow == 0.2
+
+
+async def test_remote_exception_carries_type_message_traceback(client):
+    with pytest.raises(RemoteError) as info:
+        await client.call("fail")
+    assert info.value.remote_type == "builtins.KeyError"
+    assert "no such thing" in info.value.remote_message
+    assert "def fail" in info.value.remote_traceback or "raise KeyError" in info.value.remote_traceback
+
+
+async def test_unknown_method_and_unexposed_method(client):
+    with pytest.raises(RemoteError, match="no method 'hidden'") as info:
+        await client.call("hidden")
+    assert info.value.remote_type == "transport.MethodNotFound"
+    assert "add" in info.value.remote_message  # lists what it does serve
+
+
+async def test_timeout_and_cancellation_reach_the_server(client, calc_server):
+    with pytest.raises(RpcTimeout):
+        await client.call("slow", 5, timeout=0.1)
+    task = asyncio.ensure_future(client.call("slow", 5))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)
+    assert calc_server.stats["cancels"] >= 2
+    assert not calc_server._inflight, "cancelled handlers are no longer running"
+    assert await client.call("add", 1, 2) == 3
+
+
+async def test_notifications(client, calc_server):
+    client.notify("record", 42)
+    client.notify("no_such_method", 1)
+    assert await client.call("add", 0, 0) == 0  # ordered after the notifications
+    assert calc_server.calc.seen == [42]
+    assert calc_server.stats["unknown_method"] == 1
+
+
+async def test_oversized_message_gets_error_and_server_survives(client, calc_server):
+    big = torch.zeros(375_000)  # two 1.5 MB frames: above the 1 MiB limit
+    with pytest.raises(RemoteError, match="exceeds") as info:
+        await client.call("add", big, big)
+    assert info.value.remote_type == "transport.MessageTooLarge"
+    assert calc_server.stats["too_large"] >= 1
+    assert await client.call("add", 1, 1) == 2
+    # one frame above twice the limit is refused by libzmq itself: the connection drops
+    huge = torch.zeros(1_000_000)
+    with pytest.raises(ConnectionLost, match="size limit"):
+        await client.call("add", huge, 1, timeout=10)
+    assert await client.call("add", 2, 2, timeout=10) == 4
+
+
+async def test_garbage_from_raw_sockets_is_survived(calc_server, client):
+    rng = random.Random(0)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(calc_server.endpoint)
+    for _ in range(200):
+        frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
+        raw.send_multipart(frames)
+    # structurally valid msgpack but wrong shapes, with a readable request id
+    raw.send_multipart([msgpack.packb([REQUEST, 7, 123, "notalist", 5])])
+    raw.send_multipart([msgpack.packb([REQUEST, 8, "add", [1], {}])])  # wrong arity
+    # raw TCP bytes that are not even ZMTP
+    host, port = calc_server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    for _ in range(5):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(rng.randbytes(512))
+    await asyncio.sleep(0.3)
+    replies = []
+    while raw.poll(100):
+        replies.append(codec.decode(raw.recv_multipart()))
+    raw.close(0)
+    by_id = {r[1]: r for r in replies}
+    assert by_id[7][2][0] == "transport.MalformedMessage"
+    assert by_id[8][2][0] == "builtins.TypeError"
+    assert calc_server.stats["malformed"] > 0
+    # the well-behaved client was never disturbed
+    assert await client.call("add", 20, 22) == 42
+
+
+async def test_unencodable_result_is_an_error_not_a_hang():
+    server = RpcServer("tcp://127.0.0.1:0", insecure=True)
+    server.register("weird", lambda: object())
+    await server.start()
+    try:
+        async with RpcClient(server.endpoint, insecure=True) as c:
+            with pytest.raises(RemoteError, match="cannot be sent"):
+                await c.call("weird", timeout=5)
+    finally:
+        await server.close()
+
+
+async def test_ipc_endpoint(tmp_path):
+    path = tmp_path / "rpc.sock"
+    server = RpcServer(f"ipc://{path}", insecure=True)
+    server.register("echo", lambda x: x)
+    await server.start()
+    async with RpcClient(f"ipc://{path}", insecure=True) as c:
+        t = torch.arange(100_000)
+        assert torch.equal(await c.call("echo", t), t)
+    await server.close()
+    assert not path.exists(), "the ipc socket file is removed on close"
+
+
+def test_security_is_required_by_default():
+    with pytest.raises(AuthenticationError, match="insecure=True"):
+        RpcServer("tcp://127.0.0.1:0")
+    with pytest.raises(AuthenticationError, match="keys generate"):
+        RpcClient("tcp://127.0.0.1:1")
+
+
+# liveness ---------------------------------------------------------------------------------
+_SERVER_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from transport import RpcServer
+    from transport.loop import run
+    async def main():
+        s = RpcServer("tcp://127.0.0.1:0", insecure=True)
+        async def hang():
+            await asyncio.sleep(3600)
+        s.register("hang", hang)
+        s.register("ping", lambda: "pong")
+        print(await s.start(), flush=True)
+        await asyncio.Event().wait()
+    run(main())
+""")
+
+
+async def test_dead_server_gives_connection_lost_not_a_hang():
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        endpoint = proc.stdout.readline().strip()
+        c = RpcClient(endpoint, insecure=True, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+        assert await c.call("ping") == "pong"
+        pending = asyncio.ensure_future(c.call("hang"))
+        await asyncio.sleep(0.2)
+        os.killpg(proc.pid, 9)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLost, match="dropped|probably dead"):
+            await asyncio.wait_for(pending, 5)
+        assert time.monotonic() - t0 < 2
+        await c.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+async def test_frozen_server_fails_by_heartbeat_timeout():
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER_SCRIPT], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        endpoint = proc.stdout.readline().strip()
+        c = RpcClient(endpoint, insecure=True, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+        assert await c.call("ping") == "pong"
+        os.killpg(proc.pid, signal.SIGSTOP)  # alive but silent: only heartbeats can tell
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLost, match="probably dead"):
+            await asyncio.wait_for(c.call("ping"), 5)
+        assert time.monotonic() - t0 < 2
+        await c.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def test_server_busy_in_async_handler_still_answers_heartbeats(client):
+    # a 1.5 s async handler with a 1 s heartbeat timeout must not be declared dead
+    assert await client.call("slow", 1.5) == 1.5
+
+
+async def test_connect_times_out_when_nobody_listens():
+    c = RpcClient("tcp://127.0.0.1:1", insecure=True)
+    with pytest.raises(RpcTimeout, match="is the server running"):
+        await c.connect(timeout=0.3)
+    await c.close()
+
+
+# CurveZMQ ---------------------------------------------------------------------------------
+async def test_curve_accepts_authorized_and_refuses_others(tmp_path):
+    generate_keys(tmp_path)
+    generate_keys(tmp_path, name="alice")
+    cluster = CurveConfig.load(tmp_path)
+    alice = CurveConfig.load(tmp_path, name="alice")
+    assert alice.public_key in cluster.authorized_keys
+    server = RpcServer("tcp://127.0.0.1:0", curve=cluster, name="secure")
+    server.register("add", lambda a, b: a + b)
+    await server.start()
+    try:
+        for cfg in (cluster, alice):
+            async with RpcClient(server.endpoint, curve=cfg) as c:
+                assert await c.call("add", 1, 2, timeout=5) == 3
+        stranger = CurveConfig.ephemeral()
+        stranger = CurveConfig(stranger.public_key, stranger.secret_key, cluster.server_key)
+        async with RpcClient(server.endpoint, curve=stranger) as c:
+            with pytest.raises(AuthenticationError, match="authorized"):
+                await c.call("add", 1, 2, timeout=5)
+        # a plaintext client cannot talk to a CURVE server either
+        async with RpcClient(server.endpoint, insecure=True) as c:
+            with pytest.raises(AuthenticationError, match="security settings differ"):
+                await c.call("add", 1, 2, timeout=5)
+    finally:
+        await server.close()
+
+
+def test_key_files(tmp_path):
+    secret = generate_keys(tmp_path / "keys")
+    assert oct(secret.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(FileExistsError):
+        generate_keys(tmp_path / "keys")
+    with pytest.raises(AuthenticationError, match="asyncrl keys generate"):
+        CurveConfig.load(tmp_path / "missing")
+    cfg = CurveConfig.load(tmp_path / "keys")
+    assert CurveConfig.from_env(cfg.to_env()) == cfg

@@ -1,0 +1,539 @@
+"""Asynchronous RPC over ZeroMQ: `RpcServer` (ROUTER) and `RpcClient` (DEALER).
+
+Every message is a list of frames made by `transport.codec`; its body is an msgpack array
+whose first item is the message kind:
+
+    REQUEST  [0, id, method, args, kwargs]      client -> server, answered by REPLY or ERROR
+    NOTIFY   [1, 0, method, args, kwargs]       client -> server, never answered
+    REPLY    [2, id, result]                    server -> client
+    ERROR    [3, id, [type, message, traceback]]
+    PING     [4, seq] / PONG [5, seq]           liveness; answered by the server's receive loop
+    CANCEL   [6, id]                            the caller gave up on request `id`
+
+Many requests share one connection and are matched by id. A server keeps serving whatever a
+single peer sends: garbage is counted and, where a request id can be read, answered with an
+error. Sockets are CurveZMQ-authenticated unless the caller passes `insecure=True`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from transport import codec
+from transport.auth import CurveConfig, secure_client_socket, secure_server_socket
+from transport.errors import (
+    AuthenticationError,
+    CodecError,
+    ConnectionLost,
+    RemoteError,
+    RpcTimeout,
+    TransportError,
+)
+from transport.socket import MessageSocket
+
+log = logging.getLogger(__name__)
+
+REQUEST, NOTIFY, REPLY, ERROR, PING, PONG, CANCEL = range(7)
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+_SECURITY_HINT = (
+    "pass curve=CurveConfig.load(KEY_DIR) (keys from `asyncrl keys generate KEY_DIR`), or "
+    "insecure=True for a local-only test setup"
+)
+
+
+def shared_context() -> zmq.Context:
+    """The process-wide ZeroMQ context."""
+    return zmq.Context.instance()
+
+
+def expose(fn: Callable | None = None, *, blocking: bool = False):
+    """Mark a method for `RpcServer.register_object`; `blocking=True` runs it in a thread."""
+
+    def mark(f: Callable) -> Callable:
+        f.__rpc_expose__ = {"blocking": blocking}
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+@dataclass
+class _Handler:
+    fn: Callable
+    is_async: bool
+    blocking: bool
+
+
+def _error_payload(exc: BaseException) -> list[str]:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return [f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb]
+
+
+class RpcServer:
+    """Serves registered handlers on one ROUTER socket.
+
+    Sync handlers run inline on the event loop (keep them short); `blocking=True` handlers run
+    in a thread pool; `async def` handlers run as tasks and can be cancelled by the caller.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        curve: CurveConfig | None = None,
+        insecure: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_threads: int = 4,
+        name: str = "rpc",
+        context: zmq.Context | None = None,
+    ) -> None:
+        if curve is None and not insecure:
+            raise AuthenticationError(f"RpcServer({endpoint}) has no keys: {_SECURITY_HINT}")
+        self.requested_endpoint = endpoint
+        self.endpoint = endpoint
+        self.name = name
+        self.curve = curve
+        self.max_message_bytes = max_message_bytes
+        self._ctx = context or shared_context()
+        self._handlers: dict[str, _Handler] = {}
+        self._inflight: dict[tuple[bytes, int], asyncio.Future] = {}
+        self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"{name}-h")
+        self._sock: MessageSocket | None = None
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("requests", "notifications", "pings", "cancels", "handler_errors", "malformed",
+             "unknown_method", "too_large", "dropped"), 0)
+
+    # registration -----------------------------------------------------------------------
+    def register(self, name: str, fn: Callable, *, blocking: bool = False) -> None:
+        self._handlers[name] = _Handler(fn, inspect.iscoroutinefunction(fn), blocking)
+
+    def register_object(self, obj: Any, prefix: str = "") -> list[str]:
+        """Register every method of `obj` marked with `@expose`; returns their names."""
+        names = []
+        for attr in dir(type(obj)):
+            meta = getattr(getattr(type(obj), attr, None), "__rpc_expose__", None)
+            if meta is not None:
+                self.register(prefix + attr, getattr(obj, attr), blocking=meta["blocking"])
+                names.append(prefix + attr)
+        return names
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted(self._handlers)
+
+    @property
+    def bytes_transferred(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) by this server so far, identity frames included."""
+        return (self._sock.bytes_sent, self._sock.bytes_received) if self._sock else (0, 0)
+
+    # lifecycle --------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind and start serving; returns the bound endpoint (tcp port 0 is resolved)."""
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.router_mandatory = False
+        sock.rcvhwm = 0
+        sock.sndhwm = 0
+        # Messages above the limit get an error reply; a single frame above twice the limit is
+        # never even allocated: libzmq drops the connection and the caller sees ConnectionLost.
+        sock.maxmsgsize = min(2 * self.max_message_bytes, 2**63 - 1)
+        if self.curve is not None:
+            secure_server_socket(sock, self.curve, domain=f"asyncrl-{self.name}-{os.getpid()}-{id(self)}")
+        try:
+            sock.bind(self.requested_endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            raise TransportError(f"cannot bind {self.requested_endpoint}: {e}") from e
+        self.endpoint = sock.get_string(zmq.LAST_ENDPOINT)
+        self._sock = MessageSocket(sock, self._on_message, name=self.name)
+        return self.endpoint
+
+    async def close(self) -> None:
+        for fut in list(self._inflight.values()):
+            fut.cancel()
+        self._inflight.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
+
+    async def __aenter__(self) -> RpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # serving ----------------------------------------------------------------------------
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        try:
+            self._dispatch(frames)
+        except Exception:  # the server must survive anything a peer sends
+            self.stats["dropped"] += 1
+            log.exception("%s: unexpected failure handling a message", self.name)
+
+    def _send(self, identity: bytes, frames: list[Any]) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send([identity, *frames])
+        except zmq.ZMQError as e:
+            self.stats["dropped"] += 1
+            log.warning("%s: reply could not be sent: %s", self.name, e)
+
+    def _reply_error(self, identity: bytes, req_id: int, etype: str, message: str, tb: str = "") -> None:
+        self._send(identity, codec.encode([ERROR, req_id, [etype, message, tb]]))
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            self.stats["malformed"] += 1
+            return
+        size = sum(len(f) for f in frames[1:])
+        if size > self.max_message_bytes:
+            self.stats["too_large"] += 1
+            req_id = self._peek_request_id(frames[1])
+            if req_id is not None:
+                self._reply_error(identity, req_id, "transport.MessageTooLarge",
+                                  f"message of {size} bytes exceeds this server's limit of "
+                                  f"{self.max_message_bytes}; send bulk data through the object store")
+            return
+        try:
+            msg = codec.decode([f.buffer for f in frames[1:]])
+            kind = msg[0]
+        except (CodecError, TypeError, IndexError, KeyError) as e:
+            self.stats["malformed"] += 1
+            req_id = self._peek_request_id(frames[1])
+            if req_id is not None:
+                self._reply_error(identity, req_id, "transport.MalformedMessage", str(e))
+            return
+        if kind == REQUEST or kind == NOTIFY:
+            if not (isinstance(msg, list) and len(msg) == 5 and isinstance(msg[1], int)
+                    and isinstance(msg[2], str) and isinstance(msg[3], list) and isinstance(msg[4], dict)):
+                self.stats["malformed"] += 1
+                if kind == REQUEST and len(msg) > 1 and isinstance(msg[1], int):
+                    self._reply_error(identity, msg[1], "transport.MalformedMessage",
+                                      "a request must be [0, id, method, args, kwargs]")
+                return
+            self._handle_call(identity, kind, msg[1], msg[2], msg[3], msg[4])
+        elif kind == PING:
+            self.stats["pings"] += 1
+            self._send(identity, codec.encode([PONG, msg[1] if len(msg) > 1 else 0]))
+        elif kind == CANCEL:
+            self.stats["cancels"] += 1
+            fut = self._inflight.pop((identity, msg[1]), None) if len(msg) > 1 else None
+            if fut is not None:
+                fut.cancel()
+        else:
+            self.stats["malformed"] += 1
+
+    @staticmethod
+    def _peek_request_id(body: zmq.Frame) -> int | None:
+        """Best effort: the request id of a body that failed to decode, so the caller hears back."""
+        try:
+            msg = msgpack.unpackb(body.buffer, ext_hook=lambda code, data: None, raw=False,
+                                  strict_map_key=False)
+        except Exception:
+            return None
+        if isinstance(msg, list) and len(msg) >= 2 and msg[0] == REQUEST and isinstance(msg[1], int):
+            return msg[1]
+        return None
+
+    def _handle_call(self, identity: bytes, kind: int, req_id: int, method: str,
+                     args: list, kwargs: dict) -> None:
+        is_request = kind == REQUEST
+        self.stats["requests" if is_request else "notifications"] += 1
+        handler = self._handlers.get(method)
+        if handler is None:
+            self.stats["unknown_method"] += 1
+            if is_request:
+                known = ", ".join(self.methods[:20])
+                self._reply_error(identity, req_id, "transport.MethodNotFound",
+                                  f"{self.name} has no method {method!r}; it serves: {known}")
+            else:
+                log.warning("%s: notification for unknown method %r dropped", self.name, method)
+            return
+        if handler.is_async or handler.blocking:
+            loop = asyncio.get_running_loop()
+            if handler.is_async:
+                fut = loop.create_task(handler.fn(*args, **kwargs), name=f"{self.name}:{method}")
+            else:
+                fut = loop.run_in_executor(self._executor, lambda: handler.fn(*args, **kwargs))
+            if is_request:
+                key = (identity, req_id)
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda f: self._finish(identity, req_id, key, f, method))
+            else:
+                fut.add_done_callback(lambda f: self._finish_notify(f, method))
+            return
+        try:
+            result = handler.fn(*args, **kwargs)
+        except Exception as e:
+            self.stats["handler_errors"] += 1
+            if is_request:
+                self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)]))
+            else:
+                log.warning("%s: notification %s failed: %r", self.name, method, e)
+            return
+        if is_request:
+            self._send_result(identity, req_id, result, method)
+
+    def _send_result(self, identity: bytes, req_id: int, result: Any, method: str) -> None:
+        try:
+            frames = codec.encode([REPLY, req_id, result])
+        except CodecError as e:
+            self.stats["handler_errors"] += 1
+            self._reply_error(identity, req_id, "transport.CodecError",
+                              f"the result of {method!r} cannot be sent: {e}")
+            return
+        self._send(identity, frames)
+
+    def _finish(self, identity: bytes, req_id: int, key: tuple, fut: asyncio.Future, method: str) -> None:
+        self._inflight.pop(key, None)
+        if fut.cancelled() or self._sock is None:
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.stats["handler_errors"] += 1
+            self._send(identity, codec.encode([ERROR, req_id, _error_payload(exc)]))
+        else:
+            self._send_result(identity, req_id, fut.result(), method)
+
+    def _finish_notify(self, fut: asyncio.Future, method: str) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self.stats["handler_errors"] += 1
+            log.warning("%s: notification %s failed: %r", self.name, method, fut.exception())
+
+
+class RpcClient:
+    """One DEALER connection to an `RpcServer`; any number of calls in flight.
+
+    A call fails with `ConnectionLost` once the server has been silent for `heartbeat_timeout`
+    seconds while the call waits, with `AuthenticationError` when the CURVE handshake is
+    refused, and with `RpcTimeout` after its own `timeout`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        curve: CurveConfig | None = None,
+        insecure: bool = False,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        name: str = "client",
+        context: zmq.Context | None = None,
+    ) -> None:
+        if curve is None and not insecure:
+            raise AuthenticationError(f"RpcClient({endpoint}) has no keys: {_SECURITY_HINT}")
+        self.endpoint = endpoint
+        self.name = name
+        self.curve = curve
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._ctx = context or shared_context()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._sock: MessageSocket | None = None
+        self._monitor: MessageSocket | None = None
+        self._heartbeat_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_heard = 0.0
+        self._waiting_since = 0.0
+        self._auth_failure: AuthenticationError | None = None
+        self._closed = False
+        self._closed_bytes = (0, 0)
+        self._handshake_ok = False
+
+    def _ensure_open(self) -> MessageSocket:
+        if self._sock is not None:
+            return self._sock
+        if self._closed:
+            raise ConnectionLost(f"client for {self.endpoint} is closed")
+        self._loop = asyncio.get_running_loop()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        if self.curve is not None:
+            secure_client_socket(sock, self.curve)
+        # A dropped connection loses whatever was in flight on it, so pending calls must fail
+        # then rather than wait for replies that cannot come.
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._monitor = MessageSocket(monitor, self._on_monitor_event, name=f"{self.name}-monitor")
+        sock.connect(self.endpoint)
+        self._sock = MessageSocket(sock, self._on_message, name=self.name)
+        self._last_heard = self._loop.time()
+        self._heartbeat_task = self._loop.create_task(self._heartbeat(), name=f"{self.name}-heartbeat")
+        return self._sock
+
+    @property
+    def bytes_transferred(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) on this connection so far, all frames counted."""
+        if self._sock is None:
+            return self._closed_bytes
+        return self._sock.bytes_sent, self._sock.bytes_received
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        """Open the connection and wait until the server answers a ping."""
+        sock = self._ensure_open()
+        fut = self._loop.create_future()
+        self._pending[0] = fut
+        sock.send(codec.encode([PING, 0]))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise RpcTimeout(f"no answer from {self.endpoint} within {timeout}s; is the server "
+                             "running and reachable?") from None
+        finally:
+            self._pending.pop(0, None)
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call `method(*args, **kwargs)` on the server and return its result."""
+        return await self.call_with(method, args, kwargs, timeout=timeout)
+
+    async def call_with(self, method: str, args: tuple | list = (), kwargs: dict | None = None,
+                        *, timeout: float | None = None) -> Any:
+        sock = self._ensure_open()
+        if self._auth_failure is not None:
+            raise self._auth_failure
+        req_id = next(self._ids)
+        frames = codec.encode([REQUEST, req_id, method, args, kwargs or {}])
+        fut = self._loop.create_future()
+        if not self._pending:
+            self._waiting_since = self._loop.time()
+        self._pending[req_id] = fut
+        sock.send(frames)
+        timer = None
+        if timeout is not None:
+            timer = self._loop.call_later(timeout, self._expire, req_id, method, timeout)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self._pending.pop(req_id, None) is not None and self._sock is not None:
+                self._sock.send(codec.encode([CANCEL, req_id]))
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def notify(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Send a one-way message; no reply, no error back."""
+        self._ensure_open().send(codec.encode([NOTIFY, 0, method, args, kwargs]))
+
+    def _expire(self, req_id: int, method: str, timeout: float) -> None:
+        fut = self._pending.pop(req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(RpcTimeout(f"{method} on {self.endpoint} did not answer within {timeout}s"))
+            if self._sock is not None:
+                self._sock.send(codec.encode([CANCEL, req_id]))
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        self._last_heard = self._loop.time()
+        try:
+            msg = codec.decode([f.buffer for f in frames])
+            kind, req_id = msg[0], msg[1]
+        except (CodecError, TypeError, IndexError) as e:
+            log.warning("%s: undecodable reply from %s dropped: %s", self.name, self.endpoint, e)
+            return
+        if kind == PONG:
+            fut = self._pending.pop(0, None) if req_id == 0 else None
+        else:
+            fut = self._pending.pop(req_id, None)
+        if fut is None or fut.done():
+            return
+        if kind == REPLY:
+            fut.set_result(msg[2])
+        elif kind == ERROR:
+            etype, message, tb = msg[2]
+            fut.set_exception(RemoteError(etype, message, tb))
+        elif kind == PONG:
+            fut.set_result(None)
+
+    async def _heartbeat(self) -> None:
+        ping = codec.encode([PING, 1])
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if not self._pending or self._sock is None:
+                continue
+            self._sock.send(ping)
+            silent = self._loop.time() - max(self._last_heard, self._waiting_since)
+            if silent > self.heartbeat_timeout:
+                self._fail_all(ConnectionLost(
+                    f"{self.endpoint} has not answered for {silent:.1f}s (heartbeat timeout "
+                    f"{self.heartbeat_timeout}s); the server process is probably dead or unreachable"))
+
+    def _on_monitor_event(self, frames: list[zmq.Frame]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._auth_failure = None
+            self._handshake_ok = True
+            return
+        if event["event"] == zmq.EVENT_DISCONNECTED and not self._handshake_ok:
+            self._fail_all(AuthenticationError(
+                f"{self.endpoint} closed the connection during the handshake: its security "
+                "settings differ from ours (CurveZMQ keys on one side only, or a key it does not accept)"))
+            return
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self._handshake_ok = False
+            self._fail_all(ConnectionLost(
+                f"connection to {self.endpoint} dropped with calls in flight: the server exited, "
+                "or refused a message above its size limit (send bulk data through the object store)"))
+            return
+        self._auth_failure = AuthenticationError(
+            f"{self.endpoint} refused the CurveZMQ handshake: its cluster key differs from "
+            "ours, or our public key is not in its authorized/ directory")
+        self._fail_all(self._auth_failure)
+
+    def _fail_all(self, exc: TransportError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            try:
+                await self._heartbeat_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._heartbeat_task = None
+        self._fail_all(ConnectionLost(f"client for {self.endpoint} was closed"))
+        if self._sock is not None:
+            try:
+                self._sock.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close()
+            self._monitor = None
+            self._closed_bytes = (self._sock.bytes_sent, self._sock.bytes_received)
+            self._sock.close()
+            self._sock = None
+
+    async def __aenter__(self) -> RpcClient:
+        self._ensure_open()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
