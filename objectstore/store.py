@@ -22,6 +22,7 @@ refs are leaking, and spilling would hide that behind slow disk I/O.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
@@ -117,6 +118,7 @@ class ObjectStore:
         io_threads: int = 4,
         name: str = "store",
         shm_dir: str = shm.SHM_DIR,
+        shm_pool_bytes: int = 0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
@@ -129,6 +131,12 @@ class ObjectStore:
         self.bulk_timeout = bulk_timeout
         self.default_transport = transport
         self.shm_dir = shm_dir
+        # Spare, pre-faulted segments: allocating and zeroing fresh pages costs more than the
+        # copy itself, so it is done ahead of time, off the pull's critical path. Segments
+        # are never reused after a consumer could have mapped them.
+        self.shm_pool_bytes = shm_pool_bytes
+        self._shm_pool: list[shm.Segment] = []
+        self._pool_refill: asyncio.Task | None = None
         self._server = RpcServer(endpoint, curve=curve, insecure=insecure, name=name)
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"{name}-io")
         self._bulk = bulk.BulkServer(bulk_host, bulk_port, self._io, name=f"{name}-bulk")
@@ -157,6 +165,7 @@ class ObjectStore:
             await self._server.close()
             raise
         self._started = True
+        self._refill_pool()
         log.info("%s: object store on node %s serving %s (bulk %s)", self.name, self.node_id,
                  self.endpoint, self.bulk_addr)
         return self.endpoint
@@ -164,6 +173,10 @@ class ObjectStore:
     async def close(self) -> None:
         """Stop serving, drop every object and unlink every shared-memory segment."""
         try:
+            if self._pool_refill is not None:
+                self._pool_refill.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._pool_refill
             await self._bulk.close()
             await self._server.close()
             for client in self._clients.values():
@@ -173,6 +186,9 @@ class ObjectStore:
             for entry in self._objects.values():
                 if entry.segment is not None:
                     entry.segment.unlink()
+            for segment in self._shm_pool:
+                segment.unlink()
+            self._shm_pool.clear()
             self._objects.clear()
             self._bytes_used = 0
             self._io.shutdown(wait=False, cancel_futures=True)
@@ -184,6 +200,40 @@ class ObjectStore:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    # shared-memory pool ------------------------------------------------------------------
+    def _refill_pool(self) -> None:
+        if self.shm_pool_bytes <= 0 or self._shm_pool or (
+                self._pool_refill is not None and not self._pool_refill.done()):
+            return
+
+        def make() -> shm.Segment:
+            segment = shm.Segment.create(shm.align_up(self.shm_pool_bytes), "pool", self.shm_dir)
+            # A first write still costs a fault per page even after MAP_POPULATE; pay it here.
+            segment.view(0, segment.size).zero_()
+            return segment
+
+        async def refill() -> None:
+            segment = await asyncio.get_running_loop().run_in_executor(self._io, make)
+            if self._started:
+                self._shm_pool.append(segment)
+            else:
+                segment.unlink()
+
+        self._pool_refill = asyncio.get_running_loop().create_task(refill())
+
+    async def wait_shm_pool(self) -> None:
+        """Wait until the spare shared-memory segment is ready (tests and benchmarks)."""
+        if self._pool_refill is not None:
+            await self._pool_refill
+
+    async def _new_segment(self, size: int, tag: str) -> shm.Segment:
+        for segment in self._shm_pool:
+            if segment.size >= size:
+                self._shm_pool.remove(segment)
+                return segment  # refilled after the copy, so the two don't share the CPU
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io, shm.Segment.create, size, tag, self.shm_dir)
 
     # producing --------------------------------------------------------------------------
     def put(self, value: Any) -> ObjectRef:
@@ -296,6 +346,7 @@ class ObjectStore:
             "objects": len(self._objects), "bytes": self._bytes_used,
             "limit": self.memory_limit_bytes, "shm_segments": len(segments),
             "shm_bytes": sum(s.size for s in segments),
+            "shm_pool_bytes_ready": sum(s.size for s in self._shm_pool),
             "bulk_bytes_sent": self._bulk.stats["bytes_sent"],
             "bulk_rejected": self._bulk.stats["rejected"], **self.counters,
         }
@@ -476,8 +527,7 @@ class ObjectStore:
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         offsets, size = shm.layout(sizes)
         loop = asyncio.get_running_loop()
-        segment = await loop.run_in_executor(self._io, shm.Segment.create, size,
-                                             entry.ref.object_id[:8], self.shm_dir)
+        segment = await self._new_segment(size, entry.ref.object_id[:8])
         try:
             def copy() -> dict[str | None, torch.Tensor]:
                 moved = {}
@@ -491,6 +541,8 @@ class ObjectStore:
         except BaseException:
             segment.unlink()
             raise
+        finally:
+            self._refill_pool()
         if entry.ref.object_id not in self._objects:  # freed while we copied
             segment.unlink()
             return

@@ -429,3 +429,14 @@ async def test_gpu_object_over_tcp_to_device(stores):
     ref = owner.put(t)
     got = await consumer.get(ref, (64, 128), device="cuda")
     assert got.is_cuda and torch.equal(got, t[64:])
+
+
+async def test_shm_pool_segment_is_used_and_cleaned(stores):
+    owner = await stores(node_id="n", shm_pool_bytes=64 * 1024)
+    consumer = await stores(node_id="n")
+    await owner.wait_shm_pool()
+    assert owner.stats()["shm_pool_bytes_ready"] >= 64 * 1024
+    ref = owner.put(matrix())
+    assert torch.equal(await consumer.get(ref), matrix())
+    await owner.wait_shm_pool()  # refilled off the critical path
+    assert owner.stats()["shm_pool_bytes_ready"] >= 64 * 1024 and len(list_segments()) == 2

@@ -28,11 +28,11 @@ from transport import (
     RpcClient,
     RpcServer,
     RpcTimeout,
+    codec,
     expose,
     generate_keys,
     register_type,
 )
-from transport import codec
 from transport.rpc import REQUEST
 
 

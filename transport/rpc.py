@@ -504,7 +504,11 @@ class RpcClient:
             "ours, or our public key is not in its authorized/ directory")
         self._fail_all(self._auth_failure)
 
-    def _fail_all(self, exc: TransportError) -> None:
+    def fail_pending(self, exc: BaseException) -> None:
+        """Fail every call in flight with `exc` (the caller learned the peer is gone)."""
+        self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():

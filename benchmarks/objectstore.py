@@ -1,0 +1,291 @@
+"""Object-store pulls against their limits, measured in the same run.
+
+    python -m benchmarks.objectstore [--mib 256] [--reps 3]
+
+- same node: `put` of a float32 tensor in this process until another process holds a usable
+  tensor pulled by ref (shared memory), vs. a plain copy into fresh memory (`memcpy`);
+- cross node: the same tensor pulled over the bulk TCP path on loopback, vs. a plain Python
+  socket sendall/recv_into between the same two processes (`raw_tcp`);
+- controller traffic: a controller passes refs between a producer of a 1 GiB batch and two
+  consumers that each pull their half (a DP-local shard); it counts its own RPC bytes.
+- with a GPU: CUDA IPC pull vs. a device-to-device copy.
+
+GB/s = 1e9 bytes/s; medians over `--reps`. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from objectstore import ObjectStore, list_segments, remove_stale_segments, shard_rows
+from transport import RpcClient, RpcServer
+from transport.loop import run
+
+GB = 1e9
+
+
+# worker process ------------------------------------------------------------------------------
+async def _worker(node_id: str) -> None:
+    store = ObjectStore(node_id=node_id, insecure=True, name=f"bench-{os.getpid()}")
+    await store.start()
+    ctl = RpcServer("tcp://127.0.0.1:0", insecure=True, name="bench-ctl")
+
+    async def pull(ref, rows=None, transport=None):
+        t = await store.get(ref, rows, transport=transport)
+        end = time.perf_counter()
+        flat = t.reshape(-1)
+        return {"end": end, "probe": [float(flat[0]), float(flat[flat.numel() // 2]), float(flat[-1])]}
+
+    def raw_recv(port: int, nbytes: int) -> dict:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        mv = memoryview(buf.numpy())
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            pos = 0
+            while pos < nbytes:
+                n = sock.recv_into(mv[pos:], nbytes - pos)
+                if n == 0:
+                    raise ConnectionError("raw sender closed early")
+                pos += n
+        return {"end": time.perf_counter(), "probe": int(buf[-1])}
+
+    def make_batch(nbytes: int):
+        rows = 1 << 16
+        cols = nbytes // 2 // rows // 8
+        batch = {
+            "ids": torch.arange(rows * cols, dtype=torch.int64).reshape(rows, cols),
+            "logp": torch.ones(rows, cols * 2, dtype=torch.float32),
+        }
+        return store.put(batch)
+
+    async def consume(ref, rank: int, world: int):
+        rows = shard_rows(ref.num_rows, rank, world)
+        shard = await store.get(ref, rows)
+        cols = shard["ids"].shape[1]
+        ok = int(shard["ids"][0, 0]) == rows.start * cols and int(shard["ids"][-1, -1]) == rows.stop * cols - 1
+        return {"rows": rows.num_rows, "ok": ok and bool(shard["logp"][-1, -1] == 1)}
+
+    async def free(ref):
+        return await store.free(ref)
+
+    async def pull_cuda(ref):
+        t = await store.get(ref, transport="cuda_ipc")
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        return {"end": end, "probe": float(t.reshape(-1)[-1])}
+
+    ctl.register("pull", pull)
+    ctl.register("raw_recv", raw_recv, blocking=True)
+    ctl.register("make_batch", make_batch)
+    ctl.register("consume", consume)
+    ctl.register("free", free)
+    ctl.register("pull_cuda", pull_cuda)
+    ctl.register("stats", store.stats)
+    endpoint = await ctl.start()
+    print(json.dumps({"ctl": endpoint}), flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await ctl.close()
+        await store.close()
+
+
+class _Child:
+    def __init__(self, node_id: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.objectstore", "--worker", node_id],
+            stdout=subprocess.PIPE, start_new_session=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("benchmark worker failed to start")
+        self.client = RpcClient(json.loads(line)["ctl"], insecure=True)
+
+    async def call(self, method: str, *args):
+        return await self.client.call(method, *args, timeout=120)
+
+    async def stop(self) -> None:
+        await self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+# measurements --------------------------------------------------------------------------------
+def _memcpy_gbps(src: torch.Tensor, reps: int) -> tuple[float, float]:
+    """(copy into fresh memory, copy into already-touched memory) GB/s."""
+    fresh, warm = [], []
+    dst = torch.empty_like(src)
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = torch.empty_like(src).copy_(src)
+        fresh.append(time.perf_counter() - t0)
+        del out
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        warm.append(time.perf_counter() - t0)
+    return src.nbytes / statistics.median(fresh) / GB, src.nbytes / statistics.median(warm) / GB
+
+
+async def _pull_gbps(store: ObjectStore, child: _Child, src: torch.Tensor, reps: int,
+                     transport: str | None) -> float:
+    times = []
+    flat = src.reshape(-1)
+    expect = [float(flat[0]), float(flat[flat.numel() // 2]), float(flat[-1])]
+    for _ in range(reps):
+        await store.wait_shm_pool()  # steady state: the spare segment was made off the clock
+        t0 = time.perf_counter()
+        ref = store.put(src)
+        reply = await child.call("pull", ref, None, transport)
+        times.append(reply["end"] - t0)
+        if reply["probe"] != expect:
+            raise AssertionError(f"pulled tensor differs: {reply['probe']} != {expect}")
+        await store.free(ref)
+    return src.nbytes / statistics.median(times) / GB
+
+
+async def _raw_tcp_gbps(child: _Child, src: torch.Tensor, reps: int) -> float:
+    times = []
+    payload = memoryview(src.reshape(-1).view(torch.uint8).numpy())
+    for _ in range(reps):
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+        def send(listener: socket.socket = listener) -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(payload)
+            listener.close()
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        t0 = time.perf_counter()
+        reply = await child.call("raw_recv", port, src.nbytes)
+        times.append(reply["end"] - t0)
+        sender.join()
+    return src.nbytes / statistics.median(times) / GB
+
+
+async def _controller_bytes(producer: _Child, consumers: list[_Child], nbytes: int) -> tuple[int, bool]:
+    # Fresh clients, so only this scenario's traffic is counted.
+    clients = [RpcClient(c.client.endpoint, insecure=True) for c in (producer, *consumers)]
+    try:
+        ref = await clients[0].call("make_batch", nbytes, timeout=120)
+        results = await asyncio.gather(*(
+            c.call("consume", ref, rank, len(consumers), timeout=120)
+            for rank, c in enumerate(clients[1:])))
+        await clients[0].call("free", ref, timeout=30)
+        total = sum(sum(c.bytes_transferred) for c in clients)
+        ok = all(r["ok"] for r in results) and sum(r["rows"] for r in results) == ref.num_rows
+        return total, ok
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def _gpu_fields(store: ObjectStore, child: _Child, mib: int, reps: int) -> dict:
+    if not torch.cuda.is_available():
+        return {"gpu": False}
+    src = torch.rand(mib << 18, device="cuda")
+    d2d = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        src.clone()
+        torch.cuda.synchronize()
+        d2d.append(time.perf_counter() - t0)
+    ipc = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        ref = store.put(src)
+        reply = await child.call("pull_cuda", ref)
+        ipc.append(reply["end"] - t0)
+        await store.free(ref)
+    d2d_gbps = src.nbytes / statistics.median(d2d) / GB
+    ipc_gbps = src.nbytes / statistics.median(ipc) / GB
+    return {"gpu": True, "cuda_ipc_gbps": round(ipc_gbps, 2), "d2d_copy_gbps": round(d2d_gbps, 2),
+            "cuda_ipc_ratio": round(ipc_gbps / d2d_gbps, 3)}
+
+
+async def bench(mib: int, reps: int, controller_gib: float) -> dict:
+    nbytes = mib << 20
+    store = ObjectStore(node_id="bench-node", insecure=True, name="bench-main",
+                        shm_pool_bytes=nbytes)
+    cold_store = ObjectStore(node_id="bench-node", insecure=True, name="bench-cold")
+    await store.start()
+    await cold_store.start()
+    children: list[_Child] = []
+    try:
+        loop = asyncio.get_running_loop()
+        children = list(await asyncio.gather(*(
+            loop.run_in_executor(None, _Child, "bench-node") for _ in range(3))))
+        consumer = children[0]
+        src = torch.rand(mib << 18)  # float32: 4 bytes per element
+        memcpy, memcpy_warm = _memcpy_gbps(src, reps)
+        same_node = await _pull_gbps(store, consumer, src, reps, None)
+        same_node_cold = await _pull_gbps(cold_store, consumer, src, reps, None)
+        tcp = await _pull_gbps(store, consumer, src, reps, "tcp")
+        raw_tcp = await _raw_tcp_gbps(consumer, src, reps)
+        del src
+        ctl_bytes, ctl_ok = await _controller_bytes(children[0], children[1:],
+                                                    int(controller_gib * (1 << 30)))
+        result = {
+            "mib": mib, "reps": reps,
+            # memcpy_gbps: a copy into memory that is already faulted in, the same condition
+            # as the pooled shm segment; the *_fresh/_cold pair both pay for fresh pages.
+            "same_node_gbps": round(same_node, 2), "memcpy_gbps": round(memcpy_warm, 2),
+            "same_node_ratio": round(same_node / memcpy_warm, 3),
+            "same_node_cold_gbps": round(same_node_cold, 2),
+            "memcpy_fresh_gbps": round(memcpy, 2),
+            "same_node_cold_ratio": round(same_node_cold / memcpy, 3),
+            "tcp_pull_gbps": round(tcp, 2), "raw_tcp_gbps": round(raw_tcp, 2),
+            "tcp_ratio": round(tcp / raw_tcp, 3),
+            "controller_bytes_1gib": ctl_bytes, "controller_shards_ok": ctl_ok,
+        }
+        result.update(await _gpu_fields(store, consumer, mib, reps))
+        return result
+    finally:
+        for child in children:
+            await child.stop()
+        await store.close()
+        await cold_store.close()
+        remove_stale_segments()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--controller-gib", type=float, default=1.0)
+    parser.add_argument("--worker", metavar="NODE_ID", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run(_worker(args.worker))
+        return
+    result = run(bench(args.mib, args.reps, args.controller_gib))
+    result["shm_leftovers"] = len(list_segments())
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

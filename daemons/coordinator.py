@@ -1,0 +1,385 @@
+"""Coordinator daemon: node registry, resource pools, worker placement, object directory.
+
+It runs in the driver's event loop. The driver (the user's `async def` algorithm script) talks
+to workers through `WorkerHandle`s; the coordinator holds only metadata — where workers and
+objects are — never bulk data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from daemons.errors import NodeDiedError, PlacementError, WorkerDiedError
+from objectstore import ObjectRef
+from transport import ConnectionLost, CurveConfig, RpcClient, RpcServer, RpcTimeout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    rank: int
+    host: str
+    endpoint: str
+    devices: list[str]
+    client: RpcClient
+    last_heartbeat: float
+    alive: bool = True
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    node_id: str
+    rank: int
+    group: str
+    device: str
+    state: str = "starting"  # starting | ready | dead
+    pid: int = 0
+    endpoint: str = ""
+    store_endpoint: str = ""
+    exit_reason: str = ""
+    log_tail: str = ""
+    ready: asyncio.Future | None = None
+
+
+@dataclass
+class ResourcePool:
+    """A named set of devices across nodes (HybridFlow's ResourcePool)."""
+
+    name: str
+    placements: list[tuple[str, str]]  # (node_id, device), in rank order
+
+    @property
+    def world_size(self) -> int:
+        return len(self.placements)
+
+
+class WorkerHandle:
+    """The driver's view of one worker process; calls fail with WorkerDiedError when it dies."""
+
+    def __init__(self, coordinator: Coordinator, info: WorkerInfo, client: RpcClient) -> None:
+        self.coordinator = coordinator
+        self.info = info
+        self.client = client
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        if self.info.state == "dead":
+            raise self.death_error()
+        try:
+            result = await self.client.call_with(method, args, kwargs, timeout=timeout)
+        except (ConnectionLost, WorkerDiedError) as e:
+            raise await self.coordinator.explain_loss(self.info, e) from None
+        self.coordinator.note_refs(result, self.info)
+        return result
+
+    async def run(self, fn: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run the importable function `fn` ("module:name") in this worker."""
+        return await self.call("run", fn, list(args), kwargs, timeout=timeout)
+
+    def death_error(self) -> WorkerDiedError:
+        i = self.info
+        return WorkerDiedError(i.worker_id, i.node_id, i.rank, i.exit_reason or "unknown", i.log_tail)
+
+    def __repr__(self) -> str:
+        return f"WorkerHandle({self.info.worker_id}, rank={self.rank}, {self.info.state})"
+
+
+class Coordinator:
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        *,
+        curve: CurveConfig | None = None,
+        insecure: bool = False,
+        node_timeout: float = 5.0,
+        spawn_timeout: float = 120.0,
+    ) -> None:
+        self.curve, self.insecure = curve, insecure
+        self.node_timeout = node_timeout
+        self.spawn_timeout = spawn_timeout
+        self.server = RpcServer(endpoint, curve=curve, insecure=insecure, name="coordinator")
+        self.nodes: dict[str, NodeInfo] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.handles: dict[str, WorkerHandle] = {}
+        self.pools: dict[str, ResourcePool] = {}
+        self.objects: dict[str, tuple[str, str, int]] = {}  # object id -> (worker id, node id, nbytes)
+        self.node_joined = asyncio.Condition()
+        self.stop_requested = asyncio.Event()
+        self.stop_reason = ""
+        self._ids = itertools.count()
+        self._monitor: asyncio.Task | None = None
+        self.started_at = time.time()
+
+    async def start(self) -> str:
+        for name in ("register_node", "heartbeat", "worker_ready", "worker_exited", "status", "stop"):
+            self.server.register(name, getattr(self, f"rpc_{name}"))
+        endpoint = await self.server.start()
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="coord-watch")
+        return endpoint
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    async def close(self) -> None:
+        if any(w.state != "dead" for w in self.workers.values()):
+            await self.shutdown_workers()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        for handle in self.handles.values():
+            await handle.client.close()
+        for node in self.nodes.values():
+            await node.client.close()
+        await self.server.close()
+
+    # node registry -------------------------------------------------------------------------
+    async def rpc_register_node(self, node_id: str, rank: int, host: str, endpoint: str,
+                                devices: list[str]) -> bool:
+        old = self.nodes.get(node_id)
+        if old is not None:
+            await old.client.close()
+        client = RpcClient(endpoint, curve=self.curve, insecure=self.insecure, name=f"coord->{node_id}")
+        self.nodes[node_id] = NodeInfo(node_id, rank, host, endpoint, list(devices), client, time.monotonic())
+        log.info("node %s (rank %d, %s) joined with %d devices", node_id, rank, host, len(devices))
+        async with self.node_joined:
+            self.node_joined.notify_all()
+        return True
+
+    def rpc_heartbeat(self, node_id: str) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            return False  # tells the node to register again
+        node.last_heartbeat = time.monotonic()
+        return True
+
+    async def wait_for_nodes(self, nnodes: int, timeout: float) -> None:
+        """Wait until `nnodes` live nodes have joined; the error names the missing node ranks."""
+        async def enough() -> None:
+            async with self.node_joined:
+                await self.node_joined.wait_for(lambda: len(self.live_nodes()) >= nnodes)
+        try:
+            await asyncio.wait_for(enough(), timeout)
+        except TimeoutError:
+            have = {n.rank for n in self.live_nodes()}
+            missing = sorted(set(range(nnodes)) - have)
+            raise PlacementError(
+                f"only {len(have)} of {nnodes} nodes joined within {timeout:.0f}s; missing node "
+                f"ranks {missing}. Start `asyncrl-launch ... cluster.coordinator={self.endpoint_for_nodes()} "
+                f"cluster.node_rank=K` on each of them, and check the firewall and key files.") from None
+
+    def endpoint_for_nodes(self) -> str:
+        return self.endpoint.removeprefix("tcp://")
+
+    def live_nodes(self) -> list[NodeInfo]:
+        return sorted((n for n in self.nodes.values() if n.alive), key=lambda n: n.rank)
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.node_timeout / 4))
+            now = time.monotonic()
+            for node in list(self.nodes.values()):
+                if node.alive and now - node.last_heartbeat > self.node_timeout:
+                    node.alive = False
+                    log.error("node %s missed heartbeats for %.1fs: marked dead", node.node_id,
+                              now - node.last_heartbeat)
+                    for info in self.workers.values():
+                        if info.node_id == node.node_id and info.state != "dead":
+                            self._mark_dead(info, f"its node {node.node_id} stopped heartbeating", "")
+
+    # resource pools and placement ------------------------------------------------------------
+    def create_pool(self, name: str, world_size: int | None = None,
+                    per_node: list[int] | None = None) -> ResourcePool:
+        """Pick devices for a pool: `per_node[k]` devices on node rank k, or `world_size` in order."""
+        nodes = self.live_nodes()
+        if not nodes:
+            raise PlacementError("no node has joined the cluster yet")
+        placements: list[tuple[str, str]] = []
+        if per_node is not None:
+            if len(per_node) > len(nodes):
+                raise PlacementError(f"pool {name!r} wants {len(per_node)} nodes; {len(nodes)} joined")
+            for node, count in zip(nodes, per_node, strict=False):
+                if count > len(node.devices):
+                    raise PlacementError(f"pool {name!r} wants {count} devices on node {node.node_id}, "
+                                         f"which has {len(node.devices)}")
+                placements += [(node.node_id, d) for d in node.devices[:count]]
+        else:
+            available = [(n.node_id, d) for n in nodes for d in n.devices]
+            want = world_size or len(available)
+            if want > len(available):
+                raise PlacementError(f"pool {name!r} wants {want} devices; the cluster has "
+                                     f"{len(available)} ({', '.join(n.node_id for n in nodes)})")
+            placements = available[:want]
+        pool = ResourcePool(name, placements)
+        self.pools[name] = pool
+        return pool
+
+    async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
+                            env: dict[str, str] | None = None) -> list[WorkerHandle]:
+        """Start one worker process per device of `pool`; returns handles in rank order."""
+        master_node = self.nodes[pool.placements[0][0]]
+        master_port = await master_node.client.call("free_port", timeout=10)
+        local_counts: dict[str, int] = {}
+        per_node = {n: sum(1 for m, _ in pool.placements if m == n) for n, _ in pool.placements}
+        infos = []
+        for rank, (node_id, device) in enumerate(pool.placements):
+            node = self.nodes[node_id]
+            local_rank = local_counts.get(node_id, 0)
+            local_counts[node_id] = local_rank + 1
+            worker_id = f"{group}-{rank}-{next(self._ids)}"
+            info = WorkerInfo(worker_id, node_id, rank, group, device,
+                              ready=asyncio.get_running_loop().create_future())
+            self.workers[worker_id] = info
+            worker_env = {
+                "RANK": str(rank), "WORLD_SIZE": str(pool.world_size), "LOCAL_RANK": str(local_rank),
+                "MASTER_ADDR": master_node.host, "MASTER_PORT": str(master_port),
+                "LOCAL_WORLD_SIZE": str(per_node[node_id]), "ASYNCRL_DEVICE": device, "ASYNCRL_GROUP": group, **(env or {}),
+            }
+            if device.startswith("cuda:"):
+                worker_env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
+            info.pid = await node.client.call("spawn_worker", worker_id, worker_env, timeout=30)
+            infos.append(info)
+        try:
+            await asyncio.wait_for(asyncio.gather(*[i.ready for i in infos]), self.spawn_timeout)
+        except TimeoutError:
+            slow = [i.worker_id for i in infos if not i.ready.done()]
+            raise PlacementError(f"workers {slow} did not report ready within {self.spawn_timeout}s; "
+                                 "see their logs in the node's log_dir") from None
+        handles = []
+        for info in infos:
+            client = RpcClient(info.endpoint, curve=self.curve, insecure=self.insecure,
+                               name=f"driver->{info.worker_id}")
+            handle = WorkerHandle(self, info, client)
+            self.handles[info.worker_id] = handle
+            handles.append(handle)
+        return handles
+
+    def rpc_worker_ready(self, worker_id: str, endpoint: str, store_endpoint: str, pid: int) -> bool:
+        info = self.workers.get(worker_id)
+        if info is None:
+            raise KeyError(f"unknown worker {worker_id!r}: it was not spawned by this coordinator")
+        info.endpoint, info.store_endpoint, info.pid, info.state = endpoint, store_endpoint, pid, "ready"
+        if info.ready is not None and not info.ready.done():
+            info.ready.set_result(True)
+        return True
+
+    def rpc_worker_exited(self, worker_id: str, code: int, reason: str, log_tail: str) -> None:
+        info = self.workers.get(worker_id)
+        if info is not None and info.state != "dead":
+            expected = self.stop_requested.is_set() or info.exit_reason == "stopped"
+            (log.info if expected else log.error)("worker %s (rank %d on %s) %s", worker_id, info.rank,
+                                                  info.node_id, reason)
+            self._mark_dead(info, reason, log_tail)
+
+    def _mark_dead(self, info: WorkerInfo, reason: str, log_tail: str) -> None:
+        info.state = "dead"
+        info.exit_reason = info.exit_reason or reason
+        info.log_tail = log_tail
+        err = WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, log_tail)
+        if info.ready is not None and not info.ready.done():
+            info.ready.set_exception(err)
+            info.ready.exception()  # retrieved: spawn_workers reports it
+        handle = self.handles.get(info.worker_id)
+        if handle is not None:
+            handle.client.fail_pending(err)
+        for oid in [o for o, (w, _, _) in self.objects.items() if w == info.worker_id]:
+            del self.objects[oid]
+
+    async def explain_loss(self, info: WorkerInfo, cause: Exception) -> WorkerDiedError:
+        """Turn a lost connection into WorkerDiedError, waiting briefly for the exit report."""
+        if isinstance(cause, WorkerDiedError):
+            return cause
+        deadline = time.monotonic() + 3.0
+        while info.state != "dead" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if info.state != "dead":
+            self._mark_dead(info, f"stopped answering ({cause})", "")
+        return WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, info.log_tail)
+
+    async def shutdown_workers(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: ask nicely, then let node daemons kill what is left."""
+        for info in self.workers.values():
+            if info.state != "dead":
+                info.exit_reason = "stopped"
+        for handle in self.handles.values():
+            if handle.info.state == "ready":
+                try:
+                    await handle.client.call("shutdown", timeout=1)
+                except (ConnectionLost, RpcTimeout, Exception):
+                    pass
+        for node in self.live_nodes():
+            try:
+                await node.client.call("kill_all", grace_s, timeout=grace_s + 10)
+            except (ConnectionLost, RpcTimeout, Exception) as e:
+                log.warning("node %s did not confirm stopping its workers: %s", node.node_id, e)
+                continue
+            for info in self.workers.values():
+                if info.node_id == node.node_id and info.state != "dead":
+                    self._mark_dead(info, "stopped", "")
+
+    async def shutdown_nodes(self) -> None:
+        for node in self.live_nodes():
+            try:
+                await node.client.call("shutdown", timeout=5)
+            except Exception as e:  # a node that is gone needs no shutdown
+                log.debug("node %s shutdown: %s", node.node_id, e)
+            node.alive = False  # released, not failed: stop watching its heartbeats
+
+    # object directory --------------------------------------------------------------------------
+    def note_refs(self, value: Any, info: WorkerInfo) -> None:
+        """Record where refs returned by a call live (locations only)."""
+        if isinstance(value, ObjectRef):
+            self.objects[value.object_id] = (info.worker_id, value.node_id, value.nbytes or 0)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self.note_refs(v, info)
+        elif isinstance(value, dict):
+            for v in value.values():
+                self.note_refs(v, info)
+
+    # status -----------------------------------------------------------------------------------
+    async def rpc_status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "memory": await self.worker_memory(),
+            "coordinator": self.endpoint,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "nodes": [{"node_id": n.node_id, "rank": n.rank, "host": n.host, "alive": n.alive,
+                       "devices": n.devices, "last_heartbeat_s": round(now - n.last_heartbeat, 2)}
+                      for n in sorted(self.nodes.values(), key=lambda n: n.rank)],
+            "workers": [{"worker_id": w.worker_id, "group": w.group, "rank": w.rank, "node_id": w.node_id,
+                         "device": w.device, "pid": w.pid, "state": w.state, "exit": w.exit_reason}
+                        for w in self.workers.values()],
+            "pools": {p.name: p.placements for p in self.pools.values()},
+            "objects": {"count": len(self.objects), "bytes": sum(b for _, _, b in self.objects.values())},
+        }
+
+    async def worker_memory(self) -> dict[str, Any]:
+        """Per-worker object-store usage, asked of each live worker."""
+        out = {}
+        for wid, handle in self.handles.items():
+            if handle.info.state == "ready":
+                try:
+                    out[wid] = await handle.client.call("store_stats", timeout=2)
+                except Exception as e:  # status must work while things are failing
+                    out[wid] = {"error": str(e)}
+        return out
+
+    def rpc_stop(self, reason: str = "asyncrl stop") -> bool:
+        self.stop_reason = reason
+        self.stop_requested.set()
+        return True
+
+
+__all__ = ["Coordinator", "NodeDiedError", "ResourcePool", "WorkerHandle", "WorkerInfo"]

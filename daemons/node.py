@@ -1,0 +1,206 @@
+"""Node daemon: one per machine. Registers its devices, spawns and reaps worker processes.
+
+It heartbeats the coordinator; when the coordinator has been unreachable for
+`coordinator_timeout` seconds it kills its workers (no orphans) and keeps trying to register
+again, so a restarted coordinator gets the node back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemons.proc import die_with_parent, exit_reason, free_port, kill_group, tail
+from transport import CurveConfig, RpcClient, RpcServer, TransportError
+
+log = logging.getLogger(__name__)
+
+# `-c` rather than `-m daemons.worker`: code run inside a worker imports daemons.worker and must
+# see the same module (and its runtime) as the entry point.
+WORKER_CMD = [sys.executable, "-c", "from daemons.worker import main; main()"]
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("node task %s crashed", task.get_name(), exc_info=task.exception())
+
+
+def discover_devices(cpu_devices: int) -> list[str]:
+    """CUDA GPUs when present, else `cpu_devices` CPU "devices" so everything runs here."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return [f"cpu:{i}" for i in range(cpu_devices)]
+
+
+@dataclass
+class _Child:
+    worker_id: str
+    proc: subprocess.Popen
+    log_path: str
+    reported: bool = False
+
+
+class NodeDaemon:
+    def __init__(
+        self,
+        coordinator: str,
+        *,
+        node_rank: int = 0,
+        host: str = "127.0.0.1",
+        cpu_devices: int = 2,
+        curve: CurveConfig | None = None,
+        insecure: bool = False,
+        log_dir: str | os.PathLike = "/tmp/asyncrl-logs",
+        heartbeat_interval: float = 1.0,
+        coordinator_timeout: float = 10.0,
+        node_id: str | None = None,
+    ) -> None:
+        self.coordinator_endpoint = coordinator
+        self.node_rank = node_rank
+        self.host = host
+        self.node_id = node_id or f"{socket.gethostname()}-{node_rank}"
+        self.devices = discover_devices(cpu_devices)
+        self.curve, self.insecure = curve, insecure
+        self.log_dir = Path(log_dir)
+        self.heartbeat_interval = heartbeat_interval
+        self.coordinator_timeout = coordinator_timeout
+        self.children: dict[str, _Child] = {}
+        self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, name=f"node-{node_rank}")
+        self.coordinator = RpcClient(coordinator, curve=curve, insecure=insecure, name="node->coordinator",
+                                     heartbeat_interval=heartbeat_interval,
+                                     heartbeat_timeout=max(2.0, coordinator_timeout / 2))
+        self.registered = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("spawn_worker", "free_port", "shutdown", "info"):
+            self.server.register(name, getattr(self, f"rpc_{name}"))
+        for name in ("kill_worker", "kill_all"):  # they wait for exits: keep the loop free
+            self.server.register(name, getattr(self, f"rpc_{name}"), blocking=True)
+        endpoint = await self.server.start()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._keep_registered(), name="node-register"),
+                       loop.create_task(self._reap(), name="node-reap")]
+        for task in self._tasks:
+            task.add_done_callback(_log_crash)
+        return endpoint
+
+    async def wait_registered(self, timeout: float) -> None:
+        await asyncio.wait_for(self.registered.wait(), timeout)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.rpc_kill_all)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.coordinator.close()
+        await self.server.close()
+
+    # registration and heartbeats -------------------------------------------------------
+    async def _keep_registered(self) -> None:
+        last_ok = time.monotonic()
+        while True:
+            try:
+                if not self.registered.is_set():
+                    await self.coordinator.call(
+                        "register_node", self.node_id, self.node_rank, self.host, self.server.endpoint,
+                        self.devices, timeout=self.heartbeat_interval * 3)
+                    self.registered.set()
+                    log.info("node %s registered with %s (%d devices)", self.node_id,
+                             self.coordinator_endpoint, len(self.devices))
+                else:
+                    known = await self.coordinator.call("heartbeat", self.node_id,
+                                                        timeout=self.heartbeat_interval * 3)
+                    if not known:  # the coordinator restarted and forgot us
+                        self.registered.clear()
+                        continue
+                last_ok = time.monotonic()
+            except TransportError as e:
+                silent = time.monotonic() - last_ok
+                if silent > self.coordinator_timeout and (self.children or self.registered.is_set()):
+                    log.warning("coordinator %s unreachable for %.0fs (%s); stopping this node's workers",
+                                self.coordinator_endpoint, silent, e)
+                    self.rpc_kill_all()
+                    self.registered.clear()
+            await asyncio.sleep(self.heartbeat_interval)
+
+    # workers ------------------------------------------------------------------------------
+    def rpc_spawn_worker(self, worker_id: str, env: dict[str, str]) -> int:
+        """Start a worker process with `env` added to this daemon's environment; returns its pid."""
+        log_path = str(self.log_dir / f"worker-{worker_id}.log")
+        full_env = {**os.environ, **{k: str(v) for k, v in env.items()},
+                    "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
+                    "ASYNCRL_HOST": self.host, "ASYNCRL_COORDINATOR": self.coordinator_endpoint,
+                    "PYTHONUNBUFFERED": "1"}
+        if self.insecure:
+            full_env["ASYNCRL_INSECURE"] = "1"
+        elif self.curve is not None:
+            full_env.update(self.curve.to_env())
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(WORKER_CMD, env=full_env,
+                                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=die_with_parent)
+        self.children[worker_id] = _Child(worker_id, proc, log_path)
+        log.info("spawned worker %s pid %d (log %s)", worker_id, proc.pid, log_path)
+        return proc.pid
+
+    def rpc_kill_worker(self, worker_id: str, grace_s: float = 5.0) -> bool:
+        child = self.children.get(worker_id)
+        if child is None:
+            return False
+        kill_group(child.proc, grace_s)
+        return True
+
+    def rpc_kill_all(self, grace_s: float = 5.0) -> int:
+        alive = [c for c in self.children.values() if c.proc.poll() is None]
+        for child in alive:
+            try:
+                os.killpg(child.proc.pid, 15)
+            except ProcessLookupError:
+                pass
+        for child in alive:
+            kill_group(child.proc, grace_s)
+        return len(alive)
+
+    def rpc_free_port(self) -> int:
+        return free_port(self.host)
+
+    def rpc_shutdown(self) -> None:
+        self.stopped.set()
+
+    def rpc_info(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "host": self.host, "devices": self.devices,
+                "workers": {w: {"pid": c.proc.pid, "state": exit_reason(c.proc.poll()), "log": c.log_path}
+                            for w, c in self.children.items()}}
+
+    async def _reap(self) -> None:
+        """Report each worker's exit (code or signal, and its log tail) to the coordinator."""
+        while True:
+            await asyncio.sleep(0.1)
+            for child in list(self.children.values()):
+                code = child.proc.poll()
+                if code is None or child.reported:
+                    continue
+                child.reported = True
+                reason = exit_reason(code)
+                log.info("worker %s %s", child.worker_id, reason)
+                try:
+                    await self.coordinator.call("worker_exited", child.worker_id, code, reason,
+                                                tail(child.log_path), timeout=5)
+                except TransportError as e:
+                    log.warning("could not report exit of %s: %s", child.worker_id, e)

@@ -1,0 +1,183 @@
+"""Worker process entry point: an RPC server plus a local object store.
+
+A node daemon starts `python -m daemons.worker` with the environment distributed training
+expects (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES …) and
+asyncrl's own (ASYNCRL_WORKER_ID, ASYNCRL_COORDINATOR, ASYNCRL_HOST, keys). The worker reports
+`worker_ready` to the coordinator and then serves calls: `run` executes an importable function
+by its dotted path (code never travels over the wire), and hosted objects (the programming
+model's Worker classes) are created and called by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemons.errors import ConfigError
+from daemons.logs import setup_logging
+from objectstore import ObjectRef, ObjectStore
+from transport import CurveConfig, RpcClient, RpcServer
+from transport.loop import run
+
+log = logging.getLogger(__name__)
+
+
+def resolve(path: str) -> Any:
+    """Import `package.module:attr` (or `package.module.attr`)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{path!r} is not an importable 'module:name' path")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import {module_name!r} for {path!r}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+@dataclass
+class WorkerRuntime:
+    """What a function running inside a worker can see about its process."""
+
+    worker_id: str
+    node_id: str
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+    group: str
+    store: ObjectStore
+    loop: asyncio.AbstractEventLoop
+    instances: dict[str, Any] = field(default_factory=dict)
+
+    def _in_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def put(self, value: Any) -> ObjectRef:
+        """Store `value` in this worker's object store (callable from any thread)."""
+        if self._in_loop() or threading.current_thread() is threading.main_thread():
+            return self.store.put(value)
+        return asyncio.run_coroutine_threadsafe(_call_async(self.store.put, value), self.loop).result()
+
+    def get(self, ref: ObjectRef, rows: tuple[int, int] | None = None) -> Any:
+        """Fetch `ref` (or its rows) from a worker thread; async code awaits `store.get`."""
+        if self._in_loop():
+            raise RuntimeError("inside the event loop use `await runtime.store.get(ref)`")
+        return asyncio.run_coroutine_threadsafe(self.store.get(ref, rows), self.loop).result()
+
+
+async def _call_async(fn: Callable, *args: Any) -> Any:
+    return fn(*args)
+
+
+_current: WorkerRuntime | None = None
+
+
+def current() -> WorkerRuntime:
+    """The runtime of the worker process this code runs in."""
+    if _current is None:
+        raise RuntimeError("not running inside an asyncrl worker process")
+    return _current
+
+
+class WorkerProcess:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.worker_id = env["ASYNCRL_WORKER_ID"]
+        self.node_id = env["ASYNCRL_NODE_ID"]
+        self.rank = int(env.get("RANK", "0"))
+        self.host = env.get("ASYNCRL_HOST", "127.0.0.1")
+        self.insecure = env.get("ASYNCRL_INSECURE") == "1"
+        self.curve = None if self.insecure else CurveConfig.from_env(env)
+        self.stopped = asyncio.Event()
+
+    async def serve(self) -> None:
+        global _current
+        loop = asyncio.get_running_loop()
+        store = ObjectStore(node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
+                            curve=self.curve, insecure=self.insecure, name=f"store-{self.worker_id}")
+        await store.start()
+        _current = WorkerRuntime(
+            worker_id=self.worker_id, node_id=self.node_id, rank=self.rank,
+            world_size=int(self.env.get("WORLD_SIZE", "1")), local_rank=int(self.env.get("LOCAL_RANK", "0")),
+            device=self.env.get("ASYNCRL_DEVICE", "cpu"), group=self.env.get("ASYNCRL_GROUP", ""),
+            store=store, loop=loop)
+        server = RpcServer(f"tcp://{self.host}:0", curve=self.curve, insecure=self.insecure,
+                           name=f"worker-{self.worker_id}")
+        server.register("run", self.run_function)
+        server.register("create_instance", self.create_instance)
+        server.register("call_instance", self.call_instance)
+        server.register("store_stats", store.stats)
+        server.register("ping", lambda: self.worker_id)
+        server.register("shutdown", self.stopped.set)
+        await server.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopped.set)
+        coordinator = RpcClient(self.env["ASYNCRL_COORDINATOR"], curve=self.curve, insecure=self.insecure,
+                                name="worker->coordinator")
+        await coordinator.call("worker_ready", self.worker_id, server.endpoint, store.endpoint,
+                               os.getpid(), timeout=30)
+        log.info("worker %s ready at %s (store %s)", self.worker_id, server.endpoint, store.endpoint)
+        await self.stopped.wait()
+        log.info("worker %s shutting down", self.worker_id)
+        await coordinator.close()
+        await server.close()
+        await store.close()
+
+    async def run_function(self, fn_path: str, args: list, kwargs: dict) -> Any:
+        fn = resolve(fn_path)
+        return await _invoke(fn, args, kwargs)
+
+    async def create_instance(self, name: str, cls_path: str, args: list, kwargs: dict) -> str:
+        cls = resolve(cls_path)
+        instance = await asyncio.to_thread(cls, *args, **kwargs)
+        current().instances[name] = instance
+        return name
+
+    async def call_instance(self, name: str, method: str, args: list, kwargs: dict) -> Any:
+        instance = current().instances.get(name)
+        if instance is None:
+            raise KeyError(f"this worker hosts no instance {name!r}; hosted: {sorted(current().instances)}")
+        if method.startswith("_"):
+            raise AttributeError(f"private method {method!r} cannot be called remotely")
+        fn = getattr(instance, method, None)
+        if fn is None:
+            raise AttributeError(f"{type(instance).__qualname__} has no method {method!r}")
+        return await _invoke(fn, args, kwargs)
+
+
+async def _invoke(fn: Callable, args: list, kwargs: dict) -> Any:
+    """Coroutines run on the loop; plain functions in a thread so heartbeats keep flowing."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def main() -> None:
+    env = dict(os.environ)
+    setup_logging("worker", env.get("RANK"))
+    run(WorkerProcess(env).serve())
+
+
+if __name__ == "__main__":
+    main()
