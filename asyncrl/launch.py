@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from daemons.logs import setup_logging
 from daemons.node import NodeDaemon
 from daemons.proc import route_ip
 from daemons.worker import resolve
-from transport import CurveConfig, TransportError
+from transport import AuthenticationError, CurveConfig, TransportError
 from transport.loop import run
 
 log = logging.getLogger("asyncrl.launch")
@@ -95,6 +95,9 @@ def load_config(config_name: str, overrides: list[str], config_dir: str | None =
         known = sorted(p.stem for p in directory.glob("*.yaml"))
         raise ConfigError(f"no config named {config_name!r} in {directory}; available: {', '.join(known)}")
     try:
+        # schema keys a yaml leaves out (cluster.nnodes in smoke.yaml) are set with `++`
+        schema = {f"{s}.{f.name}" for s, t in (("cluster", ClusterConfig), ("job", JobConfig)) for f in fields(t)}
+        overrides = [f"++{o}" if o.split("=", 1)[0] in schema else o for o in overrides]
         with initialize_config_dir(config_dir=str(directory), version_base=None):
             cfg = compose(config_name=config_name, overrides=overrides)
         # cluster and job are checked against their schema; other sections belong to the job
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(role(cfg, daemon=daemon))
     except (ConfigError, DaemonError, TransportError) as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+        return 2 if isinstance(e, (ConfigError, AuthenticationError)) else 1
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the job's own failure: one line, then its traceback in the log above

@@ -36,3 +36,14 @@ async def main(ctx) -> dict:
     ctx.log.info("consumer pulled %d rows (%d bytes) from the producer; the driver moved %d bytes",
                  got["rows"], (cfg.rows - half) * (cfg.cols * 4 + 8), sent + received)
     return {"workers": 2, "rows_pulled": got["rows"], "driver_bytes": sent + received}
+
+
+async def hold(ctx) -> None:
+    """A job that keeps two workers alive until it is stopped (for `asyncrl status/stop` tests)."""
+    import asyncio
+
+    pool = ctx.create_pool("hold", world_size=2)
+    workers = await ctx.spawn_workers(pool, group="hold")
+    await workers[0].run("asyncrl.jobs.smoke:make_batch", 64, 8, 0)
+    ctx.log.info("holding %d workers until stopped", len(workers))
+    await asyncio.Event().wait()

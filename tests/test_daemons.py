@@ -1,0 +1,214 @@
+"""daemons/ and asyncrl-launch: smoke job, faults, status/stop, bad configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemons.coordinator import Coordinator
+from daemons.errors import PlacementError, WorkerDiedError
+from daemons.node import NodeDaemon
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1"}
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        try:  # a zombie is not running
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                continue
+        except OSError:
+            continue
+        alive.append(pid)
+    return alive
+
+
+def _run_launch(args: list[str], tmp_path: Path, timeout: float = 90) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(LAUNCH + args, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+# the acceptance smoke ------------------------------------------------------------------------
+def test_smoke_job_embedded(tmp_path):
+    t0 = time.monotonic()
+    res = _run_launch(["--config-name", "smoke", f"cluster.log_dir={tmp_path}/logs"], tmp_path)
+    wall = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout
+    assert wall < 60
+    assert "consumer pulled 2048 rows" in res.stdout
+    assert res.stdout.count("spawned worker") >= 2
+    # the driver only moved refs: a few hundred bytes for a 2 MiB shard
+    driver_bytes = int(res.stdout.split("the driver moved ")[1].split()[0])
+    assert driver_bytes < 4096
+    logs = list((tmp_path / "logs").glob("worker-*.log"))
+    assert len(logs) == 2
+    assert not any(p.name.startswith("asyncrl-") for p in Path("/dev/shm").iterdir())
+
+
+# faults ----------------------------------------------------------------------------------------
+@pytest.fixture
+async def cluster(tmp_path):
+    coordinator = Coordinator(insecure=True, node_timeout=2.0)
+    await coordinator.start()
+    node = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=3, log_dir=tmp_path / "logs",
+                      heartbeat_interval=0.3)
+    await node.start()
+    await node.wait_registered(10)
+    yield coordinator, node
+    await coordinator.shutdown_workers(grace_s=2)
+    await node.close()
+    await coordinator.close()
+
+
+async def test_worker_killed_mid_call_fails_the_pending_future(cluster):
+    coordinator, node = cluster
+    pool = coordinator.create_pool("p", world_size=3)
+    workers = await coordinator.spawn_workers(pool, group="g")
+    pids = [w.info.pid for w in workers]
+    pending = asyncio.ensure_future(workers[1].run("time:sleep", 60))
+    await asyncio.sleep(0.5)
+    os.kill(workers[1].info.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError) as info:
+        await asyncio.wait_for(pending, 10)
+    assert time.monotonic() - t0 < 10
+    err = info.value
+    assert err.rank == 1 and err.node_id == node.node_id and "SIGKILL" in str(err)
+    # the others still work, and a later call on the dead one fails at once
+    assert await workers[0].run("os:getpid") == pids[0]
+    with pytest.raises(WorkerDiedError):
+        await workers[1].run("os:getpid")
+    await coordinator.shutdown_workers(grace_s=2)
+    assert _pids_alive(pids) == []
+
+
+async def test_worker_exception_surfaces_with_remote_traceback(cluster):
+    coordinator, _ = cluster
+    (worker,) = await coordinator.spawn_workers(coordinator.create_pool("p", world_size=1))
+    from transport import RemoteError
+
+    with pytest.raises(RemoteError) as info:
+        await worker.run("json:loads", "{not json")
+    assert info.value.remote_type == "json.decoder.JSONDecodeError"
+    with pytest.raises(RemoteError, match="cannot import"):
+        await worker.run("no_such_module:fn")
+
+
+async def test_killed_node_daemon_is_marked_dead(tmp_path):
+    coordinator = Coordinator(insecure=True, node_timeout=1.5)
+    await coordinator.start()
+    port = coordinator.endpoint.rsplit(":", 1)[1]
+    node_proc = subprocess.Popen(
+        LAUNCH + ["--config-name", "smoke", f"cluster.coordinator=127.0.0.1:{port}", "cluster.node_rank=1",
+                  "cluster.nnodes=2", "cluster.insecure=true", "cluster.heartbeat_interval_s=0.3",
+                  f"cluster.log_dir={tmp_path}/logs"],
+        cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        await coordinator.wait_for_nodes(1, timeout=30)
+        (node,) = coordinator.live_nodes()
+        assert node.rank == 1
+        os.killpg(node_proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while node.alive and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.1)
+        assert not node.alive
+        assert time.monotonic() - t0 < 1.5 + 1.5
+        with pytest.raises(PlacementError, match="no node"):
+            coordinator.create_pool("p", world_size=1)
+    finally:
+        if node_proc.poll() is None:
+            os.killpg(node_proc.pid, signal.SIGKILL)
+        node_proc.wait()
+        await coordinator.close()
+
+
+def test_missing_nodes_are_named(tmp_path):
+    res = _run_launch(["--config-name", "smoke", "cluster.nnodes=3", "cluster.insecure=true",
+                       "cluster.join_timeout_s=2", f"cluster.log_dir={tmp_path}/logs"], tmp_path)
+    assert res.returncode == 1
+    assert "missing node ranks [1, 2]" in res.stdout
+
+
+# status and stop -------------------------------------------------------------------------------
+def test_status_and_stop(tmp_path):
+    env = _env(tmp_path)
+    proc = subprocess.Popen(LAUNCH + ["--config-name", "smoke", "job.entry=asyncrl.jobs.smoke:hold",
+                                      f"cluster.log_dir={tmp_path}/logs"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    cli = [sys.executable, "-m", "asyncrl.cli"]
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "holding 2 workers" in line:
+                break
+        st = subprocess.run(cli + ["status", "--json"], env=env, capture_output=True, text=True, timeout=30)
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert len(status["nodes"]) == 1 and len(status["workers"]) == 2
+        assert all(w["state"] == "ready" for w in status["workers"])
+        assert status["objects"]["count"] == 1
+        human = subprocess.run(cli + ["status"], env=env, capture_output=True, text=True, timeout=30)
+        assert "worker hold-0" in human.stdout
+        stop = subprocess.run(cli + ["stop"], env=env, capture_output=True, text=True, timeout=30)
+        assert stop.returncode == 0, stop.stderr
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1
+        assert "job stopped: asyncrl stop" in rest
+        pids = [w["pid"] for w in status["workers"]]
+        assert _pids_alive(pids) == []
+        assert not (tmp_path / "state" / "coordinator.json").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_status_without_a_coordinator_says_what_to_do(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status"], env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0 and "--coordinator HOST:PORT" in res.stderr
+
+
+# bad configuration -----------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--config-name", "smoke", "cluster.nodes=2"], "cluster.nodes"),
+    (["--config-name", "no_such_config"], "available: "),
+    (["--config-name", "smoke", "job.entry=missing/script.py:main"], "does not exist"),
+    (["--config-name", "smoke", "job.entry=no_such_pkg.mod:main"], "cannot import"),
+    (["--config-name", "smoke", "cluster.key_dir=/nonexistent/keys"], "asyncrl keys generate"),
+    (["--config-name", "smoke", "cluster.nnodes=2"], "needs shared keys"),
+    (["--config-name", "smoke", "cluster.node_rank=1", "cluster.coordinator=127.0.0.1:1", "cluster.nnodes=2",
+      "cluster.insecure=true", "cluster.join_timeout_s=1"], "could not join the coordinator"),
+])
+def test_bad_config_gets_one_paragraph(tmp_path, args, message):
+    res = _run_launch(args + [f"cluster.log_dir={tmp_path}/logs"], tmp_path, timeout=60)
+    assert res.returncode == 2, res.stdout
+    assert message in res.stdout
+    assert "Traceback" not in res.stdout
