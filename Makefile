@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m asyncrl.demo
+	$(BIN)/asyncrl-launch --config-name smoke
 
 test: $(STAMP)
 	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
