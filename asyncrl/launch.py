@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import logging
@@ -27,7 +28,7 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from daemons.coordinator import Coordinator, ResourcePool, WorkerHandle
@@ -190,8 +191,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
     try:
         await node.wait_registered(30)
         if daemon:
-            coordinator.server.register("submit", lambda entry, overrides=None: _submit(coordinator, cfg,
-                                                                                          entry, overrides))
+            coordinator.server.register("submit", functools.partial(_submit, coordinator, cfg))
             await _wait_any(stop.wait(), coordinator.stop_requested.wait())
             return 0
         await coordinator.wait_for_nodes(c.nnodes, c.join_timeout_s)
@@ -210,14 +210,16 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
         return 0
     finally:
         await coordinator.shutdown_workers()
-        await coordinator.shutdown_nodes()
+        if not daemon:  # daemon nodes outlive a coordinator restart and re-register
+            await coordinator.shutdown_nodes()
         await node.close()
         await coordinator.close()
         state.unlink(missing_ok=True)
 
 
 async def _submit(coordinator: Coordinator, cfg: DictConfig, entry: str, overrides: dict | None) -> Any:
-    job_cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides or {}))
+    with open_dict(cfg):  # a submitted job may bring config sections the daemon's config lacks
+        job_cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides or {}))
     fn = load_entry(entry)
     try:
         return await fn(JobContext(coordinator, job_cfg))

@@ -1,0 +1,284 @@
+"""Two nodes on one machine: each in its own network namespace, joined by a veth pair.
+
+Node 0 (namespace A) hosts the coordinator and runs the smoke job; node 1 (namespace B) joins
+over the veth. With one CPU device per node the job's two workers land on different nodes, so
+the consumer pulls the producer's batch over TCP across the veth. Needs root and `ip netns`;
+skipped with the reason otherwise. The daemon-mode test needs no privilege.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from transport.auth import generate_keys
+
+REPO = Path(__file__).resolve().parent.parent
+PID = os.getpid()
+SUBNET = f"10.231.{PID % 200 + 20}"  # 10.231.20-219.0/24, from the pid to avoid clashes
+PORT = 29400  # namespace A is fresh, so any port is free there
+
+
+def _netns_unavailable() -> str | None:
+    """Why network namespaces cannot be used here, or None when they can."""
+    if os.geteuid() != 0:
+        return "multi-node test needs root for `ip netns` (run as root or in a privileged container)"
+    if shutil.which("ip") is None:
+        return "multi-node test needs the `ip` binary (iproute2)"
+    probe = f"arl-probe-{PID}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`ip netns add` fails here: {r.stderr.strip() or r.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _shm_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("asyncrl-")}
+    except OSError:
+        return set()
+
+
+def _marked_pids(marker: str) -> list[int]:
+    """Processes whose command line or environment carries `marker` (launchers and workers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == PID:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if marker.encode() in cmd or marker.encode() in env:
+            pids.append(int(entry))
+    return pids
+
+
+class _Procs:
+    """Launched process groups: always killed, and nothing of this test may outlive it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        with open(out, "wb") as f:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, "ASYNCRL_TEST_MARKER": self.marker, **(env or {})})
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def leftovers(self) -> list[str]:
+        """Command lines of processes still carrying the marker (pgrep + environment scan)."""
+        deadline = time.monotonic() + 5  # workers die by PDEATHSIG: give the kernel a moment
+        while True:
+            pids = set(_marked_pids(self.marker))
+            if shutil.which("pgrep"):
+                pg = subprocess.run(["pgrep", "-f", self.marker], capture_output=True, text=True)
+                pids |= {int(p) for p in pg.stdout.split()} - {PID}
+            if not pids or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        found = []
+        for pid in sorted(pids):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            found.append(f"{pid}: {cmd}")
+            try:
+                os.kill(pid, signal.SIGKILL)  # do not leave it behind even when failing
+            except ProcessLookupError:
+                pass
+        return found
+
+
+@pytest.fixture
+def netpair():
+    """Two namespaces A, B joined by a veth: A has SUBNET.1, B has SUBNET.2."""
+    reason = _netns_unavailable()
+    if reason:
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    tag = f"{PID}{int(time.monotonic() * 1000) % 1000:03d}"[-9:]
+    a, b = f"arl-a-{tag}", f"arl-b-{tag}"
+    va, vb = f"arla{tag}"[:15], f"arlb{tag}"[:15]
+    created = []
+    try:
+        for ns in (a, b):
+            _ip("netns", "add", ns)
+            created.append(ns)
+        _ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        _ip("link", "set", va, "netns", a)
+        _ip("link", "set", vb, "netns", b)
+        _ip("-n", a, "addr", "add", f"{SUBNET}.1/24", "dev", va)
+        _ip("-n", b, "addr", "add", f"{SUBNET}.2/24", "dev", vb)
+        for ns, dev in ((a, va), (b, vb)):
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", dev, "up")
+        yield a, b
+    finally:
+        for ns in created:  # deleting a namespace removes its end of the veth, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", va], capture_output=True)  # if never moved
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert a not in left and b not in left, f"namespaces left behind: {left}"
+
+
+def _launch_args(ns: str, key_dir: Path, log_dir: Path, *overrides: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, sys.executable, "-m", "asyncrl.launch", "--config-name", "smoke",
+            "cluster.nnodes=2", f"cluster.key_dir={key_dir}", "cluster.cpu_devices=1",
+            f"cluster.log_dir={log_dir}", *overrides]
+
+
+def _node0(ns: str, key_dir: Path, tmp: Path, *extra: str) -> list[str]:
+    return _launch_args(ns, key_dir, tmp / "logs-a", f"cluster.host={SUBNET}.1", f"cluster.port={PORT}",
+                        *extra)
+
+
+def _node1(ns: str, key_dir: Path, tmp: Path, *extra: str) -> list[str]:
+    return _launch_args(ns, key_dir, tmp / "logs-b", f"cluster.coordinator={SUBNET}.1:{PORT}",
+                        "cluster.node_rank=1", f"cluster.host={SUBNET}.2", *extra)
+
+
+def _wait(proc: subprocess.Popen, timeout: float, out: Path) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{proc.args[3]} did not exit within {timeout}s; output:\n{out.read_text()}")
+
+
+@pytest.mark.multinode
+def test_smoke_job_across_two_namespaces(netpair, tmp_path):
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-ok")
+    tmp = tmp_path / procs.marker  # the marker is in every launcher's command line (log_dir)
+    tmp.mkdir()
+    shm_before = _shm_segments()
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    t0 = time.monotonic()
+    try:
+        node0 = procs.start(_node0(ns_a, keys, tmp, "smoke.rows=2048", "smoke.cols=64"), out_a)
+        node1 = procs.start(_node1(ns_b, keys, tmp), out_b)
+        rc0 = _wait(node0, 60, out_a)
+        rc1 = _wait(node1, 15, out_b)  # released by the coordinator when the job is done
+        text_a, text_b = out_a.read_text(), out_b.read_text()
+        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+        assert rc0 == 0, report
+        assert rc1 == 0, report
+        assert "job smoke finished" in text_a, report
+        assert "consumer pulled 1024 rows" in text_a, report
+        # two distinct nodes, node 1 reached over the veth: its worker's store is on SUBNET.2
+        assert f"(rank 1, {SUBNET}.2) joined with 1 devices" in text_a, report
+        assert f"node 1 joined {SUBNET}.1:{PORT}" in text_b, report
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
+        assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
+        print(f"two-node smoke job took {time.monotonic() - t0:.1f}s")
+    finally:
+        procs.kill_all()
+        left = procs.leftovers()
+        new_shm = _shm_segments() - shm_before
+        for name in new_shm:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not left, f"processes left behind: {left}"
+    assert not new_shm, f"shared-memory segments left behind: {sorted(new_shm)}"
+
+
+@pytest.mark.multinode
+def test_wrong_keys_cannot_join(netpair, tmp_path):
+    ns_a, ns_b = netpair
+    keys, wrong = tmp_path / "keys", tmp_path / "wrong-keys"
+    generate_keys(keys)
+    generate_keys(wrong)  # a different cluster key: the CURVE handshake never completes
+    procs = _Procs(f"arl-mn-{PID}-badkey")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    try:
+        node0 = procs.start(_node0(ns_a, keys, tmp, "cluster.join_timeout_s=8"), out_a)
+        node1 = procs.start(_node1(ns_b, wrong, tmp, "cluster.join_timeout_s=8"), out_b)
+        rc1 = _wait(node1, 30, out_b)
+        rc0 = _wait(node0, 30, out_a)
+        text_a, text_b = out_a.read_text(), out_b.read_text()
+        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+        assert rc1 != 0 and rc0 != 0, report
+        assert "could not join the coordinator" in text_b and "cluster.key_dir" in text_b, report
+        assert "missing node ranks [1]" in text_a, report
+        assert "job smoke finished" not in text_a, report
+    finally:
+        procs.kill_all()
+        left = procs.leftovers()
+    assert not left, f"processes left behind: {left}"
+
+
+def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
+    """`asyncrl-launch --config-name cluster daemon` (what systemd runs) exits 0 on SIGTERM."""
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-daemon-{PID}")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    out = tmp / "daemon.out"
+    state = tmp / "state"
+    argv = [sys.executable, "-m", "asyncrl.launch", "--config-name", "cluster", "daemon",
+            f"cluster.key_dir={keys}", "cluster.port=0", "cluster.host=127.0.0.1",
+            f"cluster.log_dir={tmp / 'logs'}"]
+    try:
+        daemon = procs.start(argv, out, env={"ASYNCRL_STATE_DIR": str(state)})
+        deadline = time.monotonic() + 30
+        while "registered with" not in out.read_text():  # coordinator up and its node joined
+            assert daemon.poll() is None, f"daemon exited with {daemon.returncode}:\n{out.read_text()}"
+            assert time.monotonic() < deadline, f"daemon did not start within 30s:\n{out.read_text()}"
+            time.sleep(0.1)
+        assert "coordinator at tcp://127.0.0.1:" in out.read_text()
+        assert (state / "coordinator.json").exists()
+        # two jobs submitted in a row to the running daemon, each bringing its own config section
+        for rows in (64, 128):
+            sub = subprocess.run(
+                [sys.executable, "-m", "asyncrl.cli", "submit", "asyncrl.jobs.smoke:main",
+                 "--overrides", json.dumps({"smoke": {"rows": rows, "cols": 8}}), "--timeout", "60"],
+                env={**os.environ, "ASYNCRL_STATE_DIR": str(state)}, capture_output=True, text=True,
+                timeout=90)
+            assert sub.returncode == 0, sub.stderr + out.read_text()
+            assert json.loads(sub.stdout.strip().splitlines()[-1])["rows_pulled"] == rows // 2
+        t0 = time.monotonic()
+        daemon.send_signal(signal.SIGTERM)
+        rc = _wait(daemon, 10, out)
+        took = time.monotonic() - t0
+        assert rc == 0, f"daemon exited {rc} on SIGTERM:\n{out.read_text()}"
+        assert not (state / "coordinator.json").exists(), "state file left behind"
+        print(f"daemon stopped {took:.2f}s after SIGTERM")
+    finally:
+        procs.kill_all()
+        left = procs.leftovers()
+    assert not left, f"processes left behind: {left}"
