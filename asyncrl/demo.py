@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from daemons.proc import kill_group
 from transport import CurveConfig, RpcClient, RpcServer
 from transport.loop import run
 
@@ -75,14 +76,7 @@ def main() -> int:
         result = run(_driver(endpoints, curve))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_group(proc, grace_s=10)
         for name in os.listdir(tmp):
             os.unlink(os.path.join(tmp, name))
         os.rmdir(tmp)

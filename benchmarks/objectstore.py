@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ import time
 
 import torch
 
+from daemons.proc import kill_group
 from objectstore import ObjectStore, list_segments, remove_stale_segments, shard_rows
 from transport import RpcClient, RpcServer
 from transport.loop import run
@@ -119,15 +119,7 @@ class _Child:
 
     async def stop(self) -> None:
         await self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        kill_group(self.proc, grace_s=10)
         self.proc.stdout.close()
 
 

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from daemons.proc import kill_group
 from transport import CurveConfig, RpcClient, RpcServer
 from transport.auth import secure_client_socket, secure_server_socket
 from transport.loop import run
@@ -74,15 +74,7 @@ def _free_port() -> int:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_group(proc, grace_s=5)
 
 
 _BENCH_KEYS = CurveConfig.from_env() or CurveConfig.ephemeral()

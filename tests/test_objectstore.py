@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from daemons.proc import kill_group
 from objectstore import (
     ObjectFuture,
     ObjectLostError,
@@ -98,13 +99,7 @@ class Child:
 
     async def stop(self) -> None:
         await self.ctl.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+        kill_group(self.proc, grace_s=5)
         self.proc.stdout.close()
 
 
