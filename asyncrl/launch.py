@@ -31,7 +31,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from daemons.coordinator import Coordinator, ResourcePool, WorkerHandle
+from asyncrl.context import JobContext
+from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError
 from daemons.logs import setup_logging
 from daemons.node import NodeDaemon
@@ -66,26 +67,6 @@ class ClusterConfig:
 class JobConfig:
     entry: str | None = None  # "package.module:main" or "path/to/script.py:main"
     name: str = "job"
-
-
-class JobContext:
-    """What a driver script gets: the cluster, its config, and helpers to place workers."""
-
-    def __init__(self, coordinator: Coordinator, cfg: DictConfig) -> None:
-        self.coordinator = coordinator
-        self.cfg = cfg
-        self.log = logging.getLogger(f"asyncrl.job.{cfg.job.name}")
-
-    def create_pool(self, name: str, world_size: int | None = None,
-                    per_node: list[int] | None = None) -> ResourcePool:
-        return self.coordinator.create_pool(name, world_size, per_node)
-
-    async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
-                            env: dict[str, str] | None = None) -> list[WorkerHandle]:
-        return await self.coordinator.spawn_workers(pool, group, env)
-
-    def status(self) -> Any:
-        return self.coordinator.rpc_status()
 
 
 # configuration -----------------------------------------------------------------------------------
@@ -188,6 +169,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("coordinator at %s (%s)", advertised, "insecure" if insecure else "CurveZMQ")
+    ctx = None
     try:
         await node.wait_registered(30)
         if daemon:
@@ -196,7 +178,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
             return 0
         await coordinator.wait_for_nodes(c.nnodes, c.join_timeout_s)
         entry = load_entry(cfg.job.entry)
-        ctx = JobContext(coordinator, cfg)
+        ctx = await JobContext(coordinator, cfg).open()
         t0 = time.monotonic()
         driver = loop.create_task(entry(ctx), name="driver")
         await _wait_any(driver, stop.wait(), coordinator.stop_requested.wait())
@@ -209,6 +191,8 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
         log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
         return 0
     finally:
+        if ctx is not None:
+            await ctx.close()
         await coordinator.shutdown_workers()
         if not daemon:  # daemon nodes outlive a coordinator restart and re-register
             await coordinator.shutdown_nodes()
@@ -221,9 +205,11 @@ async def _submit(coordinator: Coordinator, cfg: DictConfig, entry: str, overrid
     with open_dict(cfg):  # a submitted job may bring config sections the daemon's config lacks
         job_cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides or {}))
     fn = load_entry(entry)
+    ctx = await JobContext(coordinator, job_cfg).open()
     try:
-        return await fn(JobContext(coordinator, job_cfg))
+        return await fn(ctx)
     finally:
+        await ctx.close()
         await coordinator.shutdown_workers()
 
 

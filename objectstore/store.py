@@ -179,7 +179,7 @@ class ObjectStore:
                     await self._pool_refill
             await self._bulk.close()
             await self._server.close()
-            for client in self._clients.values():
+            for client in list(self._clients.values()):
                 await client.close()
             self._clients.clear()
         finally:

@@ -274,7 +274,14 @@ class RpcServer:
         if handler.is_async or handler.blocking:
             loop = asyncio.get_running_loop()
             if handler.is_async:
-                fut = loop.create_task(handler.fn(*args, **kwargs), name=f"{self.name}:{method}")
+                try:
+                    coro = handler.fn(*args, **kwargs)
+                except Exception as e:  # wrong arguments fail before a coroutine exists
+                    self.stats["handler_errors"] += 1
+                    if is_request:
+                        self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)]))
+                    return
+                fut = loop.create_task(coro, name=f"{self.name}:{method}")
             else:
                 fut = loop.run_in_executor(self._executor, lambda: handler.fn(*args, **kwargs))
             if is_request:

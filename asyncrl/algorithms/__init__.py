@@ -1,0 +1,1 @@
+"""RL algorithms for LLM post-training; pure numerics live in `asyncrl.algorithms.core`."""

@@ -1,0 +1,458 @@
+"""Pure numerics of PPO-family algorithms: advantages, KL terms, losses, controllers.
+
+Conventions: token-level tensors are [batch, response_len] with a float or bool `response_mask`
+(1 for real response tokens, 0 for padding/observation tokens); sequence-level scores are
+[batch]. Every function here is pure (no globals, no in-place changes to its inputs), so it can be
+unit-tested against hand-computed values and called from any worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+
+Tensor = torch.Tensor
+
+KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
+KL_KINDS: tuple[str, ...] = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+GroupIds = Tensor | Sequence[Hashable]
+
+# Guards for empty masks: a 0/1 mask sums to 0 or >= 1, so clamping at this is exact otherwise.
+_TINY = 1e-8
+_WHITEN_EPS = 1e-8
+
+
+# --------------------------------------------------------------------------------------------
+# Masked reductions
+# --------------------------------------------------------------------------------------------
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Sum of `x` where `mask` is set (masked entries may be inf/nan and are still ignored)."""
+    m = mask.to(x.dtype)
+    kept = torch.where(mask.bool(), x * m, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
+    """Mean of `x` over `mask`; an all-zero mask gives 0 rather than nan."""
+    m = mask.to(x.dtype)
+    count = m.sum() if dim is None else m.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp_min(_TINY)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of `x` over all masked-in entries (Bessel-corrected when `unbiased`)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = mask.to(x.dtype).sum()
+        if count.item() < 2:
+            raise ValueError(
+                f"masked_var(unbiased=True) needs at least 2 masked-in elements, got "
+                f"{count.item():g}; check response_mask or pass unbiased=False"
+            )
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """Normalise `x` to unit variance over `mask` (and zero mean if `shift_mean`); 0 off-mask."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + _WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Advantage estimators
+# --------------------------------------------------------------------------------------------
+
+
+def compute_gae(
+    token_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """GAE(gamma, lam) advantages (whitened over the mask if `whiten`) and returns = raw adv + V."""
+    mask = response_mask.to(values.dtype)
+    keep = response_mask.bool()
+    batch, length = values.shape
+    next_value = values.new_zeros(batch)
+    last_gae = values.new_zeros(batch)
+    advantages_reversed = []
+    for t in reversed(range(length)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        # Masked-out tokens (padding after the end, or tool/observation tokens mid-response) are
+        # skipped: the bootstrap value and running GAE pass through them unchanged, and
+        # torch.where keeps even inf/nan garbage there from leaking into earlier tokens.
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        last_gae = torch.where(keep[:, t], gae, last_gae)
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1) * mask
+    returns = torch.where(keep, advantages + values, torch.zeros_like(values))
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def _group_index(group_ids: GroupIds, batch: int, device: torch.device) -> tuple[Tensor, int]:
+    """Map group ids (LongTensor or hashables such as uid strings) to dense indices 0..G-1."""
+    if isinstance(group_ids, Tensor):
+        _, inverse = torch.unique(group_ids, return_inverse=True)
+        index = inverse.to(device)
+    else:
+        dense: dict[Hashable, int] = {}
+        index = torch.tensor(
+            [dense.setdefault(g, len(dense)) for g in group_ids], dtype=torch.long, device=device
+        )
+    if index.numel() != batch:
+        raise ValueError(f"got {index.numel()} group ids for a batch of {batch} scores")
+    return index, int(index.max().item()) + 1 if batch else 0
+
+
+def _group_stats(scores: Tensor, group_ids: GroupIds) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-sample (group index, group size, group sum, unbiased group std), each [batch]."""
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be sequence-level [batch], got shape {tuple(scores.shape)}")
+    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    zeros = scores.new_zeros(num_groups)
+    count = zeros.index_add(0, index, torch.ones_like(scores))[index]
+    total = zeros.index_add(0, index, scores)[index]
+    dev = scores - total / count
+    sq = zeros.index_add(0, index, dev * dev)[index]
+    std = torch.sqrt(sq / (count - 1).clamp_min(1))
+    return index, count, total, std
+
+
+def _as_float(scores: Tensor) -> Tensor:
+    return scores if scores.is_floating_point() else scores.float()
+
+
+def grpo_advantage(
+    scores: Tensor,
+    group_ids: GroupIds,
+    response_mask: Tensor,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """GRPO outcome advantage (score - group mean) / (group std + eps) on every response token.
+
+    `norm_by_std=False` is Dr.GRPO (mean-centred only). Groups of size 1 get advantage 0: with
+    no siblings there is no relative signal. Returns (advantages, returns), which are equal.
+    """
+    scores = _as_float(scores)
+    _, count, total, std = _group_stats(scores, group_ids)
+    adv = scores - total / count
+    if norm_by_std:
+        adv = adv / (std + eps)
+    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return adv, adv
+
+
+def rloo_advantage(
+    scores: Tensor, group_ids: GroupIds, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """RLOO advantage: score minus the mean of the other scores in its group (size-1 groups: 0)."""
+    scores = _as_float(scores)
+    _, count, total, _ = _group_stats(scores, group_ids)
+    baseline = (total - scores) / (count - 1).clamp_min(1)
+    adv = torch.where(count > 1, scores - baseline, torch.zeros_like(scores))
+    adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return adv, adv
+
+
+def _reverse_cumsum(x: Tensor) -> Tensor:
+    return x.flip(-1).cumsum(-1).flip(-1)
+
+
+def remax_advantage(
+    scores: Tensor, baseline_scores: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """ReMax: return-to-go minus the greedy rollout's score, per token; returns (adv, returns).
+
+    `scores` is either sequence-level [batch] (the same return on every token) or token-level
+    [batch, len] (undiscounted return-to-go); `baseline_scores` is [batch].
+    """
+    mask = response_mask.to(_as_float(baseline_scores).dtype)
+    if scores.dim() == 1:
+        returns = _as_float(scores).unsqueeze(-1) * mask
+    else:
+        returns = _reverse_cumsum(_as_float(scores) * mask)
+    advantages = returns - _as_float(baseline_scores).unsqueeze(-1) * mask
+    return advantages, returns
+
+
+def reinforce_pp_advantage(
+    token_rewards: Tensor, response_mask: Tensor, gamma: float
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted return-to-go, whitened over the whole batch; returns (adv, G)."""
+    mask = response_mask.to(token_rewards.dtype)
+    rewards = token_rewards * mask
+    running = rewards.new_zeros(rewards.shape[0])
+    returns_reversed = []
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns_reversed.append(running)
+    returns = torch.stack(returns_reversed[::-1], dim=1)
+    return masked_whiten(returns, mask), returns
+
+
+# --------------------------------------------------------------------------------------------
+# KL penalty and controllers
+# --------------------------------------------------------------------------------------------
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kind: KLKind) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+    log_ratio = logprob - ref_logprob
+    if kind in ("k1", "kl"):
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        # k3 = r - log r - 1 with r = pi_ref / pi; clamps keep exp() and the estimate bounded.
+        neg_log_ratio = (-log_ratio).clamp(-20.0, 20.0)
+        kl = torch.exp(neg_log_ratio) - neg_log_ratio - 1
+        return kl.clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL kind {kind!r}; expected one of {KL_KINDS}")
+
+
+def apply_kl_penalty(
+    token_level_scores: Tensor,
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    kind: KLKind = "kl",
+) -> tuple[Tensor, Tensor]:
+    """Rewards = scores - kl_coef * KL per token; also the batch mean of per-sequence mean KL."""
+    kld = kl_penalty(logprob, ref_logprob, kind) * response_mask.to(logprob.dtype)
+    token_rewards = token_level_scores - kl_coef * kld
+    mean_kl = masked_mean(kld, response_mask, dim=-1).mean()
+    return token_rewards, mean_kl
+
+
+class FixedKLController:
+    """Constant KL coefficient."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = float(coef)
+
+    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
+        """No-op: the coefficient is fixed."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. (2019): steer the observed KL to `target_kl`."""
+
+    def __init__(self, init_coef: float, target_kl: float, horizon: int) -> None:
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"target_kl and horizon must be > 0, got {target_kl}, {horizon}")
+        self.value = float(init_coef)
+        self.target_kl = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
+        """Scale the coefficient by 1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon."""
+        error = min(max(float(current_kl) / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------
+
+
+def agg_loss(
+    loss_mat: Tensor, mask: Tensor, mode: LossAggMode, norm_len: int | None = None
+) -> Tensor:
+    """Reduce a [batch, len] loss matrix to a scalar over `mask`.
+
+    "token-mean": mean over all tokens; "seq-mean-token-sum": mean of per-sequence sums;
+    "seq-mean-token-mean": mean of per-sequence means; "seq-mean-token-sum-norm" (Dr.GRPO):
+    mean of per-sequence sums divided by `norm_len` (default mask.shape[-1]; keep it constant,
+    e.g. the max response length, to match the paper).
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, mask, dim=-1).mean()
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum-norm":
+        length = mask.shape[-1] if norm_len is None else norm_len
+        return (masked_sum(loss_mat, mask, dim=-1) / length).mean()
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+def ppo_policy_loss(
+    old_logprob: Tensor,
+    logprob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: LossAggMode = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with dual-clip (Ye et al. 2020) bounding the loss at -A*c for A<0.
+
+    Metrics: clipfrac (share of tokens where the ratio clip was active), approx_kl (mean of
+    old - new log-prob, the k1 estimate), clipfrac_lower (share hitting the dual clip).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+    log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    approx_kl = masked_mean(-log_ratio, response_mask)
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    clipfrac = masked_mean((clipped > unclipped).to(logprob.dtype), response_mask)
+
+    # For A < 0 a huge ratio makes -A*ratio unbounded; the dual clip caps it at -A*c.
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    clipfrac_lower = masked_mean(
+        ((clip_loss > dual_bound) & negative).to(logprob.dtype), response_mask
+    )
+
+    loss = agg_loss(losses, response_mask, loss_agg_mode)
+    metrics = {
+        "clipfrac": clipfrac.detach(),
+        "approx_kl": approx_kl.detach(),
+        "clipfrac_lower": clipfrac_lower.detach(),
+    }
+    return loss, metrics
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_range: float = 0.2,
+    loss_agg_mode: LossAggMode = "token-mean",
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2); and its clipfrac."""
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    losses_unclipped = (values - returns).square()
+    losses_clipped = (clipped_values - returns).square()
+    losses = torch.maximum(losses_unclipped, losses_clipped)
+    loss = 0.5 * agg_loss(losses, response_mask, loss_agg_mode)
+    clipfrac = masked_mean((losses_clipped > losses_unclipped).to(values.dtype), response_mask)
+    return loss, clipfrac.detach()
+
+
+def kl_loss(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    response_mask: Tensor,
+    kind: KLKind = "low_var_kl",
+    loss_agg_mode: LossAggMode = "token-mean",
+) -> Tensor:
+    """GRPO-style KL(pi || pi_ref) term added to the policy loss (not folded into rewards)."""
+    return agg_loss(kl_penalty(logprob, ref_logprob, kind), response_mask, loss_agg_mode)
+
+
+# --------------------------------------------------------------------------------------------
+# Logit helpers
+# --------------------------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Categorical entropy over the last dim: logsumexp(z) - sum(softmax(z) * z)."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 1024) -> Tensor:
+    """log softmax(logits)[labels] without materialising a full [..., vocab] log-softmax at once.
+
+    Works in chunks of `chunk_rows` positions so peak extra memory is chunk_rows * vocab; fp16 and
+    bf16 logits are upcast per chunk because logsumexp in low precision loses too much.
+    """
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_labels = labels.reshape(-1, 1)
+    out = []
+    for chunk, chunk_labels in zip(
+        flat_logits.split(chunk_rows), flat_labels.split(chunk_rows), strict=True
+    ):
+        if chunk.dtype not in (torch.float32, torch.float64):
+            chunk = chunk.float()
+        picked = chunk.gather(-1, chunk_labels).squeeze(-1)
+        out.append(picked - torch.logsumexp(chunk, dim=-1))
+    if not out:
+        return flat_logits.new_zeros(labels.shape, dtype=torch.float32)
+    return torch.cat(out).reshape(labels.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Safe-RLHF (Dai et al. 2023)
+# --------------------------------------------------------------------------------------------
+
+
+class LagrangeMultiplier:
+    """Lagrange multiplier lambda >= 0 for a cost constraint, kept as log(lambda) as Safe-RLHF does.
+
+    `update` takes one gradient-ascent step on lambda * (mean_episode_cost - cost_limit) w.r.t.
+    log(lambda), so lambda grows while the constraint is violated and decays (never below 0)
+    otherwise.
+    """
+
+    def __init__(
+        self, init_value: float, lr: float, cost_limit: float, max_value: float | None = None
+    ) -> None:
+        if init_value <= 0:
+            raise ValueError(
+                f"init_value must be > 0 (lambda is stored as a log), got {init_value}"
+            )
+        if max_value is not None and max_value < init_value:
+            raise ValueError(f"max_value {max_value} is below init_value {init_value}")
+        self.lr = float(lr)
+        self.cost_limit = float(cost_limit)
+        self.max_value = max_value
+        self._log_value = math.log(init_value)
+
+    @property
+    def value(self) -> float:
+        return math.exp(self._log_value)
+
+    def update(self, mean_episode_cost: float | Tensor) -> float:
+        """Step log(lambda) by lr * lambda * (cost - limit); returns the new lambda."""
+        violation = float(mean_episode_cost) - self.cost_limit
+        self._log_value += self.lr * violation * self.value
+        if self.max_value is not None:
+            self._log_value = min(self._log_value, math.log(self.max_value))
+        return self.value
+
+
+def safe_rlhf_advantage(reward_adv: Tensor, cost_adv: Tensor, lam: float | Tensor) -> Tensor:
+    """Safe-RLHF combined advantage (A_r - lambda * A_c) / (1 + lambda)."""
+    return (reward_adv - lam * cost_adv) / (1 + lam)

@@ -1,0 +1,154 @@
+"""`JobContext`: what an algorithm script's `async def main(ctx)` gets — the cluster, the config,
+resource pools, worker groups, and the driver's own small object store for data it produces
+(prompts from a dataloader)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from asyncrl import dist
+from asyncrl.batch import Batch
+from asyncrl.dist import DistBatch
+from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
+from daemons.coordinator import Coordinator, ResourcePool, WorkerHandle
+from daemons.node import NodeDaemon
+from objectstore import ObjectStore
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Groups(dict):
+    """Colocated groups by role; also readable as attributes (`groups.actor`)."""
+
+    def __getattr__(self, name: str) -> WorkerGroup:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no role {name!r}; roles: {sorted(self)}") from None
+
+
+class JobContext:
+    """The cluster as a driver script sees it."""
+
+    def __init__(self, coordinator: Coordinator, cfg: Any) -> None:
+        self.coordinator = coordinator
+        self.cfg = cfg
+        name = cfg.job.name if cfg is not None and "job" in cfg else "job"
+        self.log = logging.getLogger(f"asyncrl.job.{name}")
+        self.store: ObjectStore | None = None
+        self.process_sets: dict[str, ProcessSet] = {}
+        self.groups: dict[str, WorkerGroup] = {}
+
+    async def open(self) -> JobContext:
+        """Start the driver's object store on the head node and track the refs the driver holds."""
+        node = self.coordinator.live_nodes()[0]
+        self.store = ObjectStore(node_id=node.node_id, endpoint=f"tcp://{node.host}:0", bulk_host=node.host,
+                                 curve=self.coordinator.curve, insecure=self.coordinator.insecure,
+                                 name="store-driver")
+        await self.store.start()
+        dist.install_driver(self.store)
+        return self
+
+    async def close(self) -> None:
+        if self.store is not None:
+            dist.install_driver(None)
+            await self.store.close()
+            self.store = None
+
+    # pools and groups ---------------------------------------------------------------------------
+    def create_pool(self, name: str, world_size: int | None = None,
+                    per_node: list[int] | None = None) -> ResourcePool:
+        """A named set of devices: `world_size` in node order, or `per_node[k]` on node rank k."""
+        return self.coordinator.create_pool(name, world_size, per_node)
+
+    resource_pool = create_pool
+
+    async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
+                            env: dict[str, str] | None = None) -> list[WorkerHandle]:
+        """Raw worker processes (no Worker classes): for jobs that call functions directly."""
+        return await self.coordinator.spawn_workers(pool, group, {**self._worker_env(), **(env or {})})
+
+    async def spawn(self, pool: ResourcePool, **roles: Any) -> Groups:
+        """Colocate Worker classes on every device of `pool`, one process per device.
+
+        `await ctx.spawn(pool, actor=(ActorWorker, cfg.actor), critic=CriticWorker)` returns the
+        groups by role. Spawning again on the same pool adds classes to the same processes.
+        """
+        clash = sorted(set(roles) & set(self.groups))
+        if clash:
+            raise ValueError(f"roles {clash} exist already; give each group its own role name")
+        procs = self.process_sets.get(pool.name)
+        if procs is None:
+            handles = await self.spawn_workers(pool, group=pool.name)
+            procs = self.process_sets[pool.name] = ProcessSet(pool, handles)
+        groups = await create_groups(procs, {r: spec_of(v) for r, v in roles.items()})
+        self.groups.update(groups)
+        return Groups(groups)
+
+    async def spawn_group(self, pool: ResourcePool, cls: type, *args: Any, role: str | None = None,
+                          **kwargs: Any) -> WorkerGroup:
+        """One Worker class on `pool` (see `spawn` for colocating several)."""
+        role = role or pool.name
+        return (await self.spawn(pool, **{role: (cls, args, kwargs)}))[role]
+
+    def _worker_env(self) -> dict[str, str]:
+        # workers import the same code as the driver, including script directories on sys.path
+        paths = [str(REPO_ROOT), os.getcwd(), *[p for p in sys.path if p and Path(p).is_dir()]]
+        paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p)}
+
+    # data ---------------------------------------------------------------------------------------
+    def put(self, batch: Batch | dict) -> DistBatch:
+        """Place driver-made data (e.g. a prompt batch) in the driver's store; ranks pull their rows."""
+        if self.store is None:
+            raise RuntimeError("JobContext.open() has not run")
+        if isinstance(batch, dict):
+            batch = Batch(batch)
+        return dist.publish(batch, self.store)
+
+    def controller_bytes(self) -> int:
+        """Bytes the driver has sent and received: RPC to workers plus its store's traffic."""
+        total = 0
+        for handle in self.coordinator.handles.values():
+            sent, received = handle.client.bytes_transferred
+            total += sent + received
+        if self.store is not None:
+            sent, received = self.store.bytes_transferred
+            total += sent + received
+        return total
+
+    def status(self) -> Any:
+        return self.coordinator.rpc_status()
+
+
+@contextlib.asynccontextmanager
+async def local_cluster(cpu_devices: int = 2, log_dir: str | Path = "outputs/logs", cfg: Any = None,
+                        insecure: bool = False) -> AsyncIterator[JobContext]:
+    """A coordinator, one node daemon and a driver context in this process (tests, benchmarks,
+    notebooks). Workers are stopped and the store closed on exit."""
+    from transport import CurveConfig
+
+    curve = None if insecure else CurveConfig.ephemeral()
+    coordinator = Coordinator(curve=curve, insecure=insecure, node_timeout=5.0)
+    await coordinator.start()
+    node = NodeDaemon(coordinator.endpoint, curve=curve, insecure=insecure, cpu_devices=cpu_devices,
+                      log_dir=Path(log_dir), heartbeat_interval=0.5)
+    await node.start()
+    ctx = None
+    try:
+        await node.wait_registered(30)
+        ctx = await JobContext(coordinator, cfg).open()
+        yield ctx
+    finally:
+        if ctx is not None:
+            await ctx.close()
+        await coordinator.shutdown_workers(grace_s=3)
+        await coordinator.shutdown_nodes()
+        await node.close()
+        await coordinator.close()

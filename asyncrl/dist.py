@@ -1,0 +1,368 @@
+"""Distributed batches: a `Batch` whose rows live in workers' object stores.
+
+A `DistBatch` is a list of row blocks; each block is a few `Piece`s (columns of a stored object,
+over a row range) with the same number of rows. Slicing, selecting, unions, concatenation,
+padding and resharding between groups of different DP sizes only rewrite these row ranges — the
+REAL-style transfer plan — and each rank then pulls exactly its rows from the owners. The
+controller holds refs and row numbers, never tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.batch import Batch
+from objectstore import ObjectRef, ObjectStore
+from objectstore.ref import VALUE
+from transport.codec import register_type
+
+log = logging.getLogger(__name__)
+
+EXT_DIST_BATCH = 18
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Columns `columns` of rows [start, stop) of the stored object `ref`."""
+
+    ref: ObjectRef
+    start: int
+    stop: int
+    columns: tuple[str, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+    def rows(self, start: int, stop: int) -> Piece:
+        """Rows [start, stop) of this piece, counted from its first row."""
+        return Piece(self.ref, self.start + start, self.start + stop, self.columns)
+
+    def only(self, names: Iterable[str]) -> Piece | None:
+        keep = tuple(c for c in self.columns if c in set(names))
+        return Piece(self.ref, self.start, self.stop, keep) if keep else None
+
+
+Block = tuple[Piece, ...]
+
+
+def _block_rows(block: Block) -> int:
+    return block[0].num_rows if block else 0
+
+
+class DistBatch:
+    """Row blocks of refs plus inline meta; the driver-side face of a distributed `Batch`."""
+
+    __slots__ = ("blocks", "meta", "__weakref__")
+
+    def __init__(self, blocks: Sequence[Block] = (), meta: dict[str, Any] | None = None) -> None:
+        self.blocks: list[Block] = [tuple(b) for b in blocks if b and _block_rows(b) > 0]
+        self.meta: dict[str, Any] = dict(meta or {})
+        for b in self.blocks:
+            if len({p.num_rows for p in b}) != 1:
+                raise ValueError(f"a block's pieces must cover equal row counts, got {b}")
+        if _tracker is not None:
+            _tracker.track(self)
+
+    # shape ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return sum(_block_rows(b) for b in self.blocks)
+
+    @property
+    def columns(self) -> list[str]:
+        if not self.blocks:
+            return []
+        return [c for p in self.blocks[0] for c in p.columns]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.columns
+
+    @property
+    def pad_size(self) -> int:
+        return int(self.meta.get("pad_size", 0))
+
+    def refs(self) -> dict[str, ObjectRef]:
+        return {p.ref.object_id: p.ref for b in self.blocks for p in b}
+
+    def __repr__(self) -> str:
+        owners = sorted({p.ref.endpoint for b in self.blocks for p in b})
+        return (f"DistBatch({len(self)} rows, columns={self.columns}, {len(self.blocks)} blocks "
+                f"on {len(owners)} stores, meta={sorted(self.meta)})")
+
+    # row operations (plans only; no data moves) ------------------------------------------
+    def slice(self, start: int, stop: int) -> DistBatch:
+        """Rows [start, stop)."""
+        n = len(self)
+        start, stop = max(0, min(start, n)), max(0, min(stop, n))
+        out, offset = [], 0
+        for b in self.blocks:
+            rows = _block_rows(b)
+            lo, hi = max(start - offset, 0), min(stop - offset, rows)
+            if lo < hi:
+                out.append(tuple(p.rows(lo, hi) for p in b))
+            offset += rows
+        return DistBatch(out, self.meta)
+
+    def take(self, indices: Sequence[int]) -> DistBatch:
+        """Rows in the order of `indices` (consecutive runs stay one block)."""
+        bounds, offset = [], 0
+        for b in self.blocks:
+            bounds.append(offset)
+            offset += _block_rows(b)
+        out: list[Block] = []
+        run_start = run_stop = None
+        for i in list(indices) + [None]:
+            if i is not None and run_stop is not None and i == run_stop:
+                run_stop += 1
+                continue
+            if run_start is not None:
+                out.extend(self.slice(run_start, run_stop).blocks)
+            if i is not None:
+                if not 0 <= i < len(self):
+                    raise IndexError(f"row {i} out of range for a batch of {len(self)} rows")
+                run_start, run_stop = i, i + 1
+        return DistBatch(out, self.meta)
+
+    def chunk(self, n: int) -> list[DistBatch]:
+        if len(self) % n:
+            raise ValueError(f"{len(self)} rows do not split into {n} equal chunks; "
+                             "use pad_to_divisor first")
+        size = len(self) // n
+        return [self.slice(i * size, (i + 1) * size) for i in range(n)]
+
+    def split(self, size: int) -> list[DistBatch]:
+        return [self.slice(i, i + size) for i in range(0, len(self), size)]
+
+    @staticmethod
+    def concat(batches: Sequence[DistBatch]) -> DistBatch:
+        batches = [b for b in batches if len(b)] or list(batches[:1])
+        if not batches:
+            return DistBatch()
+        cols = set(batches[0].columns)
+        for b in batches[1:]:
+            if set(b.columns) != cols:
+                raise ValueError(f"cannot concat batches with columns {sorted(cols)} and {sorted(b.columns)}")
+        return DistBatch([blk for b in batches for blk in b.blocks], batches[0].meta)
+
+    def repeat(self, times: int, interleave: bool = True) -> DistBatch:
+        if interleave:
+            return self.take([i for i in range(len(self)) for _ in range(times)])
+        return DistBatch(self.blocks * times, self.meta)
+
+    def pad_to_divisor(self, divisor: int) -> DistBatch:
+        """Append copies of the first rows (as refs) so len % divisor == 0; meta records pad_size."""
+        n = len(self)
+        pad = (-n) % divisor if n else 0
+        extra = [i % n for i in range(pad)] if pad else []
+        out = DistBatch.concat([self, self.take(extra)]) if pad else DistBatch(self.blocks, self.meta)
+        out.meta = {**self.meta, "pad_size": pad}
+        return out
+
+    def unpad(self) -> DistBatch:
+        out = self.slice(0, len(self) - self.pad_size)
+        out.meta = {**self.meta, "pad_size": 0}
+        return out
+
+    # column operations ------------------------------------------------------------------------
+    def select(self, *names: str, meta: bool = True) -> DistBatch:
+        missing = [n for n in names if n not in self.columns]
+        if missing:
+            raise KeyError(f"no columns {missing}; this batch has {self.columns}")
+        blocks = [tuple(q for p in b if (q := p.only(names)) is not None) for b in self.blocks]
+        return DistBatch(blocks, self.meta if meta else {})
+
+    def pop(self, *names: str) -> DistBatch:
+        """Remove `names` from this batch and return them as their own batch."""
+        popped = self.select(*names)
+        keep = [c for c in self.columns if c not in names]
+        # the refs stay counted under this object until it dies: tracking is per object, not column
+        self.blocks = [tuple(q for p in b if (q := p.only(keep)) is not None) for b in self.blocks]
+        return popped
+
+    def union(self, other: DistBatch) -> DistBatch:
+        """Columns of both, aligned row by row; a column in both must come from the same place."""
+        if len(self) != len(other):
+            raise ValueError(f"cannot union batches of {len(self)} and {len(other)} rows")
+        cuts = sorted(set(_boundaries(self)) | set(_boundaries(other)))
+        mine, theirs = _cut(self, cuts), _cut(other, cuts)
+        both = set(self.columns) & set(other.columns)
+        blocks = []
+        for a, b in zip(mine, theirs, strict=True):
+            for name in both:
+                pa = next(p for p in a if name in p.columns)
+                pb = next(p for p in b if name in p.columns)
+                if (pa.ref.object_id, pa.start) != (pb.ref.object_id, pb.start):
+                    raise ValueError(f"column {name!r} is in both batches with different data; "
+                                     "pop it from one side first")
+            extra = tuple(q for p in b if (q := p.only(set(p.columns) - both)) is not None)
+            blocks.append(a + extra)
+        for k, v in other.meta.items():
+            if k in self.meta and self.meta[k] != v and k != "pad_size":
+                raise ValueError(f"meta {k!r} differs: {self.meta[k]!r} vs {v!r}")
+        return DistBatch(blocks, {**other.meta, **self.meta})
+
+    # moving data -------------------------------------------------------------------------------
+    async def fetch(self, store: ObjectStore | None = None) -> Batch:
+        """Pull these rows into this process as a `Batch` (the driver does this only on request)."""
+        return await materialize(self, store or local_store())
+
+    async def free(self) -> None:
+        """Free the stored objects now (instead of when the last DistBatch naming them is dropped)."""
+        store = local_store()
+        await asyncio.gather(*(store.free(r) for r in self.refs().values()), return_exceptions=True)
+
+
+def _boundaries(d: DistBatch) -> list[int]:
+    out, offset = [0], 0
+    for b in d.blocks:
+        offset += _block_rows(b)
+        out.append(offset)
+    return out
+
+
+def _cut(d: DistBatch, cuts: list[int]) -> list[Block]:
+    return [blk for lo, hi in zip(cuts, cuts[1:], strict=False) for blk in d.slice(lo, hi).blocks]
+
+
+def dp_split(batch: DistBatch, n: int) -> tuple[list[DistBatch], int]:
+    """Pad to a multiple of `n` (by reference) and split into `n` equal shards; returns pad size."""
+    padded = batch.pad_to_divisor(n)
+    return padded.chunk(n), padded.pad_size
+
+
+# pulling and publishing (inside a worker, or the driver on request) ----------------------------
+async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
+    """Pull every piece's rows from its owner (one pull per stored object) into one Batch."""
+    spans: dict[str, tuple[ObjectRef, int, int]] = {}
+    for b in dist.blocks:
+        for p in b:
+            ref, lo, hi = spans.get(p.ref.object_id, (p.ref, p.start, p.stop))
+            spans[p.ref.object_id] = (ref, min(lo, p.start), max(hi, p.stop))
+
+    async def pull(ref: ObjectRef, lo: int, hi: int) -> tuple[int, Any]:
+        if ref.kind == VALUE:
+            return 0, await store.get(ref)
+        return lo, await store.get(ref, rows=(lo, hi))
+
+    keys = list(spans)
+    pulled = dict(zip(keys, await asyncio.gather(*(pull(*spans[k]) for k in keys)), strict=True))
+    parts = []
+    for b in dist.blocks:
+        tensors, values = {}, {}
+        for p in b:
+            base, data = pulled[p.ref.object_id]
+            for c in p.columns:
+                if p.ref.kind == VALUE:
+                    values[c] = list(data[c][p.start:p.stop])
+                else:
+                    tensors[c] = data[c][p.start - base:p.stop - base]
+        parts.append(Batch(tensors, values))
+    meta = {k: v for k, v in dist.meta.items() if k != "pad_size"}
+    if not parts:
+        return Batch(meta=meta)
+    out = parts[0] if len(parts) == 1 else Batch.concat(parts)
+    out.meta = meta
+    return out
+
+
+def publish(batch: Batch, store: ObjectStore) -> DistBatch:
+    """Put a Batch in `store` (tensors zero-copy; non-tensor columns as one value) -> DistBatch."""
+    n = len(batch)
+    pieces = []
+    if batch.tensors and n:
+        ref = store.put({k: t.contiguous() for k, t in batch.tensors.items()})
+        pieces.append(Piece(ref, 0, n, tuple(batch.tensors)))
+    if batch.non_tensors and n:
+        ref = store.put({k: list(v) for k, v in batch.non_tensors.items()})
+        pieces.append(Piece(ref, 0, n, tuple(batch.non_tensors)))
+    return DistBatch([tuple(pieces)] if pieces else [], batch.meta)
+
+
+# wire format -----------------------------------------------------------------------------------
+def _to_wire(d: DistBatch) -> list[Any]:
+    return [[[[p.ref, p.start, p.stop, list(p.columns)] for p in b] for b in d.blocks], d.meta]
+
+
+def _from_wire(v: list[Any]) -> DistBatch:
+    blocks, meta = v
+    return DistBatch([tuple(Piece(r, s, e, tuple(c)) for r, s, e, c in b) for b in blocks], meta)
+
+
+register_type(DistBatch, EXT_DIST_BATCH, _to_wire, _from_wire)
+
+
+# the process's store and the driver's ref tracking ---------------------------------------------
+_driver_store: ObjectStore | None = None
+_tracker: RefTracker | None = None
+
+
+def local_store() -> ObjectStore:
+    """The object store of this process: the worker's, or the driver's."""
+    if _driver_store is not None:
+        return _driver_store
+    from daemons.worker import current
+
+    return current().store
+
+
+class RefTracker:
+    """Driver-side reference counting: an object is freed once no live DistBatch names it."""
+
+    def __init__(self, store: ObjectStore, loop: asyncio.AbstractEventLoop) -> None:
+        self.store, self.loop = store, loop
+        self.counts: dict[str, int] = {}
+        self.refs: dict[str, ObjectRef] = {}
+        self.lock = threading.Lock()
+        self.freed = 0
+        self.closed = False
+
+    def track(self, d: DistBatch) -> None:
+        refs = d.refs()
+        with self.lock:
+            for oid, ref in refs.items():
+                self.counts[oid] = self.counts.get(oid, 0) + 1
+                self.refs[oid] = ref
+        weakref.finalize(d, self.release, list(refs))
+
+    def release(self, object_ids: list[str]) -> None:
+        dead = []
+        with self.lock:
+            for oid in object_ids:
+                left = self.counts.get(oid, 0) - 1
+                if left > 0:
+                    self.counts[oid] = left
+                else:
+                    self.counts.pop(oid, None)
+                    dead.append(self.refs.pop(oid))
+        if dead and not self.closed and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._free_soon, dead)
+
+    def _free_soon(self, refs: list[ObjectRef]) -> None:
+        async def free() -> None:
+            for ref in refs:
+                try:
+                    await self.store.free(ref)
+                    self.freed += 1
+                except Exception as e:  # the owner may be gone already: nothing left to free
+                    log.debug("free %s: %s", ref.object_id, e)
+        if not self.closed:
+            self.loop.create_task(free())
+
+    @property
+    def live(self) -> int:
+        return len(self.counts)
+
+
+def install_driver(store: ObjectStore | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Make `store` this process's store and track DistBatch refs (None uninstalls)."""
+    global _driver_store, _tracker
+    if _tracker is not None:
+        _tracker.closed = True
+    _driver_store = store
+    _tracker = RefTracker(store, loop or asyncio.get_running_loop()) if store is not None else None

@@ -1,0 +1,21 @@
+"""Training backends: the model, its optimizer and checkpoints, sharded across ranks."""
+
+from asyncrl.engine.fsdp import (
+    EngineError,
+    OptimConfig,
+    TrainEngine,
+    init_distributed,
+    lr_multiplier,
+    rng_state,
+    set_rng_state,
+)
+
+__all__ = [
+    "EngineError",
+    "OptimConfig",
+    "TrainEngine",
+    "init_distributed",
+    "lr_multiplier",
+    "rng_state",
+    "set_rng_state",
+]

@@ -1,0 +1,380 @@
+"""Training backend: PyTorch FSDP2 (`fully_shard`) over torch.distributed.
+
+gloo on CPU, NCCL on GPU. Every method of `TrainEngine` except `rng_state`/`set_rng_state` is a
+collective: all ranks of the mesh must call it, in the same order, with the same number of
+micro-batches, or the job hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
+
+
+class EngineError(RuntimeError):
+    """The training engine was used in a way it does not support; the message says how to fix it."""
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Join the default process group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; idempotent.
+
+    The backend defaults to gloo on CPU-only hosts and to `cpu:gloo,cuda:nccl` when CUDA is
+    present (NCCL for tensors on the GPU, gloo for CPU tensors). WORLD_SIZE=1 without
+    MASTER_ADDR needs no rendezvous.
+    """
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise EngineError(
+                f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set; start the worker "
+                "through the node daemon (it sets the rendezvous env) or export them yourself"
+            )
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    log.info("process group up: rank %d of %d, backend %s", rank, world_size, backend)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then constant lr (total_steps=0) or cosine decay to min_lr."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still reported)
+    warmup_steps: int = 0
+    total_steps: int = 0  # 0 = constant lr after warmup
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+
+
+def lr_multiplier(step: int, cfg: OptimConfig) -> float:
+    """Factor on cfg.lr for the optimizer step that follows `step` completed steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.total_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: `model.model.layers` for HF llama/qwen, else the largest
+    ModuleList by parameter count."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+class TrainEngine:
+    """A model sharded with FSDP2 (each block, then the root), with AdamW over the local shards.
+
+    With `optim=None` the engine is inference-only (e.g. a reference model): parameters are
+    frozen and no optimizer state is allocated.
+
+    Tied input/output embeddings work (both live in the root's FSDP group); the HF export
+    writes the tied tensor once, as `save_pretrained` does.
+
+    Build the model in fp32: FSDP keeps the sharded parameters (and so AdamW state and the
+    exported weights) in the dtype they arrive in. With `mixed_precision` on a GPU, compute runs
+    in bf16 and the model's outputs are bf16, so upcast logits in the loss.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        optim: OptimConfig | None,
+        mixed_precision: bool = True,
+        device: str | None = None,
+        reshard_after_forward: bool = True,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise EngineError("call asyncrl.engine.init_distributed() before building a TrainEngine")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.mesh = mesh or init_device_mesh(
+            self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",)
+        )
+        self.rank = dist.get_rank()
+        self.optim_config = optim
+        # Names that alias an earlier parameter (tied embeddings); the HF export writes each
+        # tensor once.
+        seen: set[int] = set()
+        self._tied_names: set[str] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                self._tied_names.add(name)
+            seen.add(id(p))
+
+        if optim is None:
+            model.requires_grad_(False)
+            model.eval()
+        model.to(self.device)
+        mp = MixedPrecisionPolicy()
+        if mixed_precision and self.device.type == "cuda":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        blocks = find_blocks(model)
+        if not blocks:
+            log.warning("no ModuleList of blocks in %s; sharding the root only", type(model).__name__)
+        for block in blocks:
+            fully_shard(
+                block, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp
+            )
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        self.model = model
+
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if optim is not None:
+            self._params = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(
+                self._params,
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: lr_multiplier(step, optim)
+            )
+        log.info(
+            "sharded %s: %d blocks over %d ranks on %s, %s",
+            type(model).__name__, len(blocks), self.mesh.size(), self.device,
+            "bf16 params / fp32 reduce" if mp.param_dtype is not None else "fp32",
+        )
+
+    # -- training ---------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients over `micro_batches`, clip, step AdamW and the lr schedule.
+
+        `loss_fn(model, micro_batch)` returns `(loss, metrics)`. The loss must already be scaled
+        for this micro-batch: gradients are summed over micro-batches and then *averaged* over
+        ranks by FSDP, so with equal rows per rank scale a per-micro-batch mean by
+        `micro_rows / rank_rows` (for a global token mean with unequal counts per rank, scale a
+        token sum by `world_size / global_tokens`). All ranks must pass the same number of
+        micro-batches and return the same metric names.
+
+        Returns the summed scaled loss (`loss`, i.e. the rank's objective), the metrics averaged
+        over micro-batches, all averaged over ranks, plus the pre-clip `grad_norm`, the `lr`
+        used and `skipped` (1.0 when a non-finite grad norm skipped the update).
+        """
+        if self.optimizer is None or self.scheduler is None or self.optim_config is None:
+            raise EngineError("this engine was built with optim=None (inference only)")
+        if not micro_batches:
+            raise EngineError("train_step needs at least one micro-batch")
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        metric_sums: dict[str, Tensor] = {}
+        for micro_batch in micro_batches:
+            loss, metrics = loss_fn(self.model, micro_batch)
+            loss.backward()
+            loss_sum += loss.detach().float()
+            for k, v in metrics.items():
+                v = torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
+
+        grad_norm = self._clip_grads(self.optim_config.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
+        self.optimizer.zero_grad(set_to_none=True)
+
+        # One collective for every logged number.
+        names = sorted(metric_sums)
+        packed = torch.stack([loss_sum] + [metric_sums[k] / len(micro_batches) for k in names])
+        dist.all_reduce(packed, group=self.mesh.get_group())
+        values = (packed / self.mesh.size()).tolist()
+        out = {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
+        out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
+        return out
+
+    def _clip_grads(self, max_norm: float) -> Tensor:
+        """Global L2 norm of the sharded grads (a collective), clipped to `max_norm` if finite."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        total = get_total_norm(grads, norm_type=2.0)
+        if isinstance(total, DTensor):
+            # The per-shard norms are partial; full_tensor() all-reduces them into the global one.
+            total = total.full_tensor()
+        if max_norm > 0 and torch.isfinite(total):
+            clip_grads_with_norm_(self._params, max_norm, total)
+        return total
+
+    # -- state dicts and checkpoints -----------------------------------------------------------
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The unsharded model state dict on CPU; with rank0_only the other ranks get {}."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        sd = get_model_state_dict(self.model, options=opts)
+        if not rank0_only:
+            sd = {k: v.cpu() for k, v in sd.items()}
+        return sd
+
+    def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
+        """Load an unsharded state dict; with broadcast_from_rank0 only rank 0 needs to hold it."""
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
+        # set_model_state_dict rewrites the dict it is given (values become this rank's shards).
+        set_model_state_dict(self.model, dict(sd), options=opts)
+
+    def save_checkpoint(
+        self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None
+    ) -> None:
+        """Write a resumable checkpoint under `path`, plus an HF export in `path/hf` (rank 0).
+
+        Layout: `dcp/` (torch.distributed.checkpoint: sharded model + optimizer; every rank
+        writes its shards, rank 0 the metadata, so `path` must be on a filesystem all ranks
+        share when they span nodes), `rank{r}.pt` (scheduler state and `extra`, per rank, so
+        per-rank RNG state round-trips), `hf/` (config, model.safetensors, tokenizer).
+        `extra` must hold tensors and plain Python containers/scalars (loaded weights_only).
+        """
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save(self._sharded_state(), checkpoint_id=path / "dcp")
+        torch.save(
+            {
+                "world_size": self.mesh.size(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "extra": extra,
+            },
+            path / f"rank{self.rank}.pt",
+        )
+        full = self.full_state_dict(rank0_only=True)
+        if self.rank == 0:
+            self._export_hf(path / "hf", full, tokenizer)
+        dist.barrier(group=self.mesh.get_group())
+        log.info("saved checkpoint %s", path)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
+        """Restore model, optimizer and scheduler from `save_checkpoint(path)`; return its extra."""
+        path = Path(path)
+        meta_path = path / f"rank{self.rank}.pt"
+        if not meta_path.exists():
+            raise EngineError(f"no {meta_path}: not a checkpoint written by TrainEngine.save_checkpoint")
+        meta = torch.load(meta_path, weights_only=True)
+        if meta["world_size"] != self.mesh.size():
+            raise EngineError(
+                f"checkpoint {path} was written by {meta['world_size']} ranks, this job has "
+                f"{self.mesh.size()}; resume with the same world size"
+            )
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=path / "dcp")
+        if self.optimizer is not None:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+        else:
+            set_model_state_dict(self.model, state["model"])
+        if self.scheduler is not None and meta["scheduler"] is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        log.info("loaded checkpoint %s", path)
+        return meta["extra"]
+
+    def _sharded_state(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        # Note: on a fresh optimizer this initialises AdamW state with a zero-grad, lr=0 step
+        # (needed so dcp.load has tensors to fill), which sets its step counter to 1.
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _export_hf(self, out_dir: Path, full_sd: dict[str, Tensor], tokenizer: Any) -> None:
+        config = getattr(self.model, "config", None)
+        if config is None or not hasattr(config, "save_pretrained"):
+            log.warning("%s has no HF config; skipping the HF export", type(self.model).__name__)
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(out_dir)
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(out_dir)
+        tensors = {k: v.contiguous() for k, v in full_sd.items() if k not in self._tied_names}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+
+    # -- RNG (per process; not collective) ----------------------------------------------------
+
+    @staticmethod
+    def rng_state() -> dict[str, Any]:
+        return rng_state()
+
+    @staticmethod
+    def set_rng_state(state: dict[str, Any]) -> None:
+        set_rng_state(state)
+
+
+def rng_state() -> dict[str, Any]:
+    """torch CPU (+CUDA), python `random` and numpy RNG state, as torch.load(weights_only)-safe
+    values."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state()` returned."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,245 @@
+"""`WorkerGroup`: the driver's handle on one Worker class running on every device of a pool.
+
+`group.method(...)` returns a `DataFuture` at once. Awaiting it gives the collected result;
+passing it to another call makes a dataflow edge (that call starts when its inputs are ready).
+Calls on groups that share processes (colocated classes on one pool) run in the order they were
+issued; groups on disjoint pools run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+from asyncrl.batch import Batch
+from asyncrl.dist import DistBatch
+from asyncrl.mesh import Mesh
+from asyncrl.protocols import RANK_ZERO, CallContext, get_protocol
+from asyncrl.worker import MethodSpec, registered_methods
+from daemons.coordinator import ResourcePool, WorkerHandle
+from daemons.errors import DaemonError, WorkerDiedError
+from transport import RemoteError
+
+log = logging.getLogger(__name__)
+
+
+class WorkerCallError(DaemonError):
+    """A rank raised inside a worker method; carries the group, method, rank and traceback."""
+
+    def __init__(self, group: str, method: str, rank: int, remote: RemoteError) -> None:
+        self.group, self.method, self.rank = group, method, rank
+        self.remote_type = remote.remote_type.removeprefix("builtins.")
+        self.remote_message, self.remote_traceback = remote.remote_message, remote.remote_traceback
+        super().__init__(f"{group}.{method} failed on rank {rank}: {self.remote_type}: "
+                         f"{self.remote_message}\n--- rank {rank} traceback ---\n"
+                         f"{self.remote_traceback.rstrip()}")
+
+
+class DataFuture:
+    """The result of a group call that may not exist yet; await it, or pass it to another call."""
+
+    __slots__ = ("task", "label")
+
+    def __init__(self, task: asyncio.Task, label: str) -> None:
+        self.task, self.label = task, label
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.task.__await__()
+
+    def done(self) -> bool:
+        return self.task.done()
+
+    def result(self) -> Any:
+        return self.task.result()
+
+    def __repr__(self) -> str:
+        state = "done" if self.task.done() else "pending"
+        return f"DataFuture({self.label}, {state})"
+
+
+async def resolve_futures(value: Any) -> Any:
+    """Await DataFutures found in `value` (top level, and inside lists, tuples and dicts)."""
+    if isinstance(value, DataFuture):
+        return await value
+    if isinstance(value, (list, tuple)) and any(isinstance(v, DataFuture) for v in value):
+        return type(value)([await resolve_futures(v) for v in value])
+    if isinstance(value, dict) and any(isinstance(v, DataFuture) for v in value.values()):
+        return {k: await resolve_futures(v) for k, v in value.items()}
+    return value
+
+
+class ProcessSet:
+    """The worker processes of one pool, shared by the groups colocated on it."""
+
+    def __init__(self, pool: ResourcePool, handles: list[WorkerHandle]) -> None:
+        self.pool, self.handles = pool, handles
+        self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
+        self.calls = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.handles)
+
+
+class WorkerGroup:
+    """One Worker class on all ranks of a pool; registered methods become driver calls."""
+
+    def __init__(self, role: str, cls: type, procs: ProcessSet) -> None:
+        self.role, self.cls, self.procs = role, cls, procs
+        self.methods: dict[str, MethodSpec] = registered_methods(cls)
+        self.meshes: list[dict[str, Mesh]] = [{} for _ in procs.handles]
+
+    @property
+    def world_size(self) -> int:
+        return self.procs.world_size
+
+    @property
+    def handles(self) -> list[WorkerHandle]:
+        return self.procs.handles
+
+    def __getattr__(self, name: str) -> Callable[..., DataFuture]:
+        if name.startswith("_") or name not in self.__dict__.get("methods", {}):
+            methods = sorted(self.__dict__.get("methods", {}))
+            raise AttributeError(f"{self.__dict__.get('role', '?')} group ({getattr(self.__dict__.get('cls'), '__qualname__', '?')}) "
+                                 f"has no registered method {name!r}; registered: {methods}")
+        spec = self.methods[name]
+
+        def call(*args: Any, **kwargs: Any) -> DataFuture:
+            return self.call(name, spec, "asyncrl_call", [name], args, kwargs)
+        call.__name__ = name
+        return call
+
+    def apply(self, fn: Callable | str, *args: Any, protocol: str = RANK_ZERO, blocking: bool = True,
+              **kwargs: Any) -> DataFuture:
+        """Run an importable function on this group's ranks, where the data lives.
+
+        The function gets the pulled `Batch`es (this rank's rows under `protocol`) and may
+        return a Batch, which stays on the worker; e.g. advantage estimation without the driver
+        ever holding tensors.
+        """
+        path = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+        if not isinstance(fn, str) and (fn.__module__ == "__main__" or "<locals>" in fn.__qualname__):
+            raise ValueError(f"{fn.__qualname__} must be a module-level function of an importable "
+                             "module to run on workers")
+        spec = MethodSpec(protocol, blocking)
+        return self.call(f"apply:{path}", spec, "asyncrl_apply", [path], args, kwargs)
+
+    def call(self, label: str, spec: MethodSpec, entry: str, head: list, args: tuple,
+             kwargs: dict) -> DataFuture:
+        protocol = get_protocol(spec.protocol)
+        loop = asyncio.get_running_loop()
+        prev = self.procs.tail if spec.blocking else None
+
+        async def run() -> Any:
+            if prev is not None:
+                await asyncio.wait([prev])  # call order on shared processes; its errors are its own
+            a = [await resolve_futures(v) for v in args]
+            k = {n: await resolve_futures(v) for n, v in kwargs.items()}
+            ctx = CallContext(self.role, label, self.world_size, self.meshes)
+            plan = protocol.distribute(ctx, tuple(a), k)
+            outputs = await self._fan_out(label, entry, head, plan)
+            return protocol.collect(ctx, outputs)
+
+        task = loop.create_task(run(), name=f"{self.role}.{label}")
+        if spec.blocking:  # the next call waits for this one's end, but must not keep its result alive
+            turn = loop.create_future()
+            task.add_done_callback(lambda _: turn.done() or turn.set_result(None))
+            self.procs.tail = turn
+        self.procs.calls += 1
+        return DataFuture(task, f"{self.role}.{label}")
+
+    async def _fan_out(self, label: str, entry: str, head: list,
+                       plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
+        async def one(rank: int, a: tuple, k: dict) -> Any:
+            handle = self.handles[rank]
+            try:
+                out, mesh = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {})
+            except RemoteError as e:
+                raise WorkerCallError(self.role, label, rank, e) from None
+            if mesh is not None:
+                self.meshes[rank] = {n: Mesh.from_wire(m) for n, m in mesh.items()}
+            return out
+
+        tasks = {r: asyncio.ensure_future(one(r, a, k)) for r, (a, k) in plan.items()}
+        try:
+            await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            for t in tasks.values():
+                t.cancel()
+            raise
+        failed = [t.exception() for t in tasks.values()
+                  if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:  # the first failure wins; the other ranks' calls are cancelled
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            raise min(failed, key=lambda e: isinstance(e, WorkerDiedError))
+        return {r: t.result() for r, t in tasks.items()}
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.role}: {self.cls.__qualname__} x {self.world_size})"
+
+
+def class_path(cls: type) -> str:
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise ValueError(f"{cls.__qualname__} must be defined at module level in an importable "
+                         "module (not __main__) so worker processes can import it")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf configs become plain dicts/lists so they can travel to workers."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple, dict]]) -> dict[str, WorkerGroup]:
+    """Instantiate each class on every rank of `procs` (colocated) and wrap them as groups."""
+    groups = {}
+    for role, (cls, args, kwargs) in classes.items():
+        path = class_path(cls)
+        a = [_plain(v) for v in args]
+        k = {n: _plain(v) for n, v in kwargs.items()}
+        t0 = time.monotonic()
+        try:
+            await asyncio.gather(*(h.call("create_instance", role, path, a, k) for h in procs.handles))
+        except RemoteError as e:
+            raise DaemonError(f"constructing {cls.__qualname__} for role {role!r} failed: "
+                              f"{e.remote_type}: {e.message}\n{e.traceback}") from None
+        group = WorkerGroup(role, cls, procs)
+        meshes = await asyncio.gather(*(h.call("call_instance", role, "asyncrl_meshes", [], {})
+                                        for h in procs.handles))
+        group.meshes = [{n: Mesh.from_wire(m) for n, m in ms.items()} for ms in meshes]
+        log.info("%s: %s on %d ranks of pool %s (%.1fs)", role, cls.__qualname__, procs.world_size,
+                 procs.pool.name, time.monotonic() - t0)
+        groups[role] = group
+    return groups
+
+
+def spec_of(value: Any) -> tuple[type, tuple, dict]:
+    """Accept `Cls`, `(Cls, arg, ...)` or `(Cls, args_tuple, kwargs_dict)` for a role."""
+    if inspect.isclass(value):
+        return value, (), {}
+    if isinstance(value, tuple) and value and inspect.isclass(value[0]):
+        if len(value) == 3 and isinstance(value[1], tuple) and isinstance(value[2], dict):
+            return value[0], value[1], value[2]
+        return value[0], tuple(value[1:]), {}
+    raise TypeError(f"a role must be a Worker class or (class, *args); got {value!r}")
+
+
+async def gather(*futures: DataFuture | Awaitable) -> list[Any]:
+    """Await several calls at once."""
+    return list(await asyncio.gather(*futures))
+
+
+__all__ = ["Batch", "DataFuture", "DistBatch", "ProcessSet", "WorkerCallError", "WorkerGroup",
+           "create_groups", "gather", "resolve_futures"]

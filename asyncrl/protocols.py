@@ -1,0 +1,184 @@
+"""Transfer protocols (HybridFlow Table 3): how one driver call fans out to a group's ranks
+(`distribute`) and how their outputs become one result (`collect`).
+
+Both run on the driver over refs: a batch argument is split by rewriting row ranges of a
+`DistBatch`, and each rank pulls its own rows from the owners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.batch import Batch
+from asyncrl.dist import DistBatch, dp_split
+from asyncrl.mesh import Mesh
+
+ONE_TO_ALL = "ONE_TO_ALL"
+DP_PROTO = "DP_PROTO"
+THREE_D_PROTO = "3D_PROTO"
+THREE_D_ALL_MICRO_DP = "3D_ALL_MICRO_DP"
+THREE_D_PP_ONLY = "3D_PP_ONLY"
+ALL_TO_ALL = "ALL_TO_ALL"
+RANK_ZERO = "RANK_ZERO"
+
+RankCalls = dict[int, tuple[tuple, dict]]  # rank -> (args, kwargs)
+
+
+@dataclass
+class CallContext:
+    """What a protocol sees of one call: the group's ranks, their meshes, and a scratch dict
+    where `distribute` leaves notes for `collect` (e.g. the pad size)."""
+
+    group: str
+    method: str
+    world_size: int
+    meshes: list[dict[str, Mesh]]
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def mesh(self, rank: int, name: str = "train") -> Mesh:
+        meshes = self.meshes[rank]
+        if name in meshes:
+            return meshes[name]
+        if name != "train" and "train" in meshes:
+            return meshes["train"]
+        return Mesh.from_rank(rank, name, dp=self.world_size)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    distribute: Callable[[CallContext, tuple, dict], RankCalls]
+    collect: Callable[[CallContext, dict[int, Any]], Any]
+
+
+_PROTOCOLS: dict[str, Protocol] = {}
+
+
+def register_protocol(name: str, distribute: Callable[[CallContext, tuple, dict], RankCalls],
+                      collect: Callable[[CallContext, dict[int, Any]], Any]) -> Protocol:
+    """Add a user protocol usable as `@register(protocol=name)`."""
+    proto = Protocol(name, distribute, collect)
+    _PROTOCOLS[name] = proto
+    return proto
+
+
+def get_protocol(name: str) -> Protocol:
+    try:
+        return _PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"unknown transfer protocol {name!r}; known: {sorted(_PROTOCOLS)} "
+                         "(add your own with asyncrl.register_protocol)") from None
+
+
+def known_protocols() -> list[str]:
+    return sorted(_PROTOCOLS)
+
+
+# building blocks ---------------------------------------------------------------------------------
+def _is_batch(v: Any) -> bool:
+    return isinstance(v, (DistBatch, Batch))
+
+
+def split_batch(v: DistBatch | Batch, n: int) -> tuple[list[Any], int]:
+    """`n` equal shards of a batch (padded by repeating leading rows) and the pad size."""
+    if isinstance(v, DistBatch):
+        return dp_split(v, n)
+    padded = v.pad_to_divisor(n)
+    return padded.chunk(n), padded.pad_size
+
+
+def scatter(ctx: CallContext, args: tuple, kwargs: dict, n: int,
+            index_of: Callable[[int], int | None]) -> RankCalls:
+    """Split batch arguments into `n` shards; rank r gets shard `index_of(r)` (None: not called).
+    Other arguments are broadcast."""
+    shards_a = [split_batch(a, n) if _is_batch(a) else None for a in args]
+    shards_k = {k: split_batch(v, n) if _is_batch(v) else None for k, v in kwargs.items()}
+    pads = [s[1] for s in [*shards_a, *shards_k.values()] if s is not None]
+    ctx.state["pad_size"] = pads[0] if pads else 0
+    ctx.state["shards"] = n
+    calls: RankCalls = {}
+    for rank in range(ctx.world_size):
+        i = index_of(rank)
+        if i is None:
+            continue
+        a = tuple(s[0][i] if s is not None else v for v, s in zip(args, shards_a, strict=True))
+        k = {name: shards_k[name][0][i] if shards_k[name] is not None else v
+             for name, v in kwargs.items()}
+        calls[rank] = (a, k)
+    return calls
+
+
+def gather(ctx: CallContext, outputs: list[Any]) -> Any:
+    """Concatenate batch outputs (dropping the pad rows scatter added); other outputs as a list."""
+    if outputs and all(isinstance(o, DistBatch) for o in outputs):
+        out = DistBatch.concat(outputs)
+        pad = ctx.state.get("pad_size", 0)
+        if pad and len(out) == sum(len(o) for o in outputs) and len(outputs) == ctx.state.get("shards"):
+            out.meta = {**out.meta, "pad_size": pad}
+            out = out.unpad()
+        return out
+    if outputs and all(isinstance(o, Batch) for o in outputs):
+        out = Batch.concat(outputs)
+        pad = ctx.state.get("pad_size", 0)
+        return out.slice(0, len(out) - pad) if pad else out
+    return outputs
+
+
+def _all(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
+    return {r: (args, kwargs) for r in range(ctx.world_size)}
+
+
+def _in_rank_order(outputs: dict[int, Any]) -> list[Any]:
+    return [outputs[r] for r in sorted(outputs)]
+
+
+# the built-in protocols ----------------------------------------------------------------------------
+def _all_to_all(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
+    for v in [*args, *kwargs.values()]:
+        if not isinstance(v, (list, tuple)) or len(v) != ctx.world_size:
+            raise ValueError(f"{ctx.group}.{ctx.method} is ALL_TO_ALL: every argument must be a "
+                             f"list with one entry per rank ({ctx.world_size})")
+    return {r: (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()})
+            for r in range(ctx.world_size)}
+
+
+def _dp(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
+    return scatter(ctx, args, kwargs, ctx.world_size, lambda r: r)
+
+
+def _three_d(mesh_name: str, data_dims: tuple[str, ...]) -> Callable[[CallContext, tuple, dict], RankCalls]:
+    def distribute(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
+        index = [ctx.mesh(r, mesh_name).data_index(data_dims) for r in range(ctx.world_size)]
+        counts = {c for _, c in index}
+        if len(counts) != 1:
+            raise ValueError(f"ranks of {ctx.group} disagree on the {mesh_name} mesh's data size")
+        ctx.state["mesh"] = mesh_name
+        ctx.state["data_dims"] = data_dims
+        return scatter(ctx, args, kwargs, counts.pop(), lambda r: index[r][0])
+    return distribute
+
+
+def _collect_3d(ctx: CallContext, outputs: dict[int, Any]) -> Any:
+    name, dims = ctx.state["mesh"], ctx.state["data_dims"]
+    keep = {ctx.mesh(r, name).data_index(dims)[0]: outputs[r] for r in sorted(outputs)
+            if ctx.mesh(r, name).is_collect_rank}
+    return gather(ctx, [keep[i] for i in sorted(keep)])
+
+
+def _collect_pp_only(ctx: CallContext, outputs: dict[int, Any]) -> list[Any]:
+    ranks = [r for r in sorted(outputs)
+             if ctx.mesh(r).coord("tp") == 0 and ctx.mesh(r).coord("dp") == 0 and ctx.mesh(r).coord("cp") == 0]
+    return [outputs[r] for r in sorted(ranks, key=lambda r: ctx.mesh(r).coord("pp"))]
+
+
+register_protocol(ONE_TO_ALL, _all, lambda ctx, out: _in_rank_order(out))
+register_protocol(ALL_TO_ALL, _all_to_all, lambda ctx, out: _in_rank_order(out))
+register_protocol(RANK_ZERO, lambda ctx, a, k: {0: (a, k)}, lambda ctx, out: out[0])
+register_protocol(DP_PROTO, _dp, lambda ctx, out: gather(ctx, _in_rank_order(out)))
+register_protocol(THREE_D_PROTO, _three_d("train", ("dp",)), _collect_3d)
+# Generation meshes split each training model-parallel group into micro-DP groups (HybridFlow
+# §5): data goes to every (dp, micro_dp) group and is broadcast inside it.
+register_protocol(THREE_D_ALL_MICRO_DP, _three_d("rollout", ("dp", "micro_dp")), _collect_3d)
+register_protocol(THREE_D_PP_ONLY, _all, _collect_pp_only)

@@ -1,0 +1,116 @@
+"""Worker classes for the programming-model tests (importable by worker processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from asyncrl import Batch, Worker, register
+from asyncrl.protocols import (
+    ALL_TO_ALL,
+    DP_PROTO,
+    ONE_TO_ALL,
+    RANK_ZERO,
+    THREE_D_ALL_MICRO_DP,
+    THREE_D_PP_ONLY,
+    THREE_D_PROTO,
+)
+
+
+class Producer(Worker):
+    @register(DP_PROTO)
+    def make(self, spec: Batch) -> Batch:
+        """Each rank makes rows for its share of `spec["idx"]`."""
+        idx = spec["idx"]
+        return Batch({"idx": idx.clone(), "x": idx.float().unsqueeze(1).repeat(1, 4),
+                      "owner": torch.full_like(idx, self.rank)},
+                     {"tag": [f"r{int(i)}" for i in idx]})
+
+    @register(ONE_TO_ALL)
+    def make_rows(self, rows: int, cols: int) -> Batch:
+        n = rows // self.world_size
+        start = self.rank * n
+        return Batch({"idx": torch.arange(start, start + n),
+                      "x": torch.ones(n, cols, dtype=torch.float32)})
+
+    @register(ONE_TO_ALL)
+    def whoami(self) -> dict:
+        return {"rank": self.rank, "world": self.world_size, "pid": os.getpid()}
+
+
+class Consumer(Worker):
+    @register(DP_PROTO)
+    def double(self, batch: Batch) -> Batch:
+        out = Batch({"y": batch["x"] * 2, "seen_by": torch.full((len(batch),), self.rank)})
+        return out
+
+    @register(DP_PROTO)
+    def rows_seen(self, batch: Batch) -> dict:
+        return {"rank": self.rank, "rows": len(batch), "first": int(batch["idx"][0]) if len(batch) else -1}
+
+    @register(DP_PROTO)
+    def sum_x(self, batch: Batch) -> Batch:
+        return Batch({"s": batch["x"].sum(dim=1, keepdim=False)})
+
+    @register(ONE_TO_ALL)
+    def noop(self) -> None:
+        return None
+
+    @register(RANK_ZERO)
+    def rank_zero(self) -> int:
+        return self.rank
+
+    @register(ALL_TO_ALL)
+    def echo(self, value):
+        return (self.rank, value)
+
+    @register(ONE_TO_ALL)
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return time.monotonic()
+
+    @register(ONE_TO_ALL)
+    def stamp(self, label: str) -> tuple:
+        return (label, time.monotonic())
+
+    @register(DP_PROTO)
+    def fail_on_rank_one(self, batch: Batch) -> Batch:
+        if self.rank == 1:
+            raise ValueError("rank one refuses")
+        return batch
+
+
+class Mesh3D(Worker):
+    """4 ranks as pp=1 × dp=2 × tp=2; a rollout mesh with dp=1 × micro_dp=2 × tp=2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_mesh(dp=2, tp=2)
+        self.register_mesh("rollout", dp=1, micro_dp=2, tp=2, order=("dp", "micro_dp", "tp"))
+
+    @register(THREE_D_PROTO)
+    def tag(self, batch: Batch) -> Batch:
+        return Batch({"idx": batch["idx"], "dp": torch.full((len(batch),), self.mesh.dp_rank),
+                      "tp": torch.full((len(batch),), self.mesh.coord("tp"))})
+
+    @register(THREE_D_ALL_MICRO_DP)
+    def gen(self, batch: Batch) -> Batch:
+        m = self.meshes["rollout"]
+        return Batch({"idx": batch["idx"], "micro": torch.full((len(batch),), m.coord("micro_dp"))})
+
+    @register(THREE_D_PP_ONLY)
+    def names(self) -> list:
+        return [self.rank, self.mesh.coords]
+
+
+class Colocated(Worker):
+    @register(ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def add_column(batch: Batch, value: float) -> Batch:
+    """Runs on a worker via group.apply."""
+    return Batch({"z": batch["x"][:, 0] + value})

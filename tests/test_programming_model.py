@@ -1,0 +1,149 @@
+"""Programming model: Worker, @register protocols, WorkerGroup, DistBatch resharding, dataflow."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import pytest
+import torch
+
+from asyncrl import Batch, DistBatch, WorkerCallError, register_protocol
+from asyncrl.context import local_cluster
+from asyncrl.dist import Piece
+from asyncrl.mesh import Mesh
+from tests import pm_workers as W
+
+
+@pytest.fixture
+async def ctx(tmp_path):
+    async with local_cluster(cpu_devices=6, log_dir=tmp_path / "logs", insecure=True) as c:
+        yield c
+
+
+async def test_dp_chain_reshards_without_the_controller(ctx):
+    producers = await ctx.spawn_group(ctx.create_pool("prod", world_size=2), W.Producer)
+    consumers = await ctx.spawn_group(ctx.create_pool("cons", per_node=[6]), W.Consumer)
+    spec = ctx.put(Batch({"idx": torch.arange(10)}))
+    made = producers.make(spec)  # a future, not a value
+    assert not made.done()
+    seen = await consumers.rows_seen(made)  # dataflow edge: waits for `made`
+    # 10 rows over 6 ranks: padded to 12 by reference, 2 rows each
+    assert [s["rows"] for s in seen] == [2] * 6
+    assert [s["first"] for s in seen] == [0, 2, 4, 6, 8, 0]
+    doubled = await consumers.double(made)
+    assert isinstance(doubled, DistBatch) and len(doubled) == 10  # padding dropped
+    full = await doubled.union(await made).fetch()
+    assert torch.equal(full["y"], full["x"] * 2)
+    assert torch.equal(full["idx"], torch.arange(10))
+    assert full["tag"] == [f"r{i}" for i in range(10)]
+    assert full["seen_by"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert full["owner"].tolist() == [0] * 5 + [1] * 5
+
+
+async def test_protocols_one_to_all_rank_zero_all_to_all(ctx):
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=3), W.Consumer)
+    assert await g.noop() == [None, None, None]
+    assert await g.rank_zero() == 0
+    assert await g.echo(["a", "b", "c"]) == [[0, "a"], [1, "b"], [2, "c"]]
+    with pytest.raises(ValueError, match="ALL_TO_ALL"):
+        await g.echo(["only one"])
+    with pytest.raises(AttributeError, match="registered"):
+        g.not_a_method()
+
+
+async def test_3d_protocols_follow_the_mesh(ctx):
+    g = await ctx.spawn_group(ctx.create_pool("mesh", world_size=4), W.Mesh3D)
+    assert [m["train"].coords for m in g.meshes] == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1},
+                                                     {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
+    out = await (await g.tag(ctx.put(Batch({"idx": torch.arange(6)})))).fetch()
+    # split over dp=2, broadcast over tp, collected from tp rank 0 only
+    assert out["idx"].tolist() == list(range(6))
+    assert out["dp"].tolist() == [0, 0, 0, 1, 1, 1] and out["tp"].tolist() == [0] * 6
+    gen = await (await g.gen(ctx.put(Batch({"idx": torch.arange(4)})))).fetch()
+    assert gen["micro"].tolist() == [0, 0, 1, 1]
+    names = await g.names()
+    assert [n[0] for n in names] == [0]  # pp=1: one stage reports
+
+
+async def test_user_protocol_and_apply(ctx):
+    def distribute(c, args, kwargs):
+        return {r: ((args[0] * (r + 1),), {}) for r in range(c.world_size)}
+
+    register_protocol("SCALED", distribute, lambda c, outs: sum(o[1] for o in outs.values()))
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Consumer)
+    # apply a protocol by name to a registered method's function through apply()
+    made = ctx.put(Batch({"x": torch.ones(4, 2)}))
+    z = await g.apply(W.add_column, made, 1.5, protocol="DP_PROTO")
+    assert (await z.fetch())["z"].tolist() == [2.5] * 4
+    assert await g.apply("tests.pm_workers:add_column", made, 0.5, protocol="RANK_ZERO") is not None
+    with pytest.raises(ValueError, match="unknown transfer protocol"):
+        g.apply(W.add_column, made, 1.0, protocol="NOPE")
+
+
+async def test_rank_exception_surfaces_with_rank_and_traceback(ctx):
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Consumer)
+    fut = g.fail_on_rank_one(ctx.put(Batch({"x": torch.ones(4, 2)})))
+    with pytest.raises(WorkerCallError) as info:
+        await fut
+    e = info.value
+    assert e.rank == 1 and e.method == "fail_on_rank_one" and e.remote_type == "ValueError"
+    assert "rank one refuses" in str(e) and "pm_workers.py" in e.remote_traceback
+    assert await g.noop() == [None, None]  # the group keeps working
+
+
+async def test_disjoint_pools_overlap_shared_pool_orders(ctx):
+    a = await ctx.spawn_group(ctx.create_pool("a", world_size=1), W.Consumer)
+    b = await ctx.spawn_group(ctx.create_pool("b", world_size=1), W.Consumer)
+    t0 = time.monotonic()
+    await asyncio.gather(a.sleep(1.0), b.sleep(1.0))
+    assert time.monotonic() - t0 < 1.8  # concurrent
+    # colocated roles share processes: calls run in issue order even when the first is slower
+    groups = await ctx.spawn(ctx.create_pool("c", world_size=2), first=W.Consumer, second=W.Colocated)
+    assert await groups.first.apply("os:getpid", protocol="ONE_TO_ALL") == await groups.second.pid()
+    slow = groups.first.sleep(0.5)
+    quick = groups.first.stamp("after")
+    done_slow, (label, t_quick) = (await slow)[0], (await quick)[0]
+    assert label == "after" and t_quick >= done_slow
+
+
+async def test_distbatch_plans_are_row_arithmetic(ctx):
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Producer)
+    d = await g.make_rows(8, 3)  # ONE_TO_ALL -> list of per-rank batches
+    assert [len(x) for x in d] == [4, 4]
+    whole = DistBatch.concat(d)
+    assert len(whole) == 8 and len(whole.blocks) == 2
+    mid = whole.slice(3, 6)
+    assert [(p.start, p.stop) for b in mid.blocks for p in b] == [(3, 4), (0, 2)]
+    rep = whole.slice(0, 2).repeat(2)
+    assert (await rep.fetch())["idx"].tolist() == [0, 0, 1, 1]
+    padded = whole.slice(0, 5).pad_to_divisor(4)
+    assert len(padded) == 8 and padded.pad_size == 3 and len(padded.unpad()) == 5
+    sel = whole.select("idx")
+    assert sel.columns == ["idx"]
+    with pytest.raises(KeyError):
+        whole.select("nope")
+    assert all(isinstance(p, Piece) for b in whole.blocks for p in b)
+
+
+async def test_dropped_distbatches_are_freed(ctx):
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Producer)
+    stats = lambda: asyncio.gather(*(h.call("store_stats") for h in g.handles))  # noqa: E731
+    d = await g.make_rows(64, 64)
+    assert sum(s["objects"] for s in await stats()) == 2
+    del d
+    gc.collect()
+    for _ in range(50):
+        if sum(s["objects"] for s in await stats()) == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert sum(s["objects"] for s in await stats()) == 0
+
+
+def test_mesh_layout():
+    m = Mesh.from_rank(5, pp=2, dp=2, tp=2)
+    assert m.coords == {"pp": 1, "dp": 0, "tp": 1}
+    assert not m.is_collect_rank and Mesh.from_rank(6, pp=2, dp=2, tp=2).is_collect_rank
+    with pytest.raises(ValueError):
+        Mesh.from_rank(8, dp=2, tp=2)
