@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
@@ -121,10 +122,7 @@ class WorkerGroup:
         return a Batch, which stays on the worker; e.g. advantage estimation without the driver
         ever holding tensors.
         """
-        path = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
-        if not isinstance(fn, str) and (fn.__module__ == "__main__" or "<locals>" in fn.__qualname__):
-            raise ValueError(f"{fn.__qualname__} must be a module-level function of an importable "
-                             "module to run on workers")
+        path = fn if isinstance(fn, str) else importable_path(fn)
         spec = MethodSpec(protocol, blocking)
         return self.call(f"apply:{path}", spec, "asyncrl_apply", [path], args, kwargs)
 
@@ -184,11 +182,16 @@ class WorkerGroup:
         return f"WorkerGroup({self.role}: {self.cls.__qualname__} x {self.world_size})"
 
 
-def class_path(cls: type) -> str:
-    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
-        raise ValueError(f"{cls.__qualname__} must be defined at module level in an importable "
-                         "module (not __main__) so worker processes can import it")
-    return f"{cls.__module__}:{cls.__qualname__}"
+def importable_path(obj: Any) -> str:
+    """`module:qualname` of a module-level class or function, as worker processes import it."""
+    module = obj.__module__
+    if module == "__main__":  # run as `python -m pkg.mod`: workers import it as pkg.mod
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    if module == "__main__" or "<locals>" in obj.__qualname__:
+        raise ValueError(f"{obj.__qualname__} must be defined at module level in an importable "
+                         "module (not a script's __main__) so worker processes can import it")
+    return f"{module}:{obj.__qualname__}"
 
 
 def _plain(value: Any) -> Any:
@@ -206,7 +209,7 @@ async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple,
     """Instantiate each class on every rank of `procs` (colocated) and wrap them as groups."""
     groups = {}
     for role, (cls, args, kwargs) in classes.items():
-        path = class_path(cls)
+        path = importable_path(cls)
         a = [_plain(v) for v in args]
         k = {n: _plain(v) for n, v in kwargs.items()}
         t0 = time.monotonic()

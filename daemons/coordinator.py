@@ -205,21 +205,28 @@ class Coordinator:
         nodes = self.live_nodes()
         if not nodes:
             raise PlacementError("no node has joined the cluster yet")
+        if name in self.pools:
+            raise PlacementError(f"a pool named {name!r} exists already; pick another name")
+        taken = {p for pool in self.pools.values() for p in pool.placements}
         placements: list[tuple[str, str]] = []
         if per_node is not None:
             if len(per_node) > len(nodes):
                 raise PlacementError(f"pool {name!r} wants {len(per_node)} nodes; {len(nodes)} joined")
             for node, count in zip(nodes, per_node, strict=False):
-                if count > len(node.devices):
+                free = [d for d in node.devices if (node.node_id, d) not in taken]
+                if count > len(free):
                     raise PlacementError(f"pool {name!r} wants {count} devices on node {node.node_id}, "
-                                         f"which has {len(node.devices)}")
-                placements += [(node.node_id, d) for d in node.devices[:count]]
+                                         f"which has {len(free)} free of {len(node.devices)}; colocate "
+                                         "roles on one pool instead of making another")
+                placements += [(node.node_id, d) for d in free[:count]]
         else:
-            available = [(n.node_id, d) for n in nodes for d in n.devices]
+            available = [(n.node_id, d) for n in nodes for d in n.devices if (n.node_id, d) not in taken]
             want = world_size or len(available)
-            if want > len(available):
+            if want > len(available) or want == 0:
                 raise PlacementError(f"pool {name!r} wants {want} devices; the cluster has "
-                                     f"{len(available)} ({', '.join(n.node_id for n in nodes)})")
+                                     f"{len(available)} free ({', '.join(n.node_id for n in nodes)}, "
+                                     f"{len(taken)} held by pools {sorted(self.pools)}); colocate "
+                                     "roles on one pool instead of making another")
             placements = available[:want]
         pool = ResourcePool(name, placements)
         self.pools[name] = pool
@@ -308,7 +315,8 @@ class Coordinator:
         return WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, info.log_tail)
 
     async def shutdown_workers(self, grace_s: float = 5.0) -> None:
-        """Stop every worker: ask nicely, then let node daemons kill what is left."""
+        """Stop every worker: ask nicely, then let node daemons kill what is left. Frees all pools."""
+        self.pools.clear()
         for info in self.workers.values():
             if info.state != "dead":
                 info.exit_reason = "stopped"

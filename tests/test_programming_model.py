@@ -18,7 +18,7 @@ from tests import pm_workers as W
 
 @pytest.fixture
 async def ctx(tmp_path):
-    async with local_cluster(cpu_devices=6, log_dir=tmp_path / "logs", insecure=True) as c:
+    async with local_cluster(cpu_devices=8, log_dir=tmp_path / "logs", insecure=True) as c:
         yield c
 
 
