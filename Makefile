@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/asyncrl-launch --config-name smoke
+	$(BIN)/asyncrl-launch --config-name quickstart
 
 test: $(STAMP)
 	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests

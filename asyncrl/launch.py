@@ -187,8 +187,10 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
             await asyncio.gather(driver, return_exceptions=True)
             log.error("job stopped: %s", coordinator.stop_reason or "signal")
             return 1
-        driver.result()  # raises the driver's exception
+        result = driver.result()  # raises the driver's exception
         log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
+        if isinstance(result, dict):  # the job's summary is the last line on stdout
+            print(json.dumps(result), flush=True)
         return 0
     finally:
         if ctx is not None:

@@ -444,6 +444,12 @@ class LagrangeMultiplier:
     def value(self) -> float:
         return math.exp(self._log_value)
 
+    def state_dict(self) -> dict[str, float]:
+        return {"log_value": self._log_value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self._log_value = float(state["log_value"])
+
     def update(self, mean_episode_cost: float | Tensor) -> float:
         """Step log(lambda) by lr * lambda * (cost - limit); returns the new lambda."""
         violation = float(mean_episode_cost) - self.cost_limit

@@ -1,0 +1,275 @@
+"""Prompt datasets: load verl-layout parquet/jsonl rows, tokenise prompts, batch them resumably."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    """A data file or row that cannot be used as a prompt dataset (the message says what to fix)."""
+
+
+def _from_arrow_value(value: Any) -> Any:
+    # parquet maps come back as lists of (key, value) pairs; structs already come back as dicts
+    if isinstance(value, list) and value and all(
+        isinstance(v, tuple) and len(v) == 2 for v in value
+    ):
+        return {k: _from_arrow_value(v) for k, v in value}
+    if isinstance(value, list):
+        return [_from_arrow_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _from_arrow_value(v) for k, v in value.items()}
+    return value
+
+
+def load_rows(path: str | Path | Sequence[str | Path]) -> list[dict]:
+    """Rows of one or more .parquet / .jsonl / .json files (verl's layout or flat prompt rows)."""
+    if isinstance(path, (list, tuple)):
+        return [row for p in path for row in load_rows(p)]
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"data file {p} does not exist (check the data.*_files setting)")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return [_from_arrow_value(r) for r in pq.read_table(p).to_pylist()]
+    if p.suffix in (".jsonl", ".ndjson"):
+        rows = []
+        with p.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{p}:{lineno}: not valid JSON ({e})") from e
+        return rows
+    if p.suffix == ".json":
+        rows = json.loads(p.read_text())
+        if not isinstance(rows, list):
+            raise DatasetError(f"{p}: a .json data file must hold a list of rows")
+        return rows
+    raise DatasetError(f"{p}: unsupported data file type {p.suffix!r}; use .parquet or .jsonl")
+
+
+def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
+    """The row's prompt as chat messages (a plain string becomes one user message)."""
+    if prompt_key not in row:
+        raise DatasetError(f"row has no {prompt_key!r} field (fields: {sorted(row)})")
+    prompt = row[prompt_key]
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise DatasetError(
+        f"row field {prompt_key!r} must be a string or a list of {{role, content}} messages"
+    )
+
+
+def ground_truth_of(row: dict) -> Any:
+    """verl's `reward_model.ground_truth`, or a flat `ground_truth` / `answer` field."""
+    rm = row.get("reward_model")
+    if isinstance(rm, dict) and "ground_truth" in rm:
+        return rm["ground_truth"]
+    for key in ("ground_truth", "answer"):
+        if key in row:
+            return row[key]
+    raise DatasetError(f"row has no reward_model.ground_truth (fields: {sorted(row)})")
+
+
+def prompt_uid(text: str) -> str:
+    """A stable id for a prompt string (GRPO groups responses by it)."""
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One tokenised prompt and the metadata the reward needs."""
+
+    input_ids: list[int]
+    raw_prompt: str
+    ground_truth: Any
+    data_source: str
+    extra_info: dict
+    uid: str
+
+
+class PromptDataset:
+    """Tokenised prompts of `rows`; prompts longer than `max_prompt_len` tokens are dropped."""
+
+    def __init__(
+        self,
+        rows: Sequence[dict],
+        tokenizer: Any,
+        max_prompt_len: int,
+        apply_chat_template: bool = True,
+        prompt_key: str = "prompt",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_prompt_len = max_prompt_len
+        self.pad_token_id = tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            raise DatasetError("the tokenizer has no pad token; set tokenizer.pad_token first")
+        self.items: list[PromptItem] = []
+        dropped = 0
+        for row in rows:
+            messages = prompt_messages(row, prompt_key)
+            if apply_chat_template:
+                text = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            else:
+                text = "\n".join(m["content"] for m in messages)
+                ids = tokenizer.encode(text, add_special_tokens=True)
+            if len(ids) > max_prompt_len:
+                dropped += 1
+                continue
+            self.items.append(
+                PromptItem(
+                    input_ids=list(ids),
+                    raw_prompt=text,
+                    ground_truth=ground_truth_of(row),
+                    data_source=str(row.get("data_source", "unknown")),
+                    extra_info=dict(row.get("extra_info") or {}),
+                    uid=prompt_uid(text),
+                )
+            )
+        if dropped:
+            log.warning("dropped %d of %d prompts longer than max_prompt_len=%d",
+                        dropped, len(rows), max_prompt_len)
+        if not self.items:
+            raise DatasetError(
+                f"no usable prompts ({len(rows)} rows, {dropped} over max_prompt_len="
+                f"{max_prompt_len}); raise max_prompt_len or check the data"
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+    def collate(self, items: Sequence[PromptItem]) -> dict[str, Any]:
+        """Left-pad `items` into a batch dict (tensors + per-row lists)."""
+        return collate_prompts(items, self.pad_token_id)
+
+
+def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str, Any]:
+    """input_ids/attention_mask/position_ids [B, P] left-padded, plus per-row metadata lists."""
+    width = max(len(it.input_ids) for it in items)
+    ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for i, it in enumerate(items):
+        n = len(it.input_ids)
+        ids[i, width - n:] = torch.tensor(it.input_ids, dtype=torch.long)
+        mask[i, width - n:] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "ground_truth": [it.ground_truth for it in items],
+        "data_source": [it.data_source for it in items],
+        "raw_prompt": [it.raw_prompt for it in items],
+        "extra_info": [it.extra_info for it in items],
+        "uid": [it.uid for it in items],
+    }
+
+
+class PromptLoader:
+    """Batches of a `PromptDataset`, reshuffled per epoch, resumable via `state_dict()`.
+
+    Iterating yields the rest of the current epoch; the next iteration starts the next epoch.
+    `next_batch()` rolls over epochs by itself. The shuffle order is a pure function of
+    (seed, epoch), so (epoch, position) is the whole state.
+    """
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size < 1:
+            raise DatasetError(f"batch_size must be >= 1, got {batch_size}")
+        if drop_last and len(dataset) < batch_size:
+            raise DatasetError(
+                f"dataset has {len(dataset)} prompts, fewer than batch_size={batch_size}; "
+                "lower the batch size or add data"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0  # batches of this epoch already handed out
+
+    def __len__(self) -> int:
+        n, b = len(self.dataset), self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def _batch(self) -> dict[str, Any]:
+        order = self._order(self.epoch)
+        start = self.position * self.batch_size
+        idx = order[start:start + self.batch_size]
+        self.position += 1
+        return self.dataset.collate([self.dataset[i] for i in idx])
+
+    def _roll_over(self) -> None:
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._roll_over()
+        while self.position < len(self):
+            yield self._batch()
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next batch, starting a new epoch when this one is used up."""
+        self._roll_over()
+        return self._batch()
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """Everything needed to continue exactly where this loader stopped."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.dataset),
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; refuses a state saved for other data or another batch size."""
+        for key, mine in (("num_prompts", len(self.dataset)), ("batch_size", self.batch_size),
+                          ("seed", self.seed), ("shuffle", self.shuffle)):
+            if key in state and state[key] != mine:
+                raise DatasetError(
+                    f"loader state was saved with {key}={state[key]}, this loader has {mine}; "
+                    "resume with the same data and data settings"
+                )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])

@@ -1,0 +1,174 @@
+"""Built-in synthetic tasks: deterministic prompts + ground truth in verl's row layout.
+
+Every task speaks a closed word-level vocabulary (space-separated symbols), so the tiny model's
+tokenizer covers it exactly, and every answer is a short space-separated symbol sequence scored
+position by position (partial credit), which keeps the RL signal dense.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DIGITS = tuple(str(d) for d in range(10))
+LETTERS = tuple("abcdefgh")
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    """A task: its symbols, and a generator of (prompt text, answer text) from a `random.Random`."""
+
+    name: str
+    symbols: tuple[str, ...]
+    make: Callable[[random.Random], tuple[str, str]]
+    max_answer_tokens: int
+    answer_symbols: tuple[str, ...]
+
+    @property
+    def data_source(self) -> str:
+        return f"asyncrl/{self.name}"
+
+
+def _digits(rng: random.Random, k: int) -> list[int]:
+    return [rng.randrange(10) for _ in range(k)]
+
+
+def _sum(rng: random.Random) -> tuple[str, str]:
+    # a + b with two-digit operands; answer digits most-significant first, e.g. "1 0 7"
+    a, b = rng.randrange(100), rng.randrange(100)
+    question = " ".join([*str(a), "+", *str(b), "="])
+    return question, " ".join(str(a + b))
+
+
+def _max(rng: random.Random) -> tuple[str, str]:
+    xs = _digits(rng, 5)
+    return " ".join(["max", *map(str, xs)]), str(max(xs))
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    xs = _digits(rng, 4)
+    return " ".join(["sort", *map(str, xs)]), " ".join(map(str, sorted(xs)))
+
+
+def _copy(rng: random.Random) -> tuple[str, str]:
+    xs = [rng.choice(LETTERS) for _ in range(4)]
+    return " ".join(["copy", *xs]), " ".join(xs)
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    xs = [rng.choice(LETTERS) for _ in range(4)]
+    return " ".join(["reverse", *xs]), " ".join(reversed(xs))
+
+
+TASKS: dict[str, SyntheticTask] = {
+    t.name: t
+    for t in (
+        SyntheticTask("sum", (*DIGITS, "+", "="), _sum, 3, DIGITS),
+        SyntheticTask("max", (*DIGITS, "max"), _max, 1, DIGITS),
+        SyntheticTask("sort", (*DIGITS, "sort"), _sort, 4, DIGITS),
+        SyntheticTask("copy", (*LETTERS, "copy"), _copy, 4, LETTERS),
+        SyntheticTask("reverse", (*LETTERS, "reverse"), _reverse, 4, LETTERS),
+    )
+}
+
+
+def get_task(name: str) -> SyntheticTask:
+    """The task called `name` (also accepts its data_source, e.g. "asyncrl/sort")."""
+    key = name.removeprefix("asyncrl/")
+    if key not in TASKS:
+        raise KeyError(f"unknown synthetic task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[key]
+
+
+def all_symbols() -> list[str]:
+    """Every symbol of every task, in a stable order (the tiny tokenizer's content vocabulary)."""
+    seen: dict[str, None] = {}
+    for task in TASKS.values():
+        seen.update(dict.fromkeys(task.symbols))
+    return list(seen)
+
+
+def score_answer(solution: str, ground_truth: str) -> float:
+    """Fraction of answer positions right, over the longer of the two (1.0 only when exact)."""
+    pred, gold = solution.split(), ground_truth.split()
+    if not pred or not gold:
+        return 0.0
+    hits = sum(p == g for p, g in zip(pred, gold, strict=False))
+    return hits / max(len(pred), len(gold))
+
+
+def make_examples(task: str, n: int, seed: int) -> list[tuple[str, str]]:
+    """`n` (prompt, answer) pairs, a pure function of (task, n, seed)."""
+    spec = get_task(task)
+    rng = random.Random(f"{spec.name}:{seed}")
+    return [spec.make(rng) for _ in range(n)]
+
+
+def make_rows(task: str, n: int, seed: int, split: str = "train") -> list[dict]:
+    """`n` rows in verl's layout: prompt as chat messages, reward_model.ground_truth, extra_info."""
+    spec = get_task(task)
+    return [
+        {
+            "data_source": spec.data_source,
+            "prompt": [{"role": "user", "content": prompt}],
+            "ability": "synthetic",
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": split, "index": i, "answer": answer},
+        }
+        for i, (prompt, answer) in enumerate(make_examples(task, n, seed))
+    ]
+
+
+def _disjoint_splits(task: str, n_train: int, n_val: int, seed: int) -> tuple[list, list]:
+    """Train and validation rows with no prompt in both (val is drawn first, from its own seed)."""
+    val = make_rows(task, n_val, seed + 1_000_003, "test")
+    held = {r["prompt"][0]["content"] for r in val}
+    train: list[dict] = []
+    rng_seed = seed
+    while len(train) < n_train:
+        batch = make_rows(task, 2 * (n_train - len(train)) + 16, rng_seed, "train")
+        train.extend(r for r in batch if r["prompt"][0]["content"] not in held)
+        rng_seed += 7919
+    train = train[:n_train]
+    for i, row in enumerate(train):
+        row["extra_info"]["index"] = i
+    return train, val
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as parquet (by suffix .parquet) or jsonl (anything else)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        with path.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return path
+
+
+def write_dataset(
+    out_dir: str | Path,
+    task: str = "sort",
+    *,
+    n_train: int = 4096,
+    n_val: int = 256,
+    seed: int = 0,
+    fmt: str = "parquet",
+) -> dict[str, Path]:
+    """Write `train.<fmt>` and `test.<fmt>` (prompts disjoint) under `out_dir`; return the paths."""
+    if fmt not in ("parquet", "jsonl"):
+        raise ValueError(f"fmt must be 'parquet' or 'jsonl', not {fmt!r}")
+    train, val = _disjoint_splits(task, n_train, n_val, seed)
+    out = Path(out_dir)
+    return {
+        "train": write_rows(train, out / f"train.{fmt}"),
+        "test": write_rows(val, out / f"test.{fmt}"),
+    }

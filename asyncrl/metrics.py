@@ -1,0 +1,88 @@
+"""Watching a run: a progress bar with per-step metrics, a JSONL file, TensorBoard, a PNG curve."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("asyncrl.metrics")
+
+SHOWN = ("critic/score_mean", "val/reward", "actor/pg_loss", "actor/kl_loss", "critic/kl",
+         "critic/vf_loss", "response/length_mean", "timing/step_s")
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `out_dir/metrics.jsonl` and mirrors it to TensorBoard."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool = True, append: bool = False) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self.file = self.path.open("a" if append else "w")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError as e:  # tensorboard is a dependency; a broken install only loses TB
+                log.warning("TensorBoard logging off: %s", e)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.file.write(json.dumps({"step": step, **numbers}) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def plot(self, history: list[dict[str, float]], val: list[list[float]], path: Path) -> None:
+        """Training score per step and held-out reward per evaluation, in one PNG."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [h["step"] for h in history if "critic/score_mean" in h]
+        ax.plot(steps, [h["critic/score_mean"] for h in history if "critic/score_mean" in h],
+                label="train reward (mean over samples)", alpha=0.7)
+        if val:
+            ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="held-out reward (greedy)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class _Progress:
+    def __init__(self, total: int, initial: int, desc: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
+                        dynamic_ncols=True, disable=None)
+
+    def update(self, metrics: dict[str, Any]) -> None:
+        shown = {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in SHOWN if k in metrics}
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(1)
+        log.info("step %d | %s", self.bar.n, " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def progress(total: int, initial: int, desc: str) -> _Progress:
+    return _Progress(total, initial, desc)

@@ -1,0 +1,232 @@
+"""A tiny word-level Llama for the CPU quickstart, built locally (no model hub).
+
+`build_tiny_model` writes a HF checkpoint directory — tokenizer (word-level, chat template) and a
+random-init `LlamaForCausalLM` — optionally after a short supervised warm start on the synthetic
+task, so `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)` load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from asyncrl.data.synthetic import all_symbols, get_task, make_examples
+
+log = logging.getLogger(__name__)
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
+MARKER = "asyncrl_tiny.json"
+
+# One turn is "<|role|> content <eos>"; the generation prompt is "<|assistant|>". Whitespace
+# around tokens is irrelevant: the pre-tokenizer splits on it.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|> ' + message['content'] + ' ' + eos_token + ' ' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tokenizer(symbols: list[str] | None = None):
+    """A word-level `PreTrainedTokenizerFast` over `symbols` (default: every synthetic symbol)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [*SPECIAL_TOKENS, *(s for s in (symbols or all_symbols()) if s not in SPECIAL_TOKENS)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        model_max_length=256,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_config(tokenizer, *, hidden: int, layers: int, heads: int):
+    """A small `LlamaConfig` sized to the tokenizer."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str = "format"):
+    """Endless (input_ids, labels) batches of chat-formatted task examples; loss on the answer.
+
+    targets="task" trains on the true answers; targets="format" on answers of the right shape
+    (length, symbols, end of turn) whose symbols are drawn at random, which teaches the format and
+    nothing of the task, leaving the task itself for RL.
+    """
+    if targets not in ("task", "format"):
+        raise ValueError(f"SFT targets must be 'task' or 'format', not {targets!r}")
+    spec = get_task(task)
+    rng = random.Random(f"sft-format:{task}:{seed}")
+    step = 0
+    while True:
+        pairs = make_examples(task, batch_size, seed=10_000 * (seed + 1) + step)
+        seqs, labels = [], []
+        for prompt, answer in pairs:
+            if targets == "format":
+                answer = " ".join(rng.choice(spec.answer_symbols) for _ in answer.split())
+            head = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            head = list(head["input_ids"] if hasattr(head, "keys") else head)
+            tail = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            seqs.append(head + tail)
+            labels.append([-100] * len(head) + tail)
+        width = max(map(len, seqs))
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
+        lab = torch.tensor([[-100] * (width - len(s)) + s for s in labels])
+        yield ids, lab
+        step += 1
+
+
+def sft_warm_start(
+    model, tokenizer, task: str, *, steps: int, lr: float, batch_size: int = 64, seed: int = 0,
+    targets: str = "format",
+) -> float:
+    """Supervised warm start on `task` for `steps` AdamW steps; returns the last loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss_val = float("nan")
+    batches = sft_batches(tokenizer, task, batch_size, seed, targets)
+    for _ in range(steps):
+        ids, labels = next(batches)
+        mask = (ids != tokenizer.pad_token_id).long()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        loss_val = float(out.loss.detach())
+    model.eval()
+    return loss_val
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    task: str = "sort",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    sft_steps: int = 0,
+    sft_lr: float = 1e-3,
+    sft_batch_size: int = 64,
+    sft_targets: str = "format",
+) -> Path:
+    """Write tokenizer + (optionally SFT-warmed) random-init Llama to `out_dir`; return the path."""
+    from transformers import LlamaForCausalLM
+
+    get_task(task)  # fail early on an unknown task
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    tokenizer = build_tokenizer()
+    model = LlamaForCausalLM(build_config(tokenizer, hidden=hidden, layers=layers, heads=heads))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    loss = None
+    if sft_steps > 0:
+        loss = sft_warm_start(
+            model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size,
+            seed=seed, targets=sft_targets,
+        )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    info = {
+        "task": task,
+        "hidden": hidden,
+        "layers": layers,
+        "heads": heads,
+        "seed": seed,
+        "sft_steps": sft_steps,
+        "sft_lr": sft_lr,
+        "sft_batch_size": sft_batch_size,
+        "sft_targets": sft_targets,
+        "sft_final_loss": loss,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    # the marker goes last: a directory without it is a half-written build
+    (out / MARKER).write_text(json.dumps(info, indent=1))
+    log.info("built tiny model in %s (%.1fs): %s", out, time.perf_counter() - t0, info)
+    return out
+
+
+def ensure_tiny_model(out_dir: str | Path, **kw) -> Path:
+    """Build the tiny model into `out_dir` unless a complete build with the same settings is there."""
+    out = Path(out_dir)
+    marker = out / MARKER
+    if marker.exists():
+        info = json.loads(marker.read_text())
+        if all(info.get(k) == v for k, v in kw.items()):
+            return out
+        log.info("tiny model in %s was built with other settings; rebuilding", out)
+    if out.exists():
+        shutil.rmtree(out)
+    return build_tiny_model(out, **kw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: python -m asyncrl.models.tiny OUT_DIR [--task T] [--sft-steps N] ..."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("out_dir")
+    p.add_argument("--task", default="sort")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-steps", type=int, default=0)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tiny %(levelname)s %(message)s")
+    path = build_tiny_model(
+        a.out_dir,
+        task=a.task,
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=a.heads,
+        seed=a.seed,
+        sft_steps=a.sft_steps,
+        sft_lr=a.sft_lr,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
