@@ -71,14 +71,16 @@ class _Progress:
     def __init__(self, total: int, initial: int, desc: str) -> None:
         from tqdm import tqdm
 
+        self.step = initial
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
-                        dynamic_ncols=True, disable=None)
+                        dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
 
     def update(self, metrics: dict[str, Any]) -> None:
         shown = {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in SHOWN if k in metrics}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
-        log.info("step %d | %s", self.bar.n, " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics))
+        self.step += 1
+        log.info("step %d | %s", self.step, " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics))
 
     def close(self) -> None:
         self.bar.close()

@@ -8,6 +8,7 @@ TensorBoard, a reward-curve PNG), checkpoints and resume around it. The final li
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -65,18 +66,14 @@ class Trainer:
 
     # setup ----------------------------------------------------------------------------------------
     async def setup(self) -> None:
-        import asyncio
-
         cfg = self.cfg
         mc = cfg["model"]
         if mc.get("build_tiny"):
             from asyncrl.models.tiny import ensure_tiny_model
 
             await asyncio.to_thread(ensure_tiny_model, mc["path"], **dict(mc["build_tiny"]))
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(mc["path"])
-        self._load_data()
+        # imports, tokenizer and tokenization block: keep them off the event loop (heartbeats)
+        await asyncio.to_thread(self._load_tokenizer_and_data)
         tc = cfg["trainer"]
         pool = self.ctx.create_pool("actor_rollout_ref", world_size=int(tc["n_workers"]))
         roles: dict[str, Any] = {"actor": (ActorRolloutRefWorker, cfg), "reward": (RuleRewardWorker, cfg)}
@@ -88,6 +85,12 @@ class Trainer:
         self.actor, self.reward = groups.actor, groups.reward
         self.critic, self.cost = groups.get("critic"), groups.get("cost")
         self.n_workers = pool.world_size
+
+    def _load_tokenizer_and_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg["model"]["path"])
+        self._load_data()
 
     def _load_data(self) -> None:
         from asyncrl.data.dataset import PromptDataset, PromptLoader, load_rows
@@ -194,7 +197,7 @@ class Trainer:
         self.val_log: list[list[float]] = []
         t_start = time.monotonic()
         resumed = await self.resume()
-        writer = MetricsWriter(self.out_dir, tensorboard=bool(tc.get("tensorboard", True)), append=resumed)
+        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, bool(tc.get("tensorboard", True)), resumed)
         if not self.val_log:
             self.val_log.append([self.step, await self.evaluate()])
             writer.write(self.step, {"val/reward": self.val_log[-1][1]})
@@ -228,7 +231,7 @@ class Trainer:
             hf = await self.save()
         else:
             hf = Path(json.loads((self.ckpt_dir / f"step_{self.step}" / "trainer_state.json").read_text())["hf"])
-        writer.plot(self.history, self.val_log, self.out_dir / "reward_curve.png")
+        await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png")
         writer.close()
         return {"algorithm": self.cfg["algorithm"]["name"], "steps": self.step,
                 "val_reward_start": round(self.val_log[0][1], 4), "val_reward_end": round(self.val_log[-1][1], 4),

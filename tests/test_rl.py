@@ -1,0 +1,142 @@
+"""RL end to end on CPU: every algorithm config trains a few steps; resume continues; the
+checkpoint loads in transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.algorithms.advantage import compute_advantage
+from asyncrl.batch import Batch
+from daemons.proc import kill_group
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
+SMALL = ["data.batch_size=4", "rollout.n=2", "rollout.max_tokens=4", "data.synthetic.n_train=64",
+         "data.synthetic.n_val=8", "actor.optim.lr=1e-2", "critic.optim.lr=1e-2"]
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, "ASYNCRL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", task="sort", hidden=64,
+                             layers=2, heads=4, sft_steps=0)
+
+
+def _launch(config: str, out: Path, model: Path, extra: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    args = [*LAUNCH, "--config-name", config, f"trainer.output_dir={out}", f"model.path={model}",
+            "model.build_tiny=null", *SMALL, *extra]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(out))
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("config", ["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf"])
+def test_algorithm_trains_a_few_steps(config, tiny_model, tmp_path):
+    out = tmp_path / config
+    res = _launch(config, out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2",
+                                            "trainer.save_every=2", "trainer.tensorboard=false"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["algorithm"] == config and summary["steps"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 2
+    losses = [v for r in steps for k, v in r.items() if "loss" in k or "grad_norm" in k]
+    assert losses and all(math.isfinite(v) for v in losses), steps
+    before, after = _weights(tiny_model), _weights(Path(summary["checkpoint"]))
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2, f"only {changed} changed"
+
+
+def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "grpo"
+    res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=1", "trainer.tensorboard=true"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    model = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
+    tok = AutoTokenizer.from_pretrained(summary["checkpoint"])
+    ids = tok("sort 3 1 2 0", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert list((out / "tensorboard").glob("events.*"))
+    for key in ("val_reward_start", "val_reward_end", "wall_s", "tokens_per_s", "checkpoint"):
+        assert key in summary
+
+
+def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
+    out = tmp_path / "resume"
+    args = [*LAUNCH, "--config-name", "quickstart", f"trainer.output_dir={out}", f"model.path={tiny_model}",
+            "model.build_tiny=null", *SMALL, "trainer.total_steps=4", "trainer.save_every=2",
+            "trainer.eval_every=2", "trainer.tensorboard=false"]
+    proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        marker = out / "checkpoints" / "step_2" / "COMPLETE"
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "no checkpoint at step 2"
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole launch: driver, node daemon, workers
+        proc.wait(30)
+    finally:
+        kill_group(proc, grace_s=1)
+    rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(rows) in (2, 3)  # killed after the step-2 checkpoint, before the end
+    res = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    after_resume = steps[steps.index(2, ) + 1:] if 2 in steps else steps
+    assert 1 not in after_resume[after_resume.index(3):] if 3 in after_resume else True
+    assert steps[-1] == 4 and steps.count(1) == 1  # continued from step 2, not restarted at 1
+    state = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["loader"]["position"] + state["loader"]["epoch"] * 10**6 > 0
+
+
+def test_grpo_advantage_task_on_a_batch():
+    mask = torch.ones(4, 3)
+    b = Batch({"response_mask": mask, "scores": torch.tensor([1.0, 0.0, 0.5, 0.5])},
+              {"uid": ["a", "a", "b", "b"]})
+    out = compute_advantage(b, {"estimator": "grpo"})
+    adv = out["advantages"][:, 0]
+    assert adv[0] > 0 > adv[1] and adv[2] == 0 and adv[3] == 0
+    assert out.meta["critic/score_mean"] == pytest.approx(0.5)
+    dr = compute_advantage(b, {"estimator": "drgrpo"})
+    assert dr["advantages"][0, 0] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantage(b, {"estimator": "nope"})
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tmp_path):
+    if os.environ.get("ASYNCRL_SLOW") != "1":
+        pytest.skip("the full quickstart takes minutes; run with ASYNCRL_SLOW=1 (or `make run`)")
+    res = subprocess.run([*LAUNCH, "--config-name", "quickstart", f"trainer.output_dir={tmp_path}",
+                          f"model.path={tmp_path}/model"], capture_output=True, text=True, timeout=1200,
+                         cwd=REPO, env=_env(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["val_reward_end"] - summary["val_reward_start"] >= 0.2, summary
