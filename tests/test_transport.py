@@ -390,3 +390,20 @@ def test_key_files(tmp_path):
         CurveConfig.load(tmp_path / "missing")
     cfg = CurveConfig.load(tmp_path / "keys")
     assert CurveConfig.from_env(cfg.to_env()) == cfg
+
+
+async def test_wrong_arguments_to_an_async_handler_get_an_error_reply():
+    server = RpcServer("tcp://127.0.0.1:0", insecure=True)
+
+    async def two(a, b):
+        return a + b
+
+    server.register("two", two)
+    await server.start()
+    try:
+        async with RpcClient(server.endpoint, insecure=True) as c:
+            with pytest.raises(RemoteError, match="TypeError"):
+                await c.call("two", 1, timeout=5)
+            assert await c.call("two", 1, 2, timeout=5) == 3
+    finally:
+        await server.close()

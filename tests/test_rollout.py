@@ -1,0 +1,292 @@
+"""RolloutEngine against HF generate / a full forward, on a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from asyncrl.rollout import RolloutEngine, SamplingParams, score
+from asyncrl.rollout.engine import WeightLoadError, candidate_probs, draw
+
+PAD, EOS = 0, 2
+MAX_TOKENS = 10
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        # wider than the 0.02 default so that the next token depends visibly on the prompt
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    """Absolute position embeddings: catches wrong position ids that RoPE would hide."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=EOS,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths (no pad/eos ids inside), left-padded into one batch."""
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 32, (length,), generator=g).tolist() for length in (3, 7, 1, 5)]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return rows, input_ids, attention_mask
+
+
+def engine_for(model: torch.nn.Module, eos: int | list[int] = EOS) -> RolloutEngine:
+    return RolloutEngine(model, eos_token_id=eos, pad_token_id=PAD)
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_greedy_left_padded_matches_hf_generate_per_row(make_model, prompts):
+    rows, input_ids, attention_mask = prompts
+    model = make_model()
+    out = engine_for(model).generate(
+        input_ids, attention_mask, SamplingParams(greedy=True, max_tokens=MAX_TOKENS)
+    )
+    for i, row in enumerate(rows):
+        hf = model.generate(
+            torch.tensor([row]),
+            attention_mask=torch.ones(1, len(row), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        )[0, len(row) :]
+        length = int(out["response_mask"][i].sum())
+        assert length == len(hf)
+        assert out["responses"][i, :length].tolist() == hf.tolist()
+
+
+def test_output_layout(model, prompts):
+    _, input_ids, attention_mask = prompts
+    out = engine_for(model).generate(
+        input_ids, attention_mask, SamplingParams(max_tokens=6, seed=0)
+    )
+    rows, resp_len = out["responses"].shape
+    assert rows == input_ids.shape[0] and resp_len <= 6
+    assert torch.equal(out["prompts"], input_ids)
+    assert torch.equal(out["input_ids"], torch.cat([input_ids, out["responses"]], dim=1))
+    assert torch.equal(
+        out["attention_mask"], torch.cat([attention_mask, out["response_mask"]], dim=1)
+    )
+    expected_pos = (out["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    assert torch.equal(out["position_ids"], expected_pos)
+    for key in ("response_mask", "rollout_log_probs"):
+        assert out[key].shape == (rows, resp_len)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_log_probs_match_score(model, prompts, temperature):
+    _, input_ids, attention_mask = prompts
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, n=2, seed=3)
+    out = engine_for(model).generate(input_ids, attention_mask, params)
+    mask = out["response_mask"]
+    scored = score(
+        model,
+        out["input_ids"],
+        out["attention_mask"],
+        out["position_ids"],
+        out["responses"].shape[1],
+        temperature=temperature,
+    )
+    assert torch.allclose(scored * mask, out["rollout_log_probs"], atol=1e-4)
+    assert (out["rollout_log_probs"][mask == 0] == 0).all()
+    assert (out["rollout_log_probs"][mask == 1] < 0).all()
+
+
+def test_eos_and_stop_ids_end_a_row_and_mask_after_it(model, prompts):
+    _, input_ids, attention_mask = prompts
+    greedy = SamplingParams(greedy=True, max_tokens=MAX_TOKENS)
+    free = engine_for(model, eos=[]).generate(input_ids, attention_mask, greedy)
+    assert free["responses"].shape[1] == MAX_TOKENS  # nothing stops without eos
+    # make row 0's third token the stop token: each row must end at its first occurrence
+    stop_tok = int(free["responses"][0, 2])
+    lengths = []
+    for row in free["responses"].tolist():
+        lengths.append(row.index(stop_tok) + 1 if stop_tok in row else MAX_TOKENS)
+    assert lengths[0] <= 3
+    for eos, extra in ((stop_tok, []), ([], [stop_tok])):  # as eos, then as a stop id
+        params = SamplingParams(greedy=True, max_tokens=MAX_TOKENS, stop_token_ids=extra)
+        out = engine_for(model, eos=eos).generate(input_ids, attention_mask, params)
+        width = out["responses"].shape[1]
+        assert width == max(lengths)
+        for i, length in enumerate(lengths):
+            assert out["response_mask"][i].tolist() == [1] * length + [0] * (width - length)
+            assert torch.equal(out["responses"][i, :length], free["responses"][i, :length])
+            assert (out["responses"][i, length:] == PAD).all()
+
+
+def test_early_exit_when_all_rows_finish(model, prompts):
+    _, input_ids, attention_mask = prompts
+    greedy = SamplingParams(greedy=True, max_tokens=MAX_TOKENS)
+    free = engine_for(model, eos=[]).generate(input_ids, attention_mask, greedy)
+    first_tokens = sorted(set(free["responses"][:, 0].tolist()))
+    out = engine_for(model, eos=first_tokens).generate(input_ids, attention_mask, greedy)
+    assert out["responses"].shape[1] == 1
+    assert out["response_mask"].all()
+
+
+def test_n_samples_interleaved_and_seeded(model, prompts):
+    _, input_ids, attention_mask = prompts
+    n = 4
+    engine = engine_for(model, eos=[])
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=n, seed=123)
+    out = engine.generate(input_ids, attention_mask, params)
+    batch = input_ids.shape[0]
+    assert out["responses"].shape == (batch * n, 8)
+    assert torch.equal(out["prompts"], input_ids.repeat_interleave(n, dim=0))
+    for i in range(batch):
+        group = out["responses"][i * n : (i + 1) * n]
+        assert len({tuple(r) for r in group.tolist()}) > 1, "samples of one prompt all equal"
+
+    again = engine.generate(input_ids, attention_mask, params)
+    for key in out:
+        assert torch.equal(out[key], again[key]), key
+    via_generator = engine.generate(
+        input_ids,
+        attention_mask,
+        SamplingParams(temperature=1.0, max_tokens=8, n=n),
+        generator=torch.Generator().manual_seed(123),
+    )
+    assert torch.equal(via_generator["responses"], out["responses"])
+    other = engine.generate(
+        input_ids, attention_mask, SamplingParams(temperature=1.0, max_tokens=8, n=n, seed=124)
+    )
+    assert not torch.equal(other["responses"], out["responses"])
+
+
+def test_n_samples_match_repeated_prompts(model, prompts):
+    """Fanning out the prefilled cache equals prefilling each copy of the prompt."""
+    _, input_ids, attention_mask = prompts
+    engine = engine_for(model)
+    fanned = engine.generate(input_ids, attention_mask, SamplingParams(max_tokens=8, n=3, seed=5))
+    repeated = engine.generate(
+        input_ids.repeat_interleave(3, dim=0),
+        attention_mask.repeat_interleave(3, dim=0),
+        SamplingParams(max_tokens=8, n=1, seed=5),
+    )
+    assert torch.equal(fanned["responses"], repeated["responses"])
+    assert torch.allclose(fanned["rollout_log_probs"], repeated["rollout_log_probs"], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS, seed=0),
+        SamplingParams(temperature=1.3, top_p=1e-6, max_tokens=MAX_TOKENS, seed=0),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+    ],
+    ids=["top_k=1", "tiny_top_p", "temperature=0"],
+)
+def test_degenerate_sampling_equals_greedy(model, prompts, params):
+    _, input_ids, attention_mask = prompts
+    engine = engine_for(model)
+    greedy = engine.generate(
+        input_ids, attention_mask, SamplingParams(greedy=True, max_tokens=MAX_TOKENS)
+    )
+    out = engine.generate(input_ids, attention_mask, params)
+    assert torch.equal(out["responses"], greedy["responses"])
+    assert torch.equal(out["response_mask"], greedy["response_mask"])
+    if params.temperature == 1.0:  # log-probs ignore truncation: same as greedy's at T=1
+        assert torch.allclose(out["rollout_log_probs"], greedy["rollout_log_probs"], atol=1e-6)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_max_tokens_respected(model, prompts, max_tokens):
+    _, input_ids, attention_mask = prompts
+    out = engine_for(model, eos=[]).generate(
+        input_ids, attention_mask, SamplingParams(max_tokens=max_tokens, n=2, seed=0)
+    )
+    assert out["responses"].shape == (2 * input_ids.shape[0], max_tokens)
+    assert out["response_mask"].all()
+
+
+def test_candidate_probs_hand_values():
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    logits = probs.log()
+    kept, ids = candidate_probs(logits, top_k=0, top_p=0.7)  # 0.5 < 0.7, so 0.3 stays too
+    assert ids[0, :2].tolist() == [1, 3]
+    assert torch.allclose(kept, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+    kept, ids = candidate_probs(logits, top_k=0, top_p=0.5)  # reached by the first alone
+    assert ids[0, 0] == 1 and torch.allclose(kept, torch.tensor([[0.5, 0.0, 0.0, 0.0]]))
+    kept, ids = candidate_probs(logits, top_k=2, top_p=1.0)  # renormalised over the two kept
+    assert ids.tolist() == [[1, 3]] and torch.allclose(kept, torch.tensor([[0.625, 0.375]]))
+    kept, ids = candidate_probs(logits, top_k=0, top_p=1.0)
+    assert ids is None and torch.allclose(kept, probs)
+
+
+def test_draw_follows_probs_and_never_picks_zero(monkeypatch):
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8]]).expand(20000, -1)
+    picks = draw(probs, torch.Generator().manual_seed(0))
+    counts = torch.bincount(picks, minlength=4)
+    assert counts[0] == 0 and counts[2] == 0
+    assert abs(counts[3].item() / len(picks) - 0.8) < 0.02
+    # a uniform whose product with the total rounds up to the total still lands on mass
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    assert draw(torch.tensor([[0.3, 0.7, 0.0]]), None).item() == 1
+
+
+def test_load_weights_copies_in_place(prompts):
+    _, input_ids, attention_mask = prompts
+    target, source = tiny_llama(seed=0), tiny_llama(seed=7)
+    engine = engine_for(target, eos=[])
+    params = SamplingParams(greedy=True, max_tokens=MAX_TOKENS)
+    before = engine.generate(input_ids, attention_mask, params)["responses"]
+    want = engine_for(source, eos=[]).generate(input_ids, attention_mask, params)["responses"]
+    assert not torch.equal(before, want)
+
+    embed = target.model.embed_tokens.weight
+    loaded = engine.load_weights(source.state_dict())
+    assert loaded == len(source.state_dict())
+    assert engine.model.model.embed_tokens.weight is embed  # same storage, new values
+    assert torch.equal(engine.generate(input_ids, attention_mask, params)["responses"], want)
+    assert engine.load_weights(iter(source.named_parameters())) > 0
+
+    with pytest.raises(WeightLoadError, match="no parameter"):
+        engine.load_weights({"nope.weight": torch.zeros(1)})
+    with pytest.raises(WeightLoadError, match="shape mismatch"):
+        engine.load_weights({"lm_head.weight": torch.zeros(3, 3)})
+
+
+def test_generate_restores_training_mode(prompts):
+    _, input_ids, attention_mask = prompts
+    model = tiny_llama().train()
+    engine_for(model).generate(input_ids, attention_mask, SamplingParams(max_tokens=2, seed=0))
+    assert model.training
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert SamplingParams(temperature=0.0).is_greedy
