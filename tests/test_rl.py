@@ -49,11 +49,16 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("config", ["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf"])
-def test_algorithm_trains_a_few_steps(config, tiny_model, tmp_path):
+@pytest.mark.parametrize("config,extra", [
+    ("grpo", []), ("ppo", []), ("remax", []), ("rloo", []), ("reinforce_pp", []), ("safe_rlhf", []),
+    ("grpo", ["algorithm.estimator=drgrpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"]),
+    # a model-based cost (RewardModelWorker on the tiny LM with a fresh scalar head)
+    ("safe_rlhf", ["cost_model.enable=true", "reward.cost_fn=null"]),
+], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model"])
+def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     out = tmp_path / config
     res = _launch(config, out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2",
-                                            "trainer.save_every=2", "trainer.tensorboard=false"])
+                                            "trainer.save_every=2", "trainer.tensorboard=false", *extra])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["algorithm"] == config and summary["steps"] == 2
