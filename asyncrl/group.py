@@ -217,7 +217,7 @@ async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple,
             await asyncio.gather(*(h.call("create_instance", role, path, a, k) for h in procs.handles))
         except RemoteError as e:
             raise DaemonError(f"constructing {cls.__qualname__} for role {role!r} failed: "
-                              f"{e.remote_type}: {e.message}\n{e.traceback}") from None
+                              f"{e.remote_type}: {e.remote_message}\n{e.remote_traceback}") from None
         group = WorkerGroup(role, cls, procs)
         meshes = await asyncio.gather(*(h.call("call_instance", role, "asyncrl_meshes", [], {})
                                         for h in procs.handles))

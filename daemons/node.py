@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from daemons.proc import die_with_parent, exit_reason, free_port, kill_group, tail
+from daemons.proc import die_with_parent, exit_reason, free_port, interface_for, kill_group, tail
 from transport import CurveConfig, RpcClient, RpcServer, TransportError
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,12 @@ class NodeDaemon:
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
                     "ASYNCRL_HOST": self.host, "ASYNCRL_COORDINATOR": self.coordinator_endpoint,
                     "PYTHONUNBUFFERED": "1"}
+        # collectives (gloo/NCCL) must use the interface the cluster talks over, not whatever
+        # the hostname resolves to (often 127.0.1.1); a user's own setting wins
+        iface = interface_for(self.host)
+        if iface is not None:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                full_env.setdefault(var, iface)
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
         elif self.curve is not None:

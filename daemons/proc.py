@@ -72,3 +72,20 @@ def tail(path: str, lines: int = 20) -> str:
             return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
     except OSError:
         return ""
+
+
+def interface_for(ip: str) -> str | None:
+    """Name of the network interface that carries IPv4 address `ip` (Linux), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None

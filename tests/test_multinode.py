@@ -153,20 +153,20 @@ def netpair():
         assert a not in left and b not in left, f"namespaces left behind: {left}"
 
 
-def _launch_args(ns: str, key_dir: Path, log_dir: Path, *overrides: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, sys.executable, "-m", "asyncrl.launch", "--config-name", "smoke",
+def _launch_args(ns: str, key_dir: Path, log_dir: Path, *overrides: str, config: str = "smoke") -> list[str]:
+    return ["ip", "netns", "exec", ns, sys.executable, "-m", "asyncrl.launch", "--config-name", config,
             "cluster.nnodes=2", f"cluster.key_dir={key_dir}", "cluster.cpu_devices=1",
             f"cluster.log_dir={log_dir}", *overrides]
 
 
-def _node0(ns: str, key_dir: Path, tmp: Path, *extra: str) -> list[str]:
+def _node0(ns: str, key_dir: Path, tmp: Path, *extra: str, config: str = "smoke") -> list[str]:
     return _launch_args(ns, key_dir, tmp / "logs-a", f"cluster.host={SUBNET}.1", f"cluster.port={PORT}",
-                        *extra)
+                        *extra, config=config)
 
 
-def _node1(ns: str, key_dir: Path, tmp: Path, *extra: str) -> list[str]:
+def _node1(ns: str, key_dir: Path, tmp: Path, *extra: str, config: str = "smoke") -> list[str]:
     return _launch_args(ns, key_dir, tmp / "logs-b", f"cluster.coordinator={SUBNET}.1:{PORT}",
-                        "cluster.node_rank=1", f"cluster.host={SUBNET}.2", *extra)
+                        "cluster.node_rank=1", f"cluster.host={SUBNET}.2", *extra, config=config)
 
 
 def _wait(proc: subprocess.Popen, timeout: float, out: Path) -> int:
@@ -282,3 +282,40 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
         procs.kill_all()
         left = procs.leftovers()
     assert not left, f"processes left behind: {left}"
+
+
+@pytest.mark.multinode
+def test_grpo_across_two_namespaces(netpair, tmp_path):
+    """Two GRPO steps with one FSDP rank per node: gloo across the veth, DistBatch pulls over TCP."""
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-rl")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    shm_before = _shm_segments()
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    rl = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.tensorboard=false",
+          "data.batch_size=4", "rollout.n=2", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
+          f"trainer.output_dir={tmp}/out", f"model.path={tmp}/model"]
+    try:
+        node0 = procs.start(_node0(ns_a, keys, tmp, *rl, config="quickstart"), out_a)
+        node1 = procs.start(_node1(ns_b, keys, tmp, config="quickstart"), out_b)
+        rc0 = _wait(node0, 150, out_a)
+        rc1 = _wait(node1, 15, out_b)
+        text_a, text_b = out_a.read_text(), out_b.read_text()
+        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+        assert rc0 == 0 and rc1 == 0, report
+        summary = json.loads(text_a.strip().splitlines()[-1]) if text_a.strip().startswith("{") else None
+        assert '"steps": 2' in text_a, report
+        del summary
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
+        assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
+    finally:
+        procs.kill_all()
+        left = procs.leftovers()
+        new_shm = _shm_segments() - shm_before
+        for name in new_shm:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not left, f"processes left behind: {left}"
+    assert not new_shm, f"shared-memory segments left behind: {sorted(new_shm)}"
