@@ -7,6 +7,7 @@ position by position (partial credit), which keeps the RL signal dense.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections.abc import Callable
@@ -172,3 +173,22 @@ def write_dataset(
         "train": write_rows(train, out / f"train.{fmt}"),
         "test": write_rows(val, out / f"test.{fmt}"),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: python -m asyncrl.data.synthetic OUT_DIR [--task sort] [--n-train N] [--n-val N]."""
+    p = argparse.ArgumentParser(description="Write a synthetic task's train/test files.")
+    p.add_argument("out_dir")
+    p.add_argument("--task", default="sort", choices=sorted(TASKS))
+    p.add_argument("--n-train", type=int, default=4096)
+    p.add_argument("--n-val", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", dest="fmt", default="parquet", choices=("parquet", "jsonl"))
+    a = p.parse_args(argv)
+    files = write_dataset(a.out_dir, a.task, n_train=a.n_train, n_val=a.n_val, seed=a.seed,
+                          fmt=a.fmt)
+    print(json.dumps({k: str(v) for k, v in files.items()}))
+
+
+if __name__ == "__main__":
+    main()

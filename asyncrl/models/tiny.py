@@ -8,8 +8,10 @@ task, so `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretr
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -139,7 +141,7 @@ def build_tiny_model(
     out_dir: str | Path,
     *,
     task: str = "sort",
-    hidden: int = 64,
+    hidden: int = 128,
     layers: int = 2,
     heads: int = 4,
     seed: int = 0,
@@ -152,23 +154,26 @@ def build_tiny_model(
     from transformers import LlamaForCausalLM
 
     get_task(task)  # fail early on an unknown task
+    if sft_targets not in ("task", "format"):
+        raise ValueError(f"sft_targets must be 'task' or 'format', not {sft_targets!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    random.seed(seed)
     tokenizer = build_tokenizer()
-    model = LlamaForCausalLM(build_config(tokenizer, hidden=hidden, layers=layers, heads=heads))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
     loss = None
-    if sft_steps > 0:
-        loss = sft_warm_start(
-            model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size,
-            seed=seed, targets=sft_targets,
-        )
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(build_config(tokenizer, hidden=hidden, layers=layers, heads=heads))
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        if sft_steps > 0:
+            loss = sft_warm_start(
+                model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size,
+                seed=seed, targets=sft_targets,
+            )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _make_tokenizer_config_portable(out)
     info = {
         "task": task,
         "hidden": hidden,
@@ -188,18 +193,52 @@ def build_tiny_model(
     return out
 
 
+def _make_tokenizer_config_portable(out: Path) -> None:
+    # transformers 5 writes its own class name and a separate .jinja file; older loaders (e.g. the
+    # transformers 4.x a vLLM install may pin) need the classic class name and an inline template.
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2))
+
+
+def _settings(kw: dict) -> dict:
+    params = inspect.signature(build_tiny_model).parameters
+    unknown = set(kw) - set(params)
+    if unknown:
+        raise TypeError(f"unknown tiny-model settings {sorted(unknown)}")
+    defaults = {k: p.default for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    return {**defaults, **kw}
+
+
 def ensure_tiny_model(out_dir: str | Path, **kw) -> Path:
-    """Build the tiny model into `out_dir` unless a complete build with the same settings is there."""
+    """Build the tiny model into `out_dir` unless a complete build with these settings is there.
+
+    Safe to call from several processes at once: each builds into its own temporary directory
+    and the first to finish renames it into place.
+    """
     out = Path(out_dir)
+    settings = _settings(kw)
     marker = out / MARKER
     if marker.exists():
         info = json.loads(marker.read_text())
-        if all(info.get(k) == v for k, v in kw.items()):
+        if all(info.get(k) == v for k, v in settings.items()):
             return out
         log.info("tiny model in %s was built with other settings; rebuilding", out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tmp, **settings)
     if out.exists():
-        shutil.rmtree(out)
-    return build_tiny_model(out, **kw)
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        # another process won the race; its build has the same settings or is being replaced
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not marker.exists():
+            raise
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,12 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("out_dir")
     p.add_argument("--task", default="sort")
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=0)
     p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--sft-targets", choices=("format", "task"), default="format")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tiny %(levelname)s %(message)s")
     path = build_tiny_model(
@@ -224,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=a.seed,
         sft_steps=a.sft_steps,
         sft_lr=a.sft_lr,
+        sft_targets=a.sft_targets,
     )
     print(path)
 
