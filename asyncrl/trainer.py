@@ -54,6 +54,11 @@ class Trainer:
                                                 float(safe.get("cost_limit", 0.0)), safe.get("lagrange_max"))
         self.pretrain_coef = float(cfg["actor"].get("pretrain_coef", 0.0))
         self.use_ref = bool(cfg["actor"].get("use_kl_loss", False)) or coef > 0
+        # old log-probs need a forward pass of their own only when the update is off-policy
+        ac = cfg["actor"]
+        recompute = ac.get("recompute_log_prob", "auto")
+        on_policy = int(ac.get("ppo_epochs", 1)) == 1 and int(ac.get("ppo_mini_batches", 1)) == 1
+        self.recompute_old = (not on_policy) if recompute == "auto" else bool(recompute)
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.critic = self.cost = None

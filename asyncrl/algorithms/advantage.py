@@ -35,13 +35,16 @@ def compute_advantage(batch: Batch, cfg: dict[str, Any], baseline: Batch | None 
     token_rewards = batch["token_level_scores"].float() if "token_level_scores" in batch else _scores_on_tokens(scores, mask)
     meta: dict[str, float] = {}
     kl_coef = float(cfg.get("kl_coef", 0.0))
+    # the policy's log-probs: recomputed by the trainer, or the rollout's own when on-policy
+    if "ref_log_prob" in batch:
+        policy_logp = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
     if kl_coef > 0 and "ref_log_prob" in batch:
-        token_rewards, kl = core.apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_prob"],
+        token_rewards, kl = core.apply_kl_penalty(token_rewards, policy_logp, batch["ref_log_prob"],
                                                   mask, kl_coef, cfg.get("kl_penalty", "kl"))
         meta["critic/kl"] = float(kl)
     elif "ref_log_prob" in batch:
         meta["critic/kl"] = float(core.masked_mean(
-            core.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], "kl"), mask))
+            core.kl_penalty(policy_logp, batch["ref_log_prob"], "kl"), mask))
     gamma, lam = float(cfg.get("gamma", 1.0)), float(cfg.get("lam", 1.0))
     uid = batch["uid"] if "uid" in batch else list(range(len(batch)))
     if est in ("gae", "safe_rlhf"):

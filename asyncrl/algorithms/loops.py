@@ -42,9 +42,9 @@ async def _outcome_step(t: Any, prompts: DistBatch, estimator: str) -> dict[str,
     """Critic-free outcome-reward step shared by GRPO, Dr.GRPO, RLOO and REINFORCE++."""
     gen = t.actor.generate_sequences(prompts)
     reward = t.reward.compute_reward(gen)
-    old = t.actor.compute_log_prob(gen)
+    old = t.actor.compute_log_prob(gen) if t.recompute_old else None  # skipped when on-policy
     ref = t.actor.compute_ref_log_prob(gen) if t.use_ref else None
-    batch = union_all(await gen, await reward, await old, *([await ref] if ref else []))
+    batch = union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
     adv = await t.actor.apply(compute_advantage, batch, t.adv_cfg(estimator))
     actor = await t.actor.update_actor(batch.union(adv))
     return {**adv.meta, **mean_metrics(actor)}
@@ -72,9 +72,9 @@ async def remax_step(t: Any, prompts: DistBatch) -> dict[str, float]:
     greedy = t.actor.generate_sequences(greedy_prompts)
     reward = t.reward.compute_reward(gen)
     baseline = t.reward.compute_reward(greedy)
-    old = t.actor.compute_log_prob(gen)
+    old = t.actor.compute_log_prob(gen) if t.recompute_old else None
     ref = t.actor.compute_ref_log_prob(gen) if t.use_ref else None
-    batch = union_all(await gen, await reward, await old, *([await ref] if ref else []))
+    batch = union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
     adv = await t.actor.apply(compute_advantage, batch, t.adv_cfg("remax"), baseline=await baseline)
     actor = await t.actor.update_actor(batch.union(adv))
     return {**adv.meta, **mean_metrics(actor)}

@@ -133,8 +133,11 @@ class ActorRolloutRefWorker(Worker):
                 def loss_fn(model: torch.nn.Module, mb: Batch, rows: int = rows) -> tuple[torch.Tensor, dict]:
                     logp, ent = response_forward(model, mb, temp, with_entropy=entropy_coeff != 0)
                     mask = mb["response_mask"].float()
+                    # without recomputed old log-probs the update is on-policy (one epoch, one
+                    # mini-batch): the ratio is 1 and the gradient that of the clipped objective
+                    old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
                     loss, m = core.ppo_policy_loss(
-                        mb["old_log_probs"], logp, mb["advantages"], mask,
+                        old, logp, mb["advantages"], mask,
                         clip_ratio_low=float(ac.get("clip_ratio_low", ac.get("clip_ratio", 0.2))),
                         clip_ratio_high=float(ac.get("clip_ratio_high", ac.get("clip_ratio", 0.2))),
                         clip_ratio_c=float(ac.get("clip_ratio_c", 3.0)), loss_agg_mode=mode)
