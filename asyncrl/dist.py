@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -98,8 +99,7 @@ class DistBatch:
     # row operations (plans only; no data moves) ------------------------------------------
     def slice(self, start: int, stop: int) -> DistBatch:
         """Rows [start, stop)."""
-        n = len(self)
-        start, stop = max(0, min(start, n)), max(0, min(stop, n))
+        start, stop, _ = slice(start, stop).indices(len(self))  # Python semantics, negatives too
         out, offset = [], 0
         for b in self.blocks:
             rows = _block_rows(b)
@@ -111,10 +111,12 @@ class DistBatch:
 
     def take(self, indices: Sequence[int]) -> DistBatch:
         """Rows in the order of `indices` (consecutive runs stay one block)."""
-        bounds, offset = [], 0
-        for b in self.blocks:
-            bounds.append(offset)
-            offset += _block_rows(b)
+        n = len(self)
+        indices = [operator.index(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+        bad = [i for i in indices if not -n <= i < n]
+        if bad:
+            raise IndexError(f"rows {bad[:5]} out of range for a batch of {n} rows")
+        indices = [i % n for i in indices] if n else indices
         out: list[Block] = []
         run_start = run_stop = None
         for i in list(indices) + [None]:
@@ -124,8 +126,6 @@ class DistBatch:
             if run_start is not None:
                 out.extend(self.slice(run_start, run_stop).blocks)
             if i is not None:
-                if not 0 <= i < len(self):
-                    raise IndexError(f"row {i} out of range for a batch of {len(self)} rows")
                 run_start, run_stop = i, i + 1
         return DistBatch(out, self.meta)
 
@@ -141,6 +141,10 @@ class DistBatch:
 
     @staticmethod
     def concat(batches: Sequence[DistBatch]) -> DistBatch:
+        if any(b.pad_size for b in batches[:-1]):
+            raise ValueError("unpad() batches before concatenating them: pad rows would end up "
+                             "in the middle")
+        last_pad = batches[-1].pad_size if batches else 0
         batches = [b for b in batches if len(b)] or list(batches[:1])
         if not batches:
             return DistBatch()
@@ -148,7 +152,9 @@ class DistBatch:
         for b in batches[1:]:
             if set(b.columns) != cols:
                 raise ValueError(f"cannot concat batches with columns {sorted(cols)} and {sorted(b.columns)}")
-        return DistBatch([blk for b in batches for blk in b.blocks], batches[0].meta)
+        meta = {**batches[0].meta, "pad_size": last_pad} if last_pad else {
+            k: v for k, v in batches[0].meta.items() if k != "pad_size"}
+        return DistBatch([blk for b in batches for blk in b.blocks], meta)
 
     def repeat(self, times: int, interleave: bool = True) -> DistBatch:
         if interleave:
@@ -159,9 +165,9 @@ class DistBatch:
         """Append copies of the first rows (as refs) so len % divisor == 0; meta records pad_size."""
         n = len(self)
         pad = (-n) % divisor if n else 0
-        extra = [i % n for i in range(pad)] if pad else []
-        out = DistBatch.concat([self, self.take(extra)]) if pad else DistBatch(self.blocks, self.meta)
-        out.meta = {**self.meta, "pad_size": pad}
+        extra = self.take([i % n for i in range(pad)]) if pad else None
+        out = DistBatch(self.blocks + (extra.blocks if extra else []), self.meta)
+        out.meta = {**self.meta, "pad_size": self.pad_size + pad}  # padding twice adds up, like Batch
         return out
 
     def unpad(self) -> DistBatch:

@@ -79,6 +79,7 @@ class ProcessSet:
     def __init__(self, pool: ResourcePool, handles: list[WorkerHandle]) -> None:
         self.pool, self.handles = pool, handles
         self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
+        self.unsettled: list[asyncio.Future] = []  # rank calls still running after a failed call
         self.calls = 0
 
     @property
@@ -143,12 +144,25 @@ class WorkerGroup:
             return protocol.collect(ctx, outputs)
 
         task = loop.create_task(run(), name=f"{self.role}.{label}")
-        if spec.blocking:  # the next call waits for this one's end, but must not keep its result alive
-            turn = loop.create_future()
-            task.add_done_callback(lambda _: turn.done() or turn.set_result(None))
-            self.procs.tail = turn
+        if spec.blocking:
+            # the next call waits until this one has ended on *every* rank (after a failure the
+            # other ranks may still be running it), without keeping its result alive
+            self.procs.tail = loop.create_task(self._settle(task, label), name=f"{self.role}.{label}:turn")
         self.procs.calls += 1
         return DataFuture(task, f"{self.role}.{label}")
+
+    async def _settle(self, task: asyncio.Task, label: str) -> None:
+        await asyncio.wait([task])
+        waited = 0.0
+        while self.procs.unsettled:
+            pending, self.procs.unsettled = self.procs.unsettled, []
+            _, still = await asyncio.wait(pending, timeout=30)
+            if still:
+                waited += 30
+                log.warning("calls on pool %s wait: %d rank(s) are still running the failed call %s.%s "
+                            "after %.0fs (blocked in a collective? restart the job if this persists)",
+                            self.procs.pool.name, len(still), self.role, label, waited)
+                self.procs.unsettled.extend(still)
 
     async def _fan_out(self, label: str, entry: str, head: list,
                        plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
@@ -171,11 +185,15 @@ class WorkerGroup:
             raise
         failed = [t.exception() for t in tasks.values()
                   if t.done() and not t.cancelled() and t.exception() is not None]
-        if failed:  # the first failure wins; the other ranks' calls are cancelled
-            for t in tasks.values():
-                t.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-            raise min(failed, key=lambda e: isinstance(e, WorkerDiedError))
+        if failed:
+            # raise at once; the other ranks finish (or fail) in the background and the pool's
+            # next ordered call waits for them, so collectives never overlap two calls
+            pending = [t for t in tasks.values() if not t.done()]
+            for t in pending:
+                t.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+            self.procs.unsettled.extend(pending)
+            died = [e for e in failed if isinstance(e, WorkerDiedError)]
+            raise (died or failed)[0]  # a dead worker is the root cause of its peers' errors
         return {r: t.result() for r, t in tasks.items()}
 
     def __repr__(self) -> str:

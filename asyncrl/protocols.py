@@ -95,8 +95,13 @@ def scatter(ctx: CallContext, args: tuple, kwargs: dict, n: int,
     Other arguments are broadcast."""
     shards_a = [split_batch(a, n) if _is_batch(a) else None for a in args]
     shards_k = {k: split_batch(v, n) if _is_batch(v) else None for k, v in kwargs.items()}
-    pads = [s[1] for s in [*shards_a, *shards_k.values()] if s is not None]
-    ctx.state["pad_size"] = pads[0] if pads else 0
+    first = next((s for s in [*shards_a, *shards_k.values()] if s is not None), None)
+    if first is not None:  # pad rows sit at the end: which shards hold how many of them
+        shards, pad = first
+        size = len(shards[0]) if shards else 0
+        total = size * n
+        ctx.state["shard_rows"] = size
+        ctx.state["shard_pads"] = [max(0, min(size, (i + 1) * size - (total - pad))) for i in range(n)]
     ctx.state["shards"] = n
     calls: RankCalls = {}
     for rank in range(ctx.world_size):
@@ -111,19 +116,35 @@ def scatter(ctx: CallContext, args: tuple, kwargs: dict, n: int,
 
 
 def gather(ctx: CallContext, outputs: list[Any]) -> Any:
-    """Concatenate batch outputs (dropping the pad rows scatter added); other outputs as a list."""
-    if outputs and all(isinstance(o, DistBatch) for o in outputs):
-        out = DistBatch.concat(outputs)
-        pad = ctx.state.get("pad_size", 0)
-        if pad and len(out) == sum(len(o) for o in outputs) and len(outputs) == ctx.state.get("shards"):
-            out.meta = {**out.meta, "pad_size": pad}
-            out = out.unpad()
-        return out
-    if outputs and all(isinstance(o, Batch) for o in outputs):
-        out = Batch.concat(outputs)
-        pad = ctx.state.get("pad_size", 0)
-        return out.slice(0, len(out) - pad) if pad else out
-    return outputs
+    """Concatenate batch outputs (in shard order), dropping the rows that came from padding;
+    other outputs as a list.
+
+    A shard's output may have k rows per input row (e.g. n samples per prompt): the pad rows'
+    k·pad outputs are dropped from the end of that shard's output.
+    """
+    batches = outputs and all(isinstance(o, (DistBatch, Batch)) for o in outputs)
+    if not batches:
+        return outputs
+    pads = ctx.state.get("shard_pads")
+    if pads and any(pads):
+        if len(outputs) != len(pads):
+            raise ValueError(f"{ctx.group}.{ctx.method}: {len(outputs)} outputs for {len(pads)} "
+                             "padded shards; the collect ranks must cover every shard")
+        size = ctx.state["shard_rows"]
+        trimmed = []
+        for out, pad in zip(outputs, pads, strict=True):
+            if pad and size:
+                per_row, rest = divmod(len(out), size)
+                if rest:
+                    raise ValueError(f"{ctx.group}.{ctx.method} returned {len(out)} rows for a "
+                                     f"padded shard of {size}; a DP method's output rows must be "
+                                     "a whole multiple of its input rows")
+                out = out.slice(0, len(out) - pad * per_row)
+            trimmed.append(out)
+        outputs = trimmed
+    if all(isinstance(o, DistBatch) for o in outputs):
+        return DistBatch.concat(outputs)
+    return Batch.concat(outputs)
 
 
 def _all(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:

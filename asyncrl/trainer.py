@@ -202,7 +202,11 @@ class Trainer:
         self.val_log: list[list[float]] = []
         t_start = time.monotonic()
         resumed = await self.resume()
-        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, bool(tc.get("tensorboard", True)), resumed)
+        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, bool(tc.get("tensorboard", True)))
+        if resumed:  # rewrite the metrics file up to the checkpoint: steps after it are redone
+            writer.write(int(self.val_log[0][0]), {"val/reward": self.val_log[0][1]})
+            for row in self.history:
+                writer.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
         if not self.val_log:
             self.val_log.append([self.step, await self.evaluate()])
             writer.write(self.step, {"val/reward": self.val_log[-1][1]})

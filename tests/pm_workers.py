@@ -76,6 +76,18 @@ class Consumer(Worker):
         return (label, time.monotonic())
 
     @register(DP_PROTO)
+    def repeat_rows(self, batch: Batch, k: int) -> Batch:
+        """k output rows per input row (like n samples per prompt)."""
+        return batch.select("idx").repeat(k, interleave=True)
+
+    @register(ONE_TO_ALL)
+    def fail_fast_or_sleep(self, seconds: float) -> float:
+        if self.rank == 1:
+            raise RuntimeError("rank 1 fails at once")
+        time.sleep(seconds)
+        return time.monotonic()
+
+    @register(DP_PROTO)
     def fail_on_rank_one(self, batch: Batch) -> Batch:
         if self.rank == 1:
             raise ValueError("rank one refuses")

@@ -147,3 +147,41 @@ def test_mesh_layout():
     assert not m.is_collect_rank and Mesh.from_rank(6, pp=2, dp=2, tp=2).is_collect_rank
     with pytest.raises(ValueError):
         Mesh.from_rank(8, dp=2, tp=2)
+
+
+async def test_padding_is_dropped_per_output_row_multiple(ctx):
+    """3 prompts over 2 ranks with 2 outputs per prompt: 6 rows, not 7 (the pad's outputs go)."""
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Consumer)
+    out = await (await g.repeat_rows(ctx.put(Batch({"idx": torch.arange(3)})), 2)).fetch()
+    assert out["idx"].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+async def test_next_call_waits_for_every_rank_of_a_failed_call(ctx):
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Consumer)
+    failing = g.fail_fast_or_sleep(1.0)
+    after = g.stamp("after")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCallError, match="fails at once"):
+        await failing
+    assert time.monotonic() - t0 < 0.9  # the error surfaces at once
+    stamps = await after
+    # rank 0 was still sleeping in the failed call: the next call ran only after it finished
+    assert time.monotonic() - t0 >= 0.95 and all(label == "after" for label, _ in stamps)
+
+
+def test_distbatch_rows_follow_python_semantics():
+    from objectstore import ObjectRef
+
+    ref = ObjectRef(object_id="o", node_id="n", endpoint="tcp://x:1", bulk_addr="", kind="batch",
+                    device="cpu", nbytes=80, columns=(("x", "float32", (10,)),), num_rows=10)
+    d = DistBatch([(Piece(ref, 0, 10, ("x",)),)])
+    assert len(d.slice(-2, 10)) == 2 and len(d.slice(0, -2)) == 8
+    rows = d.take(torch.tensor([9, 0, 1]))
+    assert [(p.start, p.stop) for b in rows.blocks for p in b] == [(9, 10), (0, 2)]
+    assert all(type(p.start) is int for b in rows.blocks for p in b)
+    with pytest.raises(IndexError):
+        d.take([9, 10])
+    twice = d.slice(0, 3).pad_to_divisor(2).pad_to_divisor(4)
+    assert len(twice) == 4 and twice.pad_size == 1 and len(twice.unpad()) == 3
+    with pytest.raises(ValueError, match="unpad"):
+        DistBatch.concat([d.slice(0, 3).pad_to_divisor(2), d])

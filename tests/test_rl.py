@@ -54,7 +54,10 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("grpo", ["algorithm.estimator=drgrpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"]),
     # a model-based cost (RewardModelWorker on the tiny LM with a fresh scalar head)
     ("safe_rlhf", ["cost_model.enable=true", "reward.cost_fn=null"]),
-], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model"])
+    # 3 prompts on 2 ranks: DP padding with n samples per prompt, and cross-rank pulls
+    ("remax", ["data.batch_size=3"]),
+], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
+        "remax_uneven"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     out = tmp_path / config
     res = _launch(config, out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2",
@@ -145,3 +148,19 @@ def test_quickstart_learns(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["val_reward_end"] - summary["val_reward_start"] >= 0.2, summary
+
+
+def test_mini_batches_cover_every_row_and_responses_pad_to_the_budget():
+    from asyncrl.workers.actor import _pad_responses
+    from asyncrl.workers.common import mini_batches
+
+    b = Batch({"i": torch.arange(10)})
+    parts = list(mini_batches(b, 4, shuffle=True, generator=torch.Generator().manual_seed(0)))
+    assert sorted(torch.cat([p["i"] for p in parts]).tolist()) == list(range(10))
+    out = {"responses": torch.tensor([[5, 2]]), "response_mask": torch.tensor([[1, 1]]),
+           "rollout_log_probs": torch.tensor([[-0.5, -0.1]]), "input_ids": torch.tensor([[7, 5, 2]]),
+           "attention_mask": torch.tensor([[1, 1, 1]]), "position_ids": torch.tensor([[0, 1, 2]])}
+    padded = _pad_responses(out, 4, pad_id=0)
+    assert padded["responses"].tolist() == [[5, 2, 0, 0]]
+    assert padded["response_mask"].tolist() == [[1, 1, 0, 0]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 3, 4]]

@@ -16,9 +16,9 @@ from asyncrl.batch import Batch
 
 
 def _scores_on_tokens(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(mask.shape, dtype=torch.float32)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     last = (mask.long().sum(-1) - 1).clamp(min=0)
-    out[torch.arange(len(scores)), last] = scores.float()
+    out[torch.arange(len(scores), device=mask.device), last] = scores.float()
     return out * mask
 
 
@@ -46,7 +46,10 @@ def compute_advantage(batch: Batch, cfg: dict[str, Any], baseline: Batch | None 
         meta["critic/kl"] = float(core.masked_mean(
             core.kl_penalty(policy_logp, batch["ref_log_prob"], "kl"), mask))
     gamma, lam = float(cfg.get("gamma", 1.0)), float(cfg.get("lam", 1.0))
-    uid = batch["uid"] if "uid" in batch else list(range(len(batch)))
+    if est in ("grpo", "drgrpo", "rloo") and "uid" not in batch:
+        raise ValueError(f"{est} groups samples by prompt: the batch needs a 'uid' column (the "
+                         "prompt loader adds one)")
+    uid = batch["uid"] if "uid" in batch else []
     if est in ("gae", "safe_rlhf"):
         adv, ret = core.compute_gae(token_rewards, batch["values"].float(), mask, gamma, lam)
     elif est in ("grpo", "drgrpo"):

@@ -317,6 +317,7 @@ def ppo_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: LossAggMode = "token-mean",
+    norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with dual-clip (Ye et al. 2020) bounding the loss at -A*c for A<0.
 
@@ -342,7 +343,7 @@ def ppo_policy_loss(
         ((clip_loss > dual_bound) & negative).to(logprob.dtype), response_mask
     )
 
-    loss = agg_loss(losses, response_mask, loss_agg_mode)
+    loss = agg_loss(losses, response_mask, loss_agg_mode, norm_len)
     metrics = {
         "clipfrac": clipfrac.detach(),
         "approx_kl": approx_kl.detach(),

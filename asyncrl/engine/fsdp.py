@@ -54,8 +54,9 @@ def init_distributed(backend: str | None = None) -> None:
         return
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if torch.cuda.is_available():  # one visible GPU (asyncrl's placement) is cuda:0
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local if torch.cuda.device_count() > 1 else 0)
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if world_size == 1 and "MASTER_ADDR" not in os.environ:

@@ -81,15 +81,23 @@ class ActorRolloutRefWorker(Worker):
                                 top_k=int(rc.get("top_k", 0)), max_tokens=int(rc.get("max_tokens", 16)),
                                 n=int(rc.get("n", 1)), greedy=bool(rc.get("greedy", False)))
         seed = prompts.meta.get("seed")
-        gen = torch.Generator().manual_seed(int(seed) * 1000 + self.rank) if seed is not None else None
-        out = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
+        gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + self.rank)
+               if seed is not None else None)
+        out = _pad_responses(self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params,
+                                                   generator=gen), params.max_tokens, self.tokenizer.pad_token_id)
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
         return Batch(out, rest.non_tensors, {**prompts.meta, "n": params.n})
 
     # log-probs -------------------------------------------------------------------------------------
+    def _temperature(self, batch: Batch) -> float:
+        """The sampling temperature of these responses (log-probs must use the same one)."""
+        if batch.meta.get("greedy"):
+            return 1.0
+        return float(batch.meta.get("temperature", self.cfg.get("rollout", {}).get("temperature", 1.0))) or 1.0
+
     def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        temp = float(self.cfg.get("rollout", {}).get("temperature", 1.0)) or 1.0
+        temp = self._temperature(batch)
         size = int(self.cfg.get("actor", {}).get("log_prob_micro_batch_size", 16))
         engine.model.eval()
         logps, ents = [], []
@@ -117,8 +125,10 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates."""
         ac = self.cfg.get("actor", {})
-        temp = float(self.cfg.get("rollout", {}).get("temperature", 1.0)) or 1.0
+        temp = self._temperature(batch)
         mode = ac.get("loss_agg_mode", "token-mean")
+        # Dr.GRPO's length normaliser must be a constant: the generation budget
+        norm_len = int(self.cfg.get("rollout", {}).get("max_tokens", 0)) or None
         entropy_coeff = float(ac.get("entropy_coeff", 0.0))
         use_kl_loss = bool(ac.get("use_kl_loss", False)) and "ref_log_prob" in batch
         pretrain_coef = float(ac.get("pretrain_coef", 0.0))
@@ -140,7 +150,8 @@ class ActorRolloutRefWorker(Worker):
                         old, logp, mb["advantages"], mask,
                         clip_ratio_low=float(ac.get("clip_ratio_low", ac.get("clip_ratio", 0.2))),
                         clip_ratio_high=float(ac.get("clip_ratio_high", ac.get("clip_ratio", 0.2))),
-                        clip_ratio_c=float(ac.get("clip_ratio_c", 3.0)), loss_agg_mode=mode)
+                        clip_ratio_c=float(ac.get("clip_ratio_c", 3.0)), loss_agg_mode=mode,
+                        norm_len=norm_len)
                     metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
                     if ent is not None:
                         e = core.agg_loss(ent, mask, mode)
@@ -212,3 +223,26 @@ class ActorRolloutRefWorker(Worker):
         self.update_steps = int(extra.get("update_steps", 0))
         self.rollout_stale = True
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen")}
+
+
+def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad the response columns to the generation budget, so every rank's output has the
+    same width and rows from different ranks concatenate (masked, so nothing else changes)."""
+    extra = width - out["responses"].shape[1]
+    if extra <= 0:
+        return out
+    rows = out["responses"].shape[0]
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.cat([t, t.new_full((rows, extra), value)], dim=1)
+
+    out = dict(out)
+    out["responses"] = pad(out["responses"], pad_id)
+    out["response_mask"] = pad(out["response_mask"], 0)
+    out["rollout_log_probs"] = pad(out["rollout_log_probs"], 0.0)
+    out["input_ids"] = pad(out["input_ids"], pad_id)
+    out["attention_mask"] = pad(out["attention_mask"], 0)
+    out["position_ids"] = pad(out["position_ids"], 0) + 0
+    last = out["position_ids"][:, -extra - 1:-extra]
+    out["position_ids"][:, -extra:] = last + torch.arange(1, extra + 1)  # keep positions increasing
+    return out

@@ -30,6 +30,12 @@ def setup_process(cfg: dict[str, Any], rank: int) -> None:
     torch.manual_seed(seed)
 
 
+def same_init_on_every_rank(cfg: dict[str, Any]) -> None:
+    """Re-seed with the job seed (not seed + rank) before building freshly initialised heads, so
+    every rank starts from the same weights."""
+    torch.manual_seed(int(cfg.get("seed", 0)))
+
+
 def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -56,9 +62,7 @@ def mini_batches(batch: Batch, n: int, shuffle: bool, generator: torch.Generator
     """`n` equal mini-batches of this rank's rows (shuffled rows when asked)."""
     rows = len(batch)
     order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
-    size = max(1, rows // max(1, n))
-    for i in range(0, size * max(1, n), size):
-        idx = order[i:i + size]
+    for idx in torch.tensor_split(order, max(1, min(n, rows))):  # every row, sizes differ by <= 1
         if len(idx):
             yield batch.take(idx)
 

@@ -16,16 +16,20 @@ from asyncrl.workers.common import (
     micro_batches,
     mini_batches,
     optim_config,
+    same_init_on_every_rank,
     setup_process,
     values_forward,
 )
 
 
 def load_value_model(path: str) -> torch.nn.Module:
-    """The model at `path` with a fresh 1-output token-classification head (verl's critic layout)."""
-    from transformers import AutoModelForTokenClassification
+    """The model at `path` with a fresh 1-output token-classification head (verl's critic layout);
+    no dropout, so training-mode values match the eval-mode values they are clipped against."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
-    return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
 
 
 class CriticWorker(Worker):
@@ -34,6 +38,7 @@ class CriticWorker(Worker):
         self.cfg = config
         setup_process(config, self.rank)
         cc = config.get("critic", {})
+        same_init_on_every_rank(config)
         self.critic = TrainEngine(load_value_model(cc.get("model_path") or config["model"]["path"]),
                                   optim=optim_config(cc.get("optim", {"lr": 1e-4})), device=self.device)
         self.shuffle_gen = torch.Generator().manual_seed(int(config.get("seed", 0)) + 7 + self.rank)

@@ -15,14 +15,19 @@ from asyncrl.batch import Batch
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rewards import load_reward_fn
 from asyncrl.worker import Worker, register
-from asyncrl.workers.common import decode_responses, micro_batches, setup_process
+from asyncrl.workers.common import (
+    decode_responses,
+    micro_batches,
+    same_init_on_every_rank,
+    setup_process,
+)
 
 
 def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B] scores placed on each response's last real token -> [B, R]."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     last = (response_mask.long().sum(-1) - 1).clamp(min=0)
-    out[torch.arange(len(scores)), last] = scores.float()
+    out[torch.arange(len(scores), device=last.device), last] = scores.float().to(out.device)
     return out * response_mask.float()
 
 
@@ -72,6 +77,7 @@ class RewardModelWorker(Worker):
         path = rc.get("path") or config["model"]["path"]
         self.output = output
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        same_init_on_every_rank(config)  # a fresh head must score the same on every rank
         self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
