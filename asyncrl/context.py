@@ -67,7 +67,6 @@ class JobContext:
         """A named set of devices: `world_size` in node order, or `per_node[k]` on node rank k."""
         return self.coordinator.create_pool(name, world_size, per_node)
 
-    resource_pool = create_pool
 
     async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
                             env: dict[str, str] | None = None) -> list[WorkerHandle]:
@@ -99,7 +98,10 @@ class JobContext:
 
     def _worker_env(self) -> dict[str, str]:
         # workers import the same code as the driver, including script directories on sys.path
-        paths = [str(REPO_ROOT), os.getcwd(), *[p for p in sys.path if p and Path(p).is_dir()]]
+        # (the interpreter's own directories are found without help)
+        installed = (sys.prefix, sys.base_prefix, sys.exec_prefix)
+        own = [p for p in sys.path if p and Path(p).is_dir() and not p.startswith(installed)]
+        paths = [str(REPO_ROOT), os.getcwd(), *own]
         paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
         return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p)}
 

@@ -16,8 +16,6 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
-from asyncrl.batch import Batch
-from asyncrl.dist import DistBatch
 from asyncrl.mesh import Mesh
 from asyncrl.protocols import RANK_ZERO, CallContext, get_protocol
 from asyncrl.worker import MethodSpec, registered_methods
@@ -262,5 +260,5 @@ async def gather(*futures: DataFuture | Awaitable) -> list[Any]:
     return list(await asyncio.gather(*futures))
 
 
-__all__ = ["Batch", "DataFuture", "DistBatch", "ProcessSet", "WorkerCallError", "WorkerGroup",
+__all__ = ["DataFuture", "ProcessSet", "WorkerCallError", "WorkerGroup",
            "create_groups", "gather", "resolve_futures"]

@@ -24,6 +24,7 @@ from asyncrl.algorithms import core
 from asyncrl.algorithms.loops import NEEDS_CRITIC, STEPS
 from asyncrl.batch import Batch
 from asyncrl.dist import DistBatch
+from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.workers.actor import ActorRolloutRefWorker
 from asyncrl.workers.critic import CriticWorker
 from asyncrl.workers.reward import RewardModelWorker, RuleRewardWorker
@@ -99,20 +100,20 @@ class Trainer:
 
     def _load_data(self) -> None:
         from asyncrl.data.dataset import PromptDataset, PromptLoader, load_rows
-        from asyncrl.data.synthetic import _disjoint_splits
+        from asyncrl.data.synthetic import disjoint_splits
 
         dc = self.cfg["data"]
         if dc.get("train_files"):
             train, val = load_rows(dc["train_files"]), load_rows(dc["val_files"]) if dc.get("val_files") else []
         else:
             syn = dc["synthetic"]
-            train, val = _disjoint_splits(syn["task"], int(syn["n_train"]), int(syn["n_val"]), int(syn.get("seed", 0)))
+            train, val = disjoint_splits(syn["task"], int(syn["n_train"]), int(syn["n_val"]), int(syn.get("seed", 0)))
         tpl = bool(dc.get("apply_chat_template", True))
         self.train_set = PromptDataset(train, self.tokenizer, int(dc["max_prompt_len"]), tpl)
-        self.val_set = PromptDataset(val, self.tokenizer, int(dc["max_prompt_len"]), tpl) if val else None
+        val_set = PromptDataset(val, self.tokenizer, int(dc["max_prompt_len"]), tpl) if val else None
+        self.val_prompts = val_set.collate(val_set.items) if val_set else None  # one batch, reused
         self.loader = PromptLoader(self.train_set, int(dc["batch_size"]), shuffle=bool(dc.get("shuffle", True)),
                                    seed=int(self.cfg.get("seed", 0)))
-        self.train_rows = train
 
     def _put(self, d: dict[str, Any], meta: dict[str, Any]) -> DistBatch:
         tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
@@ -134,16 +135,15 @@ class Trainer:
             ids[i, p - len(it.input_ids):p] = torch.tensor(it.input_ids)
             ids[i, p:p + len(a)] = torch.tensor(a)
             mask[i, p - len(it.input_ids):p + len(a)] = 1
-        return self._put({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        return self._put({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
                           "responses": ids[:, p:], "response_mask": mask[:, p:]}, {})
 
     # evaluation -----------------------------------------------------------------------------------
     async def evaluate(self) -> float:
         """Mean reward of greedy responses on the held-out prompts."""
-        if self.val_set is None:
+        if self.val_prompts is None:
             return float("nan")
-        items = [self.val_set[i] for i in range(len(self.val_set))]
-        prompts = self._put(self.val_set.collate(items), {"greedy": True, "n": 1})
+        prompts = self._put(self.val_prompts, {"greedy": True, "n": 1})
         scored = await self.reward.compute_reward(self.actor.generate_sequences(prompts))
         scores = (await scored.select("scores").fetch())["scores"]  # one float per prompt
         return float(scores.float().mean())
@@ -211,7 +211,7 @@ class Trainer:
             self.val_log.append([self.step, await self.evaluate()])
             writer.write(self.step, {"val/reward": self.val_log[-1][1]})
             log.info("step %d: held-out reward %.3f", self.step, self.val_log[-1][1])
-        tokens, gen_time = 0.0, 0.0
+        tokens, step_time = 0.0, 0.0
         bar = progress(total, self.step, desc=f"{self.cfg['algorithm']['name']}")
         while self.step < total:
             t0 = time.monotonic()
@@ -220,7 +220,7 @@ class Trainer:
             self.step += 1
             dt = time.monotonic() - t0
             tokens += metrics.get("response/tokens", 0.0)
-            gen_time += dt
+            step_time += dt
             self.kl_ctrl.update(metrics.get("critic/kl", 0.0), int(self.cfg["data"]["batch_size"]))
             metrics.update({"timing/step_s": dt, "actor/kl_coef": float(self.kl_ctrl.value),
                             "perf/tokens_per_s": metrics.get("response/tokens", 0.0) / dt})
@@ -233,19 +233,16 @@ class Trainer:
             self.history.append({"step": self.step, **metrics})
             writer.write(self.step, metrics)
             bar.update(metrics)
-            if self.step % save_every == 0 or self.step == total:
-                hf = await self.save()
+            if self.step % save_every == 0 and self.step < total:
+                await self.save()
         bar.close()
-        if self.step == 0 or not (self.ckpt_dir / f"step_{self.step}" / DONE_MARKER).exists():
-            hf = await self.save()
-        else:
-            hf = Path(json.loads((self.ckpt_dir / f"step_{self.step}" / "trainer_state.json").read_text())["hf"])
+        hf = await self.save()  # the final checkpoint (also when resumed at the end)
         await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png")
         writer.close()
         return {"algorithm": self.cfg["algorithm"]["name"], "steps": self.step,
                 "val_reward_start": round(self.val_log[0][1], 4), "val_reward_end": round(self.val_log[-1][1], 4),
                 "wall_s": round(time.monotonic() - t_start, 1),
-                "tokens_per_s": round(tokens / gen_time, 1) if gen_time else 0.0,
+                "tokens_per_s": round(tokens / step_time, 1) if step_time else 0.0,
                 "checkpoint": str(hf), "metrics": str(self.out_dir / "metrics.jsonl")}
 
 

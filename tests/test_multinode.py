@@ -8,6 +8,7 @@ skipped with the reason otherwise. The daemon-mode test needs no privilege.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,34 @@ def _wait(proc: subprocess.Popen, timeout: float, out: Path) -> int:
         pytest.fail(f"{proc.args[3]} did not exit within {timeout}s; output:\n{out.read_text()}")
 
 
+@contextlib.contextmanager
+def _cleaned_up(procs: _Procs, check_shm: bool = True) -> Iterator[None]:
+    """Kill every launcher on exit, then fail on processes or shared memory they left behind."""
+    shm_before = _shm_segments()
+    try:
+        yield
+    finally:
+        procs.kill_all()
+        left = procs.leftovers()
+        new_shm = _shm_segments() - shm_before if check_shm else set()
+        for name in new_shm:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not left, f"processes left behind: {left}"
+    assert not new_shm, f"shared-memory segments left behind: {sorted(new_shm)}"
+
+
+def _run_pair(procs: _Procs, tmp: Path, argv0: list[str], argv1: list[str], timeout0: float,
+              timeout1: float = 15) -> tuple[int, int, str, str, str]:
+    """Start node 0 and node 1, wait for both; returns their exit codes, outputs and a report."""
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    node0 = procs.start(argv0, out_a)
+    node1 = procs.start(argv1, out_b)
+    rc0 = _wait(node0, timeout0, out_a)
+    rc1 = _wait(node1, timeout1, out_b)  # released by the coordinator when the job is done
+    text_a, text_b = out_a.read_text(), out_b.read_text()
+    return rc0, rc1, text_a, text_b, f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+
+
 @pytest.mark.multinode
 def test_smoke_job_across_two_namespaces(netpair, tmp_path):
     ns_a, ns_b = netpair
@@ -184,16 +214,11 @@ def test_smoke_job_across_two_namespaces(netpair, tmp_path):
     procs = _Procs(f"arl-mn-{PID}-ok")
     tmp = tmp_path / procs.marker  # the marker is in every launcher's command line (log_dir)
     tmp.mkdir()
-    shm_before = _shm_segments()
-    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
     t0 = time.monotonic()
-    try:
-        node0 = procs.start(_node0(ns_a, keys, tmp, "smoke.rows=2048", "smoke.cols=64"), out_a)
-        node1 = procs.start(_node1(ns_b, keys, tmp), out_b)
-        rc0 = _wait(node0, 60, out_a)
-        rc1 = _wait(node1, 15, out_b)  # released by the coordinator when the job is done
-        text_a, text_b = out_a.read_text(), out_b.read_text()
-        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+    with _cleaned_up(procs):
+        rc0, rc1, text_a, text_b, report = _run_pair(
+            procs, tmp, _node0(ns_a, keys, tmp, "smoke.rows=2048", "smoke.cols=64"),
+            _node1(ns_b, keys, tmp), timeout0=60)
         assert rc0 == 0, report
         assert rc1 == 0, report
         assert "job smoke finished" in text_a, report
@@ -204,14 +229,6 @@ def test_smoke_job_across_two_namespaces(netpair, tmp_path):
         worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
         print(f"two-node smoke job took {time.monotonic() - t0:.1f}s")
-    finally:
-        procs.kill_all()
-        left = procs.leftovers()
-        new_shm = _shm_segments() - shm_before
-        for name in new_shm:
-            Path("/dev/shm", name).unlink(missing_ok=True)
-    assert not left, f"processes left behind: {left}"
-    assert not new_shm, f"shared-memory segments left behind: {sorted(new_shm)}"
 
 
 @pytest.mark.multinode
@@ -223,22 +240,14 @@ def test_wrong_keys_cannot_join(netpair, tmp_path):
     procs = _Procs(f"arl-mn-{PID}-badkey")
     tmp = tmp_path / procs.marker
     tmp.mkdir()
-    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
-    try:
-        node0 = procs.start(_node0(ns_a, keys, tmp, "cluster.join_timeout_s=8"), out_a)
-        node1 = procs.start(_node1(ns_b, wrong, tmp, "cluster.join_timeout_s=8"), out_b)
-        rc1 = _wait(node1, 30, out_b)
-        rc0 = _wait(node0, 30, out_a)
-        text_a, text_b = out_a.read_text(), out_b.read_text()
-        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+    with _cleaned_up(procs, check_shm=False):
+        rc0, rc1, text_a, text_b, report = _run_pair(
+            procs, tmp, _node0(ns_a, keys, tmp, "cluster.join_timeout_s=8"),
+            _node1(ns_b, wrong, tmp, "cluster.join_timeout_s=8"), timeout0=30, timeout1=30)
         assert rc1 != 0 and rc0 != 0, report
         assert "could not join the coordinator" in text_b and "cluster.key_dir" in text_b, report
         assert "missing node ranks [1]" in text_a, report
         assert "job smoke finished" not in text_a, report
-    finally:
-        procs.kill_all()
-        left = procs.leftovers()
-    assert not left, f"processes left behind: {left}"
 
 
 def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
@@ -253,7 +262,7 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
     argv = [sys.executable, "-m", "asyncrl.launch", "--config-name", "cluster", "daemon",
             f"cluster.key_dir={keys}", "cluster.port=0", "cluster.host=127.0.0.1",
             f"cluster.log_dir={tmp / 'logs'}"]
-    try:
+    with _cleaned_up(procs, check_shm=False):
         daemon = procs.start(argv, out, env={"ASYNCRL_STATE_DIR": str(state)})
         deadline = time.monotonic() + 30
         while "registered with" not in out.read_text():  # coordinator up and its node joined
@@ -278,10 +287,6 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
         assert rc == 0, f"daemon exited {rc} on SIGTERM:\n{out.read_text()}"
         assert not (state / "coordinator.json").exists(), "state file left behind"
         print(f"daemon stopped {took:.2f}s after SIGTERM")
-    finally:
-        procs.kill_all()
-        left = procs.leftovers()
-    assert not left, f"processes left behind: {left}"
 
 
 @pytest.mark.multinode
@@ -293,29 +298,14 @@ def test_grpo_across_two_namespaces(netpair, tmp_path):
     procs = _Procs(f"arl-mn-{PID}-rl")
     tmp = tmp_path / procs.marker
     tmp.mkdir()
-    shm_before = _shm_segments()
-    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
     rl = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.tensorboard=false",
           "data.batch_size=4", "rollout.n=2", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
           f"trainer.output_dir={tmp}/out", f"model.path={tmp}/model"]
-    try:
-        node0 = procs.start(_node0(ns_a, keys, tmp, *rl, config="quickstart"), out_a)
-        node1 = procs.start(_node1(ns_b, keys, tmp, config="quickstart"), out_b)
-        rc0 = _wait(node0, 150, out_a)
-        rc1 = _wait(node1, 15, out_b)
-        text_a, text_b = out_a.read_text(), out_b.read_text()
-        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+    with _cleaned_up(procs):
+        rc0, rc1, text_a, _, report = _run_pair(
+            procs, tmp, _node0(ns_a, keys, tmp, *rl, config="quickstart"),
+            _node1(ns_b, keys, tmp, config="quickstart"), timeout0=150)
         assert rc0 == 0 and rc1 == 0, report
-        summary = json.loads(text_a.strip().splitlines()[-1]) if text_a.strip().startswith("{") else None
         assert '"steps": 2' in text_a, report
-        del summary
         worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
-    finally:
-        procs.kill_all()
-        left = procs.leftovers()
-        new_shm = _shm_segments() - shm_before
-        for name in new_shm:
-            Path("/dev/shm", name).unlink(missing_ok=True)
-    assert not left, f"processes left behind: {left}"
-    assert not new_shm, f"shared-memory segments left behind: {sorted(new_shm)}"

@@ -277,9 +277,7 @@ class RpcServer:
                 try:
                     coro = handler.fn(*args, **kwargs)
                 except Exception as e:  # wrong arguments fail before a coroutine exists
-                    self.stats["handler_errors"] += 1
-                    if is_request:
-                        self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)]))
+                    self._handler_failed(identity, req_id, is_request, method, e)
                     return
                 fut = loop.create_task(coro, name=f"{self.name}:{method}")
             else:
@@ -294,14 +292,18 @@ class RpcServer:
         try:
             result = handler.fn(*args, **kwargs)
         except Exception as e:
-            self.stats["handler_errors"] += 1
-            if is_request:
-                self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)]))
-            else:
-                log.warning("%s: notification %s failed: %r", self.name, method, e)
+            self._handler_failed(identity, req_id, is_request, method, e)
             return
         if is_request:
             self._send_result(identity, req_id, result, method)
+
+    def _handler_failed(self, identity: bytes, req_id: int, is_request: bool, method: str,
+                        e: Exception) -> None:
+        self.stats["handler_errors"] += 1
+        if is_request:
+            self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)]))
+        else:
+            log.warning("%s: notification %s failed: %r", self.name, method, e)
 
     def _send_result(self, identity: bytes, req_id: int, result: Any, method: str) -> None:
         try:

@@ -9,17 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
-
-
-def _scores_on_tokens(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    last = (mask.long().sum(-1) - 1).clamp(min=0)
-    out[torch.arange(len(scores), device=mask.device), last] = scores.float()
-    return out * mask
 
 
 def compute_advantage(batch: Batch, cfg: dict[str, Any], baseline: Batch | None = None) -> Batch:
@@ -32,7 +23,7 @@ def compute_advantage(batch: Batch, cfg: dict[str, Any], baseline: Batch | None 
     est = cfg["estimator"]
     mask = batch["response_mask"].float()
     scores = batch["scores"].float()
-    token_rewards = batch["token_level_scores"].float() if "token_level_scores" in batch else _scores_on_tokens(scores, mask)
+    token_rewards = batch["token_level_scores"].float() if "token_level_scores" in batch else core.scores_to_tokens(scores, mask)
     meta: dict[str, float] = {}
     kl_coef = float(cfg.get("kl_coef", 0.0))
     # the policy's log-probs: recomputed by the trainer, or the rollout's own when on-policy
@@ -50,18 +41,19 @@ def compute_advantage(batch: Batch, cfg: dict[str, Any], baseline: Batch | None 
         raise ValueError(f"{est} groups samples by prompt: the batch needs a 'uid' column (the "
                          "prompt loader adds one)")
     uid = batch["uid"] if "uid" in batch else []
+    seq_rewards = core.masked_sum(token_rewards, mask, dim=-1)  # KL-shaped outcome per sequence
     if est in ("gae", "safe_rlhf"):
         adv, ret = core.compute_gae(token_rewards, batch["values"].float(), mask, gamma, lam)
     elif est in ("grpo", "drgrpo"):
-        adv, ret = core.grpo_advantage(core.masked_sum(token_rewards, mask, dim=-1), uid, mask,
+        adv, ret = core.grpo_advantage(seq_rewards, uid, mask,
                                        norm_by_std=est == "grpo" and cfg.get("norm_adv_by_std", True))
     elif est == "rloo":
-        adv, ret = core.rloo_advantage(core.masked_sum(token_rewards, mask, dim=-1), uid, mask)
+        adv, ret = core.rloo_advantage(seq_rewards, uid, mask)
     elif est == "remax":
         if baseline is None:
             raise ValueError("remax needs the greedy baseline's scores (baseline=...)")
         base = baseline["scores"].float().repeat_interleave(len(batch) // len(baseline))
-        adv, ret = core.remax_advantage(core.masked_sum(token_rewards, mask, dim=-1), base, mask)
+        adv, ret = core.remax_advantage(seq_rewards, base, mask)
         meta["critic/baseline_score"] = float(baseline["scores"].float().mean())
     elif est == "reinforce_pp":
         adv, ret = core.reinforce_pp_advantage(token_rewards, mask, gamma)

@@ -84,6 +84,14 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def scores_to_tokens(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Sequence scores [B] placed on each response's last real token -> [B, T] (0 elsewhere)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    last = (response_mask.long().sum(-1) - 1).clamp(min=0)
+    out[torch.arange(len(scores), device=last.device), last] = scores.float().to(out.device)
+    return out * response_mask.float()
+
+
 def compute_gae(
     token_rewards: Tensor,
     values: Tensor,

@@ -89,9 +89,8 @@ async def safe_rlhf_step(t: Any, prompts: DistBatch) -> dict[str, float]:
     cost = t.cost.compute_reward(gen) if t.cost is not None else None
     old = t.actor.compute_log_prob(gen)
     ref = t.actor.compute_ref_log_prob(gen) if t.use_ref else None
-    parts = [await gen, await values, await reward, await old]
-    parts += [p for p in (await cost if cost else None, await ref if ref else None) if p is not None]
-    batch = union_all(*parts)
+    batch = union_all(await gen, await values, await reward, await old,
+                      *[await f for f in (cost, ref) if f is not None])
     adv = await t.actor.apply(compute_advantage, batch, t.adv_cfg("safe_rlhf"))
     batch = batch.union(adv)
     critic = t.critic.update_critic(batch)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.rollout.engine import positions_from_mask
+
 log = logging.getLogger(__name__)
 
 
@@ -179,7 +181,7 @@ def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str,
     return {
         "input_ids": ids,
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": positions_from_mask(mask),
         "ground_truth": [it.ground_truth for it in items],
         "data_source": [it.data_source for it in items],
         "raw_prompt": [it.raw_prompt for it in items],

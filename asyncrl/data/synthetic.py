@@ -123,7 +123,7 @@ def make_rows(task: str, n: int, seed: int, split: str = "train") -> list[dict]:
     ]
 
 
-def _disjoint_splits(task: str, n_train: int, n_val: int, seed: int) -> tuple[list, list]:
+def disjoint_splits(task: str, n_train: int, n_val: int, seed: int) -> tuple[list, list]:
     """Train and validation rows with no prompt in both (val is drawn first, from its own seed)."""
     val = make_rows(task, n_val, seed + 1_000_003, "test")
     held = {r["prompt"][0]["content"] for r in val}
@@ -167,7 +167,7 @@ def write_dataset(
     """Write `train.<fmt>` and `test.<fmt>` (prompts disjoint) under `out_dir`; return the paths."""
     if fmt not in ("parquet", "jsonl"):
         raise ValueError(f"fmt must be 'parquet' or 'jsonl', not {fmt!r}")
-    train, val = _disjoint_splits(task, n_train, n_val, seed)
+    train, val = disjoint_splits(task, n_train, n_val, seed)
     out = Path(out_dir)
     return {
         "train": write_rows(train, out / f"train.{fmt}"),

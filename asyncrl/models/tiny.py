@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.data.synthetic import all_symbols, get_task, make_examples
+from asyncrl.rollout.engine import positions_from_mask
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def sft_warm_start(
     for _ in range(steps):
         ids, labels = next(batches)
         mask = (ids != tokenizer.pad_token_id).long()
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = positions_from_mask(mask)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

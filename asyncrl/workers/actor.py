@@ -23,6 +23,7 @@ from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.worker import Worker, register
 from asyncrl.workers.common import (
     load_causal_lm,
+    mean_metrics,
     micro_batches,
     mini_batches,
     optim_config,
@@ -170,7 +171,7 @@ class ActorRolloutRefWorker(Worker):
                 history.append(self.actor.train_step(micro_batches(mini, micro), loss_fn))
         self.update_steps += 1
         self.rollout_stale = True
-        out = {k: float(sum(h[k] for h in history) / len(history)) for k in history[0]} if history else {}
+        out = mean_metrics(history)
         out["actor/lr"] = out.pop("lr", 0.0)
         out["actor/grad_norm"] = out.pop("grad_norm", 0.0)
         out.pop("loss", None)
@@ -198,12 +199,6 @@ class ActorRolloutRefWorker(Worker):
         logp, _ = self._log_probs(self.actor, batch, with_entropy=False)
         mask = batch["response_mask"].float()
         return {"sft_loss": float(-core.masked_mean(logp, mask)), "tokens": float(mask.sum())}
-
-    @register(ONE_TO_ALL)
-    def param_checksum(self) -> float:
-        """Sum of this rank's actor parameter shards (tests use it to see that training moved them)."""
-        return float(sum(p.detach().to_local().double().sum() if hasattr(p, "to_local") else p.double().sum()
-                         for p in self.actor.model.parameters()))
 
     # checkpoints -----------------------------------------------------------------------------------
     @register(ONE_TO_ALL)

@@ -13,6 +13,7 @@ from asyncrl.engine import TrainEngine
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.worker import Worker, register
 from asyncrl.workers.common import (
+    mean_metrics,
     micro_batches,
     mini_batches,
     optim_config,
@@ -68,9 +69,9 @@ class CriticWorker(Worker):
                     return loss * (len(mb) / rows), {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac}
 
                 history.append(self.critic.train_step(micro_batches(mini, int(cc.get("micro_batch_size", 8))), loss_fn))
-        out = {k: float(sum(h[k] for h in history) / len(history)) for k in history[0]}
-        out["critic/grad_norm"] = out.pop("grad_norm")
-        out["critic/lr"] = out.pop("lr")
+        out = mean_metrics(history)
+        out["critic/grad_norm"] = out.pop("grad_norm", 0.0)
+        out["critic/lr"] = out.pop("lr", 0.0)
         out.pop("loss", None)
         return out
 

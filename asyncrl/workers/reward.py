@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.algorithms.core import scores_to_tokens
 from asyncrl.batch import Batch
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rewards import load_reward_fn
@@ -21,14 +22,6 @@ from asyncrl.workers.common import (
     same_init_on_every_rank,
     setup_process,
 )
-
-
-def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] scores placed on each response's last real token -> [B, R]."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    last = (response_mask.long().sum(-1) - 1).clamp(min=0)
-    out[torch.arange(len(scores), device=last.device), last] = scores.float().to(out.device)
-    return out * response_mask.float()
 
 
 class RuleRewardWorker(Worker):
