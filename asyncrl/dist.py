@@ -176,6 +176,10 @@ class DistBatch:
         return out
 
     # column operations ------------------------------------------------------------------------
+    def with_meta(self, **meta: Any) -> DistBatch:
+        """The same rows with `meta` updated (e.g. `greedy=True, n=1` for a baseline rollout)."""
+        return DistBatch(self.blocks, {**self.meta, **meta})
+
     def select(self, *names: str, meta: bool = True) -> DistBatch:
         missing = [n for n in names if n not in self.columns]
         if missing:

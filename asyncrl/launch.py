@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.resources
 import importlib.util
 import json
 import logging
@@ -22,7 +23,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.config import LaunchConfig, RLConfig, SmokeConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
 from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError
@@ -43,68 +44,94 @@ from transport.loop import run
 
 log = logging.getLogger("asyncrl.launch")
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 STATE_DIR = Path(os.environ.get("ASYNCRL_STATE_DIR", Path.home() / ".asyncrl" / "state"))
 
 
-@dataclass
-class ClusterConfig:
-    coordinator: str | None = None  # HOST:PORT of node 0's coordinator; None: this node hosts it
-    port: int = 0  # coordinator port on node 0 (0 = any; set one for multi-node)
-    node_rank: int = 0
-    nnodes: int = 1
-    host: str | None = None  # address this node binds and advertises; None = auto
-    cpu_devices: int = 2  # CPU "devices" per node when there is no GPU
-    key_dir: str | None = None  # CurveZMQ key dir (`asyncrl keys generate DIR`); None = ephemeral, one node only
-    insecure: bool = False  # unauthenticated sockets: local tests only
-    join_timeout_s: float = 60.0
-    heartbeat_interval_s: float = 1.0
-    node_timeout_s: float = 5.0
-    log_dir: str = "outputs/logs"
-
-
-@dataclass
-class JobConfig:
-    entry: str | None = None  # "package.module:main" or "path/to/script.py:main"
-    name: str = "job"
-
-
 # configuration -----------------------------------------------------------------------------------
+def shipped_config_dir() -> Path:
+    """The configs that come with asyncrl: `configs/` of a checkout, or `asyncrl/configs` in a wheel."""
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(importlib.resources.files("asyncrl.configs")))
+
+
+def _search_dirs(config_dir: str | None) -> list[Path]:
+    shipped = shipped_config_dir()
+    user = Path(config_dir).expanduser().resolve() if config_dir else None
+    return [user, shipped] if user and user != shipped else [shipped]
+
+
+def _config_files(dirs: list[Path]) -> dict[str, str]:
+    """Config name (as Hydra reports it) -> the file it is read from (the first directory wins)."""
+    files: dict[str, str] = {}
+    for d in dirs:
+        for p in sorted(d.rglob("*.yaml")):
+            files.setdefault(str(p.relative_to(d).with_suffix("")), str(p))
+    return files
+
+
+def _hydra_overrides(dirs: list[Path], overrides: list[str]) -> list[str]:
+    """The shipped configs stay on the search path (user configs inherit `rl_defaults`); Hydra's
+    own logging setup is off (asyncrl's puts the role and rank in every line)."""
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    extra = []
+    if len(dirs) > 1 and "hydra.searchpath" not in keys:
+        extra.append(f"hydra.searchpath=[{','.join('file://' + str(d) for d in dirs[1:])}]")
+    extra += [f"hydra/{k}=none" for k in ("job_logging", "hydra_logging") if f"hydra/{k}" not in keys]
+    return extra + list(overrides)
+
+
+def _guess_schema(path: str | None) -> type:
+    """The schema a config file names in its defaults (directly or through rl_defaults)."""
+    text = Path(path).read_text() if path and Path(path).exists() else ""
+    if "rl_schema" in text or "rl_defaults" in text:
+        return RLConfig
+    return SmokeConfig if "smoke_schema" in text else LaunchConfig
+
+
+def check_config(cfg: DictConfig) -> Any:
+    """Types and ranges of every section (the schemas' `__post_init__` checks); the typed config.
+
+    A config whose YAML names no schema is a user's job with sections of its own: only what
+    `asyncrl-launch` reads (cluster, job, seed) is checked."""
+    kind = OmegaConf.get_type(cfg)
+    if isinstance(kind, type) and issubclass(kind, LaunchConfig) and kind is not LaunchConfig:
+        return typed(kind, cfg)
+    return typed(LaunchConfig, {k: cfg[k] for k in ("cluster", "job", "seed") if k in cfg})
+
+
 def load_config(config_name: str, overrides: list[str], config_dir: str | None = None) -> DictConfig:
-    """Compose a Hydra config and check the launch sections against their schema."""
-    directory = Path(config_dir or CONFIG_DIR).resolve()
-    if not (directory / f"{config_name}.yaml").exists():
-        known = sorted(p.stem for p in directory.glob("*.yaml"))
-        raise ConfigError(f"no config named {config_name!r} in {directory}; available: {', '.join(known)}")
+    """Compose a config as `asyncrl-launch` does and check it against its schema.
+
+    Raises `ConfigError` naming the bad key, where it was set and the closest valid key.
+    """
+    register_schemas()
+    dirs = _search_dirs(config_dir)
+    if not any((d / f"{config_name}.yaml").exists() for d in dirs):
+        known = sorted({p.stem for d in dirs for p in d.glob("*.yaml")} - {"rl_defaults"})
+        raise ConfigError(f"no config named {config_name!r} in {', '.join(map(str, dirs))}; "
+                          f"available: {', '.join(known)}")
+    files = _config_files(dirs)
     try:
-        # schema keys a yaml leaves out (cluster.nnodes in smoke.yaml) are set with `++`
-        schema = {f"{s}.{f.name}" for s, t in (("cluster", ClusterConfig), ("job", JobConfig)) for f in fields(t)}
-        overrides = [f"++{o}" if o.split("=", 1)[0] in schema else o for o in overrides]
-        with initialize_config_dir(config_dir=str(directory), version_base=None):
-            cfg = compose(config_name=config_name, overrides=overrides)
-        # cluster and job are checked against their schema; other sections belong to the job
-        merged = cfg
-        OmegaConf.set_struct(merged, False)
-        merged.cluster = OmegaConf.merge(OmegaConf.structured(ClusterConfig), cfg.get("cluster") or {})
-        merged.job = OmegaConf.merge(OmegaConf.structured(JobConfig), cfg.get("job") or {})
-        OmegaConf.set_struct(merged, True)
+        with initialize_config_dir(config_dir=str(dirs[0]), version_base=None):
+            cfg = compose(config_name=config_name, overrides=_hydra_overrides(dirs, overrides))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_explain_config_error(e, config_name)) from None
-    if merged.cluster.nnodes < 1 or not 0 <= merged.cluster.node_rank < merged.cluster.nnodes:
-        raise ConfigError(f"cluster.node_rank={merged.cluster.node_rank} must be in [0, cluster.nnodes="
-                          f"{merged.cluster.nnodes})")
-    if merged.cluster.nnodes > 1 and not merged.cluster.key_dir and not merged.cluster.insecure:
-        raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, copy "
-                          "DIR to every node and pass cluster.key_dir=DIR (or cluster.insecure=true on a "
-                          "trusted test network)")
-    return merged
+        raise ConfigError(explain(e, _guess_schema(files.get(config_name)), files)) from None
+    check_config(cfg)
+    return cfg
 
 
-def _explain_config_error(e: Exception, config_name: str) -> str:
-    text = str(e).strip().splitlines()[0]
-    hint = ("Check the spelling against configs/" + config_name + ".yaml; keys that do not exist "
-            "there cannot be set (add them to the yaml, or prefix with + only if the job reads them).")
-    return f"bad configuration: {text}. {hint}"
+def _sweep(overrides: list[str]) -> list[list[str]]:
+    """Every job of a `-m` sweep as its own list of overrides (Hydra's basic sweeper's order)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
 def security(cfg: DictConfig) -> tuple[CurveConfig | None, bool]:
@@ -257,16 +284,74 @@ async def _wait_any(*aws: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="asyncrl-launch", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--config-name", "-cn", default="quickstart")
-    ap.add_argument("--config-dir", "-cd", default=None, help="directory of yaml configs (default: configs/)")
-    ap.add_argument("args", nargs="*", help="key=value overrides, and `daemon` to run as a service")
-    ns = ap.parse_args(argv)
-    daemon = "daemon" in ns.args
-    overrides = [a for a in ns.args if a != "daemon"]
+    """Hydra's command line (`--config-name`, `--config-dir`, `--cfg`, `--info`, `-m` sweeps run
+    one after another, `hydra.run.dir`/`hydra.sweep.dir`), with configuration errors checked
+    first: a bad key or value exits 2 naming it, before anything starts."""
+    from hydra._internal.utils import get_args_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    daemon = "daemon" in argv
+    argv = [a for a in argv if a != "daemon"]
+    parser = get_args_parser()
+    parser.prog = "asyncrl-launch"
+    args = parser.parse_args(argv)  # unknown flags exit 2 with argparse's message
+    config_name = args.config_name or "quickstart"
+    if args.help or args.hydra_help or args.shell_completion or args.experimental_rerun:
+        return _hydra(argv, config_name, daemon, [])
     try:
-        cfg = load_config(ns.config_name, overrides, ns.config_dir)
+        jobs = _sweep(args.overrides) if args.multirun else [args.overrides]
+        for overrides in jobs:
+            load_config(config_name, overrides, args.config_dir)
+    except ConfigError as e:
+        print(f"asyncrl-launch: {e}", file=sys.stderr)
+        return 2
+    codes: list[int] = []
+    _hydra(argv, config_name, daemon, codes)
+    return max(codes, default=0)
+
+
+def _hydra(argv: list[str], config_name: str, daemon: bool, codes: list[int]) -> int:
+    """Hand the command line to Hydra's own runner; each job's exit code is appended to `codes`."""
+    import hydra
+
+    register_schemas()
+    args = get_args_parser_namespace(argv)
+    dirs = _search_dirs(args.config_dir)
+    rest = [a for a in argv if a not in args.overrides]
+    if args.config_dir is None:
+        rest += ["--config-dir", str(dirs[0])]
+    if args.config_name is None:
+        rest += ["--config-name", config_name]
+
+    @hydra.main(version_base=None, config_path=None, config_name=None)
+    def task(cfg: DictConfig) -> None:
+        codes.append(run_job(cfg, daemon))
+
+    saved = sys.argv
+    sys.argv = ["asyncrl-launch", *rest, *_hydra_overrides(dirs, args.overrides)]
+    try:
+        task()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def get_args_parser_namespace(argv: list[str]) -> argparse.Namespace:
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_args(argv)
+
+
+def run_job(cfg: DictConfig, daemon: bool = False) -> int:
+    """One job of `asyncrl-launch`: its outputs go to Hydra's run (or sweep job) directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized() and "trainer" in cfg and OmegaConf.get_type(cfg) is RLConfig:
+        out = Path(HydraConfig.get().runtime.output_dir)
+        with open_dict(cfg):  # hydra.run.dir / hydra.sweep.dir decide where a run writes
+            cfg.trainer.output_dir = os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out)
+    try:
+        check_config(cfg)
         setup_logging("coordinator" if cfg.cluster.coordinator is None else "node", cfg.cluster.node_rank)
         role = run_head if cfg.cluster.coordinator is None else run_node
         return run(role(cfg, daemon=daemon))
@@ -276,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the job's own failure: one line, then its traceback in the log above
-        logging.getLogger("asyncrl.launch").exception("job failed")
+        log.exception("job failed")
         print(f"asyncrl-launch: job failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("asyncrl.metrics")
+
+
+def timed(phase: str) -> Callable:
+    """Time a worker method: `timing/<phase>_s` goes into its returned Batch's meta or metric dict
+    (the trainer logs the per-phase breakdown of every step from these)."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            key, dt = f"timing/{phase}_s", time.perf_counter() - t0
+            if isinstance(out, dict):
+                out[key] = out.get(key, 0.0) + dt
+            elif hasattr(out, "meta"):
+                out.meta[key] = out.meta.get(key, 0.0) + dt
+            return out
+        return wrapper
+    return decorate
+
+
+def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Average per-rank (or per-update) metric dicts, key by key."""
+    keys = {k for m in per_rank for k in m}
+    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
 
 SHOWN = ("critic/score_mean", "val/reward", "actor/pg_loss", "actor/kl_loss", "critic/kl",
          "critic/vf_loss", "response/length_mean", "timing/step_s")
@@ -17,24 +45,27 @@ SHOWN = ("critic/score_mean", "val/reward", "actor/pg_loss", "actor/kl_loss", "c
 class MetricsWriter:
     """Appends one JSON object per step to `out_dir/metrics.jsonl` and mirrors it to TensorBoard."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool = True, append: bool = False) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
+        """A fresh writer; with `resume_step`, TensorBoard events after that step (written by the
+        interrupted run, about to be redone) are purged so no step appears twice."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
-        self.file = self.path.open("a" if append else "w")
+        self.file = self.path.open("w")
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
             except ImportError as e:  # tensorboard is a dependency; a broken install only loses TB
                 log.warning("TensorBoard logging off: %s", e)
 
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
+    def write(self, step: int, metrics: dict[str, Any], tensorboard: bool = True) -> None:
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         self.file.write(json.dumps({"step": step, **numbers}) + "\n")
         self.file.flush()
-        if self.tb is not None:
+        if self.tb is not None and tensorboard:
             for k, v in numbers.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()

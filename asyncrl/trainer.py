@@ -1,9 +1,13 @@
 """The RL trainer job: `asyncrl-launch --config-name grpo` runs `main(ctx)`.
 
-It builds (or finds) the model, loads prompts, places the workers, and runs the configured
-algorithm's step (`asyncrl.algorithms.loops`) with evaluation, progress, metrics (JSONL,
-TensorBoard, a reward-curve PNG), checkpoints and resume around it. The final line printed by
-`asyncrl-launch` is the JSON summary this returns.
+It checks the model and the run directory, loads prompts, places the workers, and runs the
+configured algorithm's step (`asyncrl.algorithms.registry`) with evaluation, progress, metrics
+(JSONL, TensorBoard, a reward-curve PNG), per-phase timings, checkpoints and resume around it.
+The final line printed by `asyncrl-launch` is the JSON summary this returns.
+
+A run directory (`trainer.output_dir`) holds what this program wrote and nothing else is touched:
+`config.yaml` (the composed config), `metrics.jsonl`, `tensorboard/`, `reward_curve.png`,
+`checkpoints/step_N/` and `logs/`.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+import yaml
 
-from asyncrl.algorithms import core
-from asyncrl.algorithms.loops import NEEDS_CRITIC, STEPS
+from asyncrl.algorithms.controllers import Controllers
+from asyncrl.algorithms.registry import ALGORITHMS
+from asyncrl.algorithms.roles import Roles
 from asyncrl.batch import Batch
+from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.dist import DistBatch
+from asyncrl.models.resolve import resolve_model
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.workers.actor import ActorRolloutRefWorker
 from asyncrl.workers.critic import CriticWorker
@@ -33,87 +40,63 @@ from daemons.errors import ConfigError
 log = logging.getLogger("asyncrl.trainer")
 
 DONE_MARKER = "COMPLETE"
+CONFIG_FILE = "config.yaml"
+OURS = (CONFIG_FILE, "metrics.jsonl", "tensorboard", "reward_curve.png", "checkpoints", "logs", ".hydra")
+# the worker-side phases of a step; on one colocated pool they run one after another
+PHASES = ("gen", "sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values",
+          "update_actor", "update_critic", "update_pretrain")
+# keys whose change between a run and its resume does not change what is being trained
+RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.resume",
+                     "trainer.keep_checkpoints", "trainer.tensorboard", "cluster.")
 
 
 class Trainer:
-    """State the algorithm steps use: groups, config, controllers, data."""
+    """Drives one RL run: worker groups, controllers, data, the loop and its bookkeeping."""
 
-    def __init__(self, ctx: Any, cfg: dict[str, Any]) -> None:
+    def __init__(self, ctx: Any, cfg: RLConfig) -> None:
         self.ctx, self.cfg = ctx, cfg
-        algo = cfg["algorithm"]
-        if algo["name"] not in STEPS:
-            raise ConfigError(f"algorithm.name={algo['name']!r} is not one of {sorted(STEPS)}")
-        self.step_fn = STEPS[algo["name"]]
-        self.out_dir = Path(cfg["trainer"]["output_dir"])
+        self.algorithm = ALGORITHMS[cfg.algorithm.name]
+        self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
-        kl = algo.get("kl_ctrl", {})
-        coef = float(kl.get("kl_coef", 0.0)) if algo.get("use_kl_in_reward", False) else 0.0
-        self.kl_ctrl = (core.AdaptiveKLController(coef, float(kl.get("target_kl", 0.1)), int(kl.get("horizon", 10000)))
-                        if kl.get("type", "fixed") == "adaptive" else core.FixedKLController(coef))
-        safe = algo.get("safe", {})
-        self.lagrange = core.LagrangeMultiplier(float(safe.get("lagrange_init", 1.0)), float(safe.get("lagrange_lr", 0.1)),
-                                                float(safe.get("cost_limit", 0.0)), safe.get("lagrange_max"))
-        self.pretrain_coef = float(cfg["actor"].get("pretrain_coef", 0.0))
-        self.use_ref = bool(cfg["actor"].get("use_kl_loss", False)) or coef > 0
-        # old log-probs need a forward pass of their own only when the update is off-policy
-        ac = cfg["actor"]
-        recompute = ac.get("recompute_log_prob", "auto")
-        on_policy = int(ac.get("ppo_epochs", 1)) == 1 and int(ac.get("ppo_mini_batches", 1)) == 1
-        self.recompute_old = (not on_policy) if recompute == "auto" else bool(recompute)
+        self.ctl = Controllers.from_config(cfg.algorithm)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        self.critic = self.cost = None
-
-    def adv_cfg(self, estimator: str) -> dict[str, Any]:
-        algo = self.cfg["algorithm"]
-        return {"estimator": estimator, "gamma": float(algo.get("gamma", 1.0)), "lam": float(algo.get("lam", 1.0)),
-                "kl_coef": float(self.kl_ctrl.value), "kl_penalty": algo.get("kl_penalty", "kl"),
-                "norm_adv_by_std": bool(algo.get("norm_adv_by_std", True)), "lagrange": float(self.lagrange.value)}
+        self.val_log: list[list[float]] = []
 
     # setup ----------------------------------------------------------------------------------------
     async def setup(self) -> None:
         cfg = self.cfg
-        mc = cfg["model"]
-        if mc.get("build_tiny"):
-            from asyncrl.models.tiny import ensure_tiny_model
-
-            await asyncio.to_thread(ensure_tiny_model, mc["path"], **dict(mc["build_tiny"]))
-        # imports, tokenizer and tokenization block: keep them off the event loop (heartbeats)
+        # model building, tokenizer and tokenization block: keep them off the event loop (heartbeats)
+        cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model)
         await asyncio.to_thread(self._load_tokenizer_and_data)
-        tc = cfg["trainer"]
-        pool = self.ctx.create_pool("actor_rollout_ref", world_size=int(tc["n_workers"]))
-        roles: dict[str, Any] = {"actor": (ActorRolloutRefWorker, cfg), "reward": (RuleRewardWorker, cfg)}
-        if cfg["algorithm"]["name"] in NEEDS_CRITIC:
-            roles["critic"] = (CriticWorker, cfg)
-        if cfg.get("cost_model", {}).get("enable"):
-            roles["cost"] = (RewardModelWorker, (cfg, "costs"), {})
+        pool = self.ctx.create_pool("actor_rollout_ref", world_size=cfg.trainer.n_workers)
+        wire = to_dict(cfg)  # workers rebuild the typed config from this plain dict
+        roles: dict[str, Any] = {"actor": (ActorRolloutRefWorker, wire), "reward": (RuleRewardWorker, wire)}
+        if self.algorithm.needs_critic:
+            roles["critic"] = (CriticWorker, wire)
+        if cfg.cost_model.enable:
+            roles["cost"] = (RewardModelWorker, (wire, "costs", cfg.cost_model.path), {})
         groups = await self.ctx.spawn(pool, **roles)
-        self.actor, self.reward = groups.actor, groups.reward
-        self.critic, self.cost = groups.get("critic"), groups.get("cost")
-        self.n_workers = pool.world_size
+        self.roles = Roles(actor=groups.actor, reward=groups.reward, critic=groups.get("critic"),
+                           cost=groups.get("cost"))
 
     def _load_tokenizer_and_data(self) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg["model"]["path"])
-        self._load_data()
-
-    def _load_data(self) -> None:
         from asyncrl.data.dataset import PromptDataset, PromptLoader, load_rows
         from asyncrl.data.synthetic import disjoint_splits
 
-        dc = self.cfg["data"]
-        if dc.get("train_files"):
-            train, val = load_rows(dc["train_files"]), load_rows(dc["val_files"]) if dc.get("val_files") else []
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        dc = self.cfg.data
+        if dc.train_files:
+            train, val = load_rows(dc.train_files), load_rows(dc.val_files) if dc.val_files else []
         else:
-            syn = dc["synthetic"]
-            train, val = disjoint_splits(syn["task"], int(syn["n_train"]), int(syn["n_val"]), int(syn.get("seed", 0)))
-        tpl = bool(dc.get("apply_chat_template", True))
-        self.train_set = PromptDataset(train, self.tokenizer, int(dc["max_prompt_len"]), tpl)
-        val_set = PromptDataset(val, self.tokenizer, int(dc["max_prompt_len"]), tpl) if val else None
+            syn = dc.synthetic
+            train, val = disjoint_splits(syn.task, syn.n_train, syn.n_val, syn.seed)
+        self.train_set = PromptDataset(train, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template)
+        val_set = PromptDataset(val, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template) if val else None
         self.val_prompts = val_set.collate(val_set.items) if val_set else None  # one batch, reused
-        self.loader = PromptLoader(self.train_set, int(dc["batch_size"]), shuffle=bool(dc.get("shuffle", True)),
-                                   seed=int(self.cfg.get("seed", 0)))
+        self.loader = PromptLoader(self.train_set, dc.batch_size, shuffle=dc.shuffle, seed=self.cfg.seed)
 
     def _put(self, d: dict[str, Any], meta: dict[str, Any]) -> DistBatch:
         tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
@@ -122,7 +105,7 @@ class Trainer:
 
     def pretrain_batch(self) -> DistBatch:
         """Prompt + ground-truth answer sequences for the Safe-RLHF pretrain (SFT) loss term."""
-        bs = int(self.cfg["data"]["batch_size"])
+        bs = self.cfg.data.batch_size
         start = (self.step * bs) % max(1, len(self.train_set))
         items = [self.train_set[(start + i) % len(self.train_set)] for i in range(bs)]
         answers = [self.tokenizer.encode(str(it.ground_truth), add_special_tokens=False) + [self.tokenizer.eos_token_id]
@@ -144,87 +127,89 @@ class Trainer:
         if self.val_prompts is None:
             return float("nan")
         prompts = self._put(self.val_prompts, {"greedy": True, "n": 1})
-        scored = await self.reward.compute_reward(self.actor.generate_sequences(prompts))
+        scored = await self.roles.reward.compute_reward(self.roles.actor.generate_sequences(prompts))
         scores = (await scored.select("scores").fetch())["scores"]  # one float per prompt
         return float(scores.float().mean())
 
     # checkpoints ----------------------------------------------------------------------------------
-    def _latest_checkpoint(self) -> Path | None:
-        done = [p for p in self.ckpt_dir.glob("step_*") if (p / DONE_MARKER).exists()]
-        return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
+    def _checkpoints(self) -> list[Path]:
+        """This run's complete checkpoints, oldest first."""
+        done = [p for p in self.ckpt_dir.glob("step_*") if p.name[5:].isdigit() and (p / DONE_MARKER).exists()]
+        return sorted(done, key=lambda p: int(p.name[5:]))
 
     async def save(self) -> Path:
         path = self.ckpt_dir / f"step_{self.step}"
-        if path.exists():
+        if path.exists():  # an incomplete save of this run's own step (we only name step_N dirs)
             shutil.rmtree(path)
         path.mkdir(parents=True)
-        hf = (await self.actor.save_checkpoint(str(path)))[0]
-        if self.critic is not None:
-            await self.critic.save_checkpoint(str(path))
+        hf = (await self.roles.actor.save_checkpoint(str(path)))[0]
+        if self.roles.critic is not None:
+            await self.roles.critic.save_checkpoint(str(path))
         state = {"step": self.step, "loader": self.loader.state_dict(), "history": self.history,
-                 "kl_coef": float(self.kl_ctrl.value), "lagrange": self.lagrange.state_dict(),
-                 "val": self.val_log, "hf": hf}
+                 "controllers": self.ctl.state_dict(), "val": self.val_log, "hf": hf}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / DONE_MARKER).write_text("")  # last: a checkpoint without it is incomplete
-        keep = int(self.cfg["trainer"].get("keep_checkpoints", 2))
-        old = sorted((p for p in self.ckpt_dir.glob("step_*") if p != path), key=lambda p: int(p.name.split("_")[1]))
-        for p in old[:max(0, len(old) - keep + 1)]:
-            shutil.rmtree(p, ignore_errors=True)
+        for old in [p for p in self._checkpoints() if p != path][:-self.cfg.trainer.keep_checkpoints + 1 or None]:
+            shutil.rmtree(old, ignore_errors=True)
         return Path(hf)
 
-    async def resume(self) -> bool:
-        mode = str(self.cfg["trainer"].get("resume", "auto"))
-        if mode in ("none", "false", "False"):
-            return False
-        path = Path(mode) if mode not in ("auto",) else self._latest_checkpoint()
-        if path is None:
-            return False
+    async def load(self, path: Path) -> None:
         if not (path / DONE_MARKER).exists():
-            raise ConfigError(f"trainer.resume={mode}: {path} is not a complete checkpoint")
-        await self.actor.load_checkpoint(str(path))
-        if self.critic is not None:
-            await self.critic.load_checkpoint(str(path))
+            raise ConfigError(f"trainer.resume={path}: not a complete checkpoint (no {DONE_MARKER} file)")
+        await self.roles.actor.load_checkpoint(str(path))
+        if self.roles.critic is not None:
+            await self.roles.critic.load_checkpoint(str(path))
         state = json.loads((path / "trainer_state.json").read_text())
         self.step, self.history, self.val_log = state["step"], state["history"], state["val"]
         self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.value = state["kl_coef"]
-        self.lagrange.load_state_dict(state["lagrange"])
+        self.ctl.load_state_dict(state["controllers"])
         log.info("resumed from %s at step %d", path, self.step)
-        return True
 
     # the loop -------------------------------------------------------------------------------------
     async def fit(self) -> dict[str, Any]:
         from asyncrl.metrics import MetricsWriter, progress
 
-        tc = self.cfg["trainer"]
-        total = int(tc["total_steps"])
-        eval_every, save_every = int(tc.get("eval_every", 5)), int(tc.get("save_every", 10))
-        self.val_log: list[list[float]] = []
+        tc = self.cfg.trainer
         t_start = time.monotonic()
-        resumed = await self.resume()
-        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, bool(tc.get("tensorboard", True)))
-        if resumed:  # rewrite the metrics file up to the checkpoint: steps after it are redone
-            writer.write(int(self.val_log[0][0]), {"val/reward": self.val_log[0][1]})
+        start = prepare_run_dir(self.cfg)
+        if start is not None:
+            done_at = json.loads((start / "trainer_state.json").read_text())["step"]
+            if done_at >= tc.total_steps:
+                msg = (f"run already complete at step {done_at} (use a new trainer.output_dir or "
+                       "trainer.resume=none)")
+                log.warning("%s: %s", self.out_dir, msg)
+                return {"status": "already_complete", "steps": done_at, "message": msg,
+                        "checkpoint": str(start / "actor" / "hf")}
+            await self.load(start)
+        resumed = self.step > 0
+        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.tensorboard,
+                                         self.step if resumed else None)
+        if resumed:  # metrics.jsonl up to the checkpoint; TensorBoard already has these steps
+            writer.write(int(self.val_log[0][0]), {"val/reward": self.val_log[0][1]}, tensorboard=False)
             for row in self.history:
-                writer.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"})
-        if not self.val_log:
+                writer.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"}, tensorboard=False)
+        else:
             self.val_log.append([self.step, await self.evaluate()])
             writer.write(self.step, {"val/reward": self.val_log[-1][1]})
             log.info("step %d: held-out reward %.3f", self.step, self.val_log[-1][1])
         tokens, step_time = 0.0, 0.0
-        bar = progress(total, self.step, desc=f"{self.cfg['algorithm']['name']}")
-        while self.step < total:
+        bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name)
+        while self.step < tc.total_steps:
             t0 = time.monotonic()
-            prompts = self._put(self.loader.next_batch(), {"seed": int(self.cfg.get("seed", 0)) * 100003 + self.step})
-            metrics = await self.step_fn(self, prompts)
+            prompts = self._put(self.loader.next_batch(), {"seed": self.cfg.seed * 100003 + self.step})
+            data = {}
+            if self.algorithm.needs_pretrain and self.cfg.actor.pretrain_coef > 0:
+                data["pretrain"] = self.pretrain_batch()
+            metrics = await self.algorithm.step(self.roles, self.cfg, self.ctl, prompts, **data)
             self.step += 1
             dt = time.monotonic() - t0
+            metrics.update(self.ctl.update(metrics, self.cfg.data.batch_size))
             tokens += metrics.get("response/tokens", 0.0)
             step_time += dt
-            self.kl_ctrl.update(metrics.get("critic/kl", 0.0), int(self.cfg["data"]["batch_size"]))
-            metrics.update({"timing/step_s": dt, "actor/kl_coef": float(self.kl_ctrl.value),
+            busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in PHASES if p != "sync") + metrics.get("timing/sync_s", 0.0)
+            metrics.update({"timing/step_s": dt, "timing/overhead_s": max(0.0, dt - busy),
                             "perf/tokens_per_s": metrics.get("response/tokens", 0.0) / dt})
-            if self.step % eval_every == 0 or self.step == total:
+            if self.step % tc.eval_every == 0 or self.step == tc.total_steps:
                 self.val_log.append([self.step, await self.evaluate()])
                 metrics["val/reward"] = self.val_log[-1][1]
             bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v) and k != "val/reward"]
@@ -233,21 +218,84 @@ class Trainer:
             self.history.append({"step": self.step, **metrics})
             writer.write(self.step, metrics)
             bar.update(metrics)
-            if self.step % save_every == 0 and self.step < total:
+            if self.step % tc.save_every == 0 and self.step < tc.total_steps:
                 await self.save()
         bar.close()
-        hf = await self.save()  # the final checkpoint (also when resumed at the end)
+        hf = await self.save()
         await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png")
         writer.close()
-        return {"algorithm": self.cfg["algorithm"]["name"], "steps": self.step,
+        return {"algorithm": self.cfg.algorithm.name, "steps": self.step,
                 "val_reward_start": round(self.val_log[0][1], 4), "val_reward_end": round(self.val_log[-1][1], 4),
                 "wall_s": round(time.monotonic() - t_start, 1),
                 "tokens_per_s": round(tokens / step_time, 1) if step_time else 0.0,
                 "checkpoint": str(hf), "metrics": str(self.out_dir / "metrics.jsonl")}
 
 
+# the run directory ----------------------------------------------------------------------------------
+def prepare_run_dir(cfg: RLConfig) -> Path | None:
+    """Decide where the run starts and record its config; returns the checkpoint to resume from.
+
+    - A directory holding anything this program did not write is refused (never overwritten).
+    - `resume=auto` continues from the last complete checkpoint, after comparing the saved config
+      with this one (changes are named; a change to what is trained is refused).
+    - `resume=none` starts clean: an earlier run's outputs are moved aside to `previous-<time>/`,
+      so they are never picked up later by mistake.
+    - `resume=PATH` starts from that checkpoint.
+    """
+    out = Path(cfg.trainer.output_dir)
+    new = to_dict(cfg)
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in OURS and not p.name.startswith("previous-"))
+        if foreign:
+            raise ConfigError(f"trainer.output_dir={out} holds files asyncrl did not write ({', '.join(foreign[:5])}); "
+                              "choose a new trainer.output_dir (nothing was changed)")
+    mode = cfg.trainer.resume
+    ckpts = sorted((p for p in (out / "checkpoints").glob("step_*")
+                    if p.name[5:].isdigit() and (p / DONE_MARKER).exists()), key=lambda p: int(p.name[5:]))
+    start: Path | None = None
+    if mode == "none":
+        produced = [p for p in out.iterdir() if p.name in OURS and p.name not in ("logs", ".hydra")] if out.exists() else []
+        if produced:
+            aside = out / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir()
+            for p in produced:
+                p.rename(aside / p.name)
+            log.warning("trainer.resume=none: moved the earlier run's outputs to %s", aside)
+    elif mode == "auto":
+        start = ckpts[-1] if ckpts else None
+    else:
+        start = Path(mode)
+        if not start.is_dir():
+            raise ConfigError(f"trainer.resume={mode}: no such checkpoint directory (use auto, none or a "
+                              "checkpoints/step_N path)")
+    saved = out / CONFIG_FILE
+    if start is not None and saved.exists() and start.parent.parent == out:
+        changed = config_changes(yaml.safe_load(saved.read_text()), new)
+        blocking = [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]
+        if blocking:
+            raise ConfigError(f"cannot resume {out} with a different {', '.join(blocking)} (was → now: "
+                              + "; ".join(f"{k}: {changed[k]}" for k in blocking)
+                              + "); use a new trainer.output_dir, or trainer.resume=none to start over")
+        if changed:
+            log.warning("resuming with changed %s", "; ".join(f"{k}: {v}" for k, v in changed.items()))
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(yaml.safe_dump(new, sort_keys=False))
+    return start
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, str]:
+    """Dotted keys whose values differ between two config dicts, as 'old → new'."""
+    out: dict[str, str] = {}
+    for k in sorted(set(old) | set(new)):
+        a, b, key = old.get(k), new.get(k), f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, key + "."))
+        elif a != b:
+            out[key] = f"{a!r} → {b!r}"
+    return out
+
+
 async def main(ctx: Any) -> dict[str, Any]:
-    cfg = OmegaConf.to_container(ctx.cfg, resolve=True)
-    trainer = Trainer(ctx, cfg)
+    trainer = Trainer(ctx, rl_config(ctx.cfg))
     await trainer.setup()
     return await trainer.fit()

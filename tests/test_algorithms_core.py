@@ -5,12 +5,14 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithms.core import (
-    KL_KINDS,
-    LOSS_AGG_MODES,
+from asyncrl.algorithms.controllers import (
     AdaptiveKLController,
     FixedKLController,
     LagrangeMultiplier,
+)
+from asyncrl.algorithms.core import (
+    KL_KINDS,
+    LOSS_AGG_MODES,
     agg_loss,
     apply_kl_penalty,
     compute_gae,

@@ -8,7 +8,6 @@ unit-tested against hand-computed values and called from any worker.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
@@ -263,32 +262,6 @@ def apply_kl_penalty(
     return token_rewards, mean_kl
 
 
-class FixedKLController:
-    """Constant KL coefficient."""
-
-    def __init__(self, coef: float) -> None:
-        self.value = float(coef)
-
-    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
-        """No-op: the coefficient is fixed."""
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. (2019): steer the observed KL to `target_kl`."""
-
-    def __init__(self, init_coef: float, target_kl: float, horizon: int) -> None:
-        if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"target_kl and horizon must be > 0, got {target_kl}, {horizon}")
-        self.value = float(init_coef)
-        self.target_kl = float(target_kl)
-        self.horizon = int(horizon)
-
-    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
-        """Scale the coefficient by 1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon."""
-        error = min(max(float(current_kl) / self.target_kl - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-
-
 # --------------------------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------------------------
@@ -425,47 +398,6 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 1024)
 # --------------------------------------------------------------------------------------------
 # Safe-RLHF (Dai et al. 2023)
 # --------------------------------------------------------------------------------------------
-
-
-class LagrangeMultiplier:
-    """Lagrange multiplier lambda >= 0 for a cost constraint, kept as log(lambda) as Safe-RLHF does.
-
-    `update` takes one gradient-ascent step on lambda * (mean_episode_cost - cost_limit) w.r.t.
-    log(lambda), so lambda grows while the constraint is violated and decays (never below 0)
-    otherwise.
-    """
-
-    def __init__(
-        self, init_value: float, lr: float, cost_limit: float, max_value: float | None = None
-    ) -> None:
-        if init_value <= 0:
-            raise ValueError(
-                f"init_value must be > 0 (lambda is stored as a log), got {init_value}"
-            )
-        if max_value is not None and max_value < init_value:
-            raise ValueError(f"max_value {max_value} is below init_value {init_value}")
-        self.lr = float(lr)
-        self.cost_limit = float(cost_limit)
-        self.max_value = max_value
-        self._log_value = math.log(init_value)
-
-    @property
-    def value(self) -> float:
-        return math.exp(self._log_value)
-
-    def state_dict(self) -> dict[str, float]:
-        return {"log_value": self._log_value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self._log_value = float(state["log_value"])
-
-    def update(self, mean_episode_cost: float | Tensor) -> float:
-        """Step log(lambda) by lr * lambda * (cost - limit); returns the new lambda."""
-        violation = float(mean_episode_cost) - self.cost_limit
-        self._log_value += self.lr * violation * self.value
-        if self.max_value is not None:
-            self._log_value = min(self._log_value, math.log(self.max_value))
-        return self.value
 
 
 def safe_rlhf_advantage(reward_adv: Tensor, cost_adv: Tensor, lam: float | Tensor) -> Tensor:

@@ -21,6 +21,7 @@ import torch
 
 from asyncrl.data.synthetic import all_symbols, get_task, make_examples
 from asyncrl.rollout.engine import positions_from_mask
+from daemons.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,10 @@ def ensure_tiny_model(out_dir: str | Path, **kw) -> Path:
         if all(info.get(k) == v for k, v in settings.items()):
             return out
         log.info("tiny model in %s was built with other settings; rebuilding", out)
+    elif out.exists():  # never replace what this builder did not write
+        raise ConfigError(f"{out} exists and is not a tiny model built by asyncrl (no {MARKER}); "
+                          "leave model.build_tiny unset to use it as a model, or build into a new directory "
+                          "(it was left as it is)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(tmp, **settings)

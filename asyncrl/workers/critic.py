@@ -9,18 +9,14 @@ import torch
 
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
+from asyncrl.config import RLConfig, rl_config
 from asyncrl.engine import TrainEngine
+from asyncrl.metrics import timed
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.worker import Worker, register
-from asyncrl.workers.common import (
-    mean_metrics,
-    micro_batches,
-    mini_batches,
-    optim_config,
-    same_init_on_every_rank,
-    setup_process,
-    values_forward,
-)
+from asyncrl.workers.forward import values_forward
+from asyncrl.workers.process import same_init_on_every_rank, setup_process
+from asyncrl.workers.update import micro_batches, ppo_update
 
 
 def load_value_model(path: str) -> torch.nn.Module:
@@ -34,45 +30,38 @@ def load_value_model(path: str) -> torch.nn.Module:
 
 
 class CriticWorker(Worker):
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: RLConfig | dict[str, Any]) -> None:
         super().__init__()
-        self.cfg = config
-        setup_process(config, self.rank)
-        cc = config.get("critic", {})
-        same_init_on_every_rank(config)
-        self.critic = TrainEngine(load_value_model(cc.get("model_path") or config["model"]["path"]),
-                                  optim=optim_config(cc.get("optim", {"lr": 1e-4})), device=self.device)
-        self.shuffle_gen = torch.Generator().manual_seed(int(config.get("seed", 0)) + 7 + self.rank)
+        self.cfg = cfg = rl_config(config)
+        setup_process(cfg, self.rank)
+        same_init_on_every_rank(cfg)
+        self.critic = TrainEngine(load_value_model(cfg.critic.model_path or cfg.model.path),
+                                  optim=cfg.critic.optim, device=self.device)
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + self.rank)
 
     @register(DP_PROTO)
+    @timed("values")
     def compute_values(self, batch: Batch) -> Batch:
         self.critic.model.eval()
-        size = int(self.cfg.get("critic", {}).get("micro_batch_size", 16))
         with torch.no_grad():
-            values = [values_forward(self.critic.model, mb) for mb in micro_batches(batch, size)]
+            values = [values_forward(self.critic.model, mb)
+                      for mb in micro_batches(batch, self.cfg.critic.micro_batch_size)]
         return Batch({"values": torch.cat(values) * batch["response_mask"].float()})
 
     @register(DP_PROTO)
+    @timed("update_critic")
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        cc = self.cfg.get("critic", {})
-        mode = cc.get("loss_agg_mode", "token-mean")
-        clip = float(cc.get("cliprange_value", 0.5))
-        history = []
-        for _ in range(int(cc.get("ppo_epochs", 1))):
-            for mini in mini_batches(batch, int(cc.get("ppo_mini_batches", 1)), True, self.shuffle_gen):
-                rows = len(mini)
+        cc = self.cfg.critic
 
-                def loss_fn(model: torch.nn.Module, mb: Batch, rows: int = rows) -> tuple[torch.Tensor, dict]:
-                    v = values_forward(model, mb)
-                    loss, clipfrac = core.value_loss(v, mb["values"], mb["returns"], mb["response_mask"].float(),
-                                                     clip_range=clip, loss_agg_mode=mode)
-                    return loss * (len(mb) / rows), {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac}
+        def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
+            v = values_forward(model, mb)
+            loss, clipfrac = core.value_loss(v, mb["values"], mb["returns"], mb["response_mask"].float(),
+                                             clip_range=cc.cliprange_value, loss_agg_mode=cc.loss_agg_mode)
+            return loss, {"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": clipfrac}
 
-                history.append(self.critic.train_step(micro_batches(mini, int(cc.get("micro_batch_size", 8))), loss_fn))
-        out = mean_metrics(history)
+        out = ppo_update(self.critic, batch, cc, loss_fn, self.shuffle_gen)
         out["critic/grad_norm"] = out.pop("grad_norm", 0.0)
         out["critic/lr"] = out.pop("lr", 0.0)
-        out.pop("loss", None)
         return out
 
     @register(ONE_TO_ALL)

@@ -13,32 +13,31 @@ import torch
 
 from asyncrl.algorithms.core import scores_to_tokens
 from asyncrl.batch import Batch
+from asyncrl.config import RLConfig, rl_config
+from asyncrl.metrics import timed
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rewards import load_reward_fn
 from asyncrl.worker import Worker, register
-from asyncrl.workers.common import (
-    decode_responses,
-    micro_batches,
-    same_init_on_every_rank,
-    setup_process,
-)
+from asyncrl.workers.forward import decode_responses
+from asyncrl.workers.process import same_init_on_every_rank, setup_process
+from asyncrl.workers.update import micro_batches
 
 
 class RuleRewardWorker(Worker):
     """Scores responses with a rule (`reward.fn`: dotted path, or the built-in dispatch by
     data_source: gsm8k, exact match, the synthetic tasks)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: RLConfig | dict[str, Any]) -> None:
         super().__init__()
         from transformers import AutoTokenizer
 
-        self.cfg = config
-        rc = config.get("reward", {})
-        self.fn = load_reward_fn(rc.get("fn"))
-        self.cost_fn = load_reward_fn(rc["cost_fn"]) if rc.get("cost_fn") else None
-        self.tokenizer = AutoTokenizer.from_pretrained(config["model"]["path"])
+        self.cfg = cfg = rl_config(config)
+        self.fn = load_reward_fn(cfg.reward.fn)
+        self.cost_fn = load_reward_fn(cfg.reward.cost_fn) if cfg.reward.cost_fn else None
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     @register(DP_PROTO)
+    @timed("reward")
     def compute_reward(self, batch: Batch) -> Batch:
         texts = decode_responses(self.tokenizer, batch)
         n = len(texts)
@@ -57,30 +56,30 @@ class RewardModelWorker(Worker):
     """A sequence-classification model scoring (prompt, response) at the last real token.
 
     `output` names the columns it writes: "scores" for a reward model, "costs" for a
-    Safe-RLHF cost model.
+    Safe-RLHF cost model (`cost_model.path`; the actor's model with a fresh head when unset).
     """
 
-    def __init__(self, config: dict[str, Any], output: str = "scores") -> None:
+    def __init__(self, config: RLConfig | dict[str, Any], output: str = "scores", path: str | None = None) -> None:
         super().__init__()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.cfg = config
-        setup_process(config, self.rank)
-        rc = config.get("reward_model" if output == "scores" else "cost_model", {})
-        path = rc.get("path") or config["model"]["path"]
+        self.cfg = cfg = rl_config(config)
+        setup_process(cfg, self.rank)
+        path = path or cfg.model.path
         self.output = output
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        same_init_on_every_rank(config)  # a fresh head must score the same on every rank
+        same_init_on_every_rank(cfg)  # a fresh head must score the same on every rank
         self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()
 
     @register(DP_PROTO)
+    @timed("reward_model")
     def compute_reward(self, batch: Batch) -> Batch:
         outs = []
         with torch.no_grad():
-            for mb in micro_batches(batch, 16):
+            for mb in micro_batches(batch, self.cfg.cost_model.micro_batch_size):
                 logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                                     position_ids=mb["position_ids"]).logits
                 outs.append(logits[:, 0].float())

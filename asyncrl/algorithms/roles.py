@@ -1,0 +1,43 @@
+"""What an algorithm step works with: the worker groups of the run (`Roles`) and the table of
+algorithms (`Algorithm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.config import RLConfig
+from asyncrl.dist import DistBatch
+
+
+@dataclass
+class Roles:
+    """The worker groups a step calls. `critic` and `cost` exist only for the algorithms that use them."""
+
+    actor: Any  # ActorRolloutRefWorker group: generate_sequences, compute_(ref_)log_prob, update_actor
+    reward: Any  # compute_reward
+    critic: Any | None = None  # compute_values, update_critic
+    cost: Any | None = None  # a cost model's compute_reward (Safe-RLHF with cost_model.enable)
+
+
+def uses_ref(cfg: RLConfig) -> bool:
+    """Whether a step needs the reference policy's log-probs (KL in the loss or in the reward)."""
+    algo = cfg.algorithm
+    return cfg.actor.use_kl_loss or (algo.use_kl_in_reward and algo.kl_ctrl.kl_coef > 0)
+
+
+def union_all(first: DistBatch, *rest: DistBatch) -> DistBatch:
+    for other in rest:
+        first = first.union(other)
+    return first
+
+
+Step = Callable[..., Awaitable[dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    step: Step  # async (roles, cfg, ctl, prompts, **data) -> metrics
+    needs_critic: bool = False
+    needs_pretrain: bool = False  # takes a `pretrain=` batch (Safe-RLHF's SFT term)

@@ -1,0 +1,460 @@
+"""The configuration schema: one typed dataclass per section, the single source of every default.
+
+The YAML files in `configs/` set only what differs from these classes. The classes are
+registered as Hydra structured configs (`launch_schema`, `rl_schema`, `smoke_schema`), so a YAML
+file that lists one in its defaults — and every command-line override — is checked against
+them: an unknown key, a wrong type or an out-of-range value is a `ConfigError` (exit 2) that
+names the key, the file and the closest valid key.
+
+Library code reads typed values (`cfg.actor.optim.lr`), never `dict.get(key, default)`.
+Workers get the config as a plain dict over the wire and rebuild the typed value with
+`rl_config(...)`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.parallel import ParallelConfig
+from daemons.errors import ConfigError
+
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
+ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
+SYNTHETIC_TASKS = ("sum", "max", "sort", "copy", "reverse")
+
+
+def _check(ok: bool, key: str, value: Any, want: str) -> None:
+    if not ok:
+        raise ConfigError(f"bad configuration: {key}={value!r}: {want}")
+
+
+def _one_of(key: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    _check(value >= 0 if allow_zero else value > 0, key, value,
+           "must be >= 0" if allow_zero else "must be > 0")
+
+
+# cluster and job ---------------------------------------------------------------------------------
+@dataclass
+class ClusterConfig:
+    coordinator: str | None = None  # HOST:PORT of node 0's coordinator; None: this node hosts it
+    port: int = 0  # coordinator port on node 0 (0 = any; set one for multi-node)
+    node_rank: int = 0
+    nnodes: int = 1
+    host: str | None = None  # address this node binds and advertises; None = auto
+    cpu_devices: int = 2  # CPU "devices" per node when there is no GPU
+    key_dir: str | None = None  # CurveZMQ key dir (`asyncrl keys generate DIR`); None = ephemeral, one node only
+    insecure: bool = False  # unauthenticated sockets: local tests only
+    join_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 1.0
+    node_timeout_s: float = 5.0
+    log_dir: str = "outputs/logs"
+
+    def __post_init__(self) -> None:
+        _check(self.nnodes >= 1, "cluster.nnodes", self.nnodes, "must be >= 1")
+        _check(0 <= self.node_rank < self.nnodes, "cluster.node_rank", self.node_rank,
+               f"must be in [0, cluster.nnodes={self.nnodes})")
+        _check(0 <= self.port <= 65535, "cluster.port", self.port, "must be a TCP port (0 = any)")
+        _positive("cluster.cpu_devices", self.cpu_devices)
+        for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s"):
+            _positive(f"cluster.{name}", getattr(self, name))
+        if self.nnodes > 1 and not self.key_dir and not self.insecure:
+            raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
+                              "copy DIR to every node and pass cluster.key_dir=DIR (or "
+                              "cluster.insecure=true on a trusted test network)")
+
+
+@dataclass
+class JobConfig:
+    entry: str | None = None  # "package.module:main" or "path/to/script.py:main"
+    name: str = "job"
+
+
+@dataclass
+class LaunchConfig:
+    """What `asyncrl-launch` itself reads; every job config has these sections."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    seed: int = 0
+
+
+# the RL job --------------------------------------------------------------------------------------
+@dataclass
+class TinyModelConfig:
+    """Build a random-init Llama-architecture model and word-level tokenizer (quickstart only)."""
+
+    task: str = "sort"
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    sft_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("model.build_tiny.task", self.task, SYNTHETIC_TASKS)
+        for name in ("hidden", "layers", "heads"):
+            _positive(f"model.build_tiny.{name}", getattr(self, name))
+        _check(self.hidden % self.heads == 0, "model.build_tiny.hidden", self.hidden,
+               f"must divide by model.build_tiny.heads={self.heads}")
+        _positive("model.build_tiny.sft_steps", self.sft_steps, allow_zero=True)
+
+
+@dataclass
+class ModelConfig:
+    path: str = "outputs/tiny-model"  # a local Hugging Face model directory (or a cached Hub name)
+    build_tiny: TinyModelConfig | None = None  # build a toy model at `path` (the quickstart does)
+
+
+@dataclass
+class SyntheticDataConfig:
+    task: str = "sort"
+    n_train: int = 4096
+    n_val: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("data.synthetic.task", self.task, SYNTHETIC_TASKS)
+        _positive("data.synthetic.n_train", self.n_train)
+        _positive("data.synthetic.n_val", self.n_val, allow_zero=True)
+
+
+@dataclass
+class DataConfig:
+    train_files: str | None = None  # parquet/jsonl (verl layout); None = the built-in synthetic task
+    val_files: str | None = None
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    batch_size: int = 32  # prompts per step
+    max_prompt_len: int = 32
+    apply_chat_template: bool = True
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("data.batch_size", self.batch_size)
+        _positive("data.max_prompt_len", self.max_prompt_len)
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 6  # the generation budget; also Dr.GRPO's constant length normaliser
+
+    def __post_init__(self) -> None:
+        _positive("rollout.n", self.n)
+        _positive("rollout.temperature", self.temperature, allow_zero=True)
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _positive("rollout.top_k", self.top_k, allow_zero=True)
+        _positive("rollout.max_tokens", self.max_tokens)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then constant lr (total_steps=0) or cosine decay to min_lr."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still reported)
+    warmup_steps: int = 0
+    total_steps: int = 0  # 0 = constant lr after warmup
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+
+
+@dataclass
+class PPOUpdateConfig:
+    """The epoch × mini-batch × micro-batch loop shared by the actor and the critic."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 1
+    ppo_mini_batches: int = 1
+    micro_batch_size: int = 64  # rows per forward/backward (gradient accumulation over them)
+    shuffle: bool = True  # shuffle rows into mini-batches
+    loss_agg_mode: str = "token-mean"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        _positive("ppo_epochs", self.ppo_epochs)
+        _positive("ppo_mini_batches", self.ppo_mini_batches)
+        _positive("micro_batch_size", self.micro_batch_size)
+        _one_of("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+
+
+@dataclass
+class ActorConfig(PPOUpdateConfig):
+    log_prob_micro_batch_size: int = 128
+    recompute_log_prob: str = "auto"  # auto: only when off-policy (ppo_epochs or ppo_mini_batches > 1) | always | never
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # None = clip_ratio
+    clip_ratio_high: float | None = None  # None = clip_ratio (DAPO's clip-higher sets it above)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False  # GRPO-style KL term in the loss
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    pretrain_coef: float = 0.0  # weight of the SFT loss step (Safe-RLHF's ptx term)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _one_of("actor.recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
+        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
+        _positive("actor.log_prob_micro_batch_size", self.log_prob_micro_batch_size)
+        _positive("actor.clip_ratio", self.clip_ratio)
+        _check(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "must be > 1")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    def recompute_old_log_probs(self) -> bool:
+        """Whether old log-probs need a forward pass of their own (only when off-policy)."""
+        if self.recompute_log_prob == "auto":
+            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1
+        return self.recompute_log_prob == "always"
+
+
+@dataclass
+class CriticConfig(PPOUpdateConfig):
+    model_path: str | None = None  # None = the actor's model with a fresh value head
+    cliprange_value: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("critic.cliprange_value", self.cliprange_value)
+
+
+@dataclass
+class RewardConfig:
+    fn: str | None = None  # None = by data_source (gsm8k, synthetic, exact match); or module:fn / file.py:fn
+    cost_fn: str | None = None  # Safe-RLHF rule cost, same signature
+
+
+@dataclass
+class CostModelConfig:
+    enable: bool = False  # a sequence-classification cost model instead of reward.cost_fn
+    path: str | None = None  # None = the actor's model with a fresh head
+    micro_batch_size: int = 16
+
+
+@dataclass
+class KLControllerConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
+        _positive("algorithm.kl_ctrl.kl_coef", self.kl_coef, allow_zero=True)
+        _positive("algorithm.kl_ctrl.horizon", self.horizon)
+
+
+@dataclass
+class SafeRLHFConfig:
+    lagrange_init: float = 1.0
+    lagrange_lr: float = 0.1
+    cost_limit: float = 0.0
+    lagrange_max: float | None = None
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    estimator: str = "grpo"  # grpo | drgrpo (for name=grpo)
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # the KL estimator in the reward
+    kl_ctrl: KLControllerConfig = field(default_factory=KLControllerConfig)
+    safe: SafeRLHFConfig = field(default_factory=SafeRLHFConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm.name", self.name, ALGORITHMS)
+        _one_of("algorithm.estimator", self.estimator, ("grpo", "drgrpo"))
+        _one_of("algorithm.kl_penalty", self.kl_penalty, KL_TYPES)
+        _check(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+
+
+@dataclass
+class TrainerConfig:
+    n_workers: int = 2  # worker processes (devices) for the colocated actor/rollout/ref/critic/reward
+    total_steps: int = 200
+    eval_every: int = 25
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | none | path/to/checkpoints/step_N
+    output_dir: str = "outputs/${job.name}"
+    tensorboard: bool = True
+    torch_threads: int = 0  # per worker; 0 = the node's cores divided by its workers
+
+    def __post_init__(self) -> None:
+        _positive("trainer.n_workers", self.n_workers)
+        _positive("trainer.total_steps", self.total_steps)
+        _positive("trainer.eval_every", self.eval_every)
+        _positive("trainer.save_every", self.save_every)
+        _positive("trainer.keep_checkpoints", self.keep_checkpoints)
+        _positive("trainer.torch_threads", self.torch_threads, allow_zero=True)
+
+
+@dataclass
+class RLConfig(LaunchConfig):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if self.algorithm.name == "grpo" or self.algorithm.estimator == "grpo":
+            return
+        raise ConfigError(f"bad configuration: algorithm.estimator={self.algorithm.estimator!r} only applies "
+                          f"to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
+
+
+@dataclass
+class SmokeSection:
+    rows: int = 4096
+    cols: int = 256
+
+
+@dataclass
+class SmokeConfig(LaunchConfig):
+    smoke: SmokeSection = field(default_factory=SmokeSection)
+
+
+SCHEMAS: dict[str, type] = {"launch_schema": LaunchConfig, "rl_schema": RLConfig, "smoke_schema": SmokeConfig}
+
+
+def register_schemas() -> None:
+    """Make the schemas available to a YAML defaults list (`- rl_schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name, node in SCHEMAS.items():
+        store.store(name=name, node=node)
+
+
+# typed views --------------------------------------------------------------------------------------
+def typed(schema: type, cfg: DictConfig | dict) -> Any:
+    """`cfg` merged onto `schema`'s defaults, checked, as dataclass instances."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(explain(e, schema)) from None
+
+
+def rl_config(cfg: RLConfig | DictConfig | dict) -> RLConfig:
+    """The typed RL config from whatever form it arrives in (a worker gets a plain dict)."""
+    return cfg if isinstance(cfg, RLConfig) else typed(RLConfig, cfg)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, resolved dict of a typed config (what travels to workers and into run dirs)."""
+    node = OmegaConf.structured(cfg) if is_dataclass(cfg) else cfg
+    return OmegaConf.to_container(node, resolve=True)
+
+
+# error messages ------------------------------------------------------------------------------------
+def valid_keys(schema: type, path: str) -> list[str]:
+    """The field names of the section at dotted `path` in `schema` (empty when it is no section)."""
+    node: Any = schema
+    for part in [p for p in path.split(".") if p]:
+        hit = next((f for f in fields(node) if f.name == part), None) if is_dataclass(node) else None
+        if hit is None:
+            return []
+        node = _dataclass_of(hit.type, node)
+        if node is None:
+            return []
+    return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _dataclass_of(annotation: Any, owner: type) -> type | None:
+    import typing
+
+    hints = typing.get_type_hints(owner)
+    for f in fields(owner):
+        if f.type is annotation:
+            annotation = hints[f.name]
+            break
+    if is_dataclass(annotation):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if is_dataclass(arg):
+            return arg
+    return None
+
+
+def closest_key(schema: type, full_key: str) -> str | None:
+    section, _, name = full_key.rpartition(".")
+    match = difflib.get_close_matches(name, valid_keys(schema, section), n=1, cutoff=0.5)
+    return f"{section}.{match[0]}" if match and section else (match[0] if match else None)
+
+
+_NOISE = ("In '", "Error merging", "Could not override", "To append", "full_key:", "reference_type",
+          "object_type", "ConfigKeyError raised", "ValidationError raised")
+
+
+def explain(e: BaseException, schema: type | None, files: dict[str, str] | None = None) -> str:
+    """One paragraph for a composition/validation error: the key, where it was set (a YAML file or
+    the command line) and, for an unknown key, the closest valid one.
+
+    `files` maps a config name as Hydra reports it ("grpo") to the file it came from.
+    """
+    text = "\n".join(str(x) for x in (e, e.__cause__) if x is not None)
+    full_key = re.search(r"full_key: (\S+)", text)
+    key = full_key.group(1) if full_key else ""
+    if not key:
+        m = re.search(r"Could not override '([^']+)'", text) or re.search(r"override (\S+?)=", text)
+        key = m.group(1) if m else ""
+    reasons = [ln.strip() for ln in text.splitlines()
+               if ln.strip() and not any(ln.strip().startswith(n) for n in _NOISE)]
+    reason = reasons[0] if reasons else text.strip().splitlines()[0]
+    msg = f"bad configuration: {key}: {reason}" if key else f"bad configuration: {reason}"
+    source = re.search(r"In '([^']+)'", text)
+    if source:
+        name = source.group(1)
+        msg += f" (set in {(files or {}).get(name, name + '.yaml')})"
+    elif "override" in text:
+        msg += " (set on the command line)"
+    if key and schema is not None and ("not in" in text or "Could not override" in text):
+        best = closest_key(schema, key)
+        section = key.rpartition(".")[0]
+        if best and best != key:
+            msg += f"; did you mean {best}?"
+        keys = valid_keys(schema, section)
+        if keys:
+            msg += f" Valid keys in {section or 'the top level'}: {', '.join(keys)}."
+    return msg
