@@ -66,8 +66,7 @@ class Trainer:
     # setup ----------------------------------------------------------------------------------------
     async def setup(self) -> None:
         cfg = self.cfg
-        # model building, tokenizer and tokenization block: keep them off the event loop (heartbeats)
-        cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model)
+        # tokenizer and tokenization block: keep them off the event loop (heartbeats)
         await asyncio.to_thread(self._load_tokenizer_and_data)
         pool = self.ctx.create_pool("actor_rollout_ref", world_size=cfg.trainer.n_workers)
         wire = to_dict(cfg)  # workers rebuild the typed config from this plain dict
@@ -166,20 +165,13 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     # the loop -------------------------------------------------------------------------------------
-    async def fit(self) -> dict[str, Any]:
+    async def fit(self, start: Path | None) -> dict[str, Any]:
+        """Train from `start` (a checkpoint, or None for step 0) to trainer.total_steps."""
         from asyncrl.metrics import MetricsWriter, progress
 
         tc = self.cfg.trainer
         t_start = time.monotonic()
-        start = prepare_run_dir(self.cfg)
         if start is not None:
-            done_at = json.loads((start / "trainer_state.json").read_text())["step"]
-            if done_at >= tc.total_steps:
-                msg = (f"run already complete at step {done_at} (use a new trainer.output_dir or "
-                       "trainer.resume=none)")
-                log.warning("%s: %s", self.out_dir, msg)
-                return {"status": "already_complete", "steps": done_at, "message": msg,
-                        "checkpoint": str(start / "actor" / "hf")}
             await self.load(start)
         resumed = self.step > 0
         writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.tensorboard,
@@ -296,6 +288,17 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, str]:
 
 
 async def main(ctx: Any) -> dict[str, Any]:
-    trainer = Trainer(ctx, rl_config(ctx.cfg))
+    cfg = rl_config(ctx.cfg)
+    # model building and file checks block: keep them off the event loop (heartbeats)
+    cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model)
+    start = await asyncio.to_thread(prepare_run_dir, cfg)
+    if start is not None:
+        done_at = json.loads((start / "trainer_state.json").read_text())["step"]
+        if done_at >= cfg.trainer.total_steps:
+            msg = f"run already complete at step {done_at} (use a new trainer.output_dir or trainer.resume=none)"
+            log.warning("%s: %s", cfg.trainer.output_dir, msg)
+            return {"status": "already_complete", "steps": done_at, "message": msg,
+                    "checkpoint": str(start / "actor" / "hf")}
+    trainer = Trainer(ctx, cfg)
     await trainer.setup()
-    return await trainer.fit()
+    return await trainer.fit(start)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.roles import Roles, union_all, uses_ref
+from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
 from asyncrl.dist import DistBatch
 from asyncrl.metrics import mean_metrics
@@ -29,7 +29,7 @@ async def grpo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
     adv = await roles.actor.apply(advantage.grpo, batch, norm_by_std=norm, kl_coef=ctl.kl_coef,
                                   kl_penalty=cfg.algorithm.kl_penalty)
     actor = await roles.actor.update_actor(batch.union(adv))
-    return {**adv.meta, **mean_metrics(actor)}
+    return {**timings(batch), **adv.meta, **mean_metrics(actor)}
 
 
 async def rloo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
@@ -37,7 +37,7 @@ async def rloo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
     batch = await _rollout(roles, cfg, prompts)
     adv = await roles.actor.apply(advantage.rloo, batch, kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
     actor = await roles.actor.update_actor(batch.union(adv))
-    return {**adv.meta, **mean_metrics(actor)}
+    return {**timings(batch), **adv.meta, **mean_metrics(actor)}
 
 
 async def reinforce_pp_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
@@ -46,4 +46,4 @@ async def reinforce_pp_step(roles: Roles, cfg: RLConfig, ctl: Controllers, promp
     adv = await roles.actor.apply(advantage.reinforce_pp, batch, gamma=cfg.algorithm.gamma,
                                   kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
     actor = await roles.actor.update_actor(batch.union(adv))
-    return {**adv.meta, **mean_metrics(actor)}
+    return {**timings(batch), **adv.meta, **mean_metrics(actor)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.roles import Roles, union_all, uses_ref
+from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
 from asyncrl.dist import DistBatch
 from asyncrl.metrics import mean_metrics
@@ -29,7 +29,7 @@ async def ppo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistB
     batch = batch.union(adv)
     critic = roles.critic.update_critic(batch)
     actor = roles.actor.update_actor(batch)
-    return {**adv.meta, **mean_metrics(await critic), **mean_metrics(await actor)}
+    return {**timings(batch), **adv.meta, **mean_metrics(await critic), **mean_metrics(await actor)}
 
 
 async def safe_rlhf_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch,
@@ -51,7 +51,7 @@ async def safe_rlhf_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts:
     critic = roles.critic.update_critic(batch)
     actor = roles.actor.update_actor(batch)
     sft = roles.actor.update_pretrain(pretrain) if pretrain is not None else None
-    metrics = {**adv.meta, **mean_metrics(await critic), **mean_metrics(await actor)}
+    metrics = {**timings(batch), **adv.meta, **mean_metrics(await critic), **mean_metrics(await actor)}
     if sft is not None:
         metrics.update(mean_metrics(await sft))
     return metrics

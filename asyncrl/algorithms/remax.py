@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.roles import Roles, union_all, uses_ref
+from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
 from asyncrl.dist import DistBatch
 from asyncrl.metrics import mean_metrics
@@ -21,4 +21,4 @@ async def remax_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dis
     adv = await roles.actor.apply(advantage.remax, batch, baseline=await baseline, kl_coef=ctl.kl_coef,
                                   kl_penalty=cfg.algorithm.kl_penalty)
     actor = await roles.actor.update_actor(batch.union(adv))
-    return {**adv.meta, **mean_metrics(actor)}
+    return {**timings(batch), **adv.meta, **mean_metrics(actor)}

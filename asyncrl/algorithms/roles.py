@@ -33,6 +33,11 @@ def union_all(first: DistBatch, *rest: DistBatch) -> DistBatch:
     return first
 
 
+def timings(batch: DistBatch) -> dict[str, float]:
+    """The per-phase worker timings (`timing/*_s`) the producing calls left in the batch's meta."""
+    return {k: float(v) for k, v in batch.meta.items() if k.startswith("timing/")}
+
+
 Step = Callable[..., Awaitable[dict[str, float]]]
 
 

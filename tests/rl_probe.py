@@ -1,0 +1,62 @@
+"""A trainer job for tests: the real trainer and algorithm steps, with the actor group wrapped so
+every actor update also measures which way it moved the policy.
+
+For each update, `policy_gain` = mean over responses of the response's centred outcome (its
+score minus its prompt group's mean; minus the cost for Safe-RLHF) × the change of the
+response's log-probability under the update. It measures the update against the reward itself,
+not against the advantages the update was given: an update that makes better-scored responses
+likelier is positive; a flipped sign anywhere (advantage estimator, loss, aggregation) makes the
+policy move away from reward and the gain negative.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from asyncrl.config import rl_config
+from asyncrl.models.resolve import resolve_model
+from asyncrl.trainer import Trainer, prepare_run_dir
+
+
+class UpdateProbe:
+    def __init__(self, group: Any) -> None:
+        self.group, self.gains = group, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+    def update_actor(self, batch: Any) -> asyncio.Future:
+        return asyncio.ensure_future(self._measured_update(batch))
+
+    async def _measured_update(self, batch: Any) -> Any:
+        before = await self.group.compute_log_prob(batch)
+        metrics = await self.group.update_actor(batch)
+        after = await self.group.compute_log_prob(batch)
+        cols = [c for c in ("scores", "costs", "response_mask", "uid") if c in batch.columns]
+        b = await batch.select(*cols).fetch()
+        lp0 = (await before.select("old_log_probs").fetch())["old_log_probs"]
+        lp1 = (await after.select("old_log_probs").fetch())["old_log_probs"]
+        moved = ((lp1 - lp0) * b["response_mask"].float()).sum(-1)  # Δ log p(response)
+        outcome = b["scores"].float() - (b["costs"].float() if "costs" in b else 0.0)
+        groups = b["uid"] if "uid" in b else [0] * len(outcome)
+        centred = outcome.clone()
+        for g in set(groups):
+            rows = torch.tensor([i for i, x in enumerate(groups) if x == g])
+            centred[rows] -= outcome[rows].mean()
+        self.gains.append(float((centred * moved).mean()))
+        return metrics
+
+
+async def main(ctx: Any) -> dict[str, Any]:
+    cfg = rl_config(ctx.cfg)
+    cfg.model.path = resolve_model(cfg.model)
+    start = prepare_run_dir(cfg)
+    trainer = Trainer(ctx, cfg)
+    await trainer.setup()
+    probe = UpdateProbe(trainer.roles.actor)
+    trainer.roles.actor = probe
+    summary = await trainer.fit(start)
+    return {**summary, "policy_gain": probe.gains}
