@@ -18,7 +18,6 @@ import torch
 
 from daemons.proc import kill_group
 from objectstore import (
-    ObjectFuture,
     ObjectLostError,
     ObjectNotFoundError,
     ObjectRef,
@@ -29,7 +28,6 @@ from objectstore import (
     ShardRangeError,
     list_segments,
     remove_stale_segments,
-    resolve_refs,
     shard_rows,
 )
 from objectstore.errors import from_remote
@@ -164,27 +162,6 @@ def test_shard_rows_split_evenly():
     assert [shard_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
     with pytest.raises(ShardRangeError):
         shard_rows(10, 3, 3)
-
-
-async def test_object_future_passed_along(stores):
-    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
-    fut = ObjectFuture("producer")
-    t = matrix()
-
-    async def consume(args):
-        (ref,) = (await resolve_refs(args))["inputs"]
-        return await consumer.get(ref, (0, 8))
-
-    task = asyncio.create_task(consume({"inputs": [fut]}))
-    await asyncio.sleep(0.05)
-    assert not task.done()  # the consumer waits for the producer
-    fut.set_result(owner.put(t))
-    assert torch.equal(await task, t[:8])
-
-    failed = ObjectFuture()
-    failed.set_exception(RuntimeError("producer crashed"))
-    with pytest.raises(RuntimeError, match="producer crashed"):
-        await resolve_refs((1, [failed]))
 
 
 def test_remote_errors_become_typed():
