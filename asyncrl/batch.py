@@ -28,15 +28,13 @@ import numpy as np
 import torch
 
 from transport.codec import register_type
+from transport.dtypes import dtype_name as _dtype_name
+from transport.wire import Ext
 
-EXT_BATCH = 17
+EXT_BATCH = int(Ext.BATCH)
 
 Column = torch.Tensor | list[Any]
 RowKey = int | slice | Sequence[int] | torch.Tensor
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _as_non_tensor(name: str, value: Any) -> list[Any]:

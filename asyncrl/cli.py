@@ -21,14 +21,9 @@ def _keys_generate(args: argparse.Namespace) -> int:
 
 def _connect(args: argparse.Namespace):
     """A client for the coordinator named on the command line, or the one this machine runs."""
-    import json
-    import os
-    from pathlib import Path
-
+    from daemons.cluster import STATE_FILE, read_state, state_dir
     from transport import CurveConfig, RpcClient
 
-    state_dir = Path(os.environ.get("ASYNCRL_STATE_DIR", Path.home() / ".asyncrl" / "state"))
-    state_file = state_dir / "coordinator.json"
     if args.coordinator:
         endpoint = args.coordinator if "://" in args.coordinator else f"tcp://{args.coordinator}"
         if args.insecure:
@@ -36,13 +31,13 @@ def _connect(args: argparse.Namespace):
         if not args.key_dir:
             raise SystemExit("asyncrl: give --key-dir DIR (the cluster's keys) or --insecure")
         return RpcClient(endpoint, curve=CurveConfig.load(args.key_dir), name="cli")
-    if not state_file.exists():
-        raise SystemExit(f"asyncrl: no coordinator runs on this machine ({state_file} is absent); "
-                         "pass --coordinator HOST:PORT --key-dir DIR")
-    state = json.loads(state_file.read_text())
-    if state["insecure"]:
-        return RpcClient(state["endpoint"], insecure=True, name="cli")
-    return RpcClient(state["endpoint"], curve=CurveConfig.from_env(state["curve"]), name="cli")
+    state = read_state()
+    if state is None:
+        raise SystemExit(f"asyncrl: no coordinator runs on this machine ({state_dir() / STATE_FILE} "
+                         "is absent); pass --coordinator HOST:PORT --key-dir DIR")
+    if state.insecure:
+        return RpcClient(state.endpoint, insecure=True, name="cli")
+    return RpcClient(state.endpoint, curve=state.client_curve(), name="cli")
 
 
 def _rpc(args: argparse.Namespace, method: str, *call_args, timeout: float = 10.0):
@@ -65,7 +60,7 @@ def _rpc(args: argparse.Namespace, method: str, *call_args, timeout: float = 10.
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    st = _rpc(args, "status")
+    st = _rpc(args, "status").to_dict()  # a daemons.messages.ClusterStatus
     if args.json:
         print(json.dumps(st, indent=2))
         return 0

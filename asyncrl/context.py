@@ -16,8 +16,9 @@ from asyncrl import dist
 from asyncrl.batch import Batch
 from asyncrl.dist import DistBatch
 from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
-from daemons.coordinator import Coordinator, ResourcePool, WorkerHandle
-from daemons.node import NodeDaemon
+from daemons.cluster import ClusterSpec, HeadNode
+from daemons.coordinator import Coordinator, ResourcePool
+from daemons.worker_client import WorkerHandle
 from objectstore import ObjectStore
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +127,7 @@ class JobContext:
         return total
 
     def status(self) -> Any:
-        return self.coordinator.rpc_status()
+        return self.coordinator.status()
 
 
 @contextlib.asynccontextmanager
@@ -137,20 +138,11 @@ async def local_cluster(cpu_devices: int = 2, log_dir: str | Path = "outputs/log
     from transport import CurveConfig
 
     curve = None if insecure else CurveConfig.ephemeral()
-    coordinator = Coordinator(curve=curve, insecure=insecure, node_timeout=5.0)
-    await coordinator.start()
-    node = NodeDaemon(coordinator.endpoint, curve=curve, insecure=insecure, cpu_devices=cpu_devices,
-                      log_dir=Path(log_dir), heartbeat_interval=0.5)
-    await node.start()
-    ctx = None
-    try:
-        await node.wait_registered(30)
-        ctx = await JobContext(coordinator, cfg).open()
-        yield ctx
-    finally:
-        if ctx is not None:
+    spec = ClusterSpec(cpu_devices=cpu_devices, curve=curve, insecure=insecure, log_dir=Path(log_dir),
+                       heartbeat_interval_s=0.5)
+    async with HeadNode.start(spec) as head:
+        ctx = await JobContext(head.coordinator, cfg).open()
+        try:
+            yield ctx
+        finally:
             await ctx.close()
-        await coordinator.shutdown_workers(grace_s=3)
-        await coordinator.shutdown_nodes()
-        await node.close()
-        await coordinator.close()

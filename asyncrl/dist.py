@@ -22,10 +22,11 @@ from asyncrl.batch import Batch
 from objectstore import ObjectRef, ObjectStore
 from objectstore.ref import VALUE
 from transport.codec import register_type
+from transport.wire import Ext
 
 log = logging.getLogger(__name__)
 
-EXT_DIST_BATCH = 18
+EXT_DIST_BATCH = int(Ext.DIST_BATCH)
 
 
 @dataclass(frozen=True, slots=True)

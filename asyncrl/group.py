@@ -19,8 +19,9 @@ from typing import Any
 from asyncrl.mesh import Mesh
 from asyncrl.protocols import RANK_ZERO, CallContext, get_protocol
 from asyncrl.worker import MethodSpec, registered_methods
-from daemons.coordinator import ResourcePool, WorkerHandle
+from daemons.coordinator import ResourcePool
 from daemons.errors import DaemonError, WorkerDiedError
+from daemons.worker_client import WorkerHandle
 from transport import RemoteError
 
 log = logging.getLogger(__name__)

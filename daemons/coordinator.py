@@ -1,8 +1,9 @@
 """Coordinator daemon: node registry, resource pools, worker placement, object directory.
 
 It runs in the driver's event loop. The driver (the user's `async def` algorithm script) talks
-to workers through `WorkerHandle`s; the coordinator holds only metadata — where workers and
-objects are — never bulk data.
+to workers through `WorkerHandle`s (`daemons.worker_client`); the coordinator holds only
+metadata — where workers and objects are — never bulk data. Its RPC endpoints are its
+`@expose` methods; what nodes and workers send it are the typed messages of `daemons.messages`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemons.errors import NodeDiedError, PlacementError, WorkerDiedError
+from daemons.messages import (
+    ClusterStatus,
+    NodeLiveness,
+    NodeRegistration,
+    NodeStatus,
+    WorkerExit,
+    WorkerReady,
+    WorkerSpec,
+    WorkerState,
+    WorkerStatus,
+)
+from daemons.worker_client import WorkerHandle
 from objectstore import ObjectRef
-from transport import ConnectionLost, CurveConfig, RpcClient, RpcServer, RpcTimeout
+from transport import ConnectionLost, CurveConfig, RpcClient, RpcServer, RpcTimeout, expose
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +43,11 @@ class NodeInfo:
     devices: list[str]
     client: RpcClient
     last_heartbeat: float
-    alive: bool = True
+    liveness: NodeLiveness = NodeLiveness.ALIVE
+
+    @property
+    def alive(self) -> bool:
+        return self.liveness is NodeLiveness.ALIVE
 
 
 @dataclass
@@ -40,7 +57,7 @@ class WorkerInfo:
     rank: int
     group: str
     device: str
-    state: str = "starting"  # starting | ready | dead
+    state: WorkerState = WorkerState.STARTING
     pid: int = 0
     endpoint: str = ""
     store_endpoint: str = ""
@@ -59,40 +76,6 @@ class ResourcePool:
     @property
     def world_size(self) -> int:
         return len(self.placements)
-
-
-class WorkerHandle:
-    """The driver's view of one worker process; calls fail with WorkerDiedError when it dies."""
-
-    def __init__(self, coordinator: Coordinator, info: WorkerInfo, client: RpcClient) -> None:
-        self.coordinator = coordinator
-        self.info = info
-        self.client = client
-
-    @property
-    def rank(self) -> int:
-        return self.info.rank
-
-    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        if self.info.state == "dead":
-            raise self.death_error()
-        try:
-            result = await self.client.call_with(method, args, kwargs, timeout=timeout)
-        except (ConnectionLost, WorkerDiedError) as e:
-            raise await self.coordinator.explain_loss(self.info, e) from None
-        self.coordinator.note_refs(result, self.info)
-        return result
-
-    async def run(self, fn: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Run the importable function `fn` ("module:name") in this worker."""
-        return await self.call("run", fn, list(args), kwargs, timeout=timeout)
-
-    def death_error(self) -> WorkerDiedError:
-        i = self.info
-        return WorkerDiedError(i.worker_id, i.node_id, i.rank, i.exit_reason or "unknown", i.log_tail)
-
-    def __repr__(self) -> str:
-        return f"WorkerHandle({self.info.worker_id}, rank={self.rank}, {self.info.state})"
 
 
 class Coordinator:
@@ -122,8 +105,7 @@ class Coordinator:
         self.started_at = time.time()
 
     async def start(self) -> str:
-        for name in ("register_node", "heartbeat", "worker_ready", "worker_exited", "status", "stop"):
-            self.server.register(name, getattr(self, f"rpc_{name}"))
+        self.server.register_object(self)
         endpoint = await self.server.start()
         self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="coord-watch")
         return endpoint
@@ -133,7 +115,7 @@ class Coordinator:
         return self.server.endpoint
 
     async def close(self) -> None:
-        if any(w.state != "dead" for w in self.workers.values()):
+        if any(w.state is not WorkerState.DEAD for w in self.workers.values()):
             await self.shutdown_workers()
         if self._monitor is not None:
             self._monitor.cancel()
@@ -145,19 +127,25 @@ class Coordinator:
         await self.server.close()
 
     # node registry -------------------------------------------------------------------------
-    async def rpc_register_node(self, node_id: str, rank: int, host: str, endpoint: str,
-                                devices: list[str]) -> bool:
-        old = self.nodes.get(node_id)
+    @expose
+    async def register_node(self, reg: NodeRegistration) -> bool:
+        if not isinstance(reg, NodeRegistration):
+            raise TypeError(f"register_node takes a NodeRegistration, got a {type(reg).__qualname__}")
+        old = self.nodes.get(reg.node_id)
         if old is not None:
             await old.client.close()
-        client = RpcClient(endpoint, curve=self.curve, insecure=self.insecure, name=f"coord->{node_id}")
-        self.nodes[node_id] = NodeInfo(node_id, rank, host, endpoint, list(devices), client, time.monotonic())
-        log.info("node %s (rank %d, %s) joined with %d devices", node_id, rank, host, len(devices))
+        client = RpcClient(reg.endpoint, curve=self.curve, insecure=self.insecure,
+                           name=f"coord->{reg.node_id}")
+        self.nodes[reg.node_id] = NodeInfo(reg.node_id, reg.rank, reg.host, reg.endpoint,
+                                           list(reg.devices), client, time.monotonic())
+        log.info("node %s (rank %d, %s) joined with %d devices", reg.node_id, reg.rank, reg.host,
+                 len(reg.devices))
         async with self.node_joined:
             self.node_joined.notify_all()
         return True
 
-    def rpc_heartbeat(self, node_id: str) -> bool:
+    @expose
+    def heartbeat(self, node_id: str) -> bool:
         node = self.nodes.get(node_id)
         if node is None or not node.alive:
             return False  # tells the node to register again
@@ -191,11 +179,11 @@ class Coordinator:
             now = time.monotonic()
             for node in list(self.nodes.values()):
                 if node.alive and now - node.last_heartbeat > self.node_timeout:
-                    node.alive = False
+                    node.liveness = NodeLiveness.DEAD
                     log.error("node %s missed heartbeats for %.1fs: marked dead", node.node_id,
                               now - node.last_heartbeat)
                     for info in self.workers.values():
-                        if info.node_id == node.node_id and info.state != "dead":
+                        if info.node_id == node.node_id and info.state is not WorkerState.DEAD:
                             self._mark_dead(info, f"its node {node.node_id} stopped heartbeating", "")
 
     # resource pools and placement ------------------------------------------------------------
@@ -257,7 +245,7 @@ class Coordinator:
                 # the worker sees only its GPU, which it then calls cuda:0
                 worker_env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
                 worker_env["ASYNCRL_DEVICE"] = "cuda:0"
-            info.pid = await node.client.call("spawn_worker", worker_id, worker_env, timeout=30)
+            info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env), timeout=30)
             infos.append(info)
         try:
             await asyncio.wait_for(asyncio.gather(*[i.ready for i in infos]), self.spawn_timeout)
@@ -274,25 +262,29 @@ class Coordinator:
             handles.append(handle)
         return handles
 
-    def rpc_worker_ready(self, worker_id: str, endpoint: str, store_endpoint: str, pid: int) -> bool:
-        info = self.workers.get(worker_id)
+    @expose
+    def worker_ready(self, msg: WorkerReady) -> bool:
+        info = self.workers.get(msg.worker_id)
         if info is None:
-            raise KeyError(f"unknown worker {worker_id!r}: it was not spawned by this coordinator")
-        info.endpoint, info.store_endpoint, info.pid, info.state = endpoint, store_endpoint, pid, "ready"
+            raise KeyError(f"unknown worker {msg.worker_id!r}: it was not spawned by this coordinator")
+        info.endpoint, info.store_endpoint, info.pid = msg.endpoint, msg.store_endpoint, msg.pid
+        info.state = WorkerState.READY
         if info.ready is not None and not info.ready.done():
             info.ready.set_result(True)
         return True
 
-    def rpc_worker_exited(self, worker_id: str, code: int, reason: str, log_tail: str) -> None:
+    @expose
+    def worker_exited(self, msg: WorkerExit) -> None:
+        worker_id, reason, log_tail = msg.worker_id, msg.reason, msg.log_tail
         info = self.workers.get(worker_id)
-        if info is not None and info.state != "dead":
+        if info is not None and info.state is not WorkerState.DEAD:
             expected = self.stop_requested.is_set() or info.exit_reason == "stopped"
             (log.info if expected else log.error)("worker %s (rank %d on %s) %s", worker_id, info.rank,
                                                   info.node_id, reason)
             self._mark_dead(info, reason, log_tail)
 
     def _mark_dead(self, info: WorkerInfo, reason: str, log_tail: str) -> None:
-        info.state = "dead"
+        info.state = WorkerState.DEAD
         info.exit_reason = info.exit_reason or reason
         info.log_tail = log_tail
         err = WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, log_tail)
@@ -310,9 +302,9 @@ class Coordinator:
         if isinstance(cause, WorkerDiedError):
             return cause
         deadline = time.monotonic() + 3.0
-        while info.state != "dead" and time.monotonic() < deadline:
+        while info.state is not WorkerState.DEAD and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if info.state != "dead":
+        if info.state is not WorkerState.DEAD:
             self._mark_dead(info, f"stopped answering ({cause})", "")
         return WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, info.log_tail)
 
@@ -320,10 +312,10 @@ class Coordinator:
         """Stop every worker: ask nicely, then let node daemons kill what is left. Frees all pools."""
         self.pools.clear()
         for info in self.workers.values():
-            if info.state != "dead":
+            if info.state is not WorkerState.DEAD:
                 info.exit_reason = "stopped"
         for handle in self.handles.values():
-            if handle.info.state == "ready":
+            if handle.info.state is WorkerState.READY:
                 try:
                     await handle.client.call("shutdown", timeout=1)
                 except (ConnectionLost, RpcTimeout, Exception):
@@ -335,7 +327,7 @@ class Coordinator:
                 log.warning("node %s did not confirm stopping its workers: %s", node.node_id, e)
                 continue
             for info in self.workers.values():
-                if info.node_id == node.node_id and info.state != "dead":
+                if info.node_id == node.node_id and info.state is not WorkerState.DEAD:
                     self._mark_dead(info, "stopped", "")
 
     async def shutdown_nodes(self) -> None:
@@ -344,7 +336,7 @@ class Coordinator:
                 await node.client.call("shutdown", timeout=5)
             except Exception as e:  # a node that is gone needs no shutdown
                 log.debug("node %s shutdown: %s", node.node_id, e)
-            node.alive = False  # released, not failed: stop watching its heartbeats
+            node.liveness = NodeLiveness.RELEASED  # not failed: stop watching its heartbeats
 
     # object directory --------------------------------------------------------------------------
     def note_refs(self, value: Any, info: WorkerInfo) -> None:
@@ -359,37 +351,39 @@ class Coordinator:
                 self.note_refs(v, info)
 
     # status -----------------------------------------------------------------------------------
-    async def rpc_status(self) -> dict[str, Any]:
+    @expose
+    async def status(self) -> ClusterStatus:
         now = time.monotonic()
-        return {
-            "memory": await self.worker_memory(),
-            "coordinator": self.endpoint,
-            "uptime_s": round(time.time() - self.started_at, 1),
-            "nodes": [{"node_id": n.node_id, "rank": n.rank, "host": n.host, "alive": n.alive,
-                       "devices": n.devices, "last_heartbeat_s": round(now - n.last_heartbeat, 2)}
-                      for n in sorted(self.nodes.values(), key=lambda n: n.rank)],
-            "workers": [{"worker_id": w.worker_id, "group": w.group, "rank": w.rank, "node_id": w.node_id,
-                         "device": w.device, "pid": w.pid, "state": w.state, "exit": w.exit_reason}
-                        for w in self.workers.values()],
-            "pools": {p.name: p.placements for p in self.pools.values()},
-            "objects": {"count": len(self.objects), "bytes": sum(b for _, _, b in self.objects.values())},
-        }
+        return ClusterStatus(
+            coordinator=self.endpoint,
+            uptime_s=round(time.time() - self.started_at, 1),
+            nodes=tuple(NodeStatus(n.node_id, n.rank, n.host, n.liveness, tuple(n.devices),
+                                   round(now - n.last_heartbeat, 2))
+                        for n in sorted(self.nodes.values(), key=lambda n: n.rank)),
+            workers=tuple(WorkerStatus(w.worker_id, w.group, w.rank, w.node_id, w.device, w.pid,
+                                       w.state, w.exit_reason)
+                          for w in self.workers.values()),
+            pools={p.name: [list(pl) for pl in p.placements] for p in self.pools.values()},
+            objects={"count": len(self.objects), "bytes": sum(b for _, _, b in self.objects.values())},
+            memory=await self.worker_memory(),
+        )
 
     async def worker_memory(self) -> dict[str, Any]:
         """Per-worker object-store usage, asked of each live worker."""
         out = {}
         for wid, handle in self.handles.items():
-            if handle.info.state == "ready":
+            if handle.info.state is WorkerState.READY:
                 try:
                     out[wid] = await handle.client.call("store_stats", timeout=2)
                 except Exception as e:  # status must work while things are failing
                     out[wid] = {"error": str(e)}
         return out
 
-    def rpc_stop(self, reason: str = "asyncrl stop") -> bool:
+    @expose
+    def stop(self, reason: str = "asyncrl stop") -> bool:
         self.stop_reason = reason
         self.stop_requested.set()
         return True
 
 
-__all__ = ["Coordinator", "NodeDiedError", "ResourcePool", "WorkerHandle", "WorkerInfo"]
+__all__ = ["Coordinator", "NodeDiedError", "ResourcePool", "WorkerInfo"]

@@ -16,16 +16,24 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from daemons.proc import die_with_parent, exit_reason, free_port, interface_for, kill_group, tail
-from transport import CurveConfig, RpcClient, RpcServer, TransportError
+from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
+from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
+from daemons.proc import free_port as _free_port
+from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
 
 log = logging.getLogger(__name__)
 
 # `-c` rather than `-m daemons.worker`: code run inside a worker imports daemons.worker and must
 # see the same module (and its runtime) as the entry point.
 WORKER_CMD = [sys.executable, "-c", "from daemons.worker import main; main()"]
+
+# Each worker store keeps one pre-faulted shared-memory segment of this size ready for the first
+# same-node pull of an object (see objectstore.store): it costs this much /dev/shm per worker
+# (twice that while refilling). Off by default: benchmarks.objectstore, with a consumer that
+# reads every byte, measured no gain beyond noise.
+DEFAULT_SHM_POOL_BYTES = 0
+SHM_POOL_ENV = "ASYNCRL_SHM_POOL_BYTES"
 
 
 def _log_crash(task: asyncio.Task) -> None:
@@ -67,6 +75,7 @@ class NodeDaemon:
         heartbeat_interval: float = 1.0,
         coordinator_timeout: float = 10.0,
         node_id: str | None = None,
+        shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
     ) -> None:
         self.coordinator_endpoint = coordinator
         self.node_rank = node_rank
@@ -77,6 +86,7 @@ class NodeDaemon:
         self.log_dir = Path(log_dir)
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
+        self.shm_pool_bytes = shm_pool_bytes
         self.children: dict[str, _Child] = {}
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, name=f"node-{node_rank}")
         self.coordinator = RpcClient(coordinator, curve=curve, insecure=insecure, name="node->coordinator",
@@ -88,10 +98,7 @@ class NodeDaemon:
 
     async def start(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("spawn_worker", "free_port", "shutdown", "info"):
-            self.server.register(name, getattr(self, f"rpc_{name}"))
-        for name in ("kill_worker", "kill_all"):  # they wait for exits: keep the loop free
-            self.server.register(name, getattr(self, f"rpc_{name}"), blocking=True)
+        self.server.register_object(self)
         endpoint = await self.server.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._keep_registered(), name="node-register"),
@@ -104,7 +111,7 @@ class NodeDaemon:
         await asyncio.wait_for(self.registered.wait(), timeout)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.rpc_kill_all)
+        await asyncio.to_thread(self.kill_all)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -117,9 +124,10 @@ class NodeDaemon:
         while True:
             try:
                 if not self.registered.is_set():
-                    await self.coordinator.call(
-                        "register_node", self.node_id, self.node_rank, self.host, self.server.endpoint,
-                        self.devices, timeout=self.heartbeat_interval * 3)
+                    reg = NodeRegistration(self.node_id, self.node_rank, self.host,
+                                           self.server.endpoint, tuple(self.devices))
+                    await self.coordinator.call("register_node", reg,
+                                                timeout=self.heartbeat_interval * 3)
                     self.registered.set()
                     log.info("node %s registered with %s (%d devices)", self.node_id,
                              self.coordinator_endpoint, len(self.devices))
@@ -135,15 +143,20 @@ class NodeDaemon:
                 if silent > self.coordinator_timeout and (self.children or self.registered.is_set()):
                     log.warning("coordinator %s unreachable for %.0fs (%s); stopping this node's workers",
                                 self.coordinator_endpoint, silent, e)
-                    self.rpc_kill_all()
+                    self.kill_all()
                     self.registered.clear()
             await asyncio.sleep(self.heartbeat_interval)
 
     # workers ------------------------------------------------------------------------------
-    def rpc_spawn_worker(self, worker_id: str, env: dict[str, str]) -> int:
-        """Start a worker process with `env` added to this daemon's environment; returns its pid."""
+    @expose
+    def spawn_worker(self, spec: WorkerSpec) -> int:
+        """Start a worker process with `spec.env` added to this daemon's environment; returns its pid."""
+        if not isinstance(spec, WorkerSpec):
+            raise TypeError(f"spawn_worker takes a WorkerSpec, got a {type(spec).__qualname__}")
+        worker_id = spec.worker_id
         log_path = str(self.log_dir / f"worker-{worker_id}.log")
-        full_env = {**os.environ, **{k: str(v) for k, v in env.items()},
+        full_env = {**os.environ, SHM_POOL_ENV: str(self.shm_pool_bytes),
+                    **{k: str(v) for k, v in spec.env.items()},
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
                     "ASYNCRL_HOST": self.host, "ASYNCRL_COORDINATOR": self.coordinator_endpoint,
                     "PYTHONUNBUFFERED": "1"}
@@ -165,14 +178,16 @@ class NodeDaemon:
         log.info("spawned worker %s pid %d (log %s)", worker_id, proc.pid, log_path)
         return proc.pid
 
-    def rpc_kill_worker(self, worker_id: str, grace_s: float = 5.0) -> bool:
+    @expose(blocking=True)  # waits for the exit: keep the loop free
+    def kill_worker(self, worker_id: str, grace_s: float = 5.0) -> bool:
         child = self.children.get(worker_id)
         if child is None:
             return False
         kill_group(child.proc, grace_s)
         return True
 
-    def rpc_kill_all(self, grace_s: float = 5.0) -> int:
+    @expose(blocking=True)  # waits for the exits: keep the loop free
+    def kill_all(self, grace_s: float = 5.0) -> int:
         alive = [c for c in self.children.values() if c.proc.poll() is None]
         for child in alive:
             try:
@@ -183,16 +198,19 @@ class NodeDaemon:
             kill_group(child.proc, grace_s)
         return len(alive)
 
-    def rpc_free_port(self) -> int:
-        return free_port(self.host)
+    @expose
+    def free_port(self) -> int:
+        return _free_port(self.host)
 
-    def rpc_shutdown(self) -> None:
+    @expose
+    def shutdown(self) -> None:
         self.stopped.set()
 
-    def rpc_info(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "host": self.host, "devices": self.devices,
-                "workers": {w: {"pid": c.proc.pid, "state": exit_reason(c.proc.poll()), "log": c.log_path}
-                            for w, c in self.children.items()}}
+    @expose
+    def info(self) -> NodeInfoReply:
+        return NodeInfoReply(self.node_id, self.host, tuple(self.devices),
+                             {w: ChildStatus(c.proc.pid, exit_reason(c.proc.poll()), c.log_path)
+                              for w, c in self.children.items()})
 
     async def _reap(self) -> None:
         """Report each worker's exit (code or signal, and its log tail) to the coordinator."""
@@ -206,7 +224,8 @@ class NodeDaemon:
                 reason = exit_reason(code)
                 log.info("worker %s %s", child.worker_id, reason)
                 try:
-                    await self.coordinator.call("worker_exited", child.worker_id, code, reason,
-                                                tail(child.log_path), timeout=5)
+                    await self.coordinator.call(
+                        "worker_exited", WorkerExit(child.worker_id, code, reason, tail(child.log_path)),
+                        timeout=5)
                 except TransportError as e:
                     log.warning("could not report exit of %s: %s", child.worker_id, e)

@@ -23,8 +23,10 @@ from typing import Any
 
 from daemons.errors import ConfigError
 from daemons.logs import setup_logging
+from daemons.messages import WorkerReady
+from daemons.node import SHM_POOL_ENV
 from objectstore import ObjectRef, ObjectStore
-from transport import CurveConfig, RpcClient, RpcServer
+from transport import CurveConfig, RpcClient, RpcServer, expose
 from transport.loop import run
 
 log = logging.getLogger(__name__)
@@ -106,13 +108,17 @@ class WorkerProcess:
         self.host = env.get("ASYNCRL_HOST", "127.0.0.1")
         self.insecure = env.get("ASYNCRL_INSECURE") == "1"
         self.curve = None if self.insecure else CurveConfig.from_env(env)
+        self.shm_pool_bytes = int(env.get(SHM_POOL_ENV, "0"))
         self.stopped = asyncio.Event()
+        self.store: ObjectStore | None = None
 
     async def serve(self) -> None:
         global _current
         loop = asyncio.get_running_loop()
-        store = ObjectStore(node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
-                            curve=self.curve, insecure=self.insecure, name=f"store-{self.worker_id}")
+        store = self.store = ObjectStore(
+            node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
+            curve=self.curve, insecure=self.insecure, name=f"store-{self.worker_id}",
+            shm_pool_bytes=self.shm_pool_bytes)
         await store.start()
         _current = WorkerRuntime(
             worker_id=self.worker_id, node_id=self.node_id, rank=self.rank,
@@ -121,19 +127,14 @@ class WorkerProcess:
             store=store, loop=loop)
         server = RpcServer(f"tcp://{self.host}:0", curve=self.curve, insecure=self.insecure,
                            name=f"worker-{self.worker_id}")
-        server.register("run", self.run_function)
-        server.register("create_instance", self.create_instance)
-        server.register("call_instance", self.call_instance)
-        server.register("store_stats", store.stats)
-        server.register("ping", lambda: self.worker_id)
-        server.register("shutdown", self.stopped.set)
+        server.register_object(self)
         await server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopped.set)
         coordinator = RpcClient(self.env["ASYNCRL_COORDINATOR"], curve=self.curve, insecure=self.insecure,
                                 name="worker->coordinator")
-        await coordinator.call("worker_ready", self.worker_id, server.endpoint, store.endpoint,
-                               os.getpid(), timeout=30)
+        await coordinator.call("worker_ready", WorkerReady(self.worker_id, server.endpoint,
+                                                           store.endpoint, os.getpid()), timeout=30)
         log.info("worker %s ready at %s (store %s)", self.worker_id, server.endpoint, store.endpoint)
         await self.stopped.wait()
         log.info("worker %s shutting down", self.worker_id)
@@ -141,16 +142,35 @@ class WorkerProcess:
         await server.close()
         await store.close()
 
-    async def run_function(self, fn_path: str, args: list, kwargs: dict) -> Any:
+    # endpoints ------------------------------------------------------------------------------
+    @expose
+    async def run(self, fn_path: str, args: list, kwargs: dict) -> Any:
+        """Run the importable function `fn_path` ("module:name")."""
         fn = resolve(fn_path)
         return await _invoke(fn, args, kwargs)
 
+    @expose
+    def ping(self) -> str:
+        return self.worker_id
+
+    @expose
+    def shutdown(self) -> None:
+        self.stopped.set()
+
+    @expose
+    def store_stats(self) -> dict[str, Any]:
+        if self.store is None:
+            raise RuntimeError(f"worker {self.worker_id} has not started its object store yet")
+        return self.store.stats()
+
+    @expose
     async def create_instance(self, name: str, cls_path: str, args: list, kwargs: dict) -> str:
         cls = resolve(cls_path)
         instance = await asyncio.to_thread(cls, *args, **kwargs)
         current().instances[name] = instance
         return name
 
+    @expose
     async def call_instance(self, name: str, method: str, args: list, kwargs: dict) -> Any:
         instance = current().instances.get(name)
         if instance is None:

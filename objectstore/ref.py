@@ -2,33 +2,32 @@
 
 A ref carries who owns the object (node, store RPC endpoint, bulk TCP address) and enough
 metadata (kind, dtypes, shapes, rows, bytes) for a consumer to plan a pull and check what it
-will get without asking the owner. Refs travel inside RPC messages (codec extension 16).
+will get without asking the owner. Refs travel inside RPC messages (codec extension `transport.wire.Ext.OBJECT_REF`).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
-
 from objectstore.errors import ShardRangeError
 from transport.codec import register_type
-
-TENSOR, BATCH, VALUE = "tensor", "batch", "value"
-EXT_OBJECT_REF = 16
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from transport.dtypes import element_size
+from transport.errors import CodecError
+from transport.wire import Ext
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dt
+class ObjectKind(enum.StrEnum):
+    """What an object is: one tensor, a batch (named tensors sharing rows), or any msgpack value."""
+
+    TENSOR = "tensor"
+    BATCH = "batch"
+    VALUE = "value"
+
+
+TENSOR, BATCH, VALUE = ObjectKind.TENSOR, ObjectKind.BATCH, ObjectKind.VALUE
 
 
 class RowRange(NamedTuple):
@@ -68,7 +67,7 @@ class ObjectRef:
     node_id: str = field(compare=False)
     endpoint: str = field(compare=False)  # owner store's RPC endpoint
     bulk_addr: str = field(compare=False)  # owner's bulk TCP "host:port"
-    kind: str = field(compare=False)  # "tensor" | "batch" | "value"
+    kind: ObjectKind = field(compare=False)
     device: str = field(default="cpu", compare=False)
     nbytes: int = field(default=0, compare=False)
     dtype: str | None = field(default=None, compare=False)  # tensor only
@@ -76,6 +75,10 @@ class ObjectRef:
     # batch only: column name -> (dtype, full shape); every column has num_rows rows
     columns: tuple[tuple[str, str, tuple[int, ...]], ...] | None = field(default=None, compare=False)
     num_rows: int | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ObjectKind):  # a plain "tensor" string is accepted
+            object.__setattr__(self, "kind", ObjectKind(self.kind))
 
     @property
     def column_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -94,7 +97,7 @@ class ObjectRef:
             return self.nbytes
         total = 0
         for dt, shape in self.tensor_specs().values():
-            per_row = math.prod(shape[1:]) * torch.empty((), dtype=torch_dtype(dt)).element_size()
+            per_row = math.prod(shape[1:]) * element_size(dt)
             total += per_row * rows.num_rows
         return total
 
@@ -109,7 +112,7 @@ class ObjectRef:
 
 
 def _ref_to_wire(ref: ObjectRef) -> list[Any]:
-    return [ref.object_id, ref.node_id, ref.endpoint, ref.bulk_addr, ref.kind, ref.device,
+    return [ref.object_id, ref.node_id, ref.endpoint, ref.bulk_addr, ref.kind.value, ref.device,
             ref.nbytes, ref.dtype, list(ref.shape) if ref.shape is not None else None,
             [[n, d, list(s)] for n, d, s in ref.columns] if ref.columns is not None else None,
             ref.num_rows]
@@ -117,10 +120,15 @@ def _ref_to_wire(ref: ObjectRef) -> list[Any]:
 
 def _ref_from_wire(v: list[Any]) -> ObjectRef:
     oid, node, endpoint, bulk, kind, device, nbytes, dt, shape, cols, num_rows = v
+    try:
+        kind = ObjectKind(kind)
+    except ValueError:
+        raise CodecError(f"ObjectRef.kind: {kind!r} is not an ObjectKind "
+                         f"({[k.value for k in ObjectKind]})") from None
     return ObjectRef(
         oid, node, endpoint, bulk, kind, device, nbytes, dt,
         tuple(shape) if shape is not None else None,
         tuple((n, d, tuple(s)) for n, d, s in cols) if cols is not None else None, num_rows)
 
 
-register_type(ObjectRef, EXT_OBJECT_REF, _ref_to_wire, _ref_from_wire)
+register_type(ObjectRef, int(Ext.OBJECT_REF), _ref_to_wire, _ref_from_wire)

@@ -212,3 +212,39 @@ def test_bad_config_gets_one_paragraph(tmp_path, args, message):
     assert res.returncode == 2, res.stdout
     assert message in res.stdout
     assert "Traceback" not in res.stdout
+
+
+# cluster module ------------------------------------------------------------------------------
+def test_state_file_roundtrip(tmp_path, monkeypatch):
+    from daemons.cluster import ClusterState, read_state, remove_state, write_state
+
+    monkeypatch.setenv("ASYNCRL_STATE_DIR", str(tmp_path / "st"))
+    assert read_state() is None
+    path = write_state(ClusterState("tcp://127.0.0.1:5", 7, True))
+    assert path == tmp_path / "st" / "coordinator.json" and (path.stat().st_mode & 0o777) == 0o600
+    assert read_state() == ClusterState("tcp://127.0.0.1:5", 7, True)
+    remove_state()
+    assert read_state() is None
+
+
+async def test_head_node_passes_shm_pool_to_worker_stores(tmp_path):
+    from daemons.cluster import ClusterSpec, HeadNode
+    from daemons.messages import WorkerState
+
+    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
+                       shm_pool_bytes=1 << 20, write_state=True, state_dir=tmp_path / "st")
+    async with HeadNode.start(spec) as head:
+        assert (tmp_path / "st" / "coordinator.json").exists()
+        (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
+        assert worker.info.state is WorkerState.READY
+        for _ in range(100):
+            stats = await worker.call("store_stats", timeout=5)
+            if stats["shm_pool_bytes_ready"]:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["shm_pool_bytes_ready"] >= 1 << 20
+        status = await head.coordinator.status()
+        assert [w.state for w in status.workers] == [WorkerState.READY]
+        pid = worker.info.pid
+    assert not (tmp_path / "st" / "coordinator.json").exists()
+    assert _pids_alive([pid]) == []

@@ -18,7 +18,6 @@ import torch
 
 from daemons.proc import kill_group
 from objectstore import (
-    ObjectFuture,
     ObjectLostError,
     ObjectNotFoundError,
     ObjectRef,
@@ -29,7 +28,6 @@ from objectstore import (
     ShardRangeError,
     list_segments,
     remove_stale_segments,
-    resolve_refs,
     shard_rows,
 )
 from objectstore.errors import from_remote
@@ -164,27 +162,6 @@ def test_shard_rows_split_evenly():
     assert [shard_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
     with pytest.raises(ShardRangeError):
         shard_rows(10, 3, 3)
-
-
-async def test_object_future_passed_along(stores):
-    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
-    fut = ObjectFuture("producer")
-    t = matrix()
-
-    async def consume(args):
-        (ref,) = (await resolve_refs(args))["inputs"]
-        return await consumer.get(ref, (0, 8))
-
-    task = asyncio.create_task(consume({"inputs": [fut]}))
-    await asyncio.sleep(0.05)
-    assert not task.done()  # the consumer waits for the producer
-    fut.set_result(owner.put(t))
-    assert torch.equal(await task, t[:8])
-
-    failed = ObjectFuture()
-    failed.set_exception(RuntimeError("producer crashed"))
-    with pytest.raises(RuntimeError, match="producer crashed"):
-        await resolve_refs((1, [failed]))
 
 
 def test_remote_errors_become_typed():
@@ -435,3 +412,52 @@ async def test_shm_pool_segment_is_used_and_cleaned(stores):
     assert torch.equal(await consumer.get(ref), matrix())
     await owner.wait_shm_pool()  # refilled off the critical path
     assert owner.stats()["shm_pool_bytes_ready"] >= 64 * 1024 and len(list_segments()) == 2
+
+
+# pull paths ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport, counter", [("shm", "pulls_shm"), ("tcp", "pulls_tcp")])
+async def test_each_cpu_pull_path_roundtrips(stores, transport, counter):
+    from objectstore.paths import PullKind
+
+    owner, consumer = await stores(node_id="n"), await stores(node_id="n")
+    t, batch = matrix(40, 6), {"a": matrix(40, 3), "b": torch.arange(40)}
+    ref, bref = owner.put(t), owner.put(batch)
+    assert consumer.choose_path(ref, transport) is PullKind(transport)
+    assert torch.equal(await consumer.get(ref, transport=transport), t)
+    part = await consumer.get(bref, (5, 17), transport=transport)
+    assert torch.equal(part["a"], batch["a"][5:17]) and torch.equal(part["b"], batch["b"][5:17])
+    assert consumer.stats()[counter] == 2
+
+
+async def test_local_and_inline_paths(stores):
+    from objectstore.paths import PullKind
+
+    owner, consumer = await stores(node_id="n"), await stores(node_id="m")
+    vref, tref = owner.put({"score": 1.5, "tags": ["a"]}), owner.put(matrix())
+    assert owner.choose_path(tref) is PullKind.LOCAL and consumer.choose_path(vref) is PullKind.INLINE
+    assert await consumer.get(vref) == {"score": 1.5, "tags": ["a"]}
+    assert consumer.stats()["pulls_value"] == 1
+    assert (await owner.get(tref)) is (await owner.get(tref))  # the object itself
+
+
+async def test_pull_endpoint_refuses_untyped_requests(stores):
+    owner = await stores(node_id="n")
+    ref = owner.put(matrix())
+    client = RpcClient(owner.endpoint, insecure=True)
+    try:
+        with pytest.raises(RemoteError, match="takes a PullRequest"):
+            await client.call("shm.pull", [ref.object_id, None], timeout=5)
+    finally:
+        await client.close()
+
+
+def test_unknown_object_kind_on_the_wire_is_a_codec_error():
+    import msgpack
+
+    from transport import CodecError
+    from transport.wire import Ext
+
+    body = msgpack.packb(msgpack.ExtType(int(Ext.OBJECT_REF), msgpack.packb(
+        ["id", "n", "tcp://x:1", "x:2", "blob", "cpu", 0, None, None, None, None])))
+    with pytest.raises(CodecError, match="not an ObjectKind"):
+        codec.decode([body])

@@ -407,3 +407,56 @@ async def test_wrong_arguments_to_an_async_handler_get_an_error_reply():
             assert await c.call("two", 1, 2, timeout=5) == 3
     finally:
         await server.close()
+
+
+# typed messages and the extension-code table ---------------------------------------------------
+def test_every_extension_code_is_listed_once():
+    from transport.wire import Ext
+
+    values = [int(e) for e in Ext]
+    assert len(values) == len(set(values))
+    assert all(1 <= v <= 127 for v in values)
+    import asyncrl.batch
+    import asyncrl.dist
+
+    assert asyncrl.batch.EXT_BATCH == Ext.BATCH and asyncrl.dist.EXT_DIST_BATCH == Ext.DIST_BATCH
+
+
+def test_typed_message_roundtrip_and_unknown_enum_value():
+    import msgpack
+
+    from daemons.messages import WorkerState, WorkerStatus
+    from transport.wire import Ext
+
+    msg = WorkerStatus("w-0", "g", 0, "n", "cpu:0", 42, WorkerState.READY, "")
+    back = codec.decode(codec.encode({"w": msg}))["w"]
+    assert back == msg and back.state is WorkerState.READY
+    # a peer that sends a state this version does not know gets a typed error, not a string
+    body = msgpack.packb(msgpack.ExtType(int(Ext.WORKER_STATUS), msgpack.packb(
+        ["w-0", "g", 0, "n", "cpu:0", 42, "zombie", ""])))
+    with pytest.raises(CodecError, match="zombie.*WorkerState"):
+        codec.decode([body])
+    short = msgpack.packb(msgpack.ExtType(int(Ext.WORKER_STATUS), msgpack.packb(["w-0"])))
+    with pytest.raises(CodecError, match="WorkerStatus has 8 fields"):
+        codec.decode([short])
+
+
+def test_message_must_be_a_frozen_dataclass():
+    from dataclasses import dataclass
+
+    from transport.wire import Ext, message
+
+    @dataclass
+    class Mutable:
+        x: int
+
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        message(Ext.WORKER_SPEC)(Mutable)
+
+
+def test_dtype_names_are_one_table():
+    from transport.dtypes import dtype_name, element_size, torch_dtype
+
+    assert torch_dtype(dtype_name(torch.bfloat16)) is torch.bfloat16 and element_size("int16") == 2
+    with pytest.raises(CodecError, match="unknown tensor dtype"):
+        torch_dtype("Tensor")  # a torch attribute, but not a dtype: refused

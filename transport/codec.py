@@ -5,7 +5,8 @@ Tensors, ndarrays and `Blob`s are replaced in the body by a small extension reco
 names their buffer's frame index, so their bytes are never copied into the body and are
 rebuilt zero-copy on receive (the result views the received frame's memory).
 
-Later layers add their own message types with `register_type` (an `ObjectRef`, say).
+Later layers add their own message types with `register_type` (an `ObjectRef`, say) or as
+typed messages with `transport.wire.message`; every extension code is listed in `wire.Ext`.
 Nothing is ever pickled: a type that is neither msgpack-native nor registered is refused.
 """
 
@@ -21,15 +22,16 @@ import msgpack
 import numpy as np
 import torch
 
+from transport.dtypes import DTYPES, tensor_bytes, tensor_from_bytes
 from transport.errors import CodecError
+from transport.wire import FIRST_USER_CODE, Ext
 
-# Extension codes; 0..15 are reserved for transport itself.
-EXT_TENSOR = 1
-EXT_NDARRAY = 2
-EXT_BLOB = 3
-EXT_DTYPE = 4
-EXT_INLINE_TENSOR = 5
-FIRST_USER_CODE = 16
+# Extension codes live in `transport.wire.Ext`, the one table of every layer's codes.
+EXT_TENSOR = int(Ext.TENSOR)
+EXT_NDARRAY = int(Ext.NDARRAY)
+EXT_BLOB = int(Ext.BLOB)
+EXT_DTYPE = int(Ext.DTYPE)
+EXT_INLINE_TENSOR = int(Ext.INLINE_TENSOR)
 
 # Tensors smaller than this travel inside the body: a frame costs more than copying a few bytes.
 INLINE_TENSOR_BYTES = 512
@@ -37,19 +39,6 @@ INLINE_TENSOR_BYTES = 512
 # torch.frombuffer warns on read-only memory (received ZeroMQ frames are read-only); the
 # rebuilt tensor shares the frame's memory on purpose.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.complex64, torch.complex128,
-    )
-}
-for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        _TORCH_DTYPES[_name] = getattr(torch, _name)
-
 
 @dataclass(frozen=True, slots=True)
 class Blob:
@@ -76,7 +65,7 @@ def register_type(cls: type, code: int, to_wire: Callable[[Any], Any],
 
     `to_wire(obj)` returns an encodable value (it may hold tensors, other registered types …);
     `from_wire(value)` rebuilds the object. `code` is an msgpack extension code in 16..127,
-    unique per type and identical in every process.
+    unique per type and identical in every process: take it from `transport.wire.Ext`.
     """
     if not FIRST_USER_CODE <= code <= 127:
         raise ValueError(f"extension code {code} out of range {FIRST_USER_CODE}..127")
@@ -86,42 +75,6 @@ def register_type(cls: type, code: int, to_wire: Callable[[Any], Any],
     entry = _UserType(cls, code, to_wire, from_wire)
     _BY_CLASS[cls] = entry
     _BY_CODE[code] = entry
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A flat byte view of a CPU tensor's data (copies only when it is not contiguous)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        raise CodecError(
-            f"a {t.device.type} tensor cannot travel in an RPC message; put it in the object "
-            "store and pass its ObjectRef instead"
-        )
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def tensor_from_bytes(buf: Any, dtype_name: str, shape: Sequence[int]) -> torch.Tensor:
-    """Rebuild a tensor over `buf` without copying; raises CodecError on any mismatch."""
-    dtype = _TORCH_DTYPES.get(dtype_name)
-    if dtype is None:
-        raise CodecError(f"unknown tensor dtype {dtype_name!r}")
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CodecError(f"bad tensor shape {shape!r}")
-    mv = memoryview(buf).cast("B")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
-    if mv.nbytes != expected:
-        raise CodecError(f"tensor buffer holds {mv.nbytes} bytes, shape {list(shape)} of {dtype_name} needs {expected}")
-    if expected == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return torch.frombuffer(mv, dtype=dtype).view(tuple(shape))
 
 
 def _ndarray_from_bytes(buf: Any, dtype_str: str, shape: Sequence[int]) -> np.ndarray:
@@ -206,7 +159,7 @@ def decode(frames: Sequence[Any]) -> Any:
         if code == EXT_BLOB:
             return memoryview(frame(msgpack.unpackb(data))).cast("B")
         if code == EXT_DTYPE:
-            dt = _TORCH_DTYPES.get(data.decode())
+            dt = DTYPES.get(data.decode())
             if dt is None:
                 raise CodecError(f"unknown dtype {data!r}")
             return dt

@@ -1,10 +1,10 @@
-"""Bulk TCP transfers for pulls across nodes.
+"""Other node, CPU (and GPU objects when NCCL is absent): the bulk TCP stream.
 
 The pull request travels over the (CURVE-authenticated) RPC; the owner answers with a one-time
-token and `offer`s the bytes. The consumer opens a plain TCP stream to the owner's bulk port,
-presents the token, and receives the bytes straight into preallocated tensors (`recv_into`).
-A connection with an unknown, used or expired token gets one NAK byte and is closed. The
-stream itself is not encrypted: run it on a trusted network.
+token and `offer`s the bytes (GPU objects are staged through host memory). The consumer opens a
+plain TCP stream to the owner's bulk port, presents the token, and receives the bytes straight
+into preallocated tensors (`recv_into`). A connection with an unknown, used or expired token
+gets one NAK byte and is closed. The stream itself is not encrypted: run it on a trusted network.
 
 Socket I/O runs in threads (it releases the GIL), so the event loop stays responsive.
 """
@@ -17,7 +17,17 @@ import secrets
 import socket
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+from objectstore.errors import ObjectTypeError
+from objectstore.paths.base import PullKind, PullPath, PullRequest, TensorRegion, Tensors
+from objectstore.ref import VALUE, ObjectRef, RowRange
+from objectstore.table import Entry
+from transport.dtypes import dtype_name, tensor_bytes, torch_dtype, writable_bytes
+from transport.wire import Ext, message
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +166,34 @@ def fetch(addr: str, token: bytes, dests: list[Any], timeout: float | None = 30.
                 pos += n
             total += size
         return total
+
+
+@message(Ext.TCP_REPLY)
+@dataclass(frozen=True, slots=True)
+class TcpReply:
+    token: bytes  # presented on the bulk stream; valid once
+    regions: tuple[TensorRegion, ...]  # in stream order
+
+
+class TcpPath(PullPath):
+    kind = PullKind.TCP
+
+    async def fetch(self, ref: ObjectRef, rows: RowRange | None) -> Tensors:
+        reply: TcpReply = await self.request(ref, rows)
+        out = {r.name: torch.empty(r.shape, dtype=torch_dtype(r.dtype)) for r in reply.regions}
+        dests = [writable_bytes(t) for t in out.values()]
+        loop = asyncio.get_running_loop()
+        n = await loop.run_in_executor(self.store.io, fetch, ref.bulk_addr, reply.token, dests,
+                                       self.store.bulk_timeout)
+        self.store.counters["bytes_received_tcp"] += n
+        self.store.counters["pulls_tcp"] += 1
+        return out
+
+    def serve(self, entry: Entry, rows: RowRange | None, request: PullRequest) -> TcpReply:
+        if entry.ref.kind == VALUE:
+            raise ObjectTypeError(f"object {entry.ref.object_id} is a value; pull it with get()")
+        # Host staging for GPU objects when NCCL is not available.
+        tensors = {k: t.cpu() for k, t in entry.rows(rows).items()}
+        token = self.store.bulk.offer([tensor_bytes(t) for t in tensors.values()])
+        return TcpReply(token, tuple(TensorRegion(k, dtype_name(t.dtype), tuple(t.shape))
+                                     for k, t in tensors.items()))

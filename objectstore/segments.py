@@ -1,4 +1,4 @@
-"""Shared-memory segments for same-node pulls.
+"""Shared-memory segments for same-node pulls, and the pool of pre-faulted spare segments.
 
 One segment per object, a file under /dev/shm named `asyncrl-os-<owner pid>-<id>`. A batch's
 columns lie one after another, each starting on a page boundary, so a consumer can map exactly
@@ -8,11 +8,14 @@ up after a store that died without closing (a crash, SIGKILL).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import mmap
 import os
 import tempfile
 import uuid
+from concurrent.futures import Executor
 
 import torch
 
@@ -128,3 +131,74 @@ def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     if removed:
         log.info("removed %d stale shared-memory segments of dead stores", len(removed))
     return removed
+
+
+class SegmentPool:
+    """Spare, pre-faulted segments of `segment_bytes` each, made off the pull's critical path.
+
+    Allocating and zeroing fresh pages costs more than the copy into them, so a spare segment is
+    made ahead of time (one at a time, in `executor`) and refilled after each use. A segment is
+    never reused after a consumer could have mapped it. Holds `segment_bytes` of shared memory
+    while idle; 0 disables the pool.
+    """
+
+    def __init__(self, segment_bytes: int, executor: Executor, shm_dir: str = SHM_DIR) -> None:
+        self.segment_bytes = segment_bytes
+        self.shm_dir = shm_dir
+        self._executor = executor
+        self._ready: list[Segment] = []
+        self._refill: asyncio.Task | None = None
+        self._open = False
+
+    def start(self) -> None:
+        self._open = True
+        self.refill()
+
+    @property
+    def bytes_ready(self) -> int:
+        return sum(s.size for s in self._ready)
+
+    def refill(self) -> None:
+        """Make a spare segment in the background unless one is ready or being made."""
+        if (not self._open or self.segment_bytes <= 0 or self._ready
+                or (self._refill is not None and not self._refill.done())):
+            return
+
+        def make() -> Segment:
+            segment = Segment.create(align_up(self.segment_bytes), "pool", self.shm_dir)
+            # A first write still costs a fault per page even after MAP_POPULATE; pay it here.
+            segment.view(0, segment.size).zero_()
+            return segment
+
+        async def refill() -> None:
+            segment = await asyncio.get_running_loop().run_in_executor(self._executor, make)
+            if self._open:
+                self._ready.append(segment)
+            else:
+                segment.unlink()
+
+        self._refill = asyncio.get_running_loop().create_task(refill())
+
+    async def wait(self) -> None:
+        """Wait until the spare segment being made is ready."""
+        if self._refill is not None:
+            await self._refill
+
+    async def take(self, size: int, tag: str) -> Segment:
+        """A segment of at least `size` bytes: a spare one when it fits, else a fresh one."""
+        for segment in self._ready:
+            if segment.size >= size:
+                self._ready.remove(segment)
+                return segment  # refilled after the copy, so the two don't share the CPU
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, Segment.create, size, tag, self.shm_dir)
+
+    async def close(self) -> None:
+        self._open = False
+        if self._refill is not None:
+            self._refill.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refill
+        for segment in self._ready:
+            segment.unlink()
+        self._ready.clear()

@@ -1,0 +1,209 @@
+"""Starting and stopping a cluster's daemons, and the state file that lets `asyncrl` find them.
+
+    spec = ClusterSpec(cpu_devices=2, insecure=True)
+    async with HeadNode.start(spec) as head:      # coordinator + this node's daemon
+        handles = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
+    async with NodeOnly.start(spec.joining("tcp://10.0.0.1:29400", node_rank=1)) as node:
+        await node.daemon.stopped.wait()           # serve until the coordinator releases us
+
+`HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. The
+state file (`<state dir>/coordinator.json`, the dir from $ASYNCRL_STATE_DIR, else
+~/.asyncrl/state) records the head's endpoint and keys for `asyncrl status|stop|submit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from daemons.coordinator import Coordinator
+from daemons.node import DEFAULT_SHM_POOL_BYTES, NodeDaemon
+from transport import CurveConfig
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "coordinator.json"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """How to start this machine's daemons."""
+
+    host: str = "127.0.0.1"  # address this node binds and advertises
+    bind: str | None = None  # the coordinator's bind address (default: host; "0.0.0.0" for all)
+    port: int = 0  # the coordinator's port (0: any)
+    coordinator: str | None = None  # NodeOnly: the head's "tcp://HOST:PORT"
+    node_rank: int = 0
+    cpu_devices: int = 2  # CPU "devices" when the node has no GPU
+    curve: CurveConfig | None = None
+    insecure: bool = False
+    log_dir: str | os.PathLike = "outputs/logs"
+    heartbeat_interval_s: float = 1.0
+    node_timeout_s: float = 5.0  # the coordinator marks a silent node dead after this
+    coordinator_timeout_s: float | None = None  # a node stops its workers after this (default max(10, 2 x node_timeout_s))
+    register_timeout_s: float = 30.0  # HeadNode: wait this long for its own node to register
+    shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES  # per worker store; see daemons.node
+    write_state: bool = False  # HeadNode: write the state file (and remove it on stop)
+    state_dir: str | os.PathLike | None = None  # None: $ASYNCRL_STATE_DIR or ~/.asyncrl/state
+
+    def joining(self, coordinator: str, node_rank: int) -> ClusterSpec:
+        """This spec for a node that joins the head at `coordinator`."""
+        return replace(self, coordinator=coordinator, node_rank=node_rank)
+
+    def node_daemon(self, coordinator: str) -> NodeDaemon:
+        return NodeDaemon(coordinator, node_rank=self.node_rank, host=self.host,
+                          cpu_devices=self.cpu_devices, curve=self.curve, insecure=self.insecure,
+                          log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
+                          coordinator_timeout=(self.coordinator_timeout_s
+                                               or max(10.0, 2 * self.node_timeout_s)),
+                          shm_pool_bytes=self.shm_pool_bytes)
+
+
+# state file ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterState:
+    """What `asyncrl status|stop|submit` need to reach the coordinator on this machine."""
+
+    endpoint: str  # "tcp://HOST:PORT"
+    pid: int
+    insecure: bool
+    curve: dict[str, str] | None = None  # CurveConfig.to_env()
+
+    def client_curve(self) -> CurveConfig | None:
+        return None if self.insecure or self.curve is None else CurveConfig.from_env(self.curve)
+
+
+def state_dir(directory: str | os.PathLike | None = None) -> Path:
+    """`directory`, else $ASYNCRL_STATE_DIR, else ~/.asyncrl/state."""
+    if directory is not None:
+        return Path(directory)
+    return Path(os.environ.get("ASYNCRL_STATE_DIR", Path.home() / ".asyncrl" / "state"))
+
+
+def write_state(state: ClusterState, directory: str | os.PathLike | None = None) -> Path:
+    """Write the state file (mode 0600: it holds the cluster's keys); returns its path."""
+    folder = state_dir(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / STATE_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"endpoint": state.endpoint, "pid": state.pid, "insecure": state.insecure,
+                   "curve": state.curve}, f)
+    return path
+
+
+def read_state(directory: str | os.PathLike | None = None) -> ClusterState | None:
+    """The state file's contents, or None when no coordinator runs on this machine."""
+    path = state_dir(directory) / STATE_FILE
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return ClusterState(raw["endpoint"], int(raw.get("pid", 0)), bool(raw["insecure"]), raw.get("curve"))
+
+
+def remove_state(directory: str | os.PathLike | None = None) -> None:
+    (state_dir(directory) / STATE_FILE).unlink(missing_ok=True)
+
+
+# daemons ---------------------------------------------------------------------------------------
+class HeadNode:
+    """Node 0: the coordinator and this machine's node daemon, registered with it."""
+
+    def __init__(self, spec: ClusterSpec, coordinator: Coordinator, node: NodeDaemon, endpoint: str) -> None:
+        self.spec = spec
+        self.coordinator = coordinator
+        self.node = node
+        self.endpoint = endpoint  # advertised "tcp://HOST:PORT"
+        self.state_path: Path | None = None
+
+    @classmethod
+    async def launch(cls, spec: ClusterSpec) -> HeadNode:
+        """Start the coordinator and the node daemon, wait for the node to register, and write
+        the state file when `spec.write_state`."""
+        coordinator = Coordinator(f"tcp://{spec.bind or spec.host}:{spec.port}", curve=spec.curve,
+                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s)
+        await coordinator.start()
+        endpoint = f"tcp://{spec.host}:{coordinator.endpoint.rsplit(':', 1)[1]}"
+        node = spec.node_daemon(endpoint)
+        head = cls(spec, coordinator, node, endpoint)
+        try:
+            await node.start()
+            if spec.write_state:
+                head.state_path = write_state(ClusterState(
+                    endpoint, os.getpid(), spec.curve is None,
+                    spec.curve.to_env() if spec.curve else None), spec.state_dir)
+            await node.wait_registered(spec.register_timeout_s)
+        except BaseException:
+            await head.stop()
+            raise
+        log.info("head node up: coordinator %s (%s)", endpoint,
+                 "insecure" if spec.insecure else "CurveZMQ")
+        return head
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, spec: ClusterSpec, *, release_nodes: bool = True) -> AsyncIterator[HeadNode]:
+        """`async with HeadNode.start(spec) as head:`; stops everything on exit."""
+        head = await cls.launch(spec)
+        try:
+            yield head
+        finally:
+            await head.stop(release_nodes=release_nodes)
+
+    async def stop(self, *, release_nodes: bool = True, grace_s: float = 3.0) -> None:
+        """Stop every worker, release the nodes (unless `release_nodes` is False: daemon nodes
+        outlive a coordinator restart and re-register), close both daemons, remove the state file."""
+        try:
+            await self.coordinator.shutdown_workers(grace_s=grace_s)
+            if release_nodes:
+                await self.coordinator.shutdown_nodes()
+            await self.node.close()
+            await self.coordinator.close()
+        finally:
+            if self.state_path is not None:
+                self.state_path.unlink(missing_ok=True)
+                self.state_path = None
+
+
+class NodeOnly:
+    """Node k > 0: a node daemon that joins the coordinator at `spec.coordinator`."""
+
+    def __init__(self, spec: ClusterSpec, daemon: NodeDaemon) -> None:
+        self.spec = spec
+        self.daemon = daemon
+
+    @classmethod
+    async def launch(cls, spec: ClusterSpec, *, wait_registered: float | None = None) -> NodeOnly:
+        """Start the node daemon; with `wait_registered` seconds, wait until it has joined
+        (TimeoutError after that)."""
+        if not spec.coordinator:
+            raise ValueError("NodeOnly needs spec.coordinator, the head's tcp://HOST:PORT")
+        node = cls(spec, spec.node_daemon(spec.coordinator))
+        await node.daemon.start()
+        if wait_registered is not None:
+            try:
+                await node.daemon.wait_registered(wait_registered)
+            except BaseException:
+                await node.stop()
+                raise
+        return node
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, spec: ClusterSpec, *, wait_registered: float | None = None) -> AsyncIterator[NodeOnly]:
+        node = await cls.launch(spec, wait_registered=wait_registered)
+        try:
+            yield node
+        finally:
+            await node.stop()
+
+    async def stop(self) -> None:
+        """Kill this node's workers and close the daemon."""
+        await self.daemon.close()

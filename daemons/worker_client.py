@@ -1,0 +1,51 @@
+"""`WorkerHandle`: the driver's client for one worker process.
+
+Calls go straight to the worker's RPC server; when the worker dies they fail with
+`WorkerDiedError` (its exit reason and log tail), and refs in replies are noted in the
+coordinator's object directory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from daemons.errors import WorkerDiedError
+from daemons.messages import WorkerState
+from transport import ConnectionLost, RpcClient
+
+if TYPE_CHECKING:
+    from daemons.coordinator import Coordinator, WorkerInfo
+
+
+class WorkerHandle:
+    """The driver's view of one worker process; calls fail with WorkerDiedError when it dies."""
+
+    def __init__(self, coordinator: Coordinator, info: WorkerInfo, client: RpcClient) -> None:
+        self.coordinator = coordinator
+        self.info = info
+        self.client = client
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        if self.info.state is WorkerState.DEAD:
+            raise self.death_error()
+        try:
+            result = await self.client.call_with(method, args, kwargs, timeout=timeout)
+        except (ConnectionLost, WorkerDiedError) as e:
+            raise await self.coordinator.explain_loss(self.info, e) from None
+        self.coordinator.note_refs(result, self.info)
+        return result
+
+    async def run(self, fn: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run the importable function `fn` ("module:name") in this worker."""
+        return await self.call("run", fn, list(args), kwargs, timeout=timeout)
+
+    def death_error(self) -> WorkerDiedError:
+        i = self.info
+        return WorkerDiedError(i.worker_id, i.node_id, i.rank, i.exit_reason or "unknown", i.log_tail)
+
+    def __repr__(self) -> str:
+        return f"WorkerHandle({self.info.worker_id}, rank={self.rank}, {self.info.state.value})"

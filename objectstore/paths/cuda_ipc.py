@@ -1,0 +1,66 @@
+"""Same node, GPU: CUDA IPC. The consumer opens the owner's device memory (no copy).
+
+Needs a CUDA build of torch; not exercised on a CPU-only machine (its tests are marked `gpu`
+and skipped with a reason). torch's IPC machinery is imported only when the path is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from objectstore.errors import ObjectTypeError
+from objectstore.paths.base import PullKind, PullPath, PullRequest, Tensors
+from objectstore.ref import ObjectRef, RowRange
+from objectstore.table import Entry
+from transport.dtypes import dtype_name, torch_dtype
+from transport.wire import Ext, message
+
+
+@message(Ext.CUDA_IPC_REPLY)
+@dataclass(frozen=True, slots=True)
+class CudaIpcReply:
+    names: tuple[str | None, ...]
+    handles: tuple[list[Any], ...]  # one `export` handle per name
+
+
+def export(t: torch.Tensor) -> list[Any]:
+    """An msgpack-safe IPC handle of CUDA tensor `t` (the owner must keep `t` alive)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(t)
+    (_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_bytes,
+     storage_offset, _grad, rc_handle, rc_offset, event_handle, event_sync) = args
+    return [list(size), list(stride), offset, dtype_name(dtype), device, handle, storage_bytes,
+            storage_offset, rc_handle, rc_offset, event_handle, event_sync]
+
+
+def open_handle(h: list[Any]) -> torch.Tensor:
+    """Open an IPC handle made by `export`: device memory shared with the owner."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    (size, stride, offset, dt, device, handle, storage_bytes, storage_offset, rc_handle,
+     rc_offset, event_handle, event_sync) = h
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
+        torch_dtype(dt), device, bytes(handle), storage_bytes, storage_offset, False,
+        bytes(rc_handle), rc_offset, bytes(event_handle) if event_handle else event_handle,
+        event_sync)
+
+
+class CudaIpcPath(PullPath):
+    kind = PullKind.CUDA_IPC
+
+    async def fetch(self, ref: ObjectRef, rows: RowRange | None) -> Tensors:
+        reply: CudaIpcReply = await self.request(ref, rows)
+        out = {name: open_handle(h) for name, h in zip(reply.names, reply.handles, strict=True)}
+        self.store.counters["pulls_cuda_ipc"] += 1
+        return out
+
+    def serve(self, entry: Entry, rows: RowRange | None, request: PullRequest) -> CudaIpcReply:
+        if not entry.ref.device.startswith("cuda"):
+            raise ObjectTypeError(f"object {entry.ref.object_id} lives on {entry.ref.device}, not a GPU")
+        tensors = entry.rows(rows)
+        return CudaIpcReply(tuple(tensors), tuple(export(t) for t in tensors.values()))
