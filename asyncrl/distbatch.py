@@ -140,6 +140,10 @@ class DistBatch:
                 run_start, run_stop = i, i + 1
         return self._derive(out)
 
+    def with_meta(self, **meta: Any) -> DistBatch:
+        """The same rows with `meta` entries added or replaced."""
+        return self._derive(self.blocks, {**self.meta, **meta})
+
     def chunk(self, n: int) -> list[DistBatch]:
         if len(self) % n:
             raise ValueError(f"{len(self)} rows do not split into {n} equal chunks; "

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from asyncrl.algorithms import core
 from asyncrl.algorithms.loops import NEEDS_CRITIC, STEPS
 from asyncrl.batch import Batch
-from asyncrl.dist import DistBatch
+from asyncrl.distbatch import DistBatch
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.workers.actor import ActorRolloutRefWorker
 from asyncrl.workers.critic import CriticWorker

@@ -11,8 +11,8 @@ from typing import Any
 from asyncrl.batch import Batch
 from asyncrl.distbatch import DistBatch, Piece
 from asyncrl.refs import RefTracker
-from objectstore import ObjectRef, ObjectStore
 from asyncrl.tree import tree_map, tree_map_async
+from objectstore import ObjectRef, ObjectStore
 from objectstore.ref import VALUE
 
 

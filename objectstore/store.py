@@ -436,6 +436,13 @@ class ObjectStore:
         sent = sum(c.bytes_transferred[0] for c in self._clients.values())
         return sent, sum(c.bytes_transferred[1] for c in self._clients.values())
 
+    @property
+    def bytes_served(self) -> int:
+        """Bytes this store has served to others: RPC replies (incl. values), bulk TCP sent, and
+        objects written to shared memory for same-node readers."""
+        return (self._server.bytes_transferred[0] + self._bulk.stats["bytes_sent"]
+                + self.counters["shm_bytes_written"])
+
     async def _call(self, ref: ObjectRef, method: str, *args: Any, timeout: float | None = None) -> Any:
         try:
             return await self._client(ref.endpoint).call(method, *args, timeout=timeout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncrl.algorithms.advantage import compute_advantage
-from asyncrl.dist import DistBatch
+from asyncrl.distbatch import DistBatch
 from asyncrl.workers.common import mean_metrics
 
 
@@ -67,7 +67,7 @@ async def reinforce_pp_step(t: Any, prompts: DistBatch) -> dict[str, float]:
 
 async def remax_step(t: Any, prompts: DistBatch) -> dict[str, float]:
     """ReMax: the greedy response's reward is each prompt's baseline."""
-    greedy_prompts = DistBatch(prompts.blocks, {**prompts.meta, "greedy": True, "n": 1})
+    greedy_prompts = prompts.with_meta(greedy=True, n=1)
     gen = t.actor.generate_sequences(prompts)
     greedy = t.actor.generate_sequences(greedy_prompts)
     reward = t.reward.compute_reward(gen)
