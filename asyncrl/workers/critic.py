@@ -9,7 +9,8 @@ import torch
 
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
-from asyncrl.engine import TrainEngine
+from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy
+from asyncrl.parallel import ParallelConfig, ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.worker import Worker, register
 from asyncrl.workers.common import (
@@ -40,8 +41,10 @@ class CriticWorker(Worker):
         setup_process(config, self.rank)
         cc = config.get("critic", {})
         same_init_on_every_rank(config)
-        self.critic = TrainEngine(load_value_model(cc.get("model_path") or config["model"]["path"]),
-                                  optim=optim_config(cc.get("optim", {"lr": 1e-4})), device=self.device)
+        layout = self.register_mesh(ParallelLayout.from_config(ParallelConfig(), self.world_size))
+        model = load_value_model(cc.get("model_path") or config["model"]["path"])
+        self.critic = TrainEngine(apply_fsdp(model, layout.submesh("dp"), mixed_precision_policy(self.device)),
+                                  layout, optim=optim_config(cc.get("optim", {"lr": 1e-4})), device=self.device)
         self.shuffle_gen = torch.Generator().manual_seed(int(config.get("seed", 0)) + 7 + self.rank)
 
     @register(DP_PROTO)

@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.algorithms.core import scores_to_tokens
 from asyncrl.batch import Batch
+from asyncrl.parallel import ParallelConfig, ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rewards import load_reward_fn
 from asyncrl.worker import Worker, register
@@ -30,6 +31,7 @@ class RuleRewardWorker(Worker):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
+        self.register_mesh(ParallelLayout.from_config(ParallelConfig(), self.world_size))
         from transformers import AutoTokenizer
 
         self.cfg = config
@@ -62,6 +64,7 @@ class RewardModelWorker(Worker):
 
     def __init__(self, config: dict[str, Any], output: str = "scores") -> None:
         super().__init__()
+        self.register_mesh(ParallelLayout.from_config(ParallelConfig(), self.world_size))
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.cfg = config
