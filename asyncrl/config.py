@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.parallel import ParallelConfig
 from daemons.errors import ConfigError
+from daemons.node import DEFAULT_SHM_POOL_BYTES
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
@@ -60,8 +61,12 @@ class ClusterConfig:
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0
     log_dir: str = "outputs/logs"
+    # a pre-faulted /dev/shm block per worker store for same-node pulls (costs that much shared
+    # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
+    shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
 
     def __post_init__(self) -> None:
+        _positive("cluster.shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
         _check(self.nnodes >= 1, "cluster.nnodes", self.nnodes, "must be >= 1")
         _check(0 <= self.node_rank < self.nnodes, "cluster.node_rank", self.node_rank,
                f"must be in [0, cluster.nnodes={self.nnodes})")

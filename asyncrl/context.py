@@ -1,9 +1,11 @@
 """`JobContext`: what an algorithm script's `async def main(ctx)` gets — the cluster, the config,
 resource pools, worker groups, and the driver's own small object store for data it produces
-(prompts from a dataloader)."""
+(prompts from a dataloader). A context owns its store and its `RefTracker`; the DistBatches
+it and its groups hand out carry that tracker, so two contexts in one process never share one."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -12,10 +14,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl import dist
 from asyncrl.batch import Batch
-from asyncrl.dist import DistBatch
+from asyncrl.distbatch import DistBatch
 from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
+from asyncrl.refs import RefTracker
+from asyncrl.transfer import publish
 from daemons.cluster import ClusterSpec, HeadNode
 from daemons.coordinator import Coordinator, ResourcePool
 from daemons.worker_client import WorkerHandle
@@ -43,6 +46,7 @@ class JobContext:
         name = cfg.job.name if cfg is not None and "job" in cfg else "job"
         self.log = logging.getLogger(f"asyncrl.job.{name}")
         self.store: ObjectStore | None = None
+        self.tracker: RefTracker | None = None
         self.process_sets: dict[str, ProcessSet] = {}
         self.groups: dict[str, WorkerGroup] = {}
 
@@ -53,12 +57,13 @@ class JobContext:
                                  curve=self.coordinator.curve, insecure=self.coordinator.insecure,
                                  name="store-driver")
         await self.store.start()
-        dist.install_driver(self.store)
+        self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self
 
     async def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
         if self.store is not None:
-            dist.install_driver(None)
             await self.store.close()
             self.store = None
 
@@ -87,7 +92,7 @@ class JobContext:
         if procs is None:
             handles = await self.spawn_workers(pool, group=pool.name)
             procs = self.process_sets[pool.name] = ProcessSet(pool, handles)
-        groups = await create_groups(procs, {r: spec_of(v) for r, v in roles.items()})
+        groups = await create_groups(procs, {r: spec_of(v) for r, v in roles.items()}, self.tracker)
         self.groups.update(groups)
         return Groups(groups)
 
@@ -113,17 +118,19 @@ class JobContext:
             raise RuntimeError("JobContext.open() has not run")
         if isinstance(batch, dict):
             batch = Batch(batch)
-        return dist.publish(batch, self.store)
+        return publish(batch, self.store, self.tracker)
 
     def controller_bytes(self) -> int:
-        """Bytes the driver has sent and received: RPC to workers plus its store's traffic."""
+        """Every byte the driver process sends or serves: RPC it sends to workers and receives
+        back, its store's own RPC, and the bytes its store serves to pulling workers (RPC
+        replies, bulk TCP, shared memory written for same-node readers)."""
         total = 0
         for handle in self.coordinator.handles.values():
             sent, received = handle.client.bytes_transferred
             total += sent + received
         if self.store is not None:
             sent, received = self.store.bytes_transferred
-            total += sent + received
+            total += sent + received + self.store.bytes_served
         return total
 
     def status(self) -> Any:

@@ -16,8 +16,11 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
-from asyncrl.mesh import Mesh
+from asyncrl.distbatch import DistBatch
+from asyncrl.parallel import LayoutError, ParallelLayout
 from asyncrl.protocols import RANK_ZERO, CallContext, get_protocol
+from asyncrl.refs import RefTracker
+from asyncrl.tree import tree_map, tree_map_async
 from asyncrl.worker import MethodSpec, registered_methods
 from daemons.coordinator import ResourcePool
 from daemons.errors import DaemonError, WorkerDiedError
@@ -62,14 +65,10 @@ class DataFuture:
 
 
 async def resolve_futures(value: Any) -> Any:
-    """Await DataFutures found in `value` (top level, and inside lists, tuples and dicts)."""
-    if isinstance(value, DataFuture):
-        return await value
-    if isinstance(value, (list, tuple)) and any(isinstance(v, DataFuture) for v in value):
-        return type(value)([await resolve_futures(v) for v in value])
-    if isinstance(value, dict) and any(isinstance(v, DataFuture) for v in value.values()):
-        return {k: await resolve_futures(v) for k, v in value.items()}
-    return value
+    """`value` with every DataFuture in it (nested in lists, tuples, dicts) awaited."""
+    async def wait(f: DataFuture) -> Any:
+        return await f
+    return await tree_map_async(wait, value, DataFuture)
 
 
 class ProcessSet:
@@ -87,12 +86,31 @@ class ProcessSet:
 
 
 class WorkerGroup:
-    """One Worker class on all ranks of a pool; registered methods become driver calls."""
+    """One Worker class on all ranks of a pool; registered methods become driver calls.
 
-    def __init__(self, role: str, cls: type, procs: ProcessSet) -> None:
-        self.role, self.cls, self.procs = role, cls, procs
+    `tracker` (the JobContext's) tracks the DistBatches its calls return, so their objects are
+    freed once the driver drops them; None leaves them untracked.
+    """
+
+    def __init__(self, role: str, cls: type, procs: ProcessSet, tracker: RefTracker | None = None) -> None:
+        self.role, self.cls, self.procs, self.tracker = role, cls, procs, tracker
         self.methods: dict[str, MethodSpec] = registered_methods(cls)
-        self.meshes: list[dict[str, Mesh]] = [{} for _ in procs.handles]
+        self.rank_layouts: list[dict[str, ParallelLayout]] = [{} for _ in procs.handles]
+
+    @property
+    def layouts(self) -> dict[str, ParallelLayout]:
+        """The group's parallel layouts by name (every rank must have registered the same)."""
+        out: dict[str, ParallelLayout] = {}
+        for rank, layouts in enumerate(self.rank_layouts):
+            for name, layout in layouts.items():
+                if out.setdefault(name, layout) != layout:
+                    raise LayoutError(f"{self.role}: rank {rank} registered layout {name!r} as "
+                                      f"{layout.describe()} but rank 0 as {out[name].describe()}; "
+                                      "every rank of a group must register the same layout")
+        return out
+
+    def _update_layouts(self, rank: int, wire: dict[str, Any]) -> None:
+        self.rank_layouts[rank] = {n: ParallelLayout.from_wire(v) for n, v in wire.items()}
 
     @property
     def world_size(self) -> int:
@@ -135,9 +153,8 @@ class WorkerGroup:
         async def run() -> Any:
             if prev is not None:
                 await asyncio.wait([prev])  # call order on shared processes; its errors are its own
-            a = [await resolve_futures(v) for v in args]
-            k = {n: await resolve_futures(v) for n, v in kwargs.items()}
-            ctx = CallContext(self.role, label, self.world_size, self.meshes)
+            a, k = await resolve_futures((list(args), kwargs))
+            ctx = CallContext(self.role, label, self.world_size, self.layouts)
             plan = protocol.distribute(ctx, tuple(a), k)
             outputs = await self._fan_out(label, entry, head, plan)
             return protocol.collect(ctx, outputs)
@@ -168,11 +185,13 @@ class WorkerGroup:
         async def one(rank: int, a: tuple, k: dict) -> Any:
             handle = self.handles[rank]
             try:
-                out, mesh = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {})
+                out, layouts = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {})
             except RemoteError as e:
                 raise WorkerCallError(self.role, label, rank, e) from None
-            if mesh is not None:
-                self.meshes[rank] = {n: Mesh.from_wire(m) for n, m in mesh.items()}
+            if layouts is not None:
+                self._update_layouts(rank, layouts)
+            if self.tracker is not None:
+                out = tree_map(self.tracker.track, out, DistBatch)
             return out
 
         tasks = {r: asyncio.ensure_future(one(r, a, k)) for r, (a, k) in plan.items()}
@@ -222,8 +241,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple, dict]]) -> dict[str, WorkerGroup]:
-    """Instantiate each class on every rank of `procs` (colocated) and wrap them as groups."""
+async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple, dict]],
+                        tracker: RefTracker | None = None) -> dict[str, WorkerGroup]:
+    """Instantiate each class on every rank of `procs` (colocated) and wrap them as groups whose
+    returned DistBatches `tracker` tracks."""
     groups = {}
     for role, (cls, args, kwargs) in classes.items():
         path = importable_path(cls)
@@ -235,10 +256,11 @@ async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple,
         except RemoteError as e:
             raise DaemonError(f"constructing {cls.__qualname__} for role {role!r} failed: "
                               f"{e.remote_type}: {e.remote_message}\n{e.remote_traceback}") from None
-        group = WorkerGroup(role, cls, procs)
-        meshes = await asyncio.gather(*(h.call("call_instance", role, "asyncrl_meshes", [], {})
-                                        for h in procs.handles))
-        group.meshes = [{n: Mesh.from_wire(m) for n, m in ms.items()} for ms in meshes]
+        group = WorkerGroup(role, cls, procs, tracker)
+        layouts = await asyncio.gather(*(h.call("call_instance", role, "asyncrl_layouts", [], {})
+                                         for h in procs.handles))
+        for rank, wire in enumerate(layouts):
+            group._update_layouts(rank, wire)
         log.info("%s: %s on %d ranks of pool %s (%.1fs)", role, cls.__qualname__, procs.world_size,
                  procs.pool.name, time.monotonic() - t0)
         groups[role] = group

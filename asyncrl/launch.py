@@ -33,10 +33,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import LaunchConfig, RLConfig, SmokeConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
+from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError
 from daemons.logs import setup_logging
-from daemons.node import NodeDaemon
 from daemons.proc import route_ip
 from daemons.worker import resolve
 from transport import AuthenticationError, CurveConfig, TransportError
@@ -44,7 +44,6 @@ from transport.loop import run
 
 log = logging.getLogger("asyncrl.launch")
 
-STATE_DIR = Path(os.environ.get("ASYNCRL_STATE_DIR", Path.home() / ".asyncrl" / "state"))
 
 
 # configuration -----------------------------------------------------------------------------------
@@ -163,76 +162,66 @@ def load_entry(entry: str | None) -> Any:
 
 
 # roles --------------------------------------------------------------------------------------------
-def _write_state(coordinator: Coordinator, curve: CurveConfig | None, advertised: str) -> Path:
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    path = STATE_DIR / "coordinator.json"
-    state = {"endpoint": advertised, "pid": os.getpid(), "insecure": curve is None,
-             "curve": curve.to_env() if curve else None}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    return path
-
-
-async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
-    """Node 0: coordinator + node daemon + the driver (or, as a daemon, submitted jobs)."""
+def cluster_spec(cfg: DictConfig, daemon: bool = False) -> ClusterSpec:
+    """This node's daemons as the `cluster` section describes them."""
     c = cfg.cluster
     curve, insecure = security(cfg)
-    multi = c.nnodes > 1 or daemon
-    host = c.host or ("127.0.0.1" if not multi else route_ip("192.0.2.1"))
-    bind = "0.0.0.0" if multi and not c.host else host
-    coordinator = Coordinator(f"tcp://{bind}:{c.port}", curve=curve, insecure=insecure,
-                              node_timeout=c.node_timeout_s)
-    await coordinator.start()
-    port = coordinator.endpoint.rsplit(":", 1)[1]
-    advertised = f"tcp://{host}:{port}"
-    node = NodeDaemon(advertised, node_rank=0, host=host, cpu_devices=c.cpu_devices, curve=curve,
-                      insecure=insecure, log_dir=c.log_dir, heartbeat_interval=c.heartbeat_interval_s,
-                      coordinator_timeout=max(10.0, 2 * c.node_timeout_s))
-    await node.start()
-    state = _write_state(coordinator, curve, advertised)
+    if c.coordinator is None:  # node 0
+        multi = c.nnodes > 1 or daemon
+        host = c.host or ("127.0.0.1" if not multi else route_ip("192.0.2.1"))
+        bind = "0.0.0.0" if multi and not c.host else host
+    else:
+        host, bind = c.host or route_ip(c.coordinator.rsplit(":", 1)[0]), None
+    return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
+                       node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
+                       log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
+                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes, write_state=True)
+
+
+def _stop_on_signals() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("coordinator at %s (%s)", advertised, "insecure" if insecure else "CurveZMQ")
-    ctx = None
-    try:
-        await node.wait_registered(30)
+    return stop
+
+
+async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
+    """Node 0: coordinator + node daemon + the driver (or, as a daemon, submitted jobs)."""
+    stop = _stop_on_signals()
+    # daemon nodes outlive a coordinator restart and re-register, so they are not released
+    async with HeadNode.start(cluster_spec(cfg, daemon), release_nodes=not daemon) as head:
+        coordinator = head.coordinator
         if daemon:
             coordinator.server.register("submit", functools.partial(_submit, coordinator, cfg))
             await _wait_any(stop.wait(), coordinator.stop_requested.wait())
             return 0
-        await coordinator.wait_for_nodes(c.nnodes, c.join_timeout_s)
+        await coordinator.wait_for_nodes(cfg.cluster.nnodes, cfg.cluster.join_timeout_s)
         entry = load_entry(cfg.job.entry)
         ctx = await JobContext(coordinator, cfg).open()
-        t0 = time.monotonic()
-        driver = loop.create_task(entry(ctx), name="driver")
-        await _wait_any(driver, stop.wait(), coordinator.stop_requested.wait())
-        if not driver.done():
-            driver.cancel()
-            await asyncio.gather(driver, return_exceptions=True)
-            log.error("job stopped: %s", coordinator.stop_reason or "signal")
-            return 1
-        result = driver.result()  # raises the driver's exception
-        log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
-        if isinstance(result, dict):  # the job's summary is the last line on stdout
-            print(json.dumps(result), flush=True)
-        return 0
-    finally:
-        if ctx is not None:
+        try:
+            t0 = time.monotonic()
+            driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
+            await _wait_any(driver, stop.wait(), coordinator.stop_requested.wait())
+            if not driver.done():
+                driver.cancel()
+                await asyncio.gather(driver, return_exceptions=True)
+                log.error("job stopped: %s", coordinator.stop_reason or "signal")
+                return 1
+            result = driver.result()  # raises the driver's exception
+            log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
+            if isinstance(result, dict):  # the job's summary is the last line on stdout
+                print(json.dumps(result), flush=True)
+            return 0
+        finally:
             await ctx.close()
-        await coordinator.shutdown_workers()
-        if not daemon:  # daemon nodes outlive a coordinator restart and re-register
-            await coordinator.shutdown_nodes()
-        await node.close()
-        await coordinator.close()
-        state.unlink(missing_ok=True)
 
 
 async def _submit(coordinator: Coordinator, cfg: DictConfig, entry: str, overrides: dict | None) -> Any:
-    with open_dict(cfg):  # a submitted job may bring config sections the daemon's config lacks
-        job_cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides or {}))
+    # a submitted job brings config sections of its own: merged as plain data, and a typed job
+    # (the RL trainer) checks them against its schema when it starts
+    job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)),
+                              OmegaConf.create(overrides or {}))
     fn = load_entry(entry)
     ctx = await JobContext(coordinator, job_cfg).open()
     try:
@@ -245,32 +234,22 @@ async def _submit(coordinator: Coordinator, cfg: DictConfig, entry: str, overrid
 async def run_node(cfg: DictConfig, daemon: bool = False) -> int:
     """Node k > 0: a node daemon that serves the coordinator until released."""
     c = cfg.cluster
-    curve, insecure = security(cfg)
-    coord_host = c.coordinator.rsplit(":", 1)[0]
-    host = c.host or route_ip(coord_host)
-    node = NodeDaemon(f"tcp://{c.coordinator}", node_rank=c.node_rank, host=host, cpu_devices=c.cpu_devices,
-                      curve=curve, insecure=insecure, log_dir=c.log_dir,
-                      heartbeat_interval=c.heartbeat_interval_s,
-                      coordinator_timeout=max(10.0, 2 * c.node_timeout_s))
-    await node.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
+    spec = cluster_spec(cfg, daemon)
+    try:
+        node = await NodeOnly.launch(spec, wait_registered=None if daemon else c.join_timeout_s)
+    except TimeoutError:
+        raise ConfigError(
+            f"could not join the coordinator at {c.coordinator} within {c.join_timeout_s:.0f}s: "
+            "check cluster.coordinator (node 0's cluster.host:cluster.port), that node 0 is "
+            "running, the firewall, and that both nodes use the same cluster.key_dir") from None
     try:
         if not daemon:
-            try:
-                await node.wait_registered(c.join_timeout_s)
-            except TimeoutError:
-                raise ConfigError(
-                    f"could not join the coordinator at {c.coordinator} within {c.join_timeout_s:.0f}s: "
-                    "check cluster.coordinator (node 0's cluster.host:cluster.port), that node 0 is "
-                    "running, the firewall, and that both nodes use the same cluster.key_dir") from None
             log.info("node %d joined %s", c.node_rank, c.coordinator)
-        await _wait_any(stop.wait(), node.stopped.wait())
+        await _wait_any(stop.wait(), node.daemon.stopped.wait())
         return 0
     finally:
-        await node.close()
+        await node.stop()
 
 
 async def _wait_any(*aws: Any) -> None:

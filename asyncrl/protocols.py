@@ -2,7 +2,8 @@
 (`distribute`) and how their outputs become one result (`collect`).
 
 Both run on the driver over refs: a batch argument is split by rewriting row ranges of a
-`DistBatch`, and each rank pulls its own rows from the owners.
+`DistBatch`, and each rank pulls its own rows from the owners. The nD protocols read the
+group's `ParallelLayout`s (the same values its workers built their device meshes from).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.batch import Batch
-from asyncrl.dist import DistBatch, dp_split
-from asyncrl.mesh import Mesh
+from asyncrl.distbatch import DistBatch
+from asyncrl.parallel import ROLLOUT, TRAIN, ParallelLayout, pure_dp
 
 ONE_TO_ALL = "ONE_TO_ALL"
 DP_PROTO = "DP_PROTO"
@@ -28,22 +29,22 @@ RankCalls = dict[int, tuple[tuple, dict]]  # rank -> (args, kwargs)
 
 @dataclass
 class CallContext:
-    """What a protocol sees of one call: the group's ranks, their meshes, and a scratch dict
-    where `distribute` leaves notes for `collect` (e.g. the pad size)."""
+    """What a protocol sees of one call: the group's size and parallel layouts, and a scratch
+    dict where `distribute` leaves notes for `collect` (e.g. the pad size)."""
 
     group: str
     method: str
     world_size: int
-    meshes: list[dict[str, Mesh]]
+    layouts: dict[str, ParallelLayout] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
 
-    def mesh(self, rank: int, name: str = "train") -> Mesh:
-        meshes = self.meshes[rank]
-        if name in meshes:
-            return meshes[name]
-        if name != "train" and "train" in meshes:
-            return meshes["train"]
-        return Mesh.from_rank(rank, name, dp=self.world_size)
+    def layout(self, name: str = TRAIN) -> ParallelLayout:
+        """Layout `name`; a group without it falls back to its train layout, then to pure DP."""
+        if name in self.layouts:
+            return self.layouts[name]
+        if TRAIN in self.layouts:
+            return self.layouts[TRAIN]
+        return pure_dp(self.world_size)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,8 @@ def _is_batch(v: Any) -> bool:
 
 
 def split_batch(v: DistBatch | Batch, n: int) -> tuple[list[Any], int]:
-    """`n` equal shards of a batch (padded by repeating leading rows) and the pad size."""
-    if isinstance(v, DistBatch):
-        return dp_split(v, n)
+    """`n` equal shards of a batch (padded by repeating leading rows, by reference for a
+    DistBatch) and the pad size."""
     padded = v.pad_to_divisor(n)
     return padded.chunk(n), padded.pad_size
 
@@ -169,37 +169,37 @@ def _dp(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
     return scatter(ctx, args, kwargs, ctx.world_size, lambda r: r)
 
 
-def _three_d(mesh_name: str, data_dims: tuple[str, ...]) -> Callable[[CallContext, tuple, dict], RankCalls]:
+def _three_d(layout_name: str, data_dims: tuple[str, ...]) -> Callable[[CallContext, tuple, dict], RankCalls]:
     def distribute(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
-        index = [ctx.mesh(r, mesh_name).data_index(data_dims) for r in range(ctx.world_size)]
-        counts = {c for _, c in index}
-        if len(counts) != 1:
-            raise ValueError(f"ranks of {ctx.group} disagree on the {mesh_name} mesh's data size")
-        ctx.state["mesh"] = mesh_name
+        layout = ctx.layout(layout_name)
+        ctx.state["layout"] = layout
         ctx.state["data_dims"] = data_dims
-        return scatter(ctx, args, kwargs, counts.pop(), lambda r: index[r][0])
+        return scatter(ctx, args, kwargs, layout.data_shards(data_dims),
+                       lambda r: layout.data_index(r, data_dims))
     return distribute
 
 
 def _collect_3d(ctx: CallContext, outputs: dict[int, Any]) -> Any:
-    name, dims = ctx.state["mesh"], ctx.state["data_dims"]
-    keep = {ctx.mesh(r, name).data_index(dims)[0]: outputs[r] for r in sorted(outputs)
-            if ctx.mesh(r, name).is_collect_rank}
+    layout, dims = ctx.state["layout"], ctx.state["data_dims"]
+    keep = {layout.data_index(r, dims): outputs[r] for r in sorted(outputs)
+            if layout.is_collect_rank(r)}
     return gather(ctx, [keep[i] for i in sorted(keep)])
 
 
 def _collect_pp_only(ctx: CallContext, outputs: dict[int, Any]) -> list[Any]:
-    ranks = [r for r in sorted(outputs)
-             if ctx.mesh(r).coord("tp") == 0 and ctx.mesh(r).coord("dp") == 0 and ctx.mesh(r).coord("cp") == 0]
-    return [outputs[r] for r in sorted(ranks, key=lambda r: ctx.mesh(r).coord("pp"))]
+    """One output per pipeline stage (the rank at 0 on every other dim), in stage order."""
+    layout = ctx.layout(TRAIN)
+    firsts = [r for r in sorted(outputs)
+              if all(c == 0 for d, c in layout.coords(r).items() if d != "pp")]
+    return [outputs[r] for r in sorted(firsts, key=lambda r: layout.coord(r, "pp"))]
 
 
 register_protocol(ONE_TO_ALL, _all, lambda ctx, out: _in_rank_order(out))
 register_protocol(ALL_TO_ALL, _all_to_all, lambda ctx, out: _in_rank_order(out))
 register_protocol(RANK_ZERO, lambda ctx, a, k: {0: (a, k)}, lambda ctx, out: out[0])
 register_protocol(DP_PROTO, _dp, lambda ctx, out: gather(ctx, _in_rank_order(out)))
-register_protocol(THREE_D_PROTO, _three_d("train", ("dp",)), _collect_3d)
+register_protocol(THREE_D_PROTO, _three_d(TRAIN, ("dp",)), _collect_3d)
 # Generation meshes split each training model-parallel group into micro-DP groups (HybridFlow
 # §5): data goes to every (dp, micro_dp) group and is broadcast inside it.
-register_protocol(THREE_D_ALL_MICRO_DP, _three_d("rollout", ("dp", "micro_dp")), _collect_3d)
+register_protocol(THREE_D_ALL_MICRO_DP, _three_d(ROLLOUT, ("dp", "micro_dp")), _collect_3d)
 register_protocol(THREE_D_PP_ONLY, _all, _collect_pp_only)

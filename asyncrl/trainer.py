@@ -29,7 +29,7 @@ from asyncrl.algorithms.registry import ALGORITHMS
 from asyncrl.algorithms.roles import Roles
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config, to_dict
-from asyncrl.dist import DistBatch
+from asyncrl.distbatch import DistBatch
 from asyncrl.models.resolve import resolve_model
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.workers.actor import ActorRolloutRefWorker

@@ -5,9 +5,16 @@ share a process: actor, rollout and reference colocated on one device). Its `@re
 methods are what the driver calls through a `WorkerGroup`; the protocol says how a call's
 arguments are split over ranks and how outputs are combined.
 
+A Worker gets its process's `WorkerRuntime` (rank, device, object store) as a value: the worker
+process builds it with `Worker.create_hosted(runtime, *args, **kwargs)`, which binds the
+runtime before the subclass's `__init__` runs, so `super().__init__()` takes no arguments.
+
 Inside a rank, a `DistBatch` argument arrives as refs and is pulled (only this rank's rows,
-straight from their owners) into a `Batch` before the method runs; a `Batch` the method returns
-is put in this process's object store and travels back as a `DistBatch` of refs.
+straight from their owners) through `self.store` into a `Batch` before the method runs; a
+`Batch` the method returns is published into `self.store` and travels back as a `DistBatch`.
+
+Each worker declares its parallel layouts (`register_mesh(layout)`); a changed layout rides
+back to the driver on the next call's result, so driver-side protocols see the current one.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from asyncrl.batch import Batch
-from asyncrl.dist import DistBatch, local_store, materialize, publish
-from asyncrl.mesh import DEFAULT_ORDER, Mesh
+from asyncrl.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
 from asyncrl.protocols import ONE_TO_ALL, get_protocol
+from asyncrl.transfer import materialize_all, publish_all
+from daemons.worker import WorkerRuntime, resolve, wants_runtime
+from objectstore import ObjectStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 REGISTER_ATTR = "__asyncrl_register__"
@@ -60,51 +68,66 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
 
 
 class Worker:
-    """Base class for distributed workers: rank, world size, device and parallel meshes."""
+    """Base class for distributed workers: rank, world size, device, store and parallel layouts.
+
+    `runtime` is None when a Worker is constructed outside a worker process (unit tests,
+    notebooks): rank and world size then come from the environment and there is no store.
+    """
+
+    runtime: WorkerRuntime | None = None
+
+    @classmethod
+    def create_hosted(cls, runtime: WorkerRuntime, *args: Any, **kwargs: Any) -> Worker:
+        """Build this class inside a worker process, bound to that process's `runtime`."""
+        self = cls.__new__(cls)
+        self.runtime = runtime
+        self.__init__(*args, **kwargs)
+        return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            from daemons.worker import current
-
-            rt = current()
+        rt = self.runtime
+        if rt is not None:
             self.rank, self.world_size, self.local_rank = rt.rank, rt.world_size, rt.local_rank
             self.device, self.node_id = rt.device, rt.node_id
-        except RuntimeError:  # constructed outside a worker process (unit tests, notebooks)
+        else:
             self.rank = int(os.environ.get("RANK", "0"))
             self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             self.device, self.node_id = os.environ.get("ASYNCRL_DEVICE", "cpu"), ""
-        self.meshes: dict[str, Mesh] = {"train": Mesh.from_rank(self.rank, dp=self.world_size)}
-        self._mesh_version, self._mesh_reported = 1, 0
-
-    # meshes -------------------------------------------------------------------------------------
-    def register_mesh(self, name: str = "train", *, coords: dict[str, int] | None = None,
-                      order: tuple[str, ...] = DEFAULT_ORDER, **sizes: int) -> Mesh:
-        """Declare this rank's place in a parallel mesh, e.g. `register_mesh(dp=2, tp=2)`.
-
-        Sizes must multiply to the world size; coordinates follow `order` (outer first, tensor
-        parallel innermost) unless given explicitly. Protocols read the "train" mesh
-        (3D_PROTO, 3D_PP_ONLY) and the "rollout" mesh (3D_ALL_MICRO_DP: dims dp, micro_dp, tp).
-        """
-        total = 1
-        for s in sizes.values():
-            total *= s
-        if total != self.world_size:
-            raise ValueError(f"mesh {name!r} sizes {sizes} cover {total} ranks; this group has "
-                             f"{self.world_size}")
-        mesh = (Mesh(name, dict(sizes), dict(coords)) if coords is not None
-                else Mesh.from_rank(self.rank, name, order, **sizes))
-        self.meshes[name] = mesh
-        self._mesh_version += 1
-        return mesh
+        self.layouts: dict[str, ParallelLayout] = {TRAIN: pure_dp(self.world_size)}
+        self._layout_version, self._layout_reported = 1, 0
 
     @property
-    def mesh(self) -> Mesh:
-        return self.meshes["train"]
+    def store(self) -> ObjectStore:
+        """This process's object store: where pulled rows arrive and returned Batches go."""
+        if self.runtime is None:
+            raise RuntimeError(f"{type(self).__qualname__} runs outside a worker process and has no "
+                               "object store; build it with Worker.create_hosted(runtime, ...)")
+        return self.runtime.store
+
+    # layouts ------------------------------------------------------------------------------------
+    def register_mesh(self, layout: ParallelLayout) -> ParallelLayout:
+        """Declare this group's parallel layout (under `layout.name`: "train" for 3D_PROTO and
+        3D_PP_ONLY, "rollout" for 3D_ALL_MICRO_DP). Every rank registers the same value."""
+        if layout.world_size != self.world_size:
+            raise LayoutError(f"layout {layout.name!r} ({layout.describe()}) covers "
+                              f"{layout.world_size} ranks; this group has {self.world_size}")
+        self.layouts[layout.name] = layout
+        self._layout_version += 1
+        return layout
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The "train" layout."""
+        return self.layouts[TRAIN]
+
+    def coords(self, name: str = TRAIN) -> dict[str, int]:
+        """This rank's coordinates in layout `name`."""
+        return self.layouts[name].coords(self.rank)
 
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
     async def asyncrl_call(self, method: str, args: list, kwargs: dict) -> list[Any]:
-        """Run registered `method` with pulled arguments; returns [output, mesh update or None]."""
+        """Run registered `method` with pulled arguments; returns [output, layouts update or None]."""
         fn = getattr(self, method, None)
         spec = getattr(fn, REGISTER_ATTR, None)
         if fn is None or spec is None:
@@ -114,39 +137,24 @@ class Worker:
         return await self._run(fn, spec.materialize, args, kwargs)
 
     async def asyncrl_apply(self, fn_path: str, args: list, kwargs: dict) -> list[Any]:
-        """Run the importable function `fn_path` here, on this rank's pulled data."""
-        from daemons.worker import resolve
+        """Run the importable function `fn_path` here, on this rank's pulled data (a `runtime`
+        parameter gets this process's runtime)."""
+        fn = resolve(fn_path)
+        if wants_runtime(fn):
+            kwargs = {**kwargs, "runtime": self.runtime}
+        return await self._run(fn, True, args, kwargs)
 
-        return await self._run(resolve(fn_path), True, args, kwargs)
-
-    def asyncrl_meshes(self) -> dict[str, Any]:
-        self._mesh_reported = self._mesh_version
-        return {n: m.to_wire() for n, m in self.meshes.items()}
+    def asyncrl_layouts(self) -> dict[str, Any]:
+        self._layout_reported = self._layout_version
+        return {n: m.to_wire() for n, m in self.layouts.items()}
 
     async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict) -> list[Any]:
         if pull:
-            args, kwargs = await _materialize_all(args, kwargs)
+            args, kwargs = await materialize_all((args, kwargs), self.store)
         if inspect.iscoroutinefunction(fn):
             out = await fn(*args, **kwargs)
         else:
             out = await asyncio.to_thread(fn, *args, **kwargs)
-        out = _publish_all(out)
-        mesh = self.asyncrl_meshes() if self._mesh_reported != self._mesh_version else None
-        return [out, mesh]
-
-
-async def _materialize_all(args: list, kwargs: dict) -> tuple[list, dict]:
-    store = local_store()
-    todo = [v for v in [*args, *kwargs.values()] if isinstance(v, DistBatch)]
-    pulled = dict(zip(map(id, todo), await asyncio.gather(*(materialize(d, store) for d in todo)), strict=True))
-    return ([pulled.get(id(a), a) for a in args], {k: pulled.get(id(v), v) for k, v in kwargs.items()})
-
-
-def _publish_all(out: Any) -> Any:
-    if isinstance(out, Batch):
-        return publish(out, local_store())
-    if isinstance(out, tuple | list) and any(isinstance(o, Batch) for o in out):
-        return type(out)(_publish_all(o) for o in out)
-    if isinstance(out, dict) and any(isinstance(o, Batch) for o in out.values()):
-        return {k: _publish_all(o) for k, o in out.items()}
-    return out
+        out = publish_all(out, self.store)  # returned Batches stay here; refs go back
+        layouts = self.asyncrl_layouts() if self._layout_reported != self._layout_version else None
+        return [out, layouts]

@@ -4,10 +4,12 @@
 
 - controller bytes: one DP_PROTO chain, a producer group of 2 ranks makes a batch (1 MiB, then
   1 GiB) and a consumer group of 4 ranks reduces it; the driver counts every byte it sends or
-  receives (RPC to workers and its own store). A controller-centric design (gather to the
+  serves: RPC to and from workers, its store's RPC, and what its store serves of the data it
+  `put` (RPC replies, bulk TCP, shared memory). A controller-centric design (gather to the
   driver, scatter to consumers) would move the batch twice: `naive_controller_bytes_large`.
-- overlap: two groups on disjoint pools each sleep 2 s; issued back to back vs. one after the
-  other (both measured here).
+- overlap: two groups on disjoint single-rank pools each run the same fixed compute (float32
+  matmuls, one torch thread per worker); issued back to back vs. one after the other (both
+  measured here). On a machine with fewer than 2 free cores the ceiling is below 2.
 - call overhead: p50 of a no-op ONE_TO_ALL call on a 4-rank group vs. p50 of one raw RPC round
   trip to one of those workers.
 
@@ -51,8 +53,15 @@ class Consumer(Worker):
         return None
 
     @register(ONE_TO_ALL)
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
+    def matmuls(self, count: int, size: int) -> float:
+        """`count` float32 `size`×`size` matmuls on one thread; returns a checksum."""
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(size, size, generator=g) / size**0.5
+        x = torch.randn(size, size, generator=g)
+        for _ in range(count):
+            x = a @ x
+        return float(x.norm())
 
 
 async def chain_bytes(ctx, producers, consumers, nbytes: int, rows: int = 1024) -> tuple[int, float]:
@@ -92,14 +101,16 @@ async def main_async(args: argparse.Namespace) -> dict:
 
             pair = await ctx.spawn(ctx.create_pool("left", world_size=1), left=Consumer)
             pair.update(await ctx.spawn(ctx.create_pool("right", world_size=1), right=Consumer))
+            work = (args.matmuls, args.matmul_size)
+            await pair.left.matmuls(2, args.matmul_size)  # warm up both workers
+            await pair.right.matmuls(2, args.matmul_size)
             t0 = time.perf_counter()
-            await pair.left.sleep(args.task_s)
-            await pair.right.sleep(args.task_s)
+            want = await pair.left.matmuls(*work)
+            assert await pair.right.matmuls(*work) == want
             serial = time.perf_counter() - t0
             t0 = time.perf_counter()
-            a, b = pair.left.sleep(args.task_s), pair.right.sleep(args.task_s)
-            await a
-            await b
+            a, b = pair.left.matmuls(*work), pair.right.matmuls(*work)
+            assert await a == want and await b == want
             overlapped = time.perf_counter() - t0
 
     noop_us = statistics.median(noop) * 1e6
@@ -126,7 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--task-s", type=float, default=2.0)
+    ap.add_argument("--matmuls", type=int, default=300, help="matmuls per overlap task")
+    ap.add_argument("--matmul-size", type=int, default=512)
     args = ap.parse_args()
     result = run(main_async(args))
     for k, v in result.items():

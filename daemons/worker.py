@@ -6,6 +6,10 @@ asyncrl's own (ASYNCRL_WORKER_ID, ASYNCRL_COORDINATOR, ASYNCRL_HOST, keys). The 
 `worker_ready` to the coordinator and then serves calls: `run` executes an importable function
 by its dotted path (code never travels over the wire), and hosted objects (the programming
 model's Worker classes) are created and called by name.
+
+The process's `WorkerRuntime` is handed to code explicitly, never through a global: a function
+run by `run` that has a `runtime` parameter gets it as that keyword, and a hosted class that
+defines `create_hosted(runtime, *args, **kwargs)` is built through it (asyncrl's `Worker` does).
 """
 
 from __future__ import annotations
@@ -89,14 +93,12 @@ async def _call_async(fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
-_current: WorkerRuntime | None = None
-
-
-def current() -> WorkerRuntime:
-    """The runtime of the worker process this code runs in."""
-    if _current is None:
-        raise RuntimeError("not running inside an asyncrl worker process")
-    return _current
+def wants_runtime(fn: Callable) -> bool:
+    """Whether `fn` takes the worker's runtime (it has a parameter named `runtime`)."""
+    try:
+        return "runtime" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
 
 
 class WorkerProcess:
@@ -111,16 +113,16 @@ class WorkerProcess:
         self.shm_pool_bytes = int(env.get(SHM_POOL_ENV, "0"))
         self.stopped = asyncio.Event()
         self.store: ObjectStore | None = None
+        self.runtime: WorkerRuntime | None = None
 
     async def serve(self) -> None:
-        global _current
         loop = asyncio.get_running_loop()
         store = self.store = ObjectStore(
             node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
             curve=self.curve, insecure=self.insecure, name=f"store-{self.worker_id}",
             shm_pool_bytes=self.shm_pool_bytes)
         await store.start()
-        _current = WorkerRuntime(
+        self.runtime = WorkerRuntime(
             worker_id=self.worker_id, node_id=self.node_id, rank=self.rank,
             world_size=int(self.env.get("WORLD_SIZE", "1")), local_rank=int(self.env.get("LOCAL_RANK", "0")),
             device=self.env.get("ASYNCRL_DEVICE", "cpu"), group=self.env.get("ASYNCRL_GROUP", ""),
@@ -147,6 +149,8 @@ class WorkerProcess:
     async def run(self, fn_path: str, args: list, kwargs: dict) -> Any:
         """Run the importable function `fn_path` ("module:name")."""
         fn = resolve(fn_path)
+        if wants_runtime(fn):
+            kwargs = {**kwargs, "runtime": self.runtime}
         return await _invoke(fn, args, kwargs)
 
     @expose
@@ -166,15 +170,19 @@ class WorkerProcess:
     @expose
     async def create_instance(self, name: str, cls_path: str, args: list, kwargs: dict) -> str:
         cls = resolve(cls_path)
-        instance = await asyncio.to_thread(cls, *args, **kwargs)
-        current().instances[name] = instance
+        create = getattr(cls, "create_hosted", None)
+        if create is not None:  # the class takes this process's runtime
+            instance = await asyncio.to_thread(create, self.runtime, *args, **kwargs)
+        else:
+            instance = await asyncio.to_thread(cls, *args, **kwargs)
+        self.runtime.instances[name] = instance
         return name
 
     @expose
     async def call_instance(self, name: str, method: str, args: list, kwargs: dict) -> Any:
-        instance = current().instances.get(name)
+        instance = self.runtime.instances.get(name)
         if instance is None:
-            raise KeyError(f"this worker hosts no instance {name!r}; hosted: {sorted(current().instances)}")
+            raise KeyError(f"this worker hosts no instance {name!r}; hosted: {sorted(self.runtime.instances)}")
         if method.startswith("_"):
             raise AttributeError(f"private method {method!r} cannot be called remotely")
         fn = getattr(instance, method, None)

@@ -282,6 +282,13 @@ class ObjectStore:
         sent = sum(c.bytes_transferred[0] for c in self._clients.values())
         return sent, sum(c.bytes_transferred[1] for c in self._clients.values())
 
+    @property
+    def bytes_served(self) -> int:
+        """Bytes this store has served to others: RPC replies (values included), bulk TCP sent, and
+        objects written to shared memory for same-node readers."""
+        return (self._server.bytes_transferred[0] + self.bulk.stats["bytes_sent"]
+                + self.counters["shm_bytes_written"])
+
     async def call_owner(self, ref: ObjectRef, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call `method` on the store that owns `ref`; typed errors come back typed, a dead
         owner is ObjectLostError."""

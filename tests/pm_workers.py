@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from asyncrl import Batch, Worker, register
+from asyncrl import Batch, ParallelConfig, ParallelLayout, Worker, register
 from asyncrl.protocols import (
     ALL_TO_ALL,
     DP_PROTO,
@@ -95,26 +95,32 @@ class Consumer(Worker):
 
 
 class Mesh3D(Worker):
-    """4 ranks as pp=1 × dp=2 × tp=2; a rollout mesh with dp=1 × micro_dp=2 × tp=2."""
+    """4 ranks as pp=1 × dp=2 × tp=2; a rollout layout with dp=1 × micro_dp=2 × tp=2."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp: int = 2) -> None:
         super().__init__()
-        self.register_mesh(dp=2, tp=2)
-        self.register_mesh("rollout", dp=1, micro_dp=2, tp=2, order=("dp", "micro_dp", "tp"))
+        self.register_mesh(ParallelLayout.from_config(ParallelConfig(tp=tp), self.world_size))
+        self.register_mesh(ParallelLayout.of(self.world_size, "rollout", dp=1, micro_dp=2, tp=2))
 
     @register(THREE_D_PROTO)
     def tag(self, batch: Batch) -> Batch:
-        return Batch({"idx": batch["idx"], "dp": torch.full((len(batch),), self.mesh.dp_rank),
-                      "tp": torch.full((len(batch),), self.mesh.coord("tp"))})
+        c = self.coords()
+        return Batch({"idx": batch["idx"], "dp": torch.full((len(batch),), c["dp"]),
+                      "tp": torch.full((len(batch),), c["tp"])})
 
     @register(THREE_D_ALL_MICRO_DP)
     def gen(self, batch: Batch) -> Batch:
-        m = self.meshes["rollout"]
-        return Batch({"idx": batch["idx"], "micro": torch.full((len(batch),), m.coord("micro_dp"))})
+        micro = self.coords("rollout")["micro_dp"]
+        return Batch({"idx": batch["idx"], "micro": torch.full((len(batch),), micro)})
 
     @register(THREE_D_PP_ONLY)
     def names(self) -> list:
-        return [self.rank, self.mesh.coords]
+        return [self.rank, self.coords()]
+
+    @register(ONE_TO_ALL)
+    def relayout(self, tp: int) -> None:
+        """Change the train layout mid-job (the driver learns it from this call's result)."""
+        self.register_mesh(ParallelLayout.from_config(ParallelConfig(tp=tp), self.world_size))
 
 
 class Colocated(Worker):

@@ -67,6 +67,13 @@ def loss_fn(model, micro_batch):
     return ce * scale, {"ce": ce.detach()}
 
 
+def build_engine(model, optim, layout):
+    """apply_fsdp over the layout's dp sub-mesh, then the engine (as an RL worker does)."""
+    from asyncrl.engine import TrainEngine, apply_fsdp
+
+    return TrainEngine(apply_fsdp(model, layout.submesh("dp")), layout, optim=optim, device="cpu")
+
+
 def nan_loss_fn(model, micro_batch):
     loss, metrics = loss_fn(model, micro_batch)
     return loss * float("nan"), metrics
@@ -100,21 +107,23 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.engine import TrainEngine, init_distributed, rng_state, set_rng_state
+    from asyncrl.engine import init_distributed, rng_state, set_rng_state
+    from asyncrl.parallel import ParallelConfig, ParallelLayout
 
     init_distributed()
     init_distributed()  # idempotent
     assert dist.get_backend() == "gloo" and dist.get_world_size() == world_size
-    res: dict = {}
+    layout = ParallelLayout.from_config(ParallelConfig(), world_size)
+    res: dict = {"dp_mesh": (layout.submesh("dp").mesh_dim_names, layout.submesh("dp").size())}
 
     def rank_micro(step: int, n_micro: int):
         return split(rank_rows(step_batch(step), rank, world_size), n_micro)
 
     # (a) 2 micro-batches per rank; (b) 1 micro-batch per rank.
-    a = TrainEngine(tiny_model(0), optim=OPTIM, device="cpu")
+    a = build_engine(tiny_model(0), OPTIM, layout)
     res["a_metrics"] = [a.train_step(rank_micro(s, 2), loss_fn) for s in range(STEPS)]
     res["a_sd"] = a.full_state_dict()
-    b = TrainEngine(tiny_model(0), optim=OPTIM, device="cpu")
+    b = build_engine(tiny_model(0), OPTIM, layout)
     for s in range(STEPS):
         b.train_step(rank_micro(s, 1), loss_fn)
     res["b_sd"] = b.full_state_dict()
@@ -137,7 +146,7 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     res["cont_metrics"] = a.train_step(noisy_step(), loss_fn)
     res["cont_sd"] = a.full_state_dict()
     del a
-    d = TrainEngine(tiny_model(99), optim=OPTIM, device="cpu")
+    d = build_engine(tiny_model(99), OPTIM, layout)
     extra = d.load_checkpoint(ckpt)
     set_rng_state(extra["rng"])
     res["resumed_extra_step"] = extra["step"]
@@ -147,7 +156,7 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
 
     # (c) clipping: after one AdamW step exp_avg = (1 - beta1) * clipped grad.
     max_norm = 1e-3
-    c = TrainEngine(tiny_model(0), optim=OptimConfig(lr=1e-2, grad_clip=max_norm), device="cpu")
+    c = build_engine(tiny_model(0), OptimConfig(lr=1e-2, grad_clip=max_norm), layout)
     res["clip_metrics"] = c.train_step(rank_micro(0, 2), loss_fn)
     exp_avg = [st["exp_avg"].full_tensor() for st in c.optimizer.state.values()]
     res["clipped_grad_norm"] = float(torch.stack([t.norm() for t in exp_avg]).norm()) / 0.1
@@ -159,7 +168,7 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     del c
 
     # Tied embeddings train and export too.
-    t = TrainEngine(tiny_model(0, tied=True), optim=OPTIM, device="cpu")
+    t = build_engine(tiny_model(0, tied=True), OPTIM, layout)
     t.train_step(rank_micro(0, 1), loss_fn)
     t.save_checkpoint(out_dir / "tied")
     with torch.no_grad():
@@ -167,7 +176,7 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     del t
 
     # Inference-only engine (reference model) loads a full state dict broadcast from rank 0.
-    ref = TrainEngine(tiny_model(7), optim=None, device="cpu")
+    ref = build_engine(tiny_model(7), None, layout)
     ref.load_full_state_dict(res["a_sd"] if rank == 0 else {}, broadcast_from_rank0=True)
     with torch.no_grad():
         res["ref_logits"] = ref.model(input_ids=probe).logits
@@ -186,10 +195,12 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
 
 
 def _single_process(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.engine import TrainEngine, init_distributed
+    from asyncrl.engine import init_distributed
+    from asyncrl.parallel import ParallelConfig, ParallelLayout
 
     init_distributed()
-    engine = TrainEngine(tiny_model(0), optim=OPTIM, device="cpu")
+    layout = ParallelLayout.from_config(ParallelConfig(), world_size)
+    engine = build_engine(tiny_model(0), OPTIM, layout)
     metrics = [engine.train_step(split(step_batch(s), 2), loss_fn) for s in range(STEPS)]
     return {"metrics": metrics, "sd": engine.full_state_dict()}
 
@@ -287,6 +298,11 @@ def test_single_process_engine_matches_plain_adamw(tmp_path, reference):
     (r0,) = run_ranks(1, tmp_path)
     assert [m["loss"] for m in r0["metrics"]] == pytest.approx(reference["losses"], abs=1e-6)
     assert_sd_close(r0["sd"], reference["sd"])
+
+
+def test_engine_runs_on_the_layouts_dp_mesh(job):
+    for r in job:
+        assert r["dp_mesh"] == (("dp",), 2)
 
 
 def test_metrics_averaged_over_micro_batches_and_ranks(job):

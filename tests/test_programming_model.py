@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncrl import Batch, DistBatch, WorkerCallError, register_protocol
-from asyncrl.context import local_cluster
-from asyncrl.dist import Piece
-from asyncrl.mesh import Mesh
+from asyncrl.context import JobContext, local_cluster
+from asyncrl.distbatch import Piece
+from asyncrl.parallel import LayoutError, ParallelConfig, ParallelLayout
 from tests import pm_workers as W
 
 
@@ -55,8 +55,9 @@ async def test_protocols_one_to_all_rank_zero_all_to_all(ctx):
 
 async def test_3d_protocols_follow_the_mesh(ctx):
     g = await ctx.spawn_group(ctx.create_pool("mesh", world_size=4), W.Mesh3D)
-    assert [m["train"].coords for m in g.meshes] == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1},
-                                                     {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
+    train = g.layouts["train"]
+    assert train == ParallelLayout(("pp", "dp", "tp"), (1, 2, 2))
+    assert [(c["dp"], c["tp"]) for c in map(train.coords, range(4))] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     out = await (await g.tag(ctx.put(Batch({"idx": torch.arange(6)})))).fetch()
     # split over dp=2, broadcast over tp, collected from tp rank 0 only
     assert out["idx"].tolist() == list(range(6))
@@ -65,6 +66,33 @@ async def test_3d_protocols_follow_the_mesh(ctx):
     assert gen["micro"].tolist() == [0, 0, 1, 1]
     names = await g.names()
     assert [n[0] for n in names] == [0]  # pp=1: one stage reports
+    # a layout changed inside a call reaches the driver with that call's result
+    await g.relayout(1)
+    assert g.layouts["train"].dp_size == 4
+    out = await (await g.tag(ctx.put(Batch({"idx": torch.arange(4)})))).fetch()
+    assert out["dp"].tolist() == [0, 1, 2, 3]
+
+
+async def test_a_bad_layout_fails_construction_with_what_to_change(ctx):
+    with pytest.raises(Exception, match="tp=3 = 3 does not divide the world size 4"):
+        await ctx.spawn_group(ctx.create_pool("bad", world_size=4), W.Mesh3D, 3)
+
+
+async def test_two_contexts_do_not_share_a_tracker(ctx):
+    other = await JobContext(ctx.coordinator, None).open()
+    try:
+        assert other.tracker is not ctx.tracker
+        mine, theirs = ctx.put(Batch({"x": torch.ones(2)})), other.put(Batch({"x": torch.ones(2)}))
+        assert mine.tracker is ctx.tracker and theirs.tracker is other.tracker
+        assert mine.slice(0, 1).tracker is ctx.tracker  # derived plans keep their tracker
+        assert ctx.tracker.live == 1 and other.tracker.live == 1
+        del theirs
+        gc.collect()
+        assert ctx.tracker.live == 1 and other.tracker.live == 0
+        with pytest.raises(ValueError, match="different JobContexts"):
+            DistBatch.concat([mine, other.put(Batch({"x": torch.ones(2)}))])
+    finally:
+        await other.close()
 
 
 async def test_user_protocol_and_apply(ctx):
@@ -141,12 +169,35 @@ async def test_dropped_distbatches_are_freed(ctx):
     assert sum(s["objects"] for s in await stats()) == 0
 
 
-def test_mesh_layout():
-    m = Mesh.from_rank(5, pp=2, dp=2, tp=2)
-    assert m.coords == {"pp": 1, "dp": 0, "tp": 1}
-    assert not m.is_collect_rank and Mesh.from_rank(6, pp=2, dp=2, tp=2).is_collect_rank
-    with pytest.raises(ValueError):
-        Mesh.from_rank(8, dp=2, tp=2)
+def test_layout_coordinates_tp_innermost():
+    m = ParallelLayout.from_config(ParallelConfig(pp=2, tp=2), 8)
+    assert m.dims == ("pp", "dp", "tp") and m.sizes == (2, 2, 2)
+    assert m.coords(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert not m.is_collect_rank(5) and m.is_collect_rank(6)
+    assert m.collect_ranks() == [4, 6]  # last stage, tp rank 0, in dp order
+    with pytest.raises(LayoutError, match="outside"):
+        m.coords(8)
+    dp_tp = ParallelLayout.from_config(ParallelConfig(tp=2), 4)
+    assert [dp_tp.coords(r) for r in range(4)] == [{"pp": 0, "dp": d, "tp": t} for d in (0, 1) for t in (0, 1)]
+    assert [dp_tp.dp_rank(r) for r in range(4)] == [0, 0, 1, 1] and dp_tp.dp_size == 2
+    assert dp_tp.collect_ranks() == [0, 2]
+    assert dp_tp.mesh_dims() == ("dp", "tp")
+    assert ParallelLayout.from_wire(dp_tp.to_wire()) == dp_tp
+    rollout = ParallelLayout.of(4, "rollout", dp=1, micro_dp=2, tp=2)
+    assert [rollout.data_index(r, ("dp", "micro_dp")) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_layout_validation_says_what_to_change():
+    with pytest.raises(LayoutError, match=r"tp=3 = 3 does not divide the world size 4; choose pp\*tp among \[1, 2, 4\]"):
+        ParallelLayout.from_config(ParallelConfig(tp=3), 4)
+    with pytest.raises(LayoutError, match="= 8 ranks, but the world size is 4; set dp=0"):
+        ParallelLayout.from_config(ParallelConfig(dp=4, tp=2), 4)
+    with pytest.raises(LayoutError, match="parallel.tp=0"):
+        ParallelLayout.from_config(ParallelConfig(tp=0), 4)
+    with pytest.raises(LayoutError, match="covers 2 ranks, but the world size is 4"):
+        ParallelLayout.of(4, "rollout", dp=1, micro_dp=2)
+    assert issubclass(LayoutError, ValueError)
+    assert ParallelLayout.from_config(ParallelConfig(), 3).sizes == (1, 3, 1)  # dp=0 fills
 
 
 async def test_padding_is_dropped_per_output_row_multiple(ctx):
@@ -185,3 +236,21 @@ def test_distbatch_rows_follow_python_semantics():
     assert len(twice) == 4 and twice.pad_size == 1 and len(twice.unpad()) == 3
     with pytest.raises(ValueError, match="unpad"):
         DistBatch.concat([d.slice(0, 3).pad_to_divisor(2), d])
+
+
+def test_3d_protocol_follows_a_layout_on_the_driver():
+    """pp=2 × dp=2 × tp=2: rows split over dp, broadcast over pp and tp; the last stage's tp
+    rank 0 of each dp group reports."""
+    from asyncrl.protocols import THREE_D_PP_ONLY, THREE_D_PROTO, CallContext, get_protocol
+
+    layout = ParallelLayout.from_config(ParallelConfig(pp=2, tp=2), 8)
+    call = CallContext("g", "m", 8, {"train": layout})
+    proto = get_protocol(THREE_D_PROTO)
+    plan = proto.distribute(call, (Batch({"i": torch.arange(4)}),), {})
+    assert {r: a[0]["i"].tolist() for r, (a, _) in plan.items()} == {
+        r: [0, 1] if layout.dp_rank(r) == 0 else [2, 3] for r in range(8)}
+    out = proto.collect(call, {r: Batch({"r": torch.full((2,), r)}) for r in plan})
+    assert out["r"].tolist() == [4, 4, 6, 6]
+    stages = get_protocol(THREE_D_PP_ONLY).collect(CallContext("g", "m", 8, {"train": layout}),
+                                                   {r: r for r in range(8)})
+    assert stages == [0, 4]  # stage 0's first rank, then stage 1's

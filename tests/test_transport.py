@@ -417,9 +417,9 @@ def test_every_extension_code_is_listed_once():
     assert len(values) == len(set(values))
     assert all(1 <= v <= 127 for v in values)
     import asyncrl.batch
-    import asyncrl.dist
+    import asyncrl.distbatch
 
-    assert asyncrl.batch.EXT_BATCH == Ext.BATCH and asyncrl.dist.EXT_DIST_BATCH == Ext.DIST_BATCH
+    assert asyncrl.batch.EXT_BATCH == Ext.BATCH and asyncrl.distbatch.EXT_DIST_BATCH == Ext.DIST_BATCH
 
 
 def test_typed_message_roundtrip_and_unknown_enum_value():

@@ -10,7 +10,7 @@ from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
-from asyncrl.dist import DistBatch
+from asyncrl.distbatch import DistBatch
 from asyncrl.metrics import mean_metrics
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config import RLConfig
-from asyncrl.dist import DistBatch
+from asyncrl.distbatch import DistBatch
 
 
 @dataclass

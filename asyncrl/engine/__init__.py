@@ -4,8 +4,10 @@ from asyncrl.engine.fsdp import (
     EngineError,
     OptimConfig,
     TrainEngine,
+    apply_fsdp,
     init_distributed,
     lr_multiplier,
+    mixed_precision_policy,
     rng_state,
     set_rng_state,
 )
@@ -14,8 +16,10 @@ __all__ = [
     "EngineError",
     "OptimConfig",
     "TrainEngine",
+    "apply_fsdp",
     "init_distributed",
     "lr_multiplier",
+    "mixed_precision_policy",
     "rng_state",
     "set_rng_state",
 ]

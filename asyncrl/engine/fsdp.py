@@ -1,5 +1,11 @@
 """Training backend: PyTorch FSDP2 (`fully_shard`) over torch.distributed.
 
+Parallelism is applied by plain functions before the engine is built, torchtitan style:
+
+    layout = ParallelLayout.from_config(cfg.parallel, world_size)
+    model = apply_fsdp(model, layout.submesh("dp"), mixed_precision_policy(device))
+    engine = TrainEngine(model, layout, optim=OptimConfig(...))
+
 gloo on CPU, NCCL on GPU. Every method of `TrainEngine` except `rng_state`/`set_rng_state` is a
 collective: all ranks of the mesh must call it, in the same order, with the same number of
 micro-batches, or the job hangs.
@@ -12,7 +18,6 @@ import math
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from asyncrl.config import OptimConfig
+from asyncrl.parallel import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +80,6 @@ def init_distributed(backend: str | None = None) -> None:
     log.info("process group up: rank %d of %d, backend %s", rank, world_size, backend)
 
 
-@dataclass
-class OptimConfig:
-    """AdamW with linear warmup, then constant lr (total_steps=0) or cosine decay to min_lr."""
-
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still reported)
-    warmup_steps: int = 0
-    total_steps: int = 0  # 0 = constant lr after warmup
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-
-
 def lr_multiplier(step: int, cfg: OptimConfig) -> float:
     """Factor on cfg.lr for the optimizer step that follows `step` completed steps."""
     if step < cfg.warmup_steps:
@@ -109,64 +103,79 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
+def mixed_precision_policy(device: str | torch.device, enabled: bool = True) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on a GPU when `enabled`; fp32 otherwise."""
+    if enabled and torch.device(device).type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard `model` with FSDP2 over `mesh` (the layout's dp sub-mesh): each decoder block, then
+    the root (which also holds tied embeddings). Moves the parameters to the mesh's device.
+
+    Build the model in fp32: FSDP keeps the sharded parameters (and so AdamW state and the
+    exported weights) in the dtype they arrive in.
+    """
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    blocks = find_blocks(model)
+    if not blocks:
+        log.warning("no ModuleList of blocks in %s; sharding the root only", type(model).__name__)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    log.info("sharded %s: %d blocks over %d ranks, %s", type(model).__name__, len(blocks), mesh.size(),
+             "bf16 params / fp32 reduce" if mp_policy.param_dtype is not None else "fp32")
+    return model
+
+
+def tied_parameter_names(model: nn.Module) -> set[str]:
+    """Names that alias an earlier parameter (tied embeddings)."""
+    seen: set[int] = set()
+    tied: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.add(id(p))
+    return tied
+
+
 class TrainEngine:
-    """A model sharded with FSDP2 (each block, then the root), with AdamW over the local shards.
+    """An already-parallelised model (see `apply_fsdp`) with AdamW over its local shards, the
+    train step, and checkpoints; its collectives run over `layout`'s dp sub-mesh.
 
     With `optim=None` the engine is inference-only (e.g. a reference model): parameters are
     frozen and no optimizer state is allocated.
 
     Tied input/output embeddings work (both live in the root's FSDP group); the HF export
-    writes the tied tensor once, as `save_pretrained` does.
-
-    Build the model in fp32: FSDP keeps the sharded parameters (and so AdamW state and the
-    exported weights) in the dtype they arrive in. With `mixed_precision` on a GPU, compute runs
-    in bf16 and the model's outputs are bf16, so upcast logits in the loss.
+    writes the tied tensor once, as `save_pretrained` does. With a bf16 mixed-precision policy
+    the model's outputs are bf16, so upcast logits in the loss.
     """
 
     def __init__(
         self,
         model: nn.Module,
+        layout: ParallelLayout,
         *,
         optim: OptimConfig | None,
-        mixed_precision: bool = True,
         device: str | None = None,
-        reshard_after_forward: bool = True,
-        mesh: DeviceMesh | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise EngineError("call asyncrl.engine.init_distributed() before building a TrainEngine")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.mesh = mesh or init_device_mesh(
-            self.device.type, (dist.get_world_size(),), mesh_dim_names=("dp",)
-        )
+        self.layout = layout
+        self.mesh = layout.submesh("dp", self.device.type)
         self.rank = dist.get_rank()
         self.optim_config = optim
-        # Names that alias an earlier parameter (tied embeddings); the HF export writes each
-        # tensor once.
-        seen: set[int] = set()
-        self._tied_names: set[str] = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                self._tied_names.add(name)
-            seen.add(id(p))
+        # the HF export writes each tied tensor once
+        self._tied_names = tied_parameter_names(model)
 
         if optim is None:
             model.requires_grad_(False)
             model.eval()
-        model.to(self.device)
-        mp = MixedPrecisionPolicy()
-        if mixed_precision and self.device.type == "cuda":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        blocks = find_blocks(model)
-        if not blocks:
-            log.warning("no ModuleList of blocks in %s; sharding the root only", type(model).__name__)
-        for block in blocks:
-            fully_shard(
-                block, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp
-            )
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
         self.model = model
 
         self.optimizer: torch.optim.Optimizer | None = None
@@ -183,11 +192,6 @@ class TrainEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: lr_multiplier(step, optim)
             )
-        log.info(
-            "sharded %s: %d blocks over %d ranks on %s, %s",
-            type(model).__name__, len(blocks), self.mesh.size(), self.device,
-            "bf16 params / fp32 reduce" if mp.param_dtype is not None else "fp32",
-        )
 
     # -- training ---------------------------------------------------------------------------
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from daemons.worker import current
+from daemons.worker import WorkerRuntime
 
 
-def make_batch(rows: int, cols: int, seed: int) -> object:
+def make_batch(rows: int, cols: int, seed: int, *, runtime: WorkerRuntime) -> object:
     """Runs in worker 0: produce a batch in this worker's object store, return only its ref."""
     g = torch.Generator().manual_seed(seed)
     batch = {"x": torch.randn(rows, cols, generator=g), "idx": torch.arange(rows)}
-    return current().put(batch)
+    return runtime.put(batch)
 
 
-def checksum(ref: object, start: int, stop: int) -> dict:
+def checksum(ref: object, start: int, stop: int, *, runtime: WorkerRuntime) -> dict:
     """Runs in worker 1: pull rows [start, stop) straight from the owner and summarise them."""
-    rt = current()
+    rt = runtime
     shard = rt.get(ref, (start, stop))
     return {"rank": rt.rank, "rows": int(shard["x"].shape[0]), "sum": float(shard["x"].double().sum()),
             "first_idx": int(shard["idx"][0]), "pid_owner_differs": ref.node_id == rt.node_id}

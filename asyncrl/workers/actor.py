@@ -19,8 +19,9 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import TrainEngine, rng_state, set_rng_state
+from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy, rng_state, set_rng_state
 from asyncrl.metrics import timed
+from asyncrl.parallel import ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.worker import Worker, register
@@ -51,10 +52,14 @@ class ActorRolloutRefWorker(Worker):
         if "rollout" in self.roles:
             self.rollout = RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size))
+        mp = mixed_precision_policy(self.device)
         if "ref" in self.roles:
-            self.ref = TrainEngine(copy.deepcopy(base), optim=None, device=self.device)
+            self.ref = TrainEngine(apply_fsdp(copy.deepcopy(base), layout.submesh("dp"), mp), layout,
+                                   optim=None, device=self.device)
         if "actor" in self.roles:
-            self.actor = TrainEngine(base, optim=cfg.actor.optim, device=self.device)
+            self.actor = TrainEngine(apply_fsdp(base, layout.submesh("dp"), mp), layout, optim=cfg.actor.optim,
+                                     device=self.device)
         self.rollout_stale = False
         self.update_steps = 0
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + self.rank)

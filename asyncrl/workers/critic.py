@@ -10,8 +10,9 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import TrainEngine
+from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy
 from asyncrl.metrics import timed
+from asyncrl.parallel import ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import values_forward
@@ -35,8 +36,10 @@ class CriticWorker(Worker):
         self.cfg = cfg = rl_config(config)
         setup_process(cfg, self.rank)
         same_init_on_every_rank(cfg)
-        self.critic = TrainEngine(load_value_model(cfg.critic.model_path or cfg.model.path),
-                                  optim=cfg.critic.optim, device=self.device)
+        layout = self.register_mesh(ParallelLayout.from_config(cfg.critic.parallel, self.world_size))
+        model = load_value_model(cfg.critic.model_path or cfg.model.path)
+        self.critic = TrainEngine(apply_fsdp(model, layout.submesh("dp"), mixed_precision_policy(self.device)),
+                                  layout, optim=cfg.critic.optim, device=self.device)
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + self.rank)
 
     @register(DP_PROTO)

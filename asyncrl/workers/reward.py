@@ -15,6 +15,7 @@ from asyncrl.algorithms.core import scores_to_tokens
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
+from asyncrl.parallel import ParallelConfig, ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rewards import load_reward_fn
 from asyncrl.worker import Worker, register
@@ -29,6 +30,7 @@ class RuleRewardWorker(Worker):
 
     def __init__(self, config: RLConfig | dict[str, Any]) -> None:
         super().__init__()
+        self.register_mesh(ParallelLayout.from_config(ParallelConfig(), self.world_size))
         from transformers import AutoTokenizer
 
         self.cfg = cfg = rl_config(config)
@@ -61,6 +63,7 @@ class RewardModelWorker(Worker):
 
     def __init__(self, config: RLConfig | dict[str, Any], output: str = "scores", path: str | None = None) -> None:
         super().__init__()
+        self.register_mesh(ParallelLayout.from_config(ParallelConfig(), self.world_size))
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.cfg = cfg = rl_config(config)

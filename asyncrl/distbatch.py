@@ -1,30 +1,31 @@
-"""Distributed batches: a `Batch` whose rows live in workers' object stores.
+"""Distributed batches: a `Batch` whose rows live in workers' object stores — the plan only.
 
 A `DistBatch` is a list of row blocks; each block is a few `Piece`s (columns of a stored object,
 over a row range) with the same number of rows. Slicing, selecting, unions, concatenation,
 padding and resharding between groups of different DP sizes only rewrite these row ranges — the
 REAL-style transfer plan — and each rank then pulls exactly its rows from the owners. The
 controller holds refs and row numbers, never tensors.
+
+Pulling rows and publishing a `Batch` live in `asyncrl.transfer`; freeing objects once no
+`DistBatch` names them in `asyncrl.refs`. A DistBatch carries the `RefTracker` it was made with
+(the driver's, from its `JobContext`), and everything derived from it carries the same one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import operator
-import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.batch import Batch
 from objectstore import ObjectRef, ObjectStore
-from objectstore.ref import VALUE
 from transport.codec import register_type
 from transport.wire import Ext
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from asyncrl.batch import Batch
+    from asyncrl.refs import RefTracker
 
 EXT_DIST_BATCH = int(Ext.DIST_BATCH)
 
@@ -59,18 +60,28 @@ def _block_rows(block: Block) -> int:
 
 
 class DistBatch:
-    """Row blocks of refs plus inline meta; the driver-side face of a distributed `Batch`."""
+    """Row blocks of refs plus inline meta; the driver-side face of a distributed `Batch`.
 
-    __slots__ = ("blocks", "meta", "__weakref__")
+    `tracker` (None: untracked, e.g. inside a worker or just decoded from the wire) counts this
+    object's refs so the stored objects are freed once no tracked DistBatch names them.
+    """
 
-    def __init__(self, blocks: Sequence[Block] = (), meta: dict[str, Any] | None = None) -> None:
+    __slots__ = ("blocks", "meta", "tracker", "__weakref__")
+
+    def __init__(self, blocks: Sequence[Block] = (), meta: dict[str, Any] | None = None,
+                 tracker: RefTracker | None = None) -> None:
         self.blocks: list[Block] = [tuple(b) for b in blocks if b and _block_rows(b) > 0]
         self.meta: dict[str, Any] = dict(meta or {})
         for b in self.blocks:
             if len({p.num_rows for p in b}) != 1:
                 raise ValueError(f"a block's pieces must cover equal row counts, got {b}")
-        if _tracker is not None:
-            _tracker.track(self)
+        self.tracker: RefTracker | None = None
+        if tracker is not None:
+            tracker.track(self)
+
+    def _derive(self, blocks: Sequence[Block], meta: dict[str, Any] | None = None) -> DistBatch:
+        """A new plan over (some of) these rows, tracked by the same tracker."""
+        return DistBatch(blocks, self.meta if meta is None else meta, self.tracker)
 
     # shape ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -108,7 +119,7 @@ class DistBatch:
             if lo < hi:
                 out.append(tuple(p.rows(lo, hi) for p in b))
             offset += rows
-        return DistBatch(out, self.meta)
+        return self._derive(out)
 
     def take(self, indices: Sequence[int]) -> DistBatch:
         """Rows in the order of `indices` (consecutive runs stay one block)."""
@@ -128,7 +139,11 @@ class DistBatch:
                 out.extend(self.slice(run_start, run_stop).blocks)
             if i is not None:
                 run_start, run_stop = i, i + 1
-        return DistBatch(out, self.meta)
+        return self._derive(out)
+
+    def with_meta(self, **meta: Any) -> DistBatch:
+        """The same rows with `meta` entries added or replaced."""
+        return self._derive(self.blocks, {**self.meta, **meta})
 
     def chunk(self, n: int) -> list[DistBatch]:
         if len(self) % n:
@@ -146,47 +161,45 @@ class DistBatch:
             raise ValueError("unpad() batches before concatenating them: pad rows would end up "
                              "in the middle")
         last_pad = batches[-1].pad_size if batches else 0
+        trackers = {id(b.tracker): b.tracker for b in batches if b.tracker is not None}
+        if len(trackers) > 1:
+            raise ValueError("cannot concat DistBatches tracked by different JobContexts")
+        tracker = next(iter(trackers.values()), None)
         batches = [b for b in batches if len(b)] or list(batches[:1])
         if not batches:
-            return DistBatch()
+            return DistBatch(tracker=tracker)
         cols = set(batches[0].columns)
         for b in batches[1:]:
             if set(b.columns) != cols:
                 raise ValueError(f"cannot concat batches with columns {sorted(cols)} and {sorted(b.columns)}")
         meta = {**batches[0].meta, "pad_size": last_pad} if last_pad else {
             k: v for k, v in batches[0].meta.items() if k != "pad_size"}
-        return DistBatch([blk for b in batches for blk in b.blocks], meta)
+        return DistBatch([blk for b in batches for blk in b.blocks], meta, tracker)
 
     def repeat(self, times: int, interleave: bool = True) -> DistBatch:
         if interleave:
             return self.take([i for i in range(len(self)) for _ in range(times)])
-        return DistBatch(self.blocks * times, self.meta)
+        return self._derive(self.blocks * times)
 
     def pad_to_divisor(self, divisor: int) -> DistBatch:
         """Append copies of the first rows (as refs) so len % divisor == 0; meta records pad_size."""
         n = len(self)
         pad = (-n) % divisor if n else 0
         extra = self.take([i % n for i in range(pad)]) if pad else None
-        out = DistBatch(self.blocks + (extra.blocks if extra else []), self.meta)
-        out.meta = {**self.meta, "pad_size": self.pad_size + pad}  # padding twice adds up, like Batch
-        return out
+        # padding twice adds up, like Batch
+        return self._derive(self.blocks + (extra.blocks if extra else []),
+                            {**self.meta, "pad_size": self.pad_size + pad})
 
     def unpad(self) -> DistBatch:
-        out = self.slice(0, len(self) - self.pad_size)
-        out.meta = {**self.meta, "pad_size": 0}
-        return out
+        return self._derive(self.slice(0, len(self) - self.pad_size).blocks, {**self.meta, "pad_size": 0})
 
     # column operations ------------------------------------------------------------------------
-    def with_meta(self, **meta: Any) -> DistBatch:
-        """The same rows with `meta` updated (e.g. `greedy=True, n=1` for a baseline rollout)."""
-        return DistBatch(self.blocks, {**self.meta, **meta})
-
     def select(self, *names: str, meta: bool = True) -> DistBatch:
         missing = [n for n in names if n not in self.columns]
         if missing:
             raise KeyError(f"no columns {missing}; this batch has {self.columns}")
         blocks = [tuple(q for p in b if (q := p.only(names)) is not None) for b in self.blocks]
-        return DistBatch(blocks, self.meta if meta else {})
+        return self._derive(blocks, self.meta if meta else {})
 
     def pop(self, *names: str) -> DistBatch:
         """Remove `names` from this batch and return them as their own batch."""
@@ -216,16 +229,27 @@ class DistBatch:
         for k, v in other.meta.items():
             if k in self.meta and self.meta[k] != v and k != "pad_size":
                 raise ValueError(f"meta {k!r} differs: {self.meta[k]!r} vs {v!r}")
-        return DistBatch(blocks, {**other.meta, **self.meta})
+        return self._derive(blocks, {**other.meta, **self.meta})
 
     # moving data -------------------------------------------------------------------------------
-    async def fetch(self, store: ObjectStore | None = None) -> Batch:
-        """Pull these rows into this process as a `Batch` (the driver does this only on request)."""
-        return await materialize(self, store or local_store())
+    def _store(self, store: ObjectStore | None) -> ObjectStore:
+        if store is not None:
+            return store
+        if self.tracker is None:
+            raise ValueError("this DistBatch has no tracker (made inside a worker or decoded from "
+                             "the wire); pass the store to pull with, e.g. fetch(self.store)")
+        return self.tracker.store
 
-    async def free(self) -> None:
+    async def fetch(self, store: ObjectStore | None = None) -> Batch:
+        """Pull these rows into this process as a `Batch` through `store` (default: the store of
+        this batch's tracker, i.e. the driver's). The driver does this only on request."""
+        from asyncrl.transfer import materialize  # transfer builds DistBatches: import late
+
+        return await materialize(self, self._store(store))
+
+    async def free(self, store: ObjectStore | None = None) -> None:
         """Free the stored objects now (instead of when the last DistBatch naming them is dropped)."""
-        store = local_store()
+        store = self._store(store)
         await asyncio.gather(*(store.free(r) for r in self.refs().values()), return_exceptions=True)
 
 
@@ -241,60 +265,6 @@ def _cut(d: DistBatch, cuts: list[int]) -> list[Block]:
     return [blk for lo, hi in zip(cuts, cuts[1:], strict=False) for blk in d.slice(lo, hi).blocks]
 
 
-def dp_split(batch: DistBatch, n: int) -> tuple[list[DistBatch], int]:
-    """Pad to a multiple of `n` (by reference) and split into `n` equal shards; returns pad size."""
-    padded = batch.pad_to_divisor(n)
-    return padded.chunk(n), padded.pad_size
-
-
-# pulling and publishing (inside a worker, or the driver on request) ----------------------------
-async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
-    """Pull every piece's rows from its owner (one pull per stored object) into one Batch."""
-    spans: dict[str, tuple[ObjectRef, int, int]] = {}
-    for b in dist.blocks:
-        for p in b:
-            ref, lo, hi = spans.get(p.ref.object_id, (p.ref, p.start, p.stop))
-            spans[p.ref.object_id] = (ref, min(lo, p.start), max(hi, p.stop))
-
-    async def pull(ref: ObjectRef, lo: int, hi: int) -> tuple[int, Any]:
-        if ref.kind == VALUE:
-            return 0, await store.get(ref)
-        return lo, await store.get(ref, rows=(lo, hi))
-
-    keys = list(spans)
-    pulled = dict(zip(keys, await asyncio.gather(*(pull(*spans[k]) for k in keys)), strict=True))
-    parts = []
-    for b in dist.blocks:
-        tensors, values = {}, {}
-        for p in b:
-            base, data = pulled[p.ref.object_id]
-            for c in p.columns:
-                if p.ref.kind == VALUE:
-                    values[c] = list(data[c][p.start:p.stop])
-                else:
-                    tensors[c] = data[c][p.start - base:p.stop - base]
-        parts.append(Batch(tensors, values))
-    meta = {k: v for k, v in dist.meta.items() if k != "pad_size"}
-    if not parts:
-        return Batch(meta=meta)
-    out = parts[0] if len(parts) == 1 else Batch.concat(parts)
-    out.meta = meta
-    return out
-
-
-def publish(batch: Batch, store: ObjectStore) -> DistBatch:
-    """Put a Batch in `store` (tensors zero-copy; non-tensor columns as one value) -> DistBatch."""
-    n = len(batch)
-    pieces = []
-    if batch.tensors and n:
-        ref = store.put({k: t.contiguous() for k, t in batch.tensors.items()})
-        pieces.append(Piece(ref, 0, n, tuple(batch.tensors)))
-    if batch.non_tensors and n:
-        ref = store.put({k: list(v) for k, v in batch.non_tensors.items()})
-        pieces.append(Piece(ref, 0, n, tuple(batch.non_tensors)))
-    return DistBatch([tuple(pieces)] if pieces else [], batch.meta)
-
-
 # wire format -----------------------------------------------------------------------------------
 def _to_wire(d: DistBatch) -> list[Any]:
     return [[[[p.ref, p.start, p.stop, list(p.columns)] for p in b] for b in d.blocks], d.meta]
@@ -308,72 +278,3 @@ def _from_wire(v: list[Any]) -> DistBatch:
 register_type(DistBatch, EXT_DIST_BATCH, _to_wire, _from_wire)
 
 
-# the process's store and the driver's ref tracking ---------------------------------------------
-_driver_store: ObjectStore | None = None
-_tracker: RefTracker | None = None
-
-
-def local_store() -> ObjectStore:
-    """The object store of this process: the worker's, or the driver's."""
-    if _driver_store is not None:
-        return _driver_store
-    from daemons.worker import current
-
-    return current().store
-
-
-class RefTracker:
-    """Driver-side reference counting: an object is freed once no live DistBatch names it."""
-
-    def __init__(self, store: ObjectStore, loop: asyncio.AbstractEventLoop) -> None:
-        self.store, self.loop = store, loop
-        self.counts: dict[str, int] = {}
-        self.refs: dict[str, ObjectRef] = {}
-        self.lock = threading.Lock()
-        self.freed = 0
-        self.closed = False
-
-    def track(self, d: DistBatch) -> None:
-        refs = d.refs()
-        with self.lock:
-            for oid, ref in refs.items():
-                self.counts[oid] = self.counts.get(oid, 0) + 1
-                self.refs[oid] = ref
-        weakref.finalize(d, self.release, list(refs))
-
-    def release(self, object_ids: list[str]) -> None:
-        dead = []
-        with self.lock:
-            for oid in object_ids:
-                left = self.counts.get(oid, 0) - 1
-                if left > 0:
-                    self.counts[oid] = left
-                else:
-                    self.counts.pop(oid, None)
-                    dead.append(self.refs.pop(oid))
-        if dead and not self.closed and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._free_soon, dead)
-
-    def _free_soon(self, refs: list[ObjectRef]) -> None:
-        async def free() -> None:
-            for ref in refs:
-                try:
-                    await self.store.free(ref)
-                    self.freed += 1
-                except Exception as e:  # the owner may be gone already: nothing left to free
-                    log.debug("free %s: %s", ref.object_id, e)
-        if not self.closed:
-            self.loop.create_task(free())
-
-    @property
-    def live(self) -> int:
-        return len(self.counts)
-
-
-def install_driver(store: ObjectStore | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Make `store` this process's store and track DistBatch refs (None uninstalls)."""
-    global _driver_store, _tracker
-    if _tracker is not None:
-        _tracker.closed = True
-    _driver_store = store
-    _tracker = RefTracker(store, loop or asyncio.get_running_loop()) if store is not None else None
