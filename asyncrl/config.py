@@ -1,6 +1,7 @@
 """The configuration schema: one typed dataclass per section, the single source of every default.
 
-The YAML files in `configs/` set only what differs from these classes. The classes are
+The YAML files in `configs/` set only what differs from these classes. Each section's `check`
+tests ranges and choices (`typed` runs them all, naming keys by their dotted path). The classes are
 registered as Hydra structured configs (`launch_schema`, `rl_schema`, `smoke_schema`), so a YAML
 file that lists one in its defaults — and every command-line override — is checked against
 them: an unknown key, a wrong type or an out-of-range value is a `ConfigError` (exit 2) that
@@ -65,15 +66,15 @@ class ClusterConfig:
     # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
 
-    def __post_init__(self) -> None:
-        _positive("cluster.shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
-        _check(self.nnodes >= 1, "cluster.nnodes", self.nnodes, "must be >= 1")
-        _check(0 <= self.node_rank < self.nnodes, "cluster.node_rank", self.node_rank,
-               f"must be in [0, cluster.nnodes={self.nnodes})")
-        _check(0 <= self.port <= 65535, "cluster.port", self.port, "must be a TCP port (0 = any)")
-        _positive("cluster.cpu_devices", self.cpu_devices)
+    def check(self, at: str) -> None:
+        _positive(at + "shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
+        _check(self.nnodes >= 1, at + "nnodes", self.nnodes, "must be >= 1")
+        _check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
+               f"must be in [0, {at}nnodes={self.nnodes})")
+        _check(0 <= self.port <= 65535, at + "port", self.port, "must be a TCP port (0 = any)")
+        _positive(at + "cpu_devices", self.cpu_devices)
         for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s"):
-            _positive(f"cluster.{name}", getattr(self, name))
+            _positive(at + name, getattr(self, name))
         if self.nnodes > 1 and not self.key_dir and not self.insecure:
             raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
                               "copy DIR to every node and pass cluster.key_dir=DIR (or "
@@ -106,13 +107,13 @@ class TinyModelConfig:
     heads: int = 4
     sft_steps: int = 0
 
-    def __post_init__(self) -> None:
-        _one_of("model.build_tiny.task", self.task, SYNTHETIC_TASKS)
+    def check(self, at: str) -> None:
+        _one_of(at + "task", self.task, SYNTHETIC_TASKS)
         for name in ("hidden", "layers", "heads"):
-            _positive(f"model.build_tiny.{name}", getattr(self, name))
-        _check(self.hidden % self.heads == 0, "model.build_tiny.hidden", self.hidden,
-               f"must divide by model.build_tiny.heads={self.heads}")
-        _positive("model.build_tiny.sft_steps", self.sft_steps, allow_zero=True)
+            _positive(at + name, getattr(self, name))
+        _check(self.hidden % self.heads == 0, at + "hidden", self.hidden,
+               f"must divide by {at}heads={self.heads}")
+        _positive(at + "sft_steps", self.sft_steps, allow_zero=True)
 
 
 @dataclass
@@ -128,10 +129,10 @@ class SyntheticDataConfig:
     n_val: int = 128
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        _one_of("data.synthetic.task", self.task, SYNTHETIC_TASKS)
-        _positive("data.synthetic.n_train", self.n_train)
-        _positive("data.synthetic.n_val", self.n_val, allow_zero=True)
+    def check(self, at: str) -> None:
+        _one_of(at + "task", self.task, SYNTHETIC_TASKS)
+        _positive(at + "n_train", self.n_train)
+        _positive(at + "n_val", self.n_val, allow_zero=True)
 
 
 @dataclass
@@ -144,9 +145,9 @@ class DataConfig:
     apply_chat_template: bool = True
     shuffle: bool = True
 
-    def __post_init__(self) -> None:
-        _positive("data.batch_size", self.batch_size)
-        _positive("data.max_prompt_len", self.max_prompt_len)
+    def check(self, at: str) -> None:
+        _positive(at + "batch_size", self.batch_size)
+        _positive(at + "max_prompt_len", self.max_prompt_len)
 
 
 @dataclass
@@ -157,12 +158,12 @@ class RolloutConfig:
     top_k: int = 0  # 0 = off
     max_tokens: int = 6  # the generation budget; also Dr.GRPO's constant length normaliser
 
-    def __post_init__(self) -> None:
-        _positive("rollout.n", self.n)
-        _positive("rollout.temperature", self.temperature, allow_zero=True)
-        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
-        _positive("rollout.top_k", self.top_k, allow_zero=True)
-        _positive("rollout.max_tokens", self.max_tokens)
+    def check(self, at: str) -> None:
+        _positive(at + "n", self.n)
+        _positive(at + "temperature", self.temperature, allow_zero=True)
+        _check(0 < self.top_p <= 1, at + "top_p", self.top_p, "must be in (0, 1]")
+        _positive(at + "top_k", self.top_k, allow_zero=True)
+        _positive(at + "max_tokens", self.max_tokens)
 
 
 @dataclass
@@ -178,11 +179,11 @@ class OptimConfig:
     total_steps: int = 0  # 0 = constant lr after warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
 
-    def __post_init__(self) -> None:
-        _positive("optim.lr", self.lr)
-        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
-        _positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
-        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+    def check(self, at: str) -> None:
+        _positive(at + "lr", self.lr)
+        _positive(at + "weight_decay", self.weight_decay, allow_zero=True)
+        _positive(at + "warmup_steps", self.warmup_steps, allow_zero=True)
+        _check(0 <= self.min_lr_ratio <= 1, at + "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
 
 
 @dataclass
@@ -197,11 +198,11 @@ class PPOUpdateConfig:
     loss_agg_mode: str = "token-mean"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def __post_init__(self) -> None:
-        _positive("ppo_epochs", self.ppo_epochs)
-        _positive("ppo_mini_batches", self.ppo_mini_batches)
-        _positive("micro_batch_size", self.micro_batch_size)
-        _one_of("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+    def check(self, at: str) -> None:
+        _positive(at + "ppo_epochs", self.ppo_epochs)
+        _positive(at + "ppo_mini_batches", self.ppo_mini_batches)
+        _positive(at + "micro_batch_size", self.micro_batch_size)
+        _one_of(at + "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 @dataclass
@@ -218,13 +219,13 @@ class ActorConfig(PPOUpdateConfig):
     kl_loss_type: str = "low_var_kl"
     pretrain_coef: float = 0.0  # weight of the SFT loss step (Safe-RLHF's ptx term)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _one_of("actor.recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
-        _one_of("actor.kl_loss_type", self.kl_loss_type, KL_TYPES)
-        _positive("actor.log_prob_micro_batch_size", self.log_prob_micro_batch_size)
-        _positive("actor.clip_ratio", self.clip_ratio)
-        _check(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "must be > 1")
+    def check(self, at: str) -> None:
+        super().check(at)
+        _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
+        _one_of(at + "kl_loss_type", self.kl_loss_type, KL_TYPES)
+        _positive(at + "log_prob_micro_batch_size", self.log_prob_micro_batch_size)
+        _positive(at + "clip_ratio", self.clip_ratio)
+        _check(self.clip_ratio_c > 1, at + "clip_ratio_c", self.clip_ratio_c, "must be > 1")
 
     @property
     def clip_low(self) -> float:
@@ -246,9 +247,9 @@ class CriticConfig(PPOUpdateConfig):
     model_path: str | None = None  # None = the actor's model with a fresh value head
     cliprange_value: float = 0.5
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _positive("critic.cliprange_value", self.cliprange_value)
+    def check(self, at: str) -> None:
+        super().check(at)
+        _positive(at + "cliprange_value", self.cliprange_value)
 
 
 @dataclass
@@ -271,10 +272,10 @@ class KLControllerConfig:
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
 
-    def __post_init__(self) -> None:
-        _one_of("algorithm.kl_ctrl.type", self.type, ("fixed", "adaptive"))
-        _positive("algorithm.kl_ctrl.kl_coef", self.kl_coef, allow_zero=True)
-        _positive("algorithm.kl_ctrl.horizon", self.horizon)
+    def check(self, at: str) -> None:
+        _one_of(at + "type", self.type, ("fixed", "adaptive"))
+        _positive(at + "kl_coef", self.kl_coef, allow_zero=True)
+        _positive(at + "horizon", self.horizon)
 
 
 @dataclass
@@ -297,12 +298,12 @@ class AlgorithmConfig:
     kl_ctrl: KLControllerConfig = field(default_factory=KLControllerConfig)
     safe: SafeRLHFConfig = field(default_factory=SafeRLHFConfig)
 
-    def __post_init__(self) -> None:
-        _one_of("algorithm.name", self.name, ALGORITHMS)
-        _one_of("algorithm.estimator", self.estimator, ("grpo", "drgrpo"))
-        _one_of("algorithm.kl_penalty", self.kl_penalty, KL_TYPES)
-        _check(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "must be in [0, 1]")
-        _check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "must be in [0, 1]")
+    def check(self, at: str) -> None:
+        _one_of(at + "name", self.name, ALGORITHMS)
+        _one_of(at + "estimator", self.estimator, ("grpo", "drgrpo"))
+        _one_of(at + "kl_penalty", self.kl_penalty, KL_TYPES)
+        _check(0 <= self.gamma <= 1, at + "gamma", self.gamma, "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, at + "lam", self.lam, "must be in [0, 1]")
 
 
 @dataclass
@@ -317,13 +318,13 @@ class TrainerConfig:
     tensorboard: bool = True
     torch_threads: int = 0  # per worker; 0 = the node's cores divided by its workers
 
-    def __post_init__(self) -> None:
-        _positive("trainer.n_workers", self.n_workers)
-        _positive("trainer.total_steps", self.total_steps)
-        _positive("trainer.eval_every", self.eval_every)
-        _positive("trainer.save_every", self.save_every)
-        _positive("trainer.keep_checkpoints", self.keep_checkpoints)
-        _positive("trainer.torch_threads", self.torch_threads, allow_zero=True)
+    def check(self, at: str) -> None:
+        _positive(at + "n_workers", self.n_workers)
+        _positive(at + "total_steps", self.total_steps)
+        _positive(at + "eval_every", self.eval_every)
+        _positive(at + "save_every", self.save_every)
+        _positive(at + "keep_checkpoints", self.keep_checkpoints)
+        _positive(at + "torch_threads", self.torch_threads, allow_zero=True)
 
 
 @dataclass
@@ -338,10 +339,10 @@ class RLConfig(LaunchConfig):
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
-    def __post_init__(self) -> None:
+    def check(self, at: str) -> None:
         if self.algorithm.name == "grpo" or self.algorithm.estimator == "grpo":
             return
-        raise ConfigError(f"bad configuration: algorithm.estimator={self.algorithm.estimator!r} only applies "
+        raise ConfigError(f"bad configuration: {at}algorithm.estimator={self.algorithm.estimator!r} only applies "
                           f"to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
 
 
@@ -373,12 +374,22 @@ def typed(schema: type, cfg: DictConfig | dict) -> Any:
     """`cfg` merged onto `schema`'s defaults, checked, as dataclass instances."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-        return OmegaConf.to_object(merged)
+        value = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
-        if cause is not None:
-            raise cause from None
         raise ConfigError(explain(e, schema)) from None
+    validate(value)
+    return value
+
+
+def validate(value: Any, at: str = "") -> None:
+    """Run every section's `check` (ranges, choices), inner sections first; keys are named by
+    their full dotted path."""
+    for f in fields(value):
+        inner = getattr(value, f.name)
+        if is_dataclass(inner):
+            validate(inner, f"{at}{f.name}.")
+    if hasattr(value, "check"):
+        value.check(at)
 
 
 def rl_config(cfg: RLConfig | DictConfig | dict) -> RLConfig:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import importlib.resources
 import importlib.util
 import json
 import logging
@@ -49,10 +48,8 @@ log = logging.getLogger("asyncrl.launch")
 # configuration -----------------------------------------------------------------------------------
 def shipped_config_dir() -> Path:
     """The configs that come with asyncrl: `configs/` of a checkout, or `asyncrl/configs` in a wheel."""
-    checkout = Path(__file__).resolve().parent.parent / "configs"
-    if checkout.is_dir():
-        return checkout
-    return Path(str(importlib.resources.files("asyncrl.configs")))
+    installed = Path(__file__).resolve().parent / "configs"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "configs"
 
 
 def _search_dirs(config_dir: str | None) -> list[Path]:

@@ -1,0 +1,251 @@
+"""Configuration: the typed schema checks every YAML file and override, Hydra's command line
+works, and a run never touches what it did not create."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl import config as C
+from asyncrl.launch import load_config, main, shipped_config_dir
+from daemons.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
+SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "rl_defaults")
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {**os.environ, "ASYNCRL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(REPO)}
+
+
+# the schema ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_composes_and_checks(name):
+    cfg = load_config(name, [])
+    assert cfg.job.name == name or name == "cluster"
+
+
+def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _schema_default(schema: type, key: str) -> object:
+    node: object = schema()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@pytest.mark.parametrize("name", [*SHIPPED, "rl_defaults"])
+def test_yaml_files_set_only_what_differs_from_the_schema(name):
+    """One source of truth for defaults: a YAML value equal to the schema's default is a copy."""
+    raw = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    raw.pop("defaults", None)
+    raw.pop("hydra", None)
+    schema = C.SCHEMAS.get({"cluster": "launch_schema", "smoke": "smoke_schema"}.get(name, "rl_schema"))
+    copies = []
+    for key, value in _leaves(raw).items():
+        try:
+            default = _schema_default(schema, key)
+        except AttributeError:
+            continue  # a None-default section set to a value (model.build_tiny)
+        if not is_dataclass(default) and default == value and key not in ("job.name",):
+            copies.append(key)
+    assert not copies, f"{name}.yaml repeats schema defaults: {copies}"
+
+
+def test_schema_defaults_pass_their_own_checks():
+    for schema in C.SCHEMAS.values():
+        assert is_dataclass(schema())
+    assert {f.name for f in fields(C.RLConfig)} >= {"cluster", "job", "model", "data", "rollout", "actor",
+                                                     "critic", "reward", "cost_model", "algorithm", "trainer"}
+
+
+def test_typed_view_checks_values_and_keys():
+    cfg = C.rl_config({"actor": {"optim": {"lr": 0.5}}, "rollout": {"n": 3}})
+    assert cfg.actor.optim.lr == 0.5 and cfg.rollout.n == 3 and cfg.critic.optim.lr == 1e-3
+    with pytest.raises(ConfigError, match="actor.ppo_epochs"):
+        C.rl_config({"actor": {"ppo_epochs": 0}})
+    with pytest.raises(ConfigError, match="did you mean rollout.temperature"):
+        C.rl_config({"rollout": {"temperatur": 0.5}})
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        C.rl_config({"algorithm": {"name": "dpo"}})
+
+
+def test_a_typo_inside_a_user_yaml_exits_2_naming_key_file_and_closest(tmp_path, capsys):
+    text = (REPO / "configs" / "grpo.yaml").read_text().replace("use_kl_loss:", "use_kl_los:")
+    (tmp_path / "grpo.yaml").write_text(text)
+    assert main(["--config-dir", str(tmp_path), "--config-name", "grpo"]) == 2
+    err = capsys.readouterr().err
+    assert "actor.use_kl_los" in err and str(tmp_path / "grpo.yaml") in err
+    assert "did you mean actor.use_kl_loss" in err
+
+
+def test_a_typo_in_an_inherited_shipped_file_names_that_file(tmp_path, capsys):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - rl_defaults\n  - _self_\ntrainer:\n  totl_steps: 3\n")
+    assert main(["--config-dir", str(tmp_path), "--config-name", "mine"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.totl_steps" in err and "mine.yaml" in err and "trainer.total_steps" in err
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.total_steps=abc", "trainer.total_steps"),
+    ("trainer.total_step=3", "trainer.total_steps"),  # the closest key is named
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("actor.loss_agg_mode=mean", "loss_agg_mode"),
+    ("cluster.node_rank=3", "cluster.node_rank"),
+])
+def test_bad_overrides_exit_2_naming_the_key(override, key, capsys):
+    assert main(["--config-name", "grpo", override]) == 2
+    assert key in capsys.readouterr().err
+
+
+def test_user_config_dirs_inherit_the_shipped_defaults(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - rl_defaults\n  - _self_\ntrainer:\n  total_steps: 7\n")
+    cfg = load_config("mine", ["rollout.n=3"], str(tmp_path))
+    typed = C.rl_config(cfg)
+    assert typed.trainer.total_steps == 7 and typed.rollout.n == 3 and typed.job.entry == "asyncrl.trainer:main"
+
+
+def test_unknown_config_name_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="available: .*grpo"):
+        load_config("nope", [])
+
+
+# Hydra's command line ---------------------------------------------------------------------------------
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    res = subprocess.run([*LAUNCH, "--config-name", "grpo", "--cfg", "job", "rollout.n=3"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path, env=_env(tmp_path))
+    assert res.returncode == 0, res.stderr
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["rollout"]["n"] == 3 and cfg["actor"]["use_kl_loss"] is True and cfg["algorithm"]["name"] == "grpo"
+    assert not list(tmp_path.glob("outputs")), "--cfg must not start a run"
+
+
+def test_info_and_help_exit_0(tmp_path):
+    for flag in ("--info", "--help"):
+        res = subprocess.run([*LAUNCH, "--config-name", "grpo", flag], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path, env=_env(tmp_path))
+        assert res.returncode == 0, res.stderr
+
+
+def test_multirun_sweeps_one_job_after_another_into_the_sweep_dir(tmp_path):
+    sweep = tmp_path / "sweep"
+    res = subprocess.run([*LAUNCH, "--config-name", "smoke", "-m", "smoke.rows=64,128", "smoke.cols=8",
+                          f"hydra.sweep.dir={sweep}", "cluster.insecure=true"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    # a typo in any job of a sweep stops it before anything runs
+    bad = subprocess.run([*LAUNCH, "--config-name", "smoke", "-m", "smoke.rows=64,128", "smoke.colz=8"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(tmp_path))
+    assert bad.returncode == 2 and "smoke.colz" in bad.stderr
+
+
+def test_configs_ship_in_the_wheel(tmp_path):
+    """A non-editable install finds its configs (`pip install .`)."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+                    "-w", str(tmp_path / "wheel")], check=True, timeout=300, capture_output=True)
+    wheel = next((tmp_path / "wheel").glob("asyncrl-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
+                    str(wheel)], check=True, timeout=300, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    res = subprocess.run([sys.executable, "-c", "import asyncrl.launch as L; print(L.shipped_config_dir())"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    shipped = Path(res.stdout.strip())
+    assert str(shipped).startswith(str(tmp_path / "site")) and (shipped / "quickstart.yaml").exists()
+    assert shipped_config_dir() == REPO / "configs"  # a checkout uses its own configs/
+
+
+# a run never touches what it did not create -------------------------------------------------------------
+def test_model_path_that_is_not_a_model_exits_2_and_is_left_alone(tmp_path):
+    user = tmp_path / "my-model"
+    user.mkdir()
+    (user / "README.md").write_text("my notes")
+    for config in ("grpo", "quickstart"):  # quickstart builds a tiny model: not over someone's directory
+        res = subprocess.run([*LAUNCH, "--config-name", config, f"model.path={user}",
+                              f"trainer.output_dir={tmp_path / config}"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path, env=_env(tmp_path))
+        assert res.returncode == 2, (config, res.stderr[-2000:])
+        assert str(user) in res.stderr
+        assert sorted(p.name for p in user.iterdir()) == ["README.md"]
+        assert (user / "README.md").read_text() == "my notes"
+
+
+def test_hub_name_without_a_cache_exits_2_without_creating_anything(tmp_path):
+    res = subprocess.run([*LAUNCH, "--config-name", "grpo", "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+                          f"trainer.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={**_env(tmp_path), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert res.returncode == 2 and "local Hugging Face cache" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "Qwen").exists()
+
+
+def test_tiny_builder_refuses_a_directory_it_did_not_build(tmp_path):
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "weights.bin").write_bytes(b"precious")
+    with pytest.raises(ConfigError, match="not a tiny model built by asyncrl"):
+        ensure_tiny_model(tmp_path / "x", task="sort", hidden=16, layers=1, heads=2)
+    assert (tmp_path / "x" / "weights.bin").read_bytes() == b"precious"
+
+
+def _rl(tmp_path: Path, **trainer) -> C.RLConfig:
+    return C.rl_config({"trainer": {"output_dir": str(tmp_path / "run"), **trainer}})
+
+
+def _fake_checkpoint(run: Path, step: int) -> Path:
+    ckpt = run / "checkpoints" / f"step_{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (ckpt / "COMPLETE").write_text("")
+    return ckpt
+
+
+def test_run_dir_rules(tmp_path):
+    from asyncrl.trainer import prepare_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "thesis.tex").write_text("mine")
+    with pytest.raises(ConfigError, match="did not write"):
+        prepare_run_dir(_rl(tmp_path))
+    (run / "thesis.tex").unlink()
+
+    assert prepare_run_dir(_rl(tmp_path)) is None  # fresh: records the composed config
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["trainer"]["output_dir"] == str(run)
+    ckpt = _fake_checkpoint(run, 2)
+    assert prepare_run_dir(_rl(tmp_path, total_steps=300)) == ckpt  # more steps: resumable
+    with pytest.raises(ConfigError, match="rollout.n"):  # what is trained changed: refused
+        prepare_run_dir(C.rl_config({"trainer": {"output_dir": str(run)}, "rollout": {"n": 2}}))
+
+    assert prepare_run_dir(_rl(tmp_path, resume="none")) is None  # starts clean, old run kept aside
+    aside = [p for p in run.iterdir() if p.name.startswith("previous-")]
+    assert len(aside) == 1 and (aside[0] / "checkpoints" / "step_2" / "COMPLETE").exists()
+    assert not (run / "checkpoints").exists()
+    assert prepare_run_dir(_rl(tmp_path)) is None  # ... and never resumed later by mistake
+
+
+def test_config_changes_names_each_key():
+    from asyncrl.trainer import config_changes
+
+    assert config_changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 4}) == {"a.c": "2 → 3",
+                                                                                         "d": "None → 4"}
