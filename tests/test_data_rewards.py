@@ -24,6 +24,7 @@ from asyncrl.rewards import (
     load_reward_fn,
     synthetic,
 )
+from daemons.errors import ConfigError
 
 SMALL = {"hidden": 32, "layers": 1, "heads": 2}
 
@@ -69,16 +70,17 @@ def test_chat_template_and_word_level_round_trip(tokenizer):
     assert tokenizer.decode(answer, skip_special_tokens=True) == "1 2 3 9"
 
 
-def test_ensure_tiny_model_builds_once_and_rebuilds_half_written(tmp_path):
+def test_ensure_tiny_model_builds_once_and_never_replaces_what_it_did_not_build(tmp_path):
     out = ensure_tiny_model(tmp_path / "m", **SMALL)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(tmp_path / "m", **SMALL) == out
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
-    (out / MARKER).unlink()  # as if a build had died before finishing
-    ensure_tiny_model(tmp_path / "m", **SMALL)
-    assert (out / MARKER).exists()
-    ensure_tiny_model(tmp_path / "m", **{**SMALL, "hidden": 16})  # other settings: rebuilt
+    ensure_tiny_model(tmp_path / "m", **{**SMALL, "hidden": 16})  # its own build, other settings: rebuilt
     assert json.loads((out / MARKER).read_text())["hidden"] == 16
+    (out / MARKER).unlink()  # builds land atomically, so without the marker it is someone else's
+    with pytest.raises(ConfigError, match="not a tiny model built by asyncrl"):
+        ensure_tiny_model(tmp_path / "m", **SMALL)
+    assert (out / "model.safetensors").stat().st_mtime_ns > 0 and not (out / MARKER).exists()
     with pytest.raises(TypeError, match="hiden"):
         ensure_tiny_model(tmp_path / "m", hiden=3)
 

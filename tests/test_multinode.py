@@ -269,7 +269,7 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
             assert daemon.poll() is None, f"daemon exited with {daemon.returncode}:\n{out.read_text()}"
             assert time.monotonic() < deadline, f"daemon did not start within 30s:\n{out.read_text()}"
             time.sleep(0.1)
-        assert "coordinator at tcp://127.0.0.1:" in out.read_text()
+        assert "coordinator tcp://127.0.0.1:" in out.read_text()
         assert (state / "coordinator.json").exists()
         # two jobs submitted in a row to the running daemon, each bringing its own config section
         for rows in (64, 128):
