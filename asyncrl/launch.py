@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import importlib.util
 import json
 import logging
@@ -40,6 +39,7 @@ from daemons.proc import route_ip
 from daemons.worker import resolve
 from transport import AuthenticationError, CurveConfig, TransportError
 from transport.loop import run
+from transport.rpc import expose
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -190,7 +190,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
     async with HeadNode.start(cluster_spec(cfg, daemon), release_nodes=not daemon) as head:
         coordinator = head.coordinator
         if daemon:
-            coordinator.server.register("submit", functools.partial(_submit, coordinator, cfg))
+            coordinator.server.register_object(JobService(coordinator, cfg))
             await _wait_any(stop.wait(), coordinator.stop_requested.wait())
             return 0
         await coordinator.wait_for_nodes(cfg.cluster.nnodes, cfg.cluster.join_timeout_s)
@@ -214,18 +214,25 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
             await ctx.close()
 
 
-async def _submit(coordinator: Coordinator, cfg: DictConfig, entry: str, overrides: dict | None) -> Any:
-    # a submitted job brings config sections of its own: merged as plain data, and a typed job
-    # (the RL trainer) checks them against its schema when it starts
-    job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)),
-                              OmegaConf.create(overrides or {}))
-    fn = load_entry(entry)
-    ctx = await JobContext(coordinator, job_cfg).open()
-    try:
-        return await fn(ctx)
-    finally:
-        await ctx.close()
-        await coordinator.shutdown_workers()
+class JobService:
+    """The daemon's job endpoint: `asyncrl submit ENTRY` runs a job on the running cluster."""
+
+    def __init__(self, coordinator: Coordinator, cfg: DictConfig) -> None:
+        self.coordinator, self.cfg = coordinator, cfg
+
+    @expose
+    async def submit(self, entry: str, overrides: dict | None) -> Any:
+        # a submitted job brings config sections of its own: merged as plain data, and a typed
+        # job (the RL trainer) checks them against its schema when it starts
+        job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
+                                  OmegaConf.create(overrides or {}))
+        fn = load_entry(entry)
+        ctx = await JobContext(self.coordinator, job_cfg).open()
+        try:
+            return await fn(ctx)
+        finally:
+            await ctx.close()
+            await self.coordinator.shutdown_workers()
 
 
 async def run_node(cfg: DictConfig, daemon: bool = False) -> int:

@@ -119,3 +119,35 @@ class _Progress:
 
 def progress(total: int, initial: int, desc: str) -> _Progress:
     return _Progress(total, initial, desc)
+
+
+def phase_summary(path: Path, skip: int = 2) -> dict[str, float]:
+    """Median seconds per step of each logged phase (`timing/*_s`), after `skip` warm-up steps,
+    and each phase's share of the median step."""
+    import statistics
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    rows = [r for r in rows if r.get("step", 0) > skip and "timing/step_s" in r]
+    if not rows:
+        raise ValueError(f"{path} has no steps with timings after step {skip}")
+    keys = sorted({k for r in rows for k in r if k.startswith("timing/")})
+    out = {k.removeprefix("timing/"): statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+    step = out["step_s"]
+    out.update({f"share/{k.removesuffix('_s')}": round(v / step, 3) for k, v in list(out.items()) if k != "step_s"})
+    out["steps"] = len(rows)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m asyncrl.metrics RUN_DIR/metrics.jsonl`: the per-phase step breakdown, as JSON."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("metrics", type=Path, help="a run's metrics.jsonl")
+    ap.add_argument("--skip", type=int, default=2, help="warm-up steps to leave out")
+    args = ap.parse_args(argv)
+    print(json.dumps(phase_summary(args.metrics, args.skip)))
+
+
+if __name__ == "__main__":
+    main()

@@ -15,10 +15,11 @@
   consumers that each pull their half (a DP-local shard); it counts its own RPC bytes.
 - with a GPU: CUDA IPC pull vs. a device-to-device copy.
 
-The pre-faulted pool is not the workers' default (`DEFAULT_SHM_POOL_BYTES = 0`): once the
-consumer reads every byte, a 256 MiB run on the 2-core dev VM measured 0.31 GB/s pooled vs
-0.28 (and 0.12) GB/s without, within that machine's noise, for 256 MiB of /dev/shm per worker.
-Turn it on per node with `NodeDaemon(shm_pool_bytes=N)` / `ClusterSpec(shm_pool_bytes=N)`.
+The pre-faulted pool is not the workers' default (`cluster.shm_pool_bytes`, default
+`DEFAULT_SHM_POOL_BYTES = 0`): once the consumer reads every byte, a quiet 256 MiB run on the
+2-core dev VM (2026-11-22) measured same_node_ratio 0.75 without the pool and 0.78 with it (0.63
+vs 0.73 GB/s): not worth 256 MiB of /dev/shm per worker (twice that while it refills). Turn it
+on with `cluster.shm_pool_bytes=N` (or `ClusterSpec(shm_pool_bytes=N)`).
 
 GB/s = 1e9 bytes/s; medians over `--reps`. The last line printed is one JSON object.
 """

@@ -211,3 +211,13 @@ async def test_actor_workers_through_the_api(tiny_model, tmp_path):
         await gen.free()  # explicit free: the owners drop the objects now
         stats = [await h.call("store_stats") for h in actor.handles]
         assert sum(s["objects"] for s in stats) == 0
+
+
+def test_phase_summary_reports_median_phases_and_shares(tmp_path):
+    from asyncrl.metrics import phase_summary
+
+    rows = [{"step": s, "timing/step_s": 1.0, "timing/gen_s": 0.25, "timing/update_actor_s": 0.5,
+             "timing/overhead_s": 0.25} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = phase_summary(tmp_path / "metrics.jsonl", skip=2)
+    assert out["steps"] == 3 and out["share/update_actor"] == 0.5 and out["gen_s"] == 0.25
