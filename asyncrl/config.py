@@ -95,6 +95,9 @@ class LaunchConfig:
     job: JobConfig = field(default_factory=JobConfig)
     seed: int = 0
 
+    def check(self, at: str) -> None:
+        _positive(at + "seed", self.seed, allow_zero=True)
+
 
 # the RL job --------------------------------------------------------------------------------------
 @dataclass
@@ -181,6 +184,10 @@ class OptimConfig:
 
     def check(self, at: str) -> None:
         _positive(at + "lr", self.lr)
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), at + "betas", list(self.betas),
+               "must be two numbers in [0, 1)")
+        _positive(at + "eps", self.eps)
+        _positive(at + "total_steps", self.total_steps, allow_zero=True)
         _positive(at + "weight_decay", self.weight_decay, allow_zero=True)
         _positive(at + "warmup_steps", self.warmup_steps, allow_zero=True)
         _check(0 <= self.min_lr_ratio <= 1, at + "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
@@ -226,6 +233,12 @@ class ActorConfig(PPOUpdateConfig):
         _positive(at + "log_prob_micro_batch_size", self.log_prob_micro_batch_size)
         _positive(at + "clip_ratio", self.clip_ratio)
         _check(self.clip_ratio_c > 1, at + "clip_ratio_c", self.clip_ratio_c, "must be > 1")
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            if getattr(self, name) is not None:
+                _positive(at + name, getattr(self, name), allow_zero=True)
+        _positive(at + "entropy_coeff", self.entropy_coeff, allow_zero=True)
+        _positive(at + "kl_loss_coef", self.kl_loss_coef, allow_zero=True)
+        _positive(at + "pretrain_coef", self.pretrain_coef, allow_zero=True)
 
     @property
     def clip_low(self) -> float:
@@ -264,6 +277,9 @@ class CostModelConfig:
     path: str | None = None  # None = the actor's model with a fresh head
     micro_batch_size: int = 16
 
+    def check(self, at: str) -> None:
+        _positive(at + "micro_batch_size", self.micro_batch_size)
+
 
 @dataclass
 class KLControllerConfig:
@@ -276,6 +292,7 @@ class KLControllerConfig:
         _one_of(at + "type", self.type, ("fixed", "adaptive"))
         _positive(at + "kl_coef", self.kl_coef, allow_zero=True)
         _positive(at + "horizon", self.horizon)
+        _positive(at + "target_kl", self.target_kl)
 
 
 @dataclass
@@ -284,6 +301,13 @@ class SafeRLHFConfig:
     lagrange_lr: float = 0.1
     cost_limit: float = 0.0
     lagrange_max: float | None = None
+
+    def check(self, at: str) -> None:
+        _positive(at + "lagrange_init", self.lagrange_init)
+        _positive(at + "lagrange_lr", self.lagrange_lr, allow_zero=True)
+        if self.lagrange_max is not None:
+            _check(self.lagrange_max >= self.lagrange_init, at + "lagrange_max", self.lagrange_max,
+                   f"must be >= {at}lagrange_init={self.lagrange_init}")
 
 
 @dataclass
@@ -340,10 +364,14 @@ class RLConfig(LaunchConfig):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def check(self, at: str) -> None:
-        if self.algorithm.name == "grpo" or self.algorithm.estimator == "grpo":
-            return
-        raise ConfigError(f"bad configuration: {at}algorithm.estimator={self.algorithm.estimator!r} only applies "
-                          f"to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
+        super().check(at)
+        if self.algorithm.name != "grpo" and self.algorithm.estimator != "grpo":
+            raise ConfigError(f"bad configuration: {at}algorithm.estimator={self.algorithm.estimator!r} only "
+                              f"applies to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
+        if self.cost_model.enable and self.reward.cost_fn:
+            raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
+                              f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
+                              "cost model (or cost_model.enable=false for the rule)")
 
 
 @dataclass
@@ -372,6 +400,14 @@ def register_schemas() -> None:
 # typed views --------------------------------------------------------------------------------------
 def typed(schema: type, cfg: DictConfig | dict) -> Any:
     """`cfg` merged onto `schema`'s defaults, checked, as dataclass instances."""
+    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    unknown = _unknown_keys(schema, data or {})
+    if unknown:  # Hydra's `+key=`/`++key=` add keys a schema's merge would let through
+        key = unknown[0]
+        best = closest_key(schema, key)
+        raise ConfigError(f"bad configuration: {key}: no such key" + (f"; did you mean {best}?" if best else "")
+                          + f" Valid keys in {key.rpartition('.')[0] or 'the top level'}: "
+                          + ", ".join(valid_keys(schema, key.rpartition(".")[0])) + ".")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         value = OmegaConf.to_object(merged)
@@ -379,6 +415,22 @@ def typed(schema: type, cfg: DictConfig | dict) -> Any:
         raise ConfigError(explain(e, schema)) from None
     validate(value)
     return value
+
+
+def _unknown_keys(schema: type, data: dict, prefix: str = "") -> list[str]:
+    """Dotted keys in `data` that `schema` does not have (Hydra's own `hydra` node aside)."""
+    names = {f.name: f for f in fields(schema)}
+    out = []
+    for k, v in data.items():
+        if prefix == "" and k == "hydra":
+            continue
+        if k not in names:
+            out.append(f"{prefix}{k}")
+            continue
+        inner = _dataclass_of(names[k].type, schema)
+        if inner is not None and isinstance(v, dict):
+            out += _unknown_keys(inner, v, f"{prefix}{k}.")
+    return out
 
 
 def validate(value: Any, at: str = "") -> None:
@@ -465,7 +517,11 @@ def explain(e: BaseException, schema: type | None, files: dict[str, str] | None 
         msg += f" (set in {(files or {}).get(name, name + '.yaml')})"
     elif "override" in text:
         msg += " (set on the command line)"
-    if key and schema is not None and ("not in" in text or "Could not override" in text):
+    if schema is None:  # the schema whose sections hold the key
+        top = key.split(".")[0]
+        schema = next((c for c in (LaunchConfig, RLConfig, SmokeConfig) if top in {f.name for f in fields(c)}),
+                      RLConfig)
+    if key and ("not in" in text or "Could not override" in text):
         best = closest_key(schema, key)
         section = key.rpartition(".")[0]
         if best and best != key:

@@ -29,7 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config import LaunchConfig, RLConfig, SmokeConfig, explain, register_schemas, typed
+from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
@@ -78,14 +78,6 @@ def _hydra_overrides(dirs: list[Path], overrides: list[str]) -> list[str]:
     return extra + list(overrides)
 
 
-def _guess_schema(path: str | None) -> type:
-    """The schema a config file names in its defaults (directly or through rl_defaults)."""
-    text = Path(path).read_text() if path and Path(path).exists() else ""
-    if "rl_schema" in text or "rl_defaults" in text:
-        return RLConfig
-    return SmokeConfig if "smoke_schema" in text else LaunchConfig
-
-
 def check_config(cfg: DictConfig) -> Any:
     """Types and ranges of every section (the schemas' `__post_init__` checks); the typed config.
 
@@ -113,7 +105,7 @@ def load_config(config_name: str, overrides: list[str], config_dir: str | None =
         with initialize_config_dir(config_dir=str(dirs[0]), version_base=None):
             cfg = compose(config_name=config_name, overrides=_hydra_overrides(dirs, overrides))
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(explain(e, _guess_schema(files.get(config_name)), files)) from None
+        raise ConfigError(explain(e, None, files)) from None
     check_config(cfg)
     return cfg
 

@@ -1,62 +1,182 @@
-"""Is the synthetic task learnable by GRPO on a CPU in minutes? Single-process reference loop.
+"""Does asyncrl learn as well as a plain GRPO loop? The quickstart against a reference, same run.
 
-Builds the tiny model (random init + short SFT warm start on the output format), then runs plain
-GRPO — sampled groups of n responses per prompt, group-normalised advantages, clipped policy loss,
-AdamW — and evaluates the held-out reward (greedy) before, during and after. The peer it is
-measured against is the warm-started model itself: the report is reward_end - reward_start and
-the ratio of the two, and the step at which the gain first reached GAIN_TARGET. Last line of
-output: one JSON object.
+For each seed, two runs of the same recipe, one after the other on the same cores:
 
-    python -m benchmarks.learnability --seed 0
+1. **asyncrl**, exactly as a user runs it: `python -m asyncrl.launch --config-name quickstart
+   seed=S trainer.output_dir=TMP/asyncrl model.path=TMP/model` in a subprocess with its own
+   process group (coordinator, node daemon, two FSDP2 worker processes, object store, checkpoints,
+   TensorBoard). The held-out reward curve is read from the `val/reward` rows of its
+   `metrics.jsonl`, the summary from the last line of its stdout.
+2. **the reference**: a single-process GRPO loop with no asyncrl runtime — sample n responses per
+   prompt, group-normalised advantages, clipped (dual-clip) surrogate, AdamW — configured from the
+   same composed config (`load_config("quickstart", same overrides)` → `rl_config`), so it shares
+   every setting the loop knows: the tiny model build (`model.build_tiny`: same size, same init,
+   no SFT warm start unless it says so), the `disjoint_splits` data and its 128 held-out prompts,
+   the prompt order (`PromptLoader`, seed S), the reward function, batch size × n, max_tokens,
+   temperature, AdamW (lr, betas, eps, weight decay, grad clip, schedule), clip ratios,
+   loss_agg_mode, epochs × mini-batches × micro-batches, total_steps and eval_every. Settings
+   it does not implement (KL loss or KL in the reward, entropy bonus, top-p/top-k, other
+   algorithms) are refused, not ignored.
+
+Both evaluate greedy decoding on the same held-out prompts at step 0, every eval_every steps and
+at the end. Reported per seed and overall: held-out reward start/end, `gain_asyncrl`,
+`gain_reference`, `gain_ratio` = asyncrl gain / reference gain, wall seconds (whole run: asyncrl
+from launch to exit, the reference from model build to its last evaluation; `train_s_*`: the
+training loop with its evaluations), `wall_ratio` = asyncrl / reference, and the first evaluated
+step at which each gained GAIN_TARGET. The last line printed is one JSON object.
+
+Differences that remain:
+- layout: asyncrl trains on `trainer.n_workers` (2) worker processes, FSDP2 over gloo, each rank
+  sampling and scoring half the rows with `torch_threads` threads; the reference is one process
+  with as many threads as asyncrl's workers have together (`--threads`).
+- randomness: the same init and prompt order, but different sampling streams (asyncrl seeds a
+  generator per step and rank), so sampled responses — and the curves — differ within noise.
+- the rollout: asyncrl samples with its own engine (`asyncrl.rollout`), the reference with a
+  Hugging Face forward and a KV cache; same model, temperature and budget.
+- work asyncrl does that the reference does not: start-up and teardown of its processes, the
+  weight sync from the trainer to the rollout engine, checkpoints every `save_every` steps,
+  TensorBoard and the reward-curve PNG. These count in asyncrl's wall seconds (users pay them).
+
+    python -m benchmarks.learnability                   # seed 0, the quickstart's total_steps
+    python -m benchmarks.learnability --seeds 0,1 --steps 100
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from asyncrl.data.dataset import PromptDataset, PromptLoader, load_rows
-from asyncrl.data.synthetic import write_dataset
-from asyncrl.models.tiny import build_tiny_model
-from asyncrl.rewards.rules import default_reward
+from asyncrl.config import ActorConfig, ModelConfig, OptimConfig, RLConfig, rl_config
+from asyncrl.launch import load_config
+from daemons.proc import kill_group
+from objectstore.segments import SEGMENT_PREFIX, SHM_DIR, list_segments
 
-GAIN_TARGET = 0.3  # held-out reward rise the quickstart needs (0.2) plus margin
-
-
-@dataclass
-class Recipe:
-    """Everything that decides the outcome of one run (defaults: the recipe the quickstart uses)."""
-
-    task: str = "sort"
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 4
-    seed: int = 0
-    sft_steps: int = 100  # format-only warm start: right shape, random symbols
-    sft_lr: float = 1e-3
-    sft_targets: str = "format"
-    rl_lr: float = 3e-4
-    prompts_per_step: int = 64
-    n: int = 8
-    temperature: float = 1.0
-    max_new_tokens: int = 5  # 4 answer symbols + <eos>
-    steps: int = 150
-    minibatches: int = 4  # optimizer steps per rollout batch (ppo_mini_batch = 64 * 8 / 4)
-    clip: float = 0.2
-    eval_every: int = 25
-    n_train: int = 4096
-    n_val: int = 256
-    time_budget_s: float = 300.0
+CONFIG = "quickstart"
+GAIN_TARGET = 0.2  # the held-out reward rise the quickstart is expected to show (README)
+REPO = Path(__file__).resolve().parent.parent
 
 
-# ---- rollout ------------------------------------------------------------------------------------
+def recipe(seed: int, workdir: Path, steps: int | None) -> tuple[list[str], RLConfig]:
+    """The command-line overrides both sides run with, and the typed config they compose to."""
+    overrides = [f"seed={seed}", f"trainer.output_dir={workdir / 'asyncrl'}",
+                 f"model.path={workdir / 'model'}"]
+    if steps is not None:
+        overrides.append(f"trainer.total_steps={steps}")
+    return overrides, rl_config(load_config(CONFIG, overrides))
+
+
+def first_gain_step(evals: list[tuple[int, float]], target: float = GAIN_TARGET) -> int | None:
+    """The first evaluated step whose held-out reward is `target` above the step-0 one."""
+    start = evals[0][1]
+    return next((s for s, r in evals if r - start >= target - 1e-9), None)
+
+
+# ---- asyncrl, as users run it --------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process (Linux /proc; empty elsewhere)."""
+    table = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _tree(root: int) -> dict[int, str]:
+    """`root` and its descendants, as pid -> start time (the pair names a process, not its pid)."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in found:
+            found[pid] = table[pid][1]
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[19] == start and fields[0] != "Z"
+
+
+def _clean_up(seen: dict[int, str]) -> None:
+    """Kill what is left of the run's processes (workers live in sessions of their own) and remove
+    the shared-memory segments of the ones that died without closing their store."""
+    for pid, start in seen.items():
+        if _alive(pid, start):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while any(_alive(p, s) for p, s in seen.items()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for name in list_segments():
+        owner = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and int(owner) in seen and not _alive(int(owner), seen[int(owner)]):
+            Path(SHM_DIR, name).unlink(missing_ok=True)
+
+
+def run_asyncrl(overrides: list[str], cfg: RLConfig, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """The quickstart in a subprocess; its held-out curve, summary and wall seconds."""
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", CONFIG, *overrides]
+    # the launcher's state file (coordinator endpoint and keys) stays in our temp dir
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(workdir / "state")}
+    stdout, stderr = workdir / "launch.stdout", workdir / "launch.stderr"
+    t0 = time.monotonic()
+    with stdout.open("w") as out, stderr.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+    seen = {proc.pid: _tree(proc.pid).get(proc.pid, "")}
+    try:
+        while proc.poll() is None:
+            seen.update(_tree(proc.pid))
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"the quickstart ran past --timeout-s={timeout_s:.0f}")
+            time.sleep(0.5)
+    finally:
+        kill_group(proc, grace_s=15)  # SIGTERM: the launcher stops its workers and cleans up
+        _clean_up(seen)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = "\n".join(stderr.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
+    lines = [ln for ln in stdout.read_text().splitlines() if ln.strip()]
+    summary = json.loads(lines[-1])
+    metrics = Path(cfg.trainer.output_dir) / "metrics.jsonl"
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    evals = [(int(r["step"]), float(r["val/reward"])) for r in rows if "val/reward" in r]
+    return {"evals": evals, "wall_s": wall, "train_s": float(summary["wall_s"]),
+            "steps": int(summary["steps"])}
+
+
+# ---- the reference: one process, no asyncrl runtime ----------------------------------------------
 
 
 @torch.no_grad()
@@ -64,15 +184,15 @@ def generate(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
     temperature: float, eos_id: int, pad_id: int, generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample (temperature 0: greedy) with a KV cache; returns responses [B, R] and their mask."""
+    """Sample (temperature 0: greedy) with a KV cache; responses [B, R] and their mask (1 up to
+    and including <eos>)."""
     from transformers import DynamicCache
 
     bsz = input_ids.shape[0]
     mask = attention_mask.clone()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos,
-                past_key_values=cache, use_cache=True)
+                past_key_values=DynamicCache(), use_cache=True)
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(bsz, dtype=torch.bool)
     tokens, alive = [], []
@@ -96,7 +216,7 @@ def generate(
     return torch.stack(tokens, 1), torch.stack(alive, 1).long()
 
 
-def token_logprobs(model, prompt_ids, prompt_mask, resp_ids, resp_mask, temperature: float):
+def token_logprobs(model, prompt_ids, prompt_mask, resp_ids, resp_mask, temperature: float) -> torch.Tensor:
     """Log-probabilities [B, R] of the response tokens under `model` at `temperature`."""
     ids = torch.cat([prompt_ids, resp_ids], dim=1)
     mask = torch.cat([prompt_mask, resp_mask], dim=1)
@@ -107,165 +227,253 @@ def token_logprobs(model, prompt_ids, prompt_mask, resp_ids, resp_mask, temperat
     return torch.gather(F.log_softmax(logits, -1), 2, resp_ids[..., None]).squeeze(-1)
 
 
-# ---- GRPO numerics ------------------------------------------------------------------------------
-
-
-def grpo_advantage(rewards: torch.Tensor, n: int, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantage(rewards: torch.Tensor, n: int, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """(r - group mean) / (group std + eps) for consecutive groups of `n` responses."""
     g = rewards.view(-1, n)
-    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + eps)
-    return adv.view(-1)
+    adv = g - g.mean(1, keepdim=True)
+    if norm_by_std and n > 1:
+        adv = adv / (g.std(1, keepdim=True) + eps)
+    return adv.view(-1) if n > 1 else torch.zeros_like(rewards)
 
 
-def ppo_clip_loss(logp, old_logp, adv, mask, clip: float) -> torch.Tensor:
-    """Token-mean clipped surrogate loss."""
-    ratio = torch.exp(logp - old_logp)
+def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: int) -> torch.Tensor:
+    """A [B, R] loss matrix to a scalar, as `actor.loss_agg_mode` says."""
+    token_sum = (losses * mask).sum(-1)
+    if mode == "token-mean":
+        return token_sum.sum() / mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return token_sum.mean()
+    if mode == "seq-mean-token-mean":
+        return (token_sum / mask.sum(-1).clamp(min=1)).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return (token_sum / norm_len).mean()
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def clipped_loss(logp, old_logp, adv, mask, ac: ActorConfig, norm_len: int) -> torch.Tensor:
+    """PPO's clipped surrogate, the loss bounded at -A*clip_ratio_c for negative advantages."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
     a = adv[:, None]
-    loss = -torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
+    loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - ac.clip_low, 1 + ac.clip_high))
+    loss = torch.where(a < 0, torch.minimum(loss, -a * ac.clip_ratio_c), loss)
+    return aggregate(loss, mask, ac.loss_agg_mode, norm_len)
 
 
-# ---- loop ---------------------------------------------------------------------------------------
+def lr_factor(step: int, oc: OptimConfig) -> float:
+    """Linear warmup, then constant (total_steps 0) or cosine down to min_lr_ratio."""
+    if step < oc.warmup_steps:
+        return (step + 1) / oc.warmup_steps
+    if oc.total_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - oc.warmup_steps) / max(1, oc.total_steps - oc.warmup_steps))
+    return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def decode(tokenizer, resp: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    return [tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-            for r, m in zip(resp, mask, strict=True)]
+def check_reference_supports(cfg: RLConfig) -> None:
+    """Refuse settings the reference loop would otherwise silently ignore."""
+    unsupported = {
+        "algorithm.name": cfg.algorithm.name != "grpo",
+        "actor.use_kl_loss": cfg.actor.use_kl_loss,
+        "algorithm.use_kl_in_reward": cfg.algorithm.use_kl_in_reward,
+        "actor.entropy_coeff": cfg.actor.entropy_coeff != 0,
+        "actor.pretrain_coef": cfg.actor.pretrain_coef != 0,
+        "rollout.top_p": cfg.rollout.top_p < 1,
+        "rollout.top_k": cfg.rollout.top_k > 0,
+        "cost_model.enable": cfg.cost_model.enable,
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ValueError(f"the reference loop does not implement {', '.join(bad)} as configured")
 
 
-def score(batch: dict, texts: list[str], repeat: int = 1) -> torch.Tensor:
-    rows = [(ds, gt, ei) for ds, gt, ei in zip(batch["data_source"], batch["ground_truth"],
-                                                batch["extra_info"], strict=True)]
-    rows = [r for r in rows for _ in range(repeat)]
-    return torch.tensor([default_reward(ds, t, gt, ei) for (ds, gt, ei), t in zip(rows, texts,
-                                                                                 strict=True)])
-
-
-def evaluate(model, tokenizer, val: PromptDataset, max_new_tokens: int) -> float:
-    """Mean greedy reward over the held-out prompts."""
-    model.eval()
-    batch = val.collate(val.items)
-    resp, rmask = generate(model, batch["input_ids"], batch["attention_mask"],
-                           max_new_tokens=max_new_tokens, temperature=0.0,
-                           eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    return float(score(batch, decode(tokenizer, resp, rmask)).mean())
-
-
-def run(rc: Recipe, workdir: Path, log=print) -> dict:
+def run_reference(cfg: RLConfig, workdir: Path, threads: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """GRPO in this process, configured by `cfg`; its held-out curve and wall seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    t_start = time.perf_counter()
-    torch.manual_seed(rc.seed)
-    max_new = rc.max_new_tokens
-    model_dir = build_tiny_model(workdir / "model", task=rc.task, hidden=rc.hidden,
-                                 layers=rc.layers, heads=rc.heads, seed=rc.seed,
-                                 sft_steps=rc.sft_steps, sft_lr=rc.sft_lr,
-                                 sft_targets=rc.sft_targets)
-    t_sft = time.perf_counter() - t_start
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    files = write_dataset(workdir / "data", rc.task, n_train=rc.n_train, n_val=rc.n_val,
-                          seed=rc.seed)
-    train = PromptDataset(load_rows(files["train"]), tokenizer, max_prompt_len=32)
-    val = PromptDataset(load_rows(files["test"]), tokenizer, max_prompt_len=32)
-    loader = PromptLoader(train, rc.prompts_per_step, shuffle=True, seed=rc.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=rc.rl_lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(rc.seed)
+    from asyncrl.data.dataset import PromptDataset, PromptLoader, load_rows
+    from asyncrl.data.synthetic import disjoint_splits
+    from asyncrl.models.resolve import resolve_model
+    from asyncrl.rewards.rules import load_reward_fn
 
-    t_rl, cpu_rl = time.perf_counter(), time.process_time()
-    evals = [(0, evaluate(model, tokenizer, val, max_new), 0.0)]
-    log(f"[seed {rc.seed}] sft {rc.sft_steps} steps in {t_sft:.1f}s; "
-        f"eval@0 {evals[0][1]:.3f}")
-    train_rewards, step = [], 0
-    for step in range(1, rc.steps + 1):
+    check_reference_supports(cfg)
+    hf_logging.disable_progress_bar()
+    t0 = time.monotonic()
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    dc, rc, ac, tc = cfg.data, cfg.rollout, cfg.actor, cfg.trainer
+    model_dir = resolve_model(ModelConfig(path=str(workdir / "reference-model"),
+                                          build_tiny=cfg.model.build_tiny)
+                              if cfg.model.build_tiny else cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if dc.train_files:
+        train_rows, val_rows = load_rows(dc.train_files), load_rows(dc.val_files) if dc.val_files else []
+    else:
+        syn = dc.synthetic
+        train_rows, val_rows = disjoint_splits(syn.task, syn.n_train, syn.n_val, syn.seed)
+    train = PromptDataset(train_rows, tok, dc.max_prompt_len, dc.apply_chat_template)
+    val = PromptDataset(val_rows, tok, dc.max_prompt_len, dc.apply_chat_template)
+    val_batch = val.collate(val.items)
+    loader = PromptLoader(train, dc.batch_size, shuffle=dc.shuffle, seed=cfg.seed)
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    oc = ac.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps,
+                            weight_decay=oc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, oc))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+
+    def rewards_of(batch: dict, resp: torch.Tensor, rmask: torch.Tensor, repeat: int) -> torch.Tensor:
+        texts = [tok.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+                 for r, m in zip(resp, rmask, strict=True)]
+        rows = [(s, g, e) for s, g, e in zip(batch["data_source"], batch["ground_truth"],
+                                             batch["extra_info"], strict=True) for _ in range(repeat)]
+        return torch.tensor([float(reward_fn(s, t, g, e)) for (s, g, e), t in zip(rows, texts, strict=True)])
+
+    def evaluate() -> float:
+        model.eval()
+        resp, rmask = generate(model, val_batch["input_ids"], val_batch["attention_mask"],
+                               max_new_tokens=rc.max_tokens, temperature=0.0, eos_id=eos, pad_id=pad)
+        return float(rewards_of(val_batch, resp, rmask, 1).mean())
+
+    t_train = time.monotonic()
+    evals = [(0, evaluate())]
+    log(f"[reference seed {cfg.seed}] step 0: held-out reward {evals[0][1]:.3f}")
+    norm = cfg.algorithm.estimator == "grpo" and cfg.algorithm.norm_adv_by_std
+    for step in range(1, tc.total_steps + 1):
         batch = loader.next_batch()
         p_ids = batch["input_ids"].repeat_interleave(rc.n, 0)
         p_mask = batch["attention_mask"].repeat_interleave(rc.n, 0)
         model.eval()
-        resp, rmask = generate(model, p_ids, p_mask, max_new_tokens=max_new,
-                               temperature=rc.temperature, eos_id=tokenizer.eos_token_id,
-                               pad_id=tokenizer.pad_token_id, generator=gen)
-        rewards = score(batch, decode(tokenizer, resp, rmask), repeat=rc.n)
-        train_rewards.append(float(rewards.mean()))
-        adv = grpo_advantage(rewards, rc.n)
+        resp, rmask = generate(model, p_ids, p_mask, max_new_tokens=rc.max_tokens,
+                               temperature=rc.temperature, eos_id=eos, pad_id=pad, generator=gen)
+        adv = grpo_advantage(rewards_of(batch, resp, rmask, rc.n), rc.n, norm_by_std=norm)
+        temp = rc.temperature or 1.0
+        old = None
+        if ac.recompute_old_log_probs():
+            with torch.no_grad():
+                old = token_logprobs(model, p_ids, p_mask, resp, rmask, temp)
         model.train()
-        with torch.no_grad():
-            old = token_logprobs(model, p_ids, p_mask, resp, rmask, rc.temperature)
-        for mb in torch.randperm(len(adv), generator=gen).chunk(rc.minibatches):
-            logp = token_logprobs(model, p_ids[mb], p_mask[mb], resp[mb], rmask[mb],
-                                  rc.temperature)
-            loss = ppo_clip_loss(logp, old[mb], adv[mb], rmask[mb].float(), rc.clip)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-        elapsed = time.perf_counter() - t_rl
-        last = step == rc.steps or elapsed > rc.time_budget_s
-        if step % rc.eval_every == 0 or last:
-            evals.append((step, evaluate(model, tokenizer, val, max_new), elapsed))
-            log(f"[seed {rc.seed}] step {step:4d} {elapsed:6.1f}s "
-                f"cpu {time.process_time() - cpu_rl:6.1f}s train_reward "
-                f"{sum(train_rewards[-rc.eval_every:]) / len(train_rewards[-rc.eval_every:]):.3f}"
-                f" eval {evals[-1][1]:.3f}")
-        if last:
-            break
-    t_total = time.perf_counter() - t_start
-    start, end = evals[0][1], evals[-1][1]
-    reached = next(((s, t) for s, r, t in evals if r - start >= GAIN_TARGET), (None, None))
-    window = max(1, rc.eval_every)
-    return {
-        "seed": rc.seed,
-        "reward_start": round(start, 4),
-        "reward_end": round(end, 4),
-        "reward_gain": round(end - start, 4),
-        "ratio_end_over_start": round(end / start, 3) if start > 0 else None,
-        "sampled_reward_first_last": [round(sum(w) / len(w), 4) for w in
-                                      (train_rewards[:window], train_rewards[-window:])],
-        f"step_gain_{GAIN_TARGET}": reached[0],
-        f"rl_s_gain_{GAIN_TARGET}": None if reached[1] is None else round(reached[1], 1),
-        "steps": step,
-        "sft_s": round(t_sft, 1),
-        "rl_s": round(time.perf_counter() - t_rl, 1),
-        "rl_cpu_s": round(time.process_time() - cpu_rl, 1),
-        "total_s": round(t_total, 1),
-        "evals": [(s, round(r, 4), round(t, 1)) for s, r, t in evals],
+        rows = len(adv)
+        for _ in range(ac.ppo_epochs):
+            order = torch.randperm(rows, generator=gen) if ac.shuffle else torch.arange(rows)
+            for mini in torch.tensor_split(order, min(ac.ppo_mini_batches, rows)):
+                for micro in mini.split(ac.micro_batch_size):
+                    logp = token_logprobs(model, p_ids[micro], p_mask[micro], resp[micro],
+                                          rmask[micro], temp)
+                    # on-policy (no recomputed old log-probs): ratio 1, the clipped objective's gradient
+                    ref = old[micro] if old is not None else logp.detach()
+                    loss = clipped_loss(logp, ref, adv[micro], rmask[micro].float(), ac, rc.max_tokens)
+                    (loss * len(micro) / len(mini)).backward()
+                if oc.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+        if step % tc.eval_every == 0 or step == tc.total_steps:
+            evals.append((step, evaluate()))
+            log(f"[reference seed {cfg.seed}] step {step}: held-out reward {evals[-1][1]:.3f} "
+                f"({time.monotonic() - t_train:.1f}s)")
+    end = time.monotonic()
+    return {"evals": evals, "wall_s": end - t0, "train_s": end - t_train, "steps": tc.total_steps}
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b > 0 else None
+
+
+def compare(seed: int, ours: dict, ref: dict) -> dict[str, Any]:
+    """One seed's numbers, both sides side by side."""
+    out: dict[str, Any] = {"seed": seed}
+    for side, r in (("asyncrl", ours), ("reference", ref)):
+        start, end = r["evals"][0][1], r["evals"][-1][1]
+        out.update({f"reward_start_{side}": round(start, 4), f"reward_end_{side}": round(end, 4),
+                    f"gain_{side}": round(end - start, 4), f"wall_s_{side}": round(r["wall_s"], 1),
+                    f"train_s_{side}": round(r["train_s"], 1),
+                    f"step_gain_{GAIN_TARGET}_{side}": first_gain_step(r["evals"]),
+                    f"steps_{side}": r["steps"]})
+    out["gain_ratio"] = _ratio(out["gain_asyncrl"], out["gain_reference"])
+    out["wall_ratio"] = _ratio(out["wall_s_asyncrl"], out["wall_s_reference"])
+    out["evals_asyncrl"] = [[s, round(v, 4)] for s, v in ours["evals"]]
+    out["evals_reference"] = [[s, round(v, 4)] for s, v in ref["evals"]]
+    return out
+
+
+def summarize(results: list[dict], cfg: RLConfig, threads: int) -> dict[str, Any]:
+    """All seeds: per-seed lists, means, and the overall ratios (of the means)."""
+    keys = [k for k in results[0] if k != "seed" and not k.startswith("evals_")]
+    out: dict[str, Any] = {"benchmark": "learnability", "config": CONFIG,
+                           "seeds": [r["seed"] for r in results]}
+    out.update({k: [r[k] for r in results] for k in keys})
+    mean = {side: sum(r[f"gain_{side}"] for r in results) / len(results) for side in ("asyncrl", "reference")}
+    wall = {side: sum(r[f"wall_s_{side}"] for r in results) for side in ("asyncrl", "reference")}
+    out.update({"gain_asyncrl_mean": round(mean["asyncrl"], 4),
+                "gain_reference_mean": round(mean["reference"], 4),
+                "gain_ratio": _ratio(mean["asyncrl"], mean["reference"]),
+                "wall_ratio": _ratio(wall["asyncrl"], wall["reference"])})
+    tiny = cfg.model.build_tiny
+    out["recipe"] = {
+        "model": None if tiny is None else {"task": tiny.task, "hidden": tiny.hidden, "layers": tiny.layers,
+                                            "heads": tiny.heads, "sft_steps": tiny.sft_steps},
+        "lr": cfg.actor.optim.lr, "batch_size": cfg.data.batch_size, "n": cfg.rollout.n,
+        "max_tokens": cfg.rollout.max_tokens, "temperature": cfg.rollout.temperature,
+        "total_steps": cfg.trainer.total_steps, "eval_every": cfg.trainer.eval_every,
+        "n_val": cfg.data.synthetic.n_val, "loss_agg_mode": cfg.actor.loss_agg_mode,
+        "clip_ratio": cfg.actor.clip_ratio, "use_kl_loss": cfg.actor.use_kl_loss,
+        "n_workers_asyncrl": cfg.trainer.n_workers, "threads_reference": threads,
     }
+    return out
+
+
+def reference_threads(cfg: RLConfig) -> int:
+    """As many threads as asyncrl's workers have together on this node (see setup_process)."""
+    n = cfg.trainer.n_workers
+    return n * (cfg.trainer.torch_threads or max(1, (os.cpu_count() or 1) // n))
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    for field, default in asdict(Recipe()).items():
-        p.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
-    p.add_argument("--seeds", type=str, default=None, help="comma-separated; overrides --seed")
-    p.add_argument("--threads", type=int, default=2)
-    a = vars(p.parse_args(argv))
-    torch.set_num_threads(a.pop("threads"))
-    seeds_arg = a.pop("seeds")
-    seeds = [int(x) for x in seeds_arg.split(",")] if seeds_arg else [a["seed"]]
-    results = []
-    for seed in seeds:
-        rc = Recipe(**{**a, "seed": seed})
-        with tempfile.TemporaryDirectory(prefix="asyncrl-learn-") as tmp:
-            res = run(rc, Path(tmp))
-        print(json.dumps(res))
-        results.append(res)
-    gains = [r["reward_gain"] for r in results]
-    recipe = asdict(Recipe(**a))
-    recipe.pop("seed")
-    print(json.dumps({
-        "benchmark": "learnability",
-        "recipe": recipe,
-        "seeds": seeds,
-        "reward_start": [r["reward_start"] for r in results],
-        "reward_end": [r["reward_end"] for r in results],
-        "min_gain": min(gains),
-        "passed": min(gains) >= GAIN_TARGET,
-        f"step_gain_{GAIN_TARGET}": [r[f"step_gain_{GAIN_TARGET}"] for r in results],
-        "rl_s": [r["rl_s"] for r in results],
-        "total_s": [r["total_s"] for r in results],
-        "threads": torch.get_num_threads(),
-    }))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train both sides this many steps (default: the quickstart's total_steps)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the reference (default: those of asyncrl's workers together)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="limit on one asyncrl run")
+    a = p.parse_args(argv)
+    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a terminated benchmark still cleans up
+    results, cfg, threads = [], None, 0
+    try:
+        for seed in seeds:
+            with tempfile.TemporaryDirectory(prefix="asyncrl-learnability-") as tmp:
+                workdir = Path(tmp)
+                overrides, cfg = recipe(seed, workdir, a.steps)
+                threads = a.threads or reference_threads(cfg)
+                print(f"[asyncrl seed {seed}] python -m asyncrl.launch --config-name {CONFIG} "
+                      f"{' '.join(overrides)}", flush=True)
+                ours = run_asyncrl(overrides, cfg, workdir, a.timeout_s)
+                print(f"[asyncrl seed {seed}] held-out reward {ours['evals'][0][1]:.3f} -> "
+                      f"{ours['evals'][-1][1]:.3f} in {ours['wall_s']:.1f}s", flush=True)
+                ref = run_reference(cfg, workdir, threads, log=lambda m: print(m, flush=True))
+            results.append(compare(seed, ours, ref))
+            print(json.dumps(results[-1]), flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(json.dumps(summarize(results, cfg, threads)))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("learnability: interrupted (the quickstart's processes and temp files are removed)",
+              file=sys.stderr)
+        sys.exit(130)

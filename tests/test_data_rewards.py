@@ -75,8 +75,10 @@ def test_ensure_tiny_model_builds_once_and_never_replaces_what_it_did_not_build(
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(tmp_path / "m", **SMALL) == out
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
-    ensure_tiny_model(tmp_path / "m", **{**SMALL, "hidden": 16})  # its own build, other settings: rebuilt
-    assert json.loads((out / MARKER).read_text())["hidden"] == 16
+    (out / "NOTES.md").write_text("mine")
+    with pytest.raises(ConfigError, match="other settings"):  # never rebuilt in place
+        ensure_tiny_model(tmp_path / "m", **{**SMALL, "hidden": 16})
+    assert (out / "NOTES.md").exists() and json.loads((out / MARKER).read_text())["hidden"] == SMALL["hidden"]
     (out / MARKER).unlink()  # builds land atomically, so without the marker it is someone else's
     with pytest.raises(ConfigError, match="not a tiny model built by asyncrl"):
         ensure_tiny_model(tmp_path / "m", **SMALL)

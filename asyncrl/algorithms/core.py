@@ -1,4 +1,4 @@
-"""Pure numerics of PPO-family algorithms: advantages, KL terms, losses, log-prob helpers."""
+"""Pure numerics of PPO-family algorithms: advantages, KL terms, losses, log-prob helpers.
 
 Conventions: token-level tensors are [batch, response_len] with a float or bool `response_mask`
 (1 for real response tokens, 0 for padding/observation tokens); sequence-level scores are

@@ -225,22 +225,25 @@ def ensure_tiny_model(out_dir: str | Path, **kw) -> Path:
     marker = out / MARKER
     if marker.exists():
         info = json.loads(marker.read_text())
-        if all(info.get(k) == v for k, v in settings.items()):
+        differ = {k: (info.get(k), v) for k, v in settings.items() if info.get(k) != v}
+        if not differ:
             return out
-        log.info("tiny model in %s was built with other settings; rebuilding", out)
-    elif out.exists():  # never replace what this builder did not write
+        # never rebuilt in place: the directory may hold the user's own files or training since
+        raise ConfigError(f"{out} holds a tiny model built with other settings ("
+                          + ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in differ.items())
+                          + "); build into a new directory (model.path=NEW) or remove it yourself "
+                          "(it was left as it is)")
+    if out.exists():  # never replace what this builder did not write
         raise ConfigError(f"{out} exists and is not a tiny model built by asyncrl (no {MARKER}); "
                           "leave model.build_tiny unset to use it as a model, or build into a new directory "
                           "(it was left as it is)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_model(tmp, **settings)
-    if out.exists():
-        shutil.rmtree(out, ignore_errors=True)
     try:
         os.rename(tmp, out)
     except OSError:
-        # another process won the race; its build has the same settings or is being replaced
+        # another process won the race with the same settings
         shutil.rmtree(tmp, ignore_errors=True)
         if not marker.exists():
             raise
@@ -248,30 +251,30 @@ def ensure_tiny_model(out_dir: str | Path, **kw) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: python -m asyncrl.models.tiny OUT_DIR [--task T] [--sft-steps N] ..."""
-    p = argparse.ArgumentParser(description=__doc__)
+    """CLI: python -m asyncrl.models.tiny OUT_DIR [--task T] [--sft-steps N] ...
+
+    Defaults are the quickstart's (`asyncrl.config.TinyModelConfig`); OUT_DIR must not exist
+    yet, or hold a build with the same settings (then nothing is done)."""
+    from asyncrl.config import TinyModelConfig
+
+    d = TinyModelConfig()
+    p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("out_dir")
-    p.add_argument("--task", default="sort")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--task", default=d.task)
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=0)
+    p.add_argument("--sft-steps", type=int, default=d.sft_steps)
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--sft-targets", choices=("format", "task"), default="format")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tiny %(levelname)s %(message)s")
-    path = build_tiny_model(
-        a.out_dir,
-        task=a.task,
-        hidden=a.hidden,
-        layers=a.layers,
-        heads=a.heads,
-        seed=a.seed,
-        sft_steps=a.sft_steps,
-        sft_lr=a.sft_lr,
-        sft_targets=a.sft_targets,
-    )
+    try:
+        path = ensure_tiny_model(a.out_dir, task=a.task, hidden=a.hidden, layers=a.layers, heads=a.heads,
+                                 seed=a.seed, sft_steps=a.sft_steps, sft_lr=a.sft_lr, sft_targets=a.sft_targets)
+    except ConfigError as e:
+        raise SystemExit(f"asyncrl.models.tiny: {e}") from None
     print(path)
 
 
