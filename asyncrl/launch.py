@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
+from asyncrl.rundir import check_output_dir
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError
@@ -108,6 +109,13 @@ def load_config(config_name: str, overrides: list[str], config_dir: str | None =
         raise ConfigError(explain(e, None, files)) from None
     check_config(cfg)
     return cfg
+
+
+def _check_run_dir(cfg: DictConfig, overrides: list[str]) -> None:
+    """Refuse a run directory that is a file or holds others' files before Hydra creates anything
+    in it (its `.hydra/`, the workers' logs)."""
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")), None)
+    check_output_dir(Path(run_dir or OmegaConf.select(cfg, "trainer.output_dir")))
 
 
 def _sweep(overrides: list[str]) -> list[list[str]]:
@@ -274,9 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.help or args.hydra_help or args.shell_completion or args.experimental_rerun:
         return _hydra(argv, config_name, daemon, [])
     try:
+        if args.config_dir and not Path(args.config_dir).expanduser().is_dir():
+            raise ConfigError(f"--config-dir {args.config_dir}: no such directory")
         jobs = _sweep(args.overrides) if args.multirun else [args.overrides]
         for overrides in jobs:
-            load_config(config_name, overrides, args.config_dir)
+            cfg = load_config(config_name, overrides, args.config_dir)
+            if not args.multirun and not args.cfg and OmegaConf.get_type(cfg) is RLConfig:
+                _check_run_dir(cfg, overrides)
     except ConfigError as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2

@@ -18,11 +18,11 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.registry import ALGORITHMS
@@ -32,23 +32,17 @@ from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.distbatch import DistBatch
 from asyncrl.models.resolve import resolve_model
 from asyncrl.rollout.engine import positions_from_mask
+from asyncrl.rundir import DONE_MARKER, RunDir
 from asyncrl.workers.actor import ActorRolloutRefWorker
 from asyncrl.workers.critic import CriticWorker
 from asyncrl.workers.reward import RewardModelWorker, RuleRewardWorker
-from daemons.errors import ConfigError
+from daemons.errors import ConfigError, PlacementError
 
 log = logging.getLogger("asyncrl.trainer")
 
-DONE_MARKER = "COMPLETE"
-CONFIG_FILE = "config.yaml"
-OURS = (CONFIG_FILE, "metrics.jsonl", "tensorboard", "reward_curve.png", "checkpoints", "logs", ".hydra")
 # the worker-side phases of a step; on one colocated pool they run one after another
 PHASES = ("gen", "sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values",
           "update_actor", "update_critic", "update_pretrain")
-# keys whose change between a run and its resume does not change what is being trained
-RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.resume",
-                     "trainer.keep_checkpoints", "trainer.tensorboard", "cluster.")
-
 
 class Trainer:
     """Drives one RL run: worker groups, controllers, data, the loop and its bookkeeping."""
@@ -68,7 +62,11 @@ class Trainer:
         cfg = self.cfg
         # tokenizer and tokenization block: keep them off the event loop (heartbeats)
         await asyncio.to_thread(self._load_tokenizer_and_data)
-        pool = self.ctx.create_pool("actor_rollout_ref", world_size=cfg.trainer.n_workers)
+        try:
+            pool = self.ctx.create_pool("actor_rollout_ref", world_size=cfg.trainer.n_workers)
+        except PlacementError as e:
+            raise ConfigError(f"trainer.n_workers={cfg.trainer.n_workers} does not fit this cluster: {e}. Lower "
+                              "trainer.n_workers or add devices (cluster.cpu_devices on CPU nodes, or nodes)") from None
         wire = to_dict(cfg)  # workers rebuild the typed config from this plain dict
         roles: dict[str, Any] = {"actor": (ActorRolloutRefWorker, wire), "reward": (RuleRewardWorker, wire)}
         if self.algorithm.needs_critic:
@@ -223,82 +221,45 @@ class Trainer:
                 "checkpoint": str(hf), "metrics": str(self.out_dir / "metrics.jsonl")}
 
 
-# the run directory ----------------------------------------------------------------------------------
-def prepare_run_dir(cfg: RLConfig) -> Path | None:
-    """Decide where the run starts and record its config; returns the checkpoint to resume from.
-
-    - A directory holding anything this program did not write is refused (never overwritten).
-    - `resume=auto` continues from the last complete checkpoint, after comparing the saved config
-      with this one (changes are named; a change to what is trained is refused).
-    - `resume=none` starts clean: an earlier run's outputs are moved aside to `previous-<time>/`,
-      so they are never picked up later by mistake.
-    - `resume=PATH` starts from that checkpoint.
-    """
-    out = Path(cfg.trainer.output_dir)
-    new = to_dict(cfg)
-    if out.exists():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in OURS and not p.name.startswith("previous-"))
-        if foreign:
-            raise ConfigError(f"trainer.output_dir={out} holds files asyncrl did not write ({', '.join(foreign[:5])}); "
-                              "choose a new trainer.output_dir (nothing was changed)")
-    mode = cfg.trainer.resume
-    ckpts = sorted((p for p in (out / "checkpoints").glob("step_*")
-                    if p.name[5:].isdigit() and (p / DONE_MARKER).exists()), key=lambda p: int(p.name[5:]))
-    start: Path | None = None
-    if mode == "none":
-        produced = [p for p in out.iterdir() if p.name in OURS and p.name not in ("logs", ".hydra")] if out.exists() else []
-        if produced:
-            aside = out / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
-            aside.mkdir()
-            for p in produced:
-                p.rename(aside / p.name)
-            log.warning("trainer.resume=none: moved the earlier run's outputs to %s", aside)
-    elif mode == "auto":
-        start = ckpts[-1] if ckpts else None
-    else:
-        start = Path(mode)
-        if not start.is_dir():
-            raise ConfigError(f"trainer.resume={mode}: no such checkpoint directory (use auto, none or a "
-                              "checkpoints/step_N path)")
-    saved = out / CONFIG_FILE
-    if start is not None and saved.exists() and start.parent.parent == out:
-        changed = config_changes(yaml.safe_load(saved.read_text()), new)
-        blocking = [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]
-        if blocking:
-            raise ConfigError(f"cannot resume {out} with a different {', '.join(blocking)} (was → now: "
-                              + "; ".join(f"{k}: {changed[k]}" for k in blocking)
-                              + "); use a new trainer.output_dir, or trainer.resume=none to start over")
-        if changed:
-            log.warning("resuming with changed %s", "; ".join(f"{k}: {v}" for k, v in changed.items()))
-    out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(yaml.safe_dump(new, sort_keys=False))
-    return start
-
-
-def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, str]:
-    """Dotted keys whose values differ between two config dicts, as 'old → new'."""
-    out: dict[str, str] = {}
-    for k in sorted(set(old) | set(new)):
-        a, b, key = old.get(k), new.get(k), f"{prefix}{k}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.update(config_changes(a, b, key + "."))
-        elif a != b:
-            out[key] = f"{a!r} → {b!r}"
-    return out
-
-
-async def main(ctx: Any) -> dict[str, Any]:
+async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> dict[str, Any]:
+    """The job: check the inputs, claim the run directory, set up the workers (then `on_setup`,
+    e.g. a test's instrumentation), train."""
     cfg = rl_config(ctx.cfg)
     # model building and file checks block: keep them off the event loop (heartbeats)
     cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model)
-    start = await asyncio.to_thread(prepare_run_dir, cfg)
-    if start is not None:
-        done_at = json.loads((start / "trainer_state.json").read_text())["step"]
-        if done_at >= cfg.trainer.total_steps:
-            msg = f"run already complete at step {done_at} (use a new trainer.output_dir or trainer.resume=none)"
-            log.warning("%s: %s", cfg.trainer.output_dir, msg)
-            return {"status": "already_complete", "steps": done_at, "message": msg,
-                    "checkpoint": str(start / "actor" / "hf")}
-    trainer = Trainer(ctx, cfg)
-    await trainer.setup()
-    return await trainer.fit(start)
+    await asyncio.to_thread(check_inputs, cfg)
+    run = RunDir(cfg)
+    try:
+        start = await asyncio.to_thread(run.claim)
+        if start is not None:
+            done_at = json.loads((start / "trainer_state.json").read_text())["step"]
+            if done_at >= cfg.trainer.total_steps:
+                msg = f"run already complete at step {done_at} (use a new trainer.output_dir or trainer.resume=none)"
+                log.warning("%s: %s", cfg.trainer.output_dir, msg)
+                return {"status": "already_complete", "steps": done_at, "message": msg,
+                        "checkpoint": str(start / "actor" / "hf")}
+        run.record_config()
+        trainer = Trainer(ctx, cfg)
+        await trainer.setup()
+        if on_setup is not None:
+            on_setup(trainer)
+        return await trainer.fit(start)
+    finally:
+        run.release()
+
+
+def check_inputs(cfg: RLConfig) -> None:
+    """What the workers would otherwise fail on deep inside: data files and the reward function."""
+    from asyncrl.rewards import load_reward_fn
+
+    for key in ("train_files", "val_files"):
+        value = getattr(cfg.data, key)
+        if value and not Path(value).exists():
+            raise ConfigError(f"data.{key}={value} does not exist (parquet or jsonl in verl's layout)")
+    for key in ("fn", "cost_fn"):
+        spec = getattr(cfg.reward, key)
+        if spec:
+            try:
+                load_reward_fn(spec)
+            except Exception as e:
+                raise ConfigError(f"reward.{key}={spec}: {e}") from None

@@ -36,19 +36,17 @@ def _rows(n: int):
 
 
 async def asyncrl_steps(model_dir: Path, out: Path, steps: int) -> dict:
-    from asyncrl.config import rl_config
-    from asyncrl.trainer import Trainer, prepare_run_dir
+    from asyncrl.trainer import Trainer
+    from asyncrl.trainer import main as trainer_main
 
     cfg = load_config("quickstart", [f"model.path={model_dir}", "model.build_tiny=null",
                                      f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
                                      f"trainer.eval_every={10 * steps}", f"trainer.save_every={10 * steps}",
                                      "trainer.tensorboard=false", "data.synthetic.n_val=8"])
     async with local_cluster(cpu_devices=2, log_dir=out / "logs", cfg=cfg) as ctx:
-        typed = rl_config(cfg)
-        start = prepare_run_dir(typed)
-        trainer = Trainer(ctx, typed)
-        await trainer.setup()
-        await trainer.fit(start)
+        trainers: list[Trainer] = []
+        await trainer_main(ctx, on_setup=trainers.append)
+        trainer = trainers[0]
     times = [h["timing/step_s"] for h in trainer.history][2:]
     tokens = [h["response/tokens"] for h in trainer.history][2:]
     return {"step_s": statistics.median(times), "tokens_per_s": sum(tokens) / sum(times),

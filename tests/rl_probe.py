@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.config import rl_config
-from asyncrl.models.resolve import resolve_model
-from asyncrl.trainer import Trainer, prepare_run_dir
+from asyncrl.trainer import main as trainer_main
 
 
 class UpdateProbe:
@@ -51,12 +49,11 @@ class UpdateProbe:
 
 
 async def main(ctx: Any) -> dict[str, Any]:
-    cfg = rl_config(ctx.cfg)
-    cfg.model.path = resolve_model(cfg.model)
-    start = prepare_run_dir(cfg)
-    trainer = Trainer(ctx, cfg)
-    await trainer.setup()
-    probe = UpdateProbe(trainer.roles.actor)
-    trainer.roles.actor = probe
-    summary = await trainer.fit(start)
-    return {**summary, "policy_gain": probe.gains}
+    probes: list[UpdateProbe] = []
+
+    def instrument(trainer: Any) -> None:
+        probes.append(UpdateProbe(trainer.roles.actor))
+        trainer.roles.actor = probes[0]
+
+    summary = await trainer_main(ctx, on_setup=instrument)
+    return {**summary, "policy_gain": probes[0].gains}

@@ -160,7 +160,12 @@ def test_multirun_sweeps_one_job_after_another_into_the_sweep_dir(tmp_path):
 
 def test_configs_ship_in_the_wheel(tmp_path):
     """A non-editable install finds its configs (`pip install .`)."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+    import shutil
+
+    src = tmp_path / "src"  # build from a copy: the build leaves build/ and *.egg-info behind
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "outputs", "build", "*.egg-info",
+                                                             "__pycache__", ".*_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
                     "-w", str(tmp_path / "wheel")], check=True, timeout=300, capture_output=True)
     wheel = next((tmp_path / "wheel").glob("asyncrl-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
@@ -219,33 +224,63 @@ def _fake_checkpoint(run: Path, step: int) -> Path:
     return ckpt
 
 
+def _claim(cfg: C.RLConfig):
+    from asyncrl.rundir import RunDir
+
+    run = RunDir(cfg)
+    try:
+        start = run.claim()
+        run.record_config()
+        return start
+    finally:
+        run.release()
+
+
 def test_run_dir_rules(tmp_path):
-    from asyncrl.trainer import prepare_run_dir
+    from asyncrl.rundir import RunDir
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "thesis.tex").write_text("mine")
     with pytest.raises(ConfigError, match="did not write"):
-        prepare_run_dir(_rl(tmp_path))
+        _claim(_rl(tmp_path))
+    assert sorted(p.name for p in run.iterdir()) == ["thesis.tex"]  # nothing was changed
     (run / "thesis.tex").unlink()
 
-    assert prepare_run_dir(_rl(tmp_path)) is None  # fresh: records the composed config
+    assert _claim(_rl(tmp_path)) is None  # fresh: records the composed config
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["trainer"]["output_dir"] == str(run)
     ckpt = _fake_checkpoint(run, 2)
-    assert prepare_run_dir(_rl(tmp_path, total_steps=300)) == ckpt  # more steps: resumable
+    assert _claim(_rl(tmp_path, total_steps=300)) == ckpt  # more steps: resumable
     with pytest.raises(ConfigError, match="rollout.n"):  # what is trained changed: refused
-        prepare_run_dir(C.rl_config({"trainer": {"output_dir": str(run)}, "rollout": {"n": 2}}))
+        _claim(C.rl_config({"trainer": {"output_dir": str(run)}, "rollout": {"n": 2}}))
+    # the same directory named another way (relative vs absolute) is the same run
+    rel = os.path.relpath(run)
+    assert _claim(C.rl_config({"trainer": {"output_dir": rel, "total_steps": 300}})).resolve() == ckpt.resolve()
 
-    assert prepare_run_dir(_rl(tmp_path, resume="none")) is None  # starts clean, old run kept aside
+    # while one run holds the directory, a second is refused
+    holder = RunDir(_rl(tmp_path, total_steps=300))
+    holder.claim()
+    try:
+        with pytest.raises(ConfigError, match="in use by a running job"):
+            _claim(_rl(tmp_path, total_steps=300))
+    finally:
+        holder.release()
+
+    assert _claim(_rl(tmp_path, resume="none")) is None  # starts clean, old run kept aside
     aside = [p for p in run.iterdir() if p.name.startswith("previous-")]
     assert len(aside) == 1 and (aside[0] / "checkpoints" / "step_2" / "COMPLETE").exists()
     assert not (run / "checkpoints").exists()
-    assert prepare_run_dir(_rl(tmp_path)) is None  # ... and never resumed later by mistake
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # a run killed before its first checkpoint
+    (run / "tensorboard").mkdir()
+    assert _claim(_rl(tmp_path)) is None  # ... starts over, its outputs moved aside (no step twice)
+    assert not (run / "metrics.jsonl").exists() and not (run / "tensorboard").exists()
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        _claim(_rl(tmp_path, resume=str(tmp_path)))
 
 
 def test_config_changes_names_each_key():
-    from asyncrl.trainer import config_changes
+    from asyncrl.rundir import config_changes
 
     assert config_changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 4}) == {"a.c": "2 → 3",
                                                                                          "d": "None → 4"}
