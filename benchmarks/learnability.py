@@ -150,20 +150,23 @@ def run_asyncrl(overrides: list[str], cfg: RLConfig, workdir: Path, timeout_s: f
     # the launcher's state file (coordinator endpoint and keys) stays in our temp dir
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(workdir / "state")}
     stdout, stderr = workdir / "launch.stdout", workdir / "launch.stderr"
+    proc: subprocess.Popen | None = None
+    seen: dict[int, str] = {}
     t0 = time.monotonic()
-    with stdout.open("w") as out, stderr.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
-    seen = {proc.pid: _tree(proc.pid).get(proc.pid, "")}
     try:
+        with stdout.open("w") as out, stderr.open("w") as err:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err,
+                                    start_new_session=True)
         while proc.poll() is None:
             seen.update(_tree(proc.pid))
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the quickstart ran past --timeout-s={timeout_s:.0f}")
             time.sleep(0.5)
+        wall = time.monotonic() - t0
     finally:
-        kill_group(proc, grace_s=15)  # SIGTERM: the launcher stops its workers and cleans up
+        if proc is not None:
+            kill_group(proc, grace_s=15)  # SIGTERM: the launcher stops its workers and cleans up
         _clean_up(seen)
-    wall = time.monotonic() - t0
     if proc.returncode != 0:
         tail = "\n".join(stderr.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")

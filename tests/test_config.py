@@ -108,9 +108,15 @@ def test_a_typo_in_an_inherited_shipped_file_names_that_file(tmp_path, capsys):
     ("rollout.top_p=1.5", "rollout.top_p"),
     ("actor.loss_agg_mode=mean", "loss_agg_mode"),
     ("cluster.node_rank=3", "cluster.node_rank"),
+    ("++trainer.totl_steps=1", "trainer.total_steps"),  # Hydra's "add" syntax is checked too
+    ("+actor.optim.foo=1", "actor.optim.foo"),
+    ("actor.optim.betas=[0.9]", "actor.optim.betas"),
+    ("algorithm.kl_ctrl.target_kl=-1", "algorithm.kl_ctrl.target_kl"),
+    ("cost_model.enable=true", "reward.cost_fn"),  # on safe_rlhf, beside its rule cost
 ])
 def test_bad_overrides_exit_2_naming_the_key(override, key, capsys):
-    assert main(["--config-name", "grpo", override]) == 2
+    config = "safe_rlhf" if override.startswith("cost_model") else "grpo"  # its rule cost and a model cost
+    assert main(["--config-name", config, override]) == 2
     assert key in capsys.readouterr().err
 
 
@@ -180,6 +186,16 @@ def test_configs_ship_in_the_wheel(tmp_path):
 
 
 # a run never touches what it did not create -------------------------------------------------------------
+def test_output_dir_with_user_files_exits_2_before_anything_is_created(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("x")
+    for flag in (f"trainer.output_dir={out}", f"hydra.run.dir={out}"):
+        assert main(["--config-name", "grpo", flag]) == 2
+        assert "did not write" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 def test_model_path_that_is_not_a_model_exits_2_and_is_left_alone(tmp_path):
     user = tmp_path / "my-model"
     user.mkdir()
@@ -200,6 +216,15 @@ def test_hub_name_without_a_cache_exits_2_without_creating_anything(tmp_path):
                          cwd=tmp_path, env={**_env(tmp_path), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert res.returncode == 2 and "local Hugging Face cache" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "Qwen").exists()
+
+
+def test_tiny_cli_refuses_an_existing_model_directory(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    res = subprocess.run([sys.executable, "-m", "asyncrl.models.tiny", str(tmp_path / "m")], capture_output=True,
+                         text=True, timeout=60, env=_env(tmp_path))
+    assert res.returncode != 0 and "not a tiny model built by asyncrl" in res.stderr
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json"]
 
 
 def test_tiny_builder_refuses_a_directory_it_did_not_build(tmp_path):
