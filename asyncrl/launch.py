@@ -80,7 +80,7 @@ def _hydra_overrides(dirs: list[Path], overrides: list[str]) -> list[str]:
 
 
 def check_config(cfg: DictConfig) -> Any:
-    """Types and ranges of every section (the schemas' `__post_init__` checks); the typed config.
+    """Types and ranges of every section (the schemas' `check` methods); the typed config.
 
     A config whose YAML names no schema is a user's job with sections of its own: only what
     `asyncrl-launch` reads (cluster, job, seed) is checked."""
@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # unknown flags exit 2 with argparse's message
     config_name = args.config_name or "quickstart"
     if args.help or args.hydra_help or args.shell_completion or args.experimental_rerun:
-        return _hydra(argv, config_name, daemon, [])
+        _hydra(argv, args, config_name, daemon, [])
+        return 0
     try:
         if args.config_dir and not Path(args.config_dir).expanduser().is_dir():
             raise ConfigError(f"--config-dir {args.config_dir}: no such directory")
@@ -293,16 +294,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2
     codes: list[int] = []
-    _hydra(argv, config_name, daemon, codes)
+    _hydra(argv, args, config_name, daemon, codes)
     return max(codes, default=0)
 
 
-def _hydra(argv: list[str], config_name: str, daemon: bool, codes: list[int]) -> int:
-    """Hand the command line to Hydra's own runner; each job's exit code is appended to `codes`."""
+def _hydra(argv: list[str], args: argparse.Namespace, config_name: str, daemon: bool, codes: list[int]) -> None:
+    """Hand the command line (`argv`, parsed as `args`) to Hydra's own runner; each job's exit
+    code is appended to `codes`."""
     import hydra
 
     register_schemas()
-    args = get_args_parser_namespace(argv)
     dirs = _search_dirs(args.config_dir)
     rest = [a for a in argv if a not in args.overrides]
     if args.config_dir is None:
@@ -320,25 +321,17 @@ def _hydra(argv: list[str], config_name: str, daemon: bool, codes: list[int]) ->
         task()
     finally:
         sys.argv = saved
-    return 0
-
-
-def get_args_parser_namespace(argv: list[str]) -> argparse.Namespace:
-    from hydra._internal.utils import get_args_parser
-
-    return get_args_parser().parse_args(argv)
 
 
 def run_job(cfg: DictConfig, daemon: bool = False) -> int:
     """One job of `asyncrl-launch`: its outputs go to Hydra's run (or sweep job) directory."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized() and "trainer" in cfg and OmegaConf.get_type(cfg) is RLConfig:
+    if HydraConfig.initialized() and OmegaConf.get_type(cfg) is RLConfig:
         out = Path(HydraConfig.get().runtime.output_dir)
         with open_dict(cfg):  # hydra.run.dir / hydra.sweep.dir decide where a run writes
             cfg.trainer.output_dir = os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out)
-    try:
-        check_config(cfg)
+    try:  # `main` checked this config before Hydra ran it
         setup_logging("coordinator" if cfg.cluster.coordinator is None else "node", cfg.cluster.node_rank)
         role = run_head if cfg.cluster.coordinator is None else run_node
         return run(role(cfg, daemon=daemon))

@@ -33,6 +33,12 @@ RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_
 UNREMARKABLE_CHANGES = ("trainer.resume", "trainer.output_dir", "cluster.log_dir")
 
 
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The run's complete checkpoints (`checkpoints/step_N` with its COMPLETE marker), oldest first."""
+    done = [p for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit() and (p / DONE_MARKER).exists()]
+    return sorted(done, key=lambda p: int(p.name[5:]))
+
+
 def check_output_dir(out: Path) -> None:
     """Refuse an output directory that is a file or holds anything this program did not write."""
     if out.exists() and not out.is_dir():
@@ -68,8 +74,7 @@ class RunDir:
         check_output_dir(out)
         out.mkdir(parents=True, exist_ok=True)
         self._take_lock()
-        ckpts = sorted((p for p in (out / "checkpoints").glob("step_*")
-                        if p.name[5:].isdigit() and (p / DONE_MARKER).exists()), key=lambda p: int(p.name[5:]))
+        ckpts = complete_checkpoints(out)
         if mode == "none":
             self._move_aside("trainer.resume=none")
             return None

@@ -32,7 +32,7 @@ from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.distbatch import DistBatch
 from asyncrl.models.resolve import resolve_model
 from asyncrl.rollout.engine import positions_from_mask
-from asyncrl.rundir import DONE_MARKER, RunDir
+from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.workers.actor import ActorRolloutRefWorker
 from asyncrl.workers.critic import CriticWorker
 from asyncrl.workers.reward import RewardModelWorker, RuleRewardWorker
@@ -129,11 +129,6 @@ class Trainer:
         return float(scores.float().mean())
 
     # checkpoints ----------------------------------------------------------------------------------
-    def _checkpoints(self) -> list[Path]:
-        """This run's complete checkpoints, oldest first."""
-        done = [p for p in self.ckpt_dir.glob("step_*") if p.name[5:].isdigit() and (p / DONE_MARKER).exists()]
-        return sorted(done, key=lambda p: int(p.name[5:]))
-
     async def save(self) -> Path:
         path = self.ckpt_dir / f"step_{self.step}"
         if path.exists():  # an incomplete save of this run's own step (we only name step_N dirs)
@@ -146,13 +141,13 @@ class Trainer:
                  "controllers": self.ctl.state_dict(), "val": self.val_log, "hf": hf}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / DONE_MARKER).write_text("")  # last: a checkpoint without it is incomplete
-        for old in [p for p in self._checkpoints() if p != path][:-self.cfg.trainer.keep_checkpoints + 1 or None]:
+        older = [p for p in complete_checkpoints(self.out_dir) if p != path]
+        for old in older[:max(0, len(older) - (self.cfg.trainer.keep_checkpoints - 1))]:
             shutil.rmtree(old, ignore_errors=True)
         return Path(hf)
 
     async def load(self, path: Path) -> None:
-        if not (path / DONE_MARKER).exists():
-            raise ConfigError(f"trainer.resume={path}: not a complete checkpoint (no {DONE_MARKER} file)")
+        """Restore from `path`, a complete checkpoint (`RunDir.claim` checked it)."""
         await self.roles.actor.load_checkpoint(str(path))
         if self.roles.critic is not None:
             await self.roles.critic.load_checkpoint(str(path))
@@ -196,7 +191,7 @@ class Trainer:
             metrics.update(self.ctl.update(metrics, self.cfg.data.batch_size))
             tokens += metrics.get("response/tokens", 0.0)
             step_time += dt
-            busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in PHASES if p != "sync") + metrics.get("timing/sync_s", 0.0)
+            busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in PHASES)
             metrics.update({"timing/step_s": dt, "timing/overhead_s": max(0.0, dt - busy),
                             "perf/tokens_per_s": metrics.get("response/tokens", 0.0) / dt})
             if self.step % tc.eval_every == 0 or self.step == tc.total_steps:

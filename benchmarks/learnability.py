@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
@@ -59,10 +58,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.config import ActorConfig, ModelConfig, OptimConfig, RLConfig, rl_config
+from asyncrl.config import ActorConfig, ModelConfig, RLConfig, rl_config
+from asyncrl.engine import lr_multiplier
 from asyncrl.launch import load_config
 from daemons.proc import kill_group
-from objectstore.segments import SEGMENT_PREFIX, SHM_DIR, list_segments
+from objectstore import remove_stale_segments
 
 CONFIG = "quickstart"
 GAIN_TARGET = 0.2  # the held-out reward rise the quickstart is expected to show (README)
@@ -87,63 +87,6 @@ def first_gain_step(evals: list[tuple[int, float]], target: float = GAIN_TARGET)
 # ---- asyncrl, as users run it --------------------------------------------------------------------
 
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every process (Linux /proc; empty elsewhere)."""
-    table = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        table[int(entry)] = (int(fields[1]), fields[19])
-    return table
-
-
-def _tree(root: int) -> dict[int, str]:
-    """`root` and its descendants, as pid -> start time (the pair names a process, not its pid)."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in found:
-            found[pid] = table[pid][1]
-            todo.extend(children.get(pid, []))
-    return found
-
-
-def _alive(pid: int, start: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[19] == start and fields[0] != "Z"
-
-
-def _clean_up(seen: dict[int, str]) -> None:
-    """Kill what is left of the run's processes (workers live in sessions of their own) and remove
-    the shared-memory segments of the ones that died without closing their store."""
-    for pid, start in seen.items():
-        if _alive(pid, start):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 10
-    while any(_alive(p, s) for p, s in seen.items()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for name in list_segments():
-        owner = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and int(owner) in seen and not _alive(int(owner), seen[int(owner)]):
-            Path(SHM_DIR, name).unlink(missing_ok=True)
-
-
 def run_asyncrl(overrides: list[str], cfg: RLConfig, workdir: Path, timeout_s: float) -> dict[str, Any]:
     """The quickstart in a subprocess; its held-out curve, summary and wall seconds."""
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", CONFIG, *overrides]
@@ -151,22 +94,21 @@ def run_asyncrl(overrides: list[str], cfg: RLConfig, workdir: Path, timeout_s: f
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(workdir / "state")}
     stdout, stderr = workdir / "launch.stdout", workdir / "launch.stderr"
     proc: subprocess.Popen | None = None
-    seen: dict[int, str] = {}
     t0 = time.monotonic()
     try:
         with stdout.open("w") as out, stderr.open("w") as err:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err,
                                     start_new_session=True)
         while proc.poll() is None:
-            seen.update(_tree(proc.pid))
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the quickstart ran past --timeout-s={timeout_s:.0f}")
             time.sleep(0.5)
         wall = time.monotonic() - t0
     finally:
         if proc is not None:
-            kill_group(proc, grace_s=15)  # SIGTERM: the launcher stops its workers and cleans up
-        _clean_up(seen)
+            # SIGTERM: the launcher stops its workers (which also die with their node daemon)
+            kill_group(proc, grace_s=15)
+        remove_stale_segments()  # shared memory of stores that were killed before closing
     if proc.returncode != 0:
         tail = "\n".join(stderr.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
@@ -262,16 +204,6 @@ def clipped_loss(logp, old_logp, adv, mask, ac: ActorConfig, norm_len: int) -> t
     return aggregate(loss, mask, ac.loss_agg_mode, norm_len)
 
 
-def lr_factor(step: int, oc: OptimConfig) -> float:
-    """Linear warmup, then constant (total_steps 0) or cosine down to min_lr_ratio."""
-    if step < oc.warmup_steps:
-        return (step + 1) / oc.warmup_steps
-    if oc.total_steps <= 0:
-        return 1.0
-    progress = min(1.0, (step - oc.warmup_steps) / max(1, oc.total_steps - oc.warmup_steps))
-    return oc.min_lr_ratio + (1 - oc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def check_reference_supports(cfg: RLConfig) -> None:
     """Refuse settings the reference loop would otherwise silently ignore."""
     unsupported = {
@@ -323,7 +255,7 @@ def run_reference(cfg: RLConfig, workdir: Path, threads: int, log: Callable[[str
     oc = ac.optim
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps,
                             weight_decay=oc.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, oc))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, oc))
     gen = torch.Generator().manual_seed(cfg.seed)
     eos, pad = tok.eos_token_id, tok.pad_token_id
 
