@@ -22,7 +22,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.parallel import ParallelConfig
+from asyncrl.parallel import (
+    GenerationParallelConfig,
+    LayoutError,
+    ParallelConfig,
+    ParallelLayout,
+    generation_layout,
+)
 from daemons.errors import ConfigError
 from daemons.node import DEFAULT_SHM_POOL_BYTES
 
@@ -160,6 +166,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 6  # the generation budget; also Dr.GRPO's constant length normaliser
+    # generation model parallelism (HybridFlow's pg, tg); must divide actor.parallel's pp, tp
+    parallel: GenerationParallelConfig = field(default_factory=GenerationParallelConfig)
 
     def check(self, at: str) -> None:
         _positive(at + "n", self.n)
@@ -368,10 +376,31 @@ class RLConfig(LaunchConfig):
         if self.algorithm.name != "grpo" and self.algorithm.estimator != "grpo":
             raise ConfigError(f"bad configuration: {at}algorithm.estimator={self.algorithm.estimator!r} only "
                               f"applies to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
+        self._check_layouts(at)
         if self.cost_model.enable and self.reward.cost_fn:
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
                               "cost model (or cost_model.enable=false for the rule)")
+
+
+    def _check_layouts(self, at: str) -> None:
+        """The actor/critic layouts fit trainer.n_workers; the generation layout fits the actor's."""
+        try:
+            for role in ("actor", "critic"):
+                par = getattr(self, role).parallel
+                if par.pp > 1:
+                    raise LayoutError(f"{at}{role}.parallel.pp={par.pp}: pipeline-parallel training is not "
+                                      "supported yet (torch.distributed.pipelining; see the README); use "
+                                      "tensor parallelism (parallel.tp) and data parallelism instead")
+                try:
+                    layout = ParallelLayout.from_config(par, self.trainer.n_workers)
+                except LayoutError as e:
+                    raise LayoutError(f"{at}{role}.{e} (trainer.n_workers={self.trainer.n_workers})") from None
+                if role == "actor":
+                    generation_layout(layout, self.rollout.parallel, at=f"{at}rollout.parallel",
+                                      train_at=f"{at}actor.parallel")
+        except LayoutError as e:
+            raise ConfigError(f"bad configuration: {e}") from None
 
 
 @dataclass

@@ -8,8 +8,15 @@ ranks' outputs count) and the worker (it owns the torch `DeviceMesh` and hands o
 sub-meshes to `apply_fsdp` and, later, `apply_tp`).
 
 Ranks are laid out row-major over the dims, outer to inner: pp, dp, tp (tensor parallel
-innermost, so a TP group is neighbouring ranks). Other layouts (the hybrid engine's rollout
-layout dp × micro_dp × tp) name their own dims with `ParallelLayout.of`.
+innermost, so a TP group is neighbouring ranks). Other layouts name their own dims with
+`ParallelLayout.of`.
+
+The generation layout (HybridFlow §5.3, `generation_layout`) re-reads the same ranks as
+pg × micro_pp × dp × tg × micro_tp: a training TP coordinate `tp = g·(t/tg) + m` splits into
+the generation TP coordinate g (ranks at stride t/tg form a generation TP group) and the
+micro-DP coordinate m (consecutive ranks form a micro-DP group), the same for pp. Every rank's
+generation shard then *contains* its training shard, and the reshard is one all-gather inside
+each micro-DP group.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from typing import Any
 TRAIN = "train"
 ROLLOUT = "rollout"
 TRAIN_DIMS = ("pp", "dp", "tp")
+GENERATION_DIMS = ("pp", "micro_pp", "dp", "tp", "micro_tp")
+MICRO_DP_DIMS = ("micro_pp", "micro_tp")
+# the dims a batch splits over (absent dims count as size 1); user layouts may name "micro_dp"
+DATA_DIMS = ("dp", "micro_dp", "micro_pp", "micro_tp")
 
 
 class LayoutError(ValueError):
@@ -34,6 +45,15 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     dp: int = 0
+
+
+@dataclass
+class GenerationParallelConfig:
+    """The rollout engine's model parallelism (HybridFlow's pg, tg); its micro-DP size is
+    derived: dg = (actor pp·tp) / (pp·tp)."""
+
+    pp: int = 1
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -139,21 +159,39 @@ class ParallelLayout:
     def data_shards(self, data_dims: tuple[str, ...] = ("dp",)) -> int:
         return math.prod(self.size(d) for d in data_dims)
 
-    def is_collect_rank(self, rank: int) -> bool:
+    def is_collect_rank(self, rank: int, data_dims: tuple[str, ...] = DATA_DIMS) -> bool:
         """Whether `rank`'s output represents its data shard: every non-data dim at 0, except
         pp at its last stage (where the outputs are)."""
-        return self.collect_rank_of(rank) == rank
+        return self.collect_rank_of(rank, data_dims) == rank
 
-    def collect_rank_of(self, rank: int, data_dims: tuple[str, ...] = ("dp", "micro_dp")) -> int:
+    def collect_rank_of(self, rank: int, data_dims: tuple[str, ...] = DATA_DIMS) -> int:
         c = self.coords(rank)
         want = {d: (self.size(d) - 1 if d == "pp" else 0) if d not in data_dims else c[d]
                 for d in self.dims}
         return self.rank_of(want)
 
-    def collect_ranks(self, data_dims: tuple[str, ...] = ("dp", "micro_dp")) -> list[int]:
+    def collect_ranks(self, data_dims: tuple[str, ...] = DATA_DIMS) -> list[int]:
         """One rank per data shard, in shard order: the ranks whose outputs the driver keeps."""
         ranks = sorted({self.collect_rank_of(r, data_dims) for r in range(self.world_size)})
         return sorted(ranks, key=lambda r: self.data_index(r, tuple(d for d in data_dims if d in self.dims)))
+
+    def groups(self, vary: tuple[str, ...]) -> list[list[int]]:
+        """The partition of all ranks into groups that differ only along the dims in `vary`
+        (each group in row-major order of `vary`), e.g. `groups(("tp",))` = the TP groups."""
+        unknown = [d for d in vary if d not in self.dims]
+        if unknown:
+            raise LayoutError(f"layout {self.name!r} ({self.describe()}) has no dims {unknown}")
+        out: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            out.setdefault(tuple(c[d] for d in self.dims if d not in vary), []).append(rank)
+        for ranks in out.values():
+            ranks.sort(key=lambda r: [self.coord(r, d) for d in vary])
+        return sorted(out.values())
+
+    def group_of(self, rank: int, vary: tuple[str, ...]) -> list[int]:
+        """The group of `groups(vary)` that holds `rank`."""
+        return next(g for g in self.groups(vary) if rank in g)
 
     def rank_of(self, coords: dict[str, int]) -> int:
         rank = 0
@@ -204,9 +242,29 @@ class ParallelLayout:
         return cls(tuple(v["dims"]), tuple(v["sizes"]), v["name"])
 
 
+def generation_layout(train: ParallelLayout, cfg: GenerationParallelConfig,
+                      at: str = "rollout.parallel", train_at: str = "actor.parallel") -> ParallelLayout:
+    """The pg-tg-dg-d generation layout over a p-t-d training layout's ranks (module docstring).
+
+    tg must divide t and pg divide p (so the generation shard of a rank contains its training
+    shard); the micro-DP size is (t/tg)·(p/pg).
+    """
+    p, d, t = train.size("pp"), train.size("dp"), train.size("tp")
+    for dim, gen, tr in (("tp", cfg.tp, t), ("pp", cfg.pp, p)):
+        if gen < 1:
+            raise LayoutError(f"{at}.{dim}={gen}: must be >= 1")
+        if tr % gen:
+            fits = [k for k in range(1, tr + 1) if tr % k == 0]
+            raise LayoutError(f"{at}.{dim}={gen} must divide {train_at}.{dim}={tr} (each generation "
+                              f"shard is built from whole training shards); choose {at}.{dim} among {fits}")
+    return ParallelLayout.of(train.world_size, ROLLOUT, pp=cfg.pp, micro_pp=p // cfg.pp, dp=d,
+                             tp=cfg.tp, micro_tp=t // cfg.tp)
+
+
 def pure_dp(world_size: int) -> ParallelLayout:
     """Every rank its own data shard (the default layout of a group)."""
     return ParallelLayout.from_config(ParallelConfig(), world_size)
 
 
-__all__ = ["ROLLOUT", "TRAIN", "LayoutError", "ParallelConfig", "ParallelLayout", "pure_dp"]
+__all__ = ["DATA_DIMS", "GENERATION_DIMS", "MICRO_DP_DIMS", "ROLLOUT", "TRAIN", "GenerationParallelConfig",
+           "LayoutError", "ParallelConfig", "ParallelLayout", "generation_layout", "pure_dp"]

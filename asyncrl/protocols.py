@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncrl.batch import Batch
 from asyncrl.distbatch import DistBatch
-from asyncrl.parallel import ROLLOUT, TRAIN, ParallelLayout, pure_dp
+from asyncrl.parallel import DATA_DIMS, ROLLOUT, TRAIN, ParallelLayout, pure_dp
 
 ONE_TO_ALL = "ONE_TO_ALL"
 DP_PROTO = "DP_PROTO"
@@ -182,7 +182,7 @@ def _three_d(layout_name: str, data_dims: tuple[str, ...]) -> Callable[[CallCont
 def _collect_3d(ctx: CallContext, outputs: dict[int, Any]) -> Any:
     layout, dims = ctx.state["layout"], ctx.state["data_dims"]
     keep = {layout.data_index(r, dims): outputs[r] for r in sorted(outputs)
-            if layout.is_collect_rank(r)}
+            if layout.is_collect_rank(r, dims)}
     return gather(ctx, [keep[i] for i in sorted(keep)])
 
 
@@ -199,7 +199,8 @@ register_protocol(ALL_TO_ALL, _all_to_all, lambda ctx, out: _in_rank_order(out))
 register_protocol(RANK_ZERO, lambda ctx, a, k: {0: (a, k)}, lambda ctx, out: out[0])
 register_protocol(DP_PROTO, _dp, lambda ctx, out: gather(ctx, _in_rank_order(out)))
 register_protocol(THREE_D_PROTO, _three_d(TRAIN, ("dp",)), _collect_3d)
-# Generation meshes split each training model-parallel group into micro-DP groups (HybridFlow
-# §5): data goes to every (dp, micro_dp) group and is broadcast inside it.
-register_protocol(THREE_D_ALL_MICRO_DP, _three_d(ROLLOUT, ("dp", "micro_dp")), _collect_3d)
+# Generation layouts split each training model-parallel group into micro-DP groups (HybridFlow
+# §5.3): data splits over dp × micro-DP, is broadcast inside each generation TP group, and
+# comes back from generation-TP rank 0 of the last generation stage.
+register_protocol(THREE_D_ALL_MICRO_DP, _three_d(ROLLOUT, DATA_DIMS), _collect_3d)
 register_protocol(THREE_D_PP_ONLY, _all, _collect_pp_only)
