@@ -149,14 +149,14 @@ class ParallelLayout:
     def dp_rank(self, rank: int) -> int:
         return self.coord(rank, "dp")
 
-    def data_index(self, rank: int, data_dims: tuple[str, ...] = ("dp",)) -> int:
+    def data_index(self, rank: int, data_dims: tuple[str, ...] = DATA_DIMS) -> int:
         """Which data shard `rank` gets when the batch splits over the product of `data_dims`."""
         c, index = self.coords(rank), 0
         for d in data_dims:
             index = index * self.size(d) + c.get(d, 0)
         return index
 
-    def data_shards(self, data_dims: tuple[str, ...] = ("dp",)) -> int:
+    def data_shards(self, data_dims: tuple[str, ...] = DATA_DIMS) -> int:
         return math.prod(self.size(d) for d in data_dims)
 
     def is_collect_rank(self, rank: int, data_dims: tuple[str, ...] = DATA_DIMS) -> bool:

@@ -149,7 +149,8 @@ def score(
 class RolloutEngine:
     """Generates responses from a causal LM it holds by reference (shares weights with a trainer
     in the in-process hybrid case; `load_weights` refreshes them otherwise). The model is moved
-    to `device`, and switched to eval mode only for the duration of a `generate` call."""
+    to `device` (unless its weights are bound later, as `asyncrl.rollout.tp.GenerationModel`'s
+    are), and switched to eval mode only for the duration of a `generate` call."""
 
     def __init__(
         self,
@@ -160,7 +161,8 @@ class RolloutEngine:
         device: str | torch.device = "cpu",
     ) -> None:
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        weightless = any(p.is_meta for p in model.parameters())
+        self.model = model if weightless else model.to(self.device)
         self.eos_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.pad_token_id = pad_token_id
 

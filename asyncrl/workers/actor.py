@@ -1,9 +1,11 @@
-"""ActorRolloutRef: the policy (FSDP2-trained), its rollout engine and the frozen reference
-policy, colocated in one process per device (HybridFlow's hybrid engine).
+"""ActorRolloutRef: the policy (trained with TP × FSDP2), its rollout engine and the frozen
+reference policy, colocated in one process per device (HybridFlow's 3D-HybridEngine).
 
-The rollout engine holds a full, unsharded copy of the policy; after every actor update the
-trained weights are all-gathered from the FSDP shards and loaded into it in place (the hybrid
-engine's trivial resharding: training DP shards -> a full replica per generation rank).
+The actor trains in the `actor.parallel` layout (p-t-d); generation runs in the `pg-tg-dg-d`
+layout of `rollout.parallel` over the same ranks (`asyncrl.parallel.generation_layout`). The
+rollout engine owns no weights: before generating, each micro-DP group all-gathers its training
+shards into the generation shards (`asyncrl.engine.reshard`), which the weightless generation
+model binds without a copy; before the next training step they are released.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from asyncrl.algorithms import core
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy, rng_state, set_rng_state
+from asyncrl.engine.reshard import Resharder
 from asyncrl.metrics import timed
-from asyncrl.parallel import ParallelLayout
-from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
+from asyncrl.parallel import ParallelLayout, generation_layout
+from asyncrl.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
 from asyncrl.rollout import RolloutEngine, SamplingParams
+from asyncrl.rollout.tp import GenerationModel
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import response_forward
 from asyncrl.workers.process import load_causal_lm, setup_process
@@ -49,10 +53,14 @@ class ActorRolloutRefWorker(Worker):
         self.ref: TrainEngine | None = None
         self.rollout: RolloutEngine | None = None
         base = load_causal_lm(cfg.model.path)
-        if "rollout" in self.roles:
+        layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size))
+        self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
+        if "rollout" in self.roles and "actor" not in self.roles:  # a generation-only copy of the weights
+            if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
+                raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
+                                 "and actor.parallel.tp=1, or host the actor in the same worker")
             self.rollout = RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device)
-        layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size))
         mp = mixed_precision_policy(self.device)
         if "ref" in self.roles:
             self.ref = TrainEngine(apply_fsdp(copy.deepcopy(base), layout.submesh("dp"), mp), layout,
@@ -60,24 +68,51 @@ class ActorRolloutRefWorker(Worker):
         if "actor" in self.roles:
             self.actor = TrainEngine(apply_fsdp(base, layout.submesh("dp"), mp), layout, optim=cfg.actor.optim,
                                      device=self.device)
-        self.rollout_stale = False
+        self.resharder: Resharder | None = None
+        self.generation: GenerationModel | None = None
+        if "rollout" in self.roles and self.actor is not None:
+            self.resharder = Resharder(self.actor.model, layout, self.gen_layout)
+            self.generation = GenerationModel(base.config, self.actor.model, self._generation_tp_group())
+            self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
+                                         pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        # sampling: one stream per data shard, so the ranks of a generation TP group draw alike
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(
+            cfg.seed * 1000 + self.gen_layout.data_index(self.rank))
         self.update_steps = 0
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + self.rank)
 
     # rollout -----------------------------------------------------------------------------------
-    def _sync_rollout_weights(self) -> None:
-        if self.rollout is not None and self.actor is not None and self.rollout_stale:
-            self.rollout.load_weights(self.actor.full_state_dict(rank0_only=False))
-            self.rollout_stale = False
+    def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:
+        """Create every generation TP group (a collective) and return this rank's."""
+        mine = None
+        for ranks in self.gen_layout.groups(("tp",)):
+            group = torch.distributed.new_group(sorted(ranks)) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                mine = group
+        return mine
 
-    @register(DP_PROTO)
+    def _bind_generation_weights(self) -> None:
+        """Reshard the training weights into this rank's generation shard (a collective over the
+        group), unless the bound ones are still current."""
+        if self.generation is not None and not self.generation.bound:
+            self.generation.bind(self.resharder.reshard())
+
+    def _release_generation_weights(self) -> None:
+        """Before training: drop the generation shards (the next generate reshards again)."""
+        if self.generation is not None and self.generation.bound:
+            self.generation.unbind()
+            self.resharder.release()
+
+    @register(THREE_D_ALL_MICRO_DP)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample responses for this rank's prompts; returns B*n rows with per-token log-probs.
 
-        prompts.meta may override sampling: n, temperature, top_p, top_k, max_tokens, greedy.
+        Prompts split over dp × micro-DP and are the same on every rank of a generation TP
+        group; the outputs of generation-TP rank 0 are kept. prompts.meta may override
+        sampling: n, temperature, top_p, top_k, max_tokens, greedy, seed.
         """
         t0 = time.perf_counter()
-        self._sync_rollout_weights()
+        self._bind_generation_weights()
         t1 = time.perf_counter()
         rc = self.cfg.rollout
         over = {k: v for k, v in prompts.meta.items() if k in SAMPLING_KEYS}
@@ -86,8 +121,9 @@ class ActorRolloutRefWorker(Worker):
                                 max_tokens=int(over.get("max_tokens", rc.max_tokens)), n=int(over.get("n", rc.n)),
                                 greedy=bool(over.get("greedy", False)))
         seed = prompts.meta.get("seed")
-        gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + self.rank)
-               if seed is not None else None)
+        shard = self.gen_layout.data_index(self.rank)
+        gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + shard)
+               if seed is not None else self.sample_gen)
         out = _pad_responses(self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params,
                                                    generator=gen), params.max_tokens, self.tokenizer.pad_token_id)
         rest = prompts.select(*prompts.non_tensors, meta=True)
@@ -114,21 +150,21 @@ class ActorRolloutRefWorker(Worker):
         logp = torch.cat(logps) if logps else torch.zeros(0)
         return logp, (torch.cat(ents) if with_entropy and ents else None)
 
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     @timed("old_log_prob")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Current policy log-probs of the responses (`old_log_probs`) and their entropy."""
         logp, ent = self._log_probs(self.actor, batch, with_entropy=True)
         return Batch({"old_log_probs": logp, "entropy": ent})
 
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     @timed("ref_log_prob")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         logp, _ = self._log_probs(self.ref, batch, with_entropy=False)
         return Batch({"ref_log_prob": logp})
 
     # training ------------------------------------------------------------------------------------
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     @timed("update_actor")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates."""
@@ -157,14 +193,14 @@ class ActorRolloutRefWorker(Worker):
                 metrics["actor/kl_loss"] = kl.detach()
             return loss, metrics
 
+        self._release_generation_weights()
         out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
         self.update_steps += 1
-        self.rollout_stale = True
         out["actor/lr"] = out.pop("lr", 0.0)
         out["actor/grad_norm"] = out.pop("grad_norm", 0.0)
         return out
 
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     @timed("update_pretrain")
     def update_pretrain(self, batch: Batch) -> dict[str, float]:
         """One SFT step on response tokens, its loss scaled by actor.pretrain_coef (Safe-RLHF's ptx)."""
@@ -175,11 +211,11 @@ class ActorRolloutRefWorker(Worker):
             nll = -core.masked_mean(logp, mb["response_mask"].float())
             return coef * nll * (len(mb) / rows), {"actor/pretrain_loss": nll.detach()}
 
+        self._release_generation_weights()
         out = self.actor.train_step(micro_batches(batch, self.cfg.actor.micro_batch_size), loss_fn)
-        self.rollout_stale = True
         return {"actor/pretrain_loss": out["actor/pretrain_loss"]}
 
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     def compute_loss(self, batch: Batch) -> dict[str, float]:
         """Pretrain/SFT loss (mean negative log-likelihood of response tokens), no update."""
         logp, _ = self._log_probs(self.actor, batch, with_entropy=False)
@@ -190,20 +226,22 @@ class ActorRolloutRefWorker(Worker):
     @register(ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         extra = {**(extra or {}), "rng": rng_state(), "update_steps": self.update_steps,
-                 "shuffle_gen": self.shuffle_gen.get_state()}
+                 "shuffle_gen": self.shuffle_gen.get_state(), "sample_gen": self.sample_gen.get_state()}
         self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer)
         return str(Path(path) / "actor" / "hf")
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
+        self._release_generation_weights()
         extra = self.actor.load_checkpoint(Path(path) / "actor") or {}
         if "rng" in extra:
             set_rng_state(extra["rng"])
         if "shuffle_gen" in extra:
             self.shuffle_gen.set_state(extra["shuffle_gen"])
+        if "sample_gen" in extra:
+            self.sample_gen.set_state(extra["sample_gen"])
         self.update_steps = int(extra.get("update_steps", 0))
-        self.rollout_stale = True
-        return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen")}
+        return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
 
 
 def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,75 @@
+"""Run a function on N spawned gloo CPU ranks and collect what each returns (tests only).
+
+`run_ranks(fn, world_size, out_dir)` starts `fn(rank, world_size, out_dir)` in `world_size`
+spawned processes with the rendezvous env set, waits (stopping every rank as soon as one
+fails: the others would wait in a collective forever), reaps every process, and returns the
+per-rank results, or fails the test with each rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable[[int, int, Path], Any], rank: int, world_size: int, port: int, out_dir: str) -> None:
+    try:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        if world_size > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        else:  # a lone process needs no rendezvous
+            os.environ.pop("MASTER_ADDR", None)
+            os.environ.pop("MASTER_PORT", None)
+        torch.set_num_threads(1)
+        torch.save(fn(rank, world_size, Path(out_dir)), Path(out_dir) / f"result{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[[int, int, Path], Any], world_size: int, out_dir: Path,
+              timeout_s: float = 100) -> list[Any]:
+    """`fn`'s result on every rank, in rank order; every process is reaped on return."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, str(out_dir)), daemon=True)
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    errors = [f.read_text() for f in sorted(out_dir.glob("error*.txt"))]
+    codes = [p.exitcode for p in procs]
+    if errors or any(codes):
+        pytest.fail(f"rank exit codes {codes} (-9: killed because a peer failed or the job ran past "
+                    f"{timeout_s}s)\n" + "\n".join(errors))
+    return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
