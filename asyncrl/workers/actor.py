@@ -19,7 +19,13 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy, rng_state, set_rng_state
+from asyncrl.engine import (
+    TrainEngine,
+    mixed_precision_policy,
+    parallelize,
+    rng_state,
+    set_rng_state,
+)
 from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
@@ -55,14 +61,15 @@ class ActorRolloutRefWorker(Worker):
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size))
         mp = mixed_precision_policy(self.device)
         if "ref" in self.roles:
-            self.ref = TrainEngine(apply_fsdp(copy.deepcopy(base), layout.submesh("dp"), mp), layout,
+            self.ref = TrainEngine(parallelize(copy.deepcopy(base), layout, mp), layout,
                                    optim=None, device=self.device)
         if "actor" in self.roles:
-            self.actor = TrainEngine(apply_fsdp(base, layout.submesh("dp"), mp), layout, optim=cfg.actor.optim,
+            self.actor = TrainEngine(parallelize(base, layout, mp), layout, optim=cfg.actor.optim,
                                      device=self.device)
         self.rollout_stale = False
         self.update_steps = 0
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + self.rank)
+        # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
 
     # rollout -----------------------------------------------------------------------------------
     def _sync_rollout_weights(self) -> None:
