@@ -11,15 +11,20 @@ from asyncrl.engine.fsdp import (
     rng_state,
     set_rng_state,
 )
+from asyncrl.engine.parallelize import parallelize
+from asyncrl.engine.tp import apply_tp, check_tp
 
 __all__ = [
     "EngineError",
     "OptimConfig",
     "TrainEngine",
     "apply_fsdp",
+    "apply_tp",
+    "check_tp",
     "init_distributed",
     "lr_multiplier",
     "mixed_precision_policy",
+    "parallelize",
     "rng_state",
     "set_rng_state",
 ]

@@ -1,9 +1,10 @@
 """Training backend: PyTorch FSDP2 (`fully_shard`) over torch.distributed.
 
-Parallelism is applied by plain functions before the engine is built, torchtitan style:
+Parallelism is applied by plain functions before the engine is built, torchtitan style
+(`asyncrl.engine.parallelize` runs `apply_tp` over the tp dim, then `apply_fsdp` over dp):
 
     layout = ParallelLayout.from_config(cfg.parallel, world_size)
-    model = apply_fsdp(model, layout.submesh("dp"), mixed_precision_policy(device))
+    model = parallelize(model, layout, mixed_precision_policy(device))
     engine = TrainEngine(model, layout, optim=OptimConfig(...))
 
 gloo on CPU, NCCL on GPU. Every method of `TrainEngine` except `rng_state`/`set_rng_state` is a
@@ -36,11 +37,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.distributed.tensor import DTensor, Replicate
 
 from asyncrl.config import OptimConfig
-from asyncrl.parallel import ParallelLayout
+from asyncrl.parallel import ParallelLayout, pure_dp
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,9 @@ def tied_parameter_names(model: nn.Module) -> set[str]:
 
 
 class TrainEngine:
-    """An already-parallelised model (see `apply_fsdp`) with AdamW over its local shards, the
-    train step, and checkpoints; its collectives run over `layout`'s dp sub-mesh.
+    """An already-parallelised model (see `parallelize`) with AdamW over its local shards, the
+    train step, and checkpoints. Gradients and metrics are averaged over `layout`'s dp
+    sub-mesh: the ranks of one TP group see the same rows and hold the same metrics.
 
     With `optim=None` the engine is inference-only (e.g. a reference model): parameters are
     frozen and no optimizer state is allocated.
@@ -200,13 +201,14 @@ class TrainEngine:
 
         `loss_fn(model, micro_batch)` returns `(loss, metrics)`. The loss must already be scaled
         for this micro-batch: gradients are summed over micro-batches and then *averaged* over
-        ranks by FSDP, so with equal rows per rank scale a per-micro-batch mean by
+        the dp ranks by FSDP, so with equal rows per dp rank scale a per-micro-batch mean by
         `micro_rows / rank_rows` (for a global token mean with unequal counts per rank, scale a
-        token sum by `world_size / global_tokens`). All ranks must pass the same number of
-        micro-batches and return the same metric names.
+        token sum by `dp_size / global_tokens`). All ranks must pass the same number of
+        micro-batches and return the same metric names; the ranks of one TP group must pass the
+        same rows.
 
         Returns the summed scaled loss (`loss`, i.e. the rank's objective), the metrics averaged
-        over micro-batches, all averaged over ranks, plus the pre-clip `grad_norm`, the `lr`
+        over micro-batches, all averaged over dp ranks, plus the pre-clip `grad_norm`, the `lr`
         used and `skipped` (1.0 when a non-finite grad norm skipped the update).
         """
         if self.optimizer is None or self.scheduler is None or self.optim_config is None:
@@ -234,7 +236,7 @@ class TrainEngine:
             log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
         self.optimizer.zero_grad(set_to_none=True)
 
-        # One collective for every logged number.
+        # One collective for every logged number; TP peers hold equal values, so dp suffices.
         names = sorted(metric_sums)
         packed = torch.stack([loss_sum] + [metric_sums[k] / len(micro_batches) for k in names])
         dist.all_reduce(packed, group=self.mesh.get_group())
@@ -248,12 +250,12 @@ class TrainEngine:
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
             return torch.zeros((), device=self.device)
-        total = get_total_norm(grads, norm_type=2.0)
-        if isinstance(total, DTensor):
-            # The per-shard norms are partial; full_tensor() all-reduces them into the global one.
-            total = total.full_tensor()
+        total = global_grad_norm(grads).to(self.device)
         if max_norm > 0 and torch.isfinite(total):
-            clip_grads_with_norm_(self._params, max_norm, total)
+            # torch's clip_grads_with_norm_ formula, applied to the local shards in place
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            with torch.no_grad():
+                torch._foreach_mul_([_local(g) for g in grads], coef)
         return total
 
     # -- state dicts and checkpoints -----------------------------------------------------------
@@ -279,16 +281,17 @@ class TrainEngine:
 
         Layout: `dcp/` (torch.distributed.checkpoint: sharded model + optimizer; every rank
         writes its shards, rank 0 the metadata, so `path` must be on a filesystem all ranks
-        share when they span nodes), `rank{r}.pt` (scheduler state and `extra`, per rank, so
-        per-rank RNG state round-trips), `hf/` (config, model.safetensors, tokenizer).
-        `extra` must hold tensors and plain Python containers/scalars (loaded weights_only).
+        share when they span nodes), `rank{r}.pt` (the parallel layout, scheduler state and
+        `extra`, per rank, so per-rank RNG state round-trips), `hf/` (config,
+        model.safetensors, tokenizer). `extra` must hold tensors and plain Python
+        containers/scalars (loaded weights_only).
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         dcp.save(self._sharded_state(), checkpoint_id=path / "dcp")
         torch.save(
             {
-                "world_size": self.mesh.size(),
+                "layout": self.layout.to_wire(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "extra": extra,
             },
@@ -297,21 +300,20 @@ class TrainEngine:
         full = self.full_state_dict(rank0_only=True)
         if self.rank == 0:
             self._export_hf(path / "hf", full, tokenizer)
-        dist.barrier(group=self.mesh.get_group())
+        dist.barrier()  # the default group is the layout's ranks (ParallelLayout.device_mesh)
         log.info("saved checkpoint %s", path)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
-        """Restore model, optimizer and scheduler from `save_checkpoint(path)`; return its extra."""
+        """Restore model, optimizer and scheduler from `save_checkpoint(path)`; return its extra.
+
+        The checkpoint may come from another layout (tp/dp split, even world size): DCP
+        reshards the model and optimizer onto this one. The per-rank part (scheduler and
+        `extra`, e.g. RNG states) is each rank's own only when the layout is the same; otherwise
+        every rank gets rank 0's, so ranks that must agree (a TP group's shuffles) do, and
+        per-rank RNG streams are not restored.
+        """
         path = Path(path)
-        meta_path = path / f"rank{self.rank}.pt"
-        if not meta_path.exists():
-            raise EngineError(f"no {meta_path}: not a checkpoint written by TrainEngine.save_checkpoint")
-        meta = torch.load(meta_path, weights_only=True)
-        if meta["world_size"] != self.mesh.size():
-            raise EngineError(
-                f"checkpoint {path} was written by {meta['world_size']} ranks, this job has "
-                f"{self.mesh.size()}; resume with the same world size"
-            )
+        meta = self._read_meta(path)
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=path / "dcp")
         if self.optimizer is not None:
@@ -327,6 +329,22 @@ class TrainEngine:
             self.scheduler.load_state_dict(meta["scheduler"])
         log.info("loaded checkpoint %s", path)
         return meta["extra"]
+
+    def _read_meta(self, path: Path) -> dict[str, Any]:
+        """This rank's `rank{r}.pt` when `path` was saved in this layout, else rank 0's."""
+        first = path / "rank0.pt"
+        if not first.exists():
+            raise EngineError(f"no {first}: not a checkpoint written by TrainEngine.save_checkpoint")
+        meta = torch.load(first, weights_only=True)
+        # checkpoints from before layouts were recorded are pure-DP ones of `world_size` ranks
+        saved = ParallelLayout.from_wire(meta["layout"]) if "layout" in meta else pure_dp(meta["world_size"])
+        if saved == self.layout:
+            return meta if self.rank == 0 else torch.load(path / f"rank{self.rank}.pt", weights_only=True)
+        if self.rank == 0:
+            log.warning("checkpoint %s was saved in layout %s, this job is %s: resharding the model "
+                        "and optimizer; every rank resumes rank 0's scheduler and extra state "
+                        "(per-rank RNG is not restored)", path, saved.describe(), self.layout.describe())
+        return meta
 
     def _sharded_state(self) -> dict[str, Any]:
         if self.optimizer is None:
@@ -360,6 +378,43 @@ class TrainEngine:
     @staticmethod
     def set_rng_state(state: dict[str, Any]) -> None:
         set_rng_state(state)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def global_grad_norm(grads: list[Tensor]) -> Tensor:
+    """The L2 norm of `grads`, DTensors that may live on different meshes (FSDP+TP puts matrices
+    on ('dp', 'tp') and norms on ('dp',)); a collective whose result every rank shares.
+
+    Each local shard's sum of squares is summed over the mesh dims its tensor is split along,
+    not those it is replicated on. (torch's get_total_norm stacks per-tensor norms, which
+    needs one mesh.)
+    """
+    groups: dict[str, dist.ProcessGroup] = {}
+    split_over: list[frozenset[str]] = []
+    squares: list[Tensor] = []
+    for g in grads:
+        names: set[str] = set()
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):
+                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+            for dim, placement in enumerate(g.placements):
+                if not placement.is_replicate():  # Shard or FSDP's _StridedShard
+                    group = g.device_mesh.get_group(dim)
+                    groups[group.group_name] = group
+                    names.add(group.group_name)
+        split_over.append(frozenset(names))
+        squares.append(torch.linalg.vector_norm(_local(g), dtype=torch.float32).square())
+    # one collective per process group over the stacked sums of squares of those split over it
+    sums = torch.stack(squares)
+    for name, group in groups.items():
+        mask = torch.tensor([name in s for s in split_over], device=sums.device)
+        part = torch.where(mask, sums, 0.0)
+        dist.all_reduce(part, group=group)
+        sums = torch.where(mask, part, sums)
+    return sums.sum().sqrt()
 
 
 def rng_state() -> dict[str, Any]:

@@ -21,7 +21,13 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy, rng_state, set_rng_state
+from asyncrl.engine import (
+    TrainEngine,
+    mixed_precision_policy,
+    parallelize,
+    rng_state,
+    set_rng_state,
+)
 from asyncrl.engine.reshard import Resharder
 from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelLayout, generation_layout
@@ -63,10 +69,10 @@ class ActorRolloutRefWorker(Worker):
                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         mp = mixed_precision_policy(self.device)
         if "ref" in self.roles:
-            self.ref = TrainEngine(apply_fsdp(copy.deepcopy(base), layout.submesh("dp"), mp), layout,
+            self.ref = TrainEngine(parallelize(copy.deepcopy(base), layout, mp), layout,
                                    optim=None, device=self.device)
         if "actor" in self.roles:
-            self.actor = TrainEngine(apply_fsdp(base, layout.submesh("dp"), mp), layout, optim=cfg.actor.optim,
+            self.actor = TrainEngine(parallelize(base, layout, mp), layout, optim=cfg.actor.optim,
                                      device=self.device)
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
@@ -79,7 +85,8 @@ class ActorRolloutRefWorker(Worker):
         self.sample_gen = torch.Generator(device=self.device).manual_seed(
             cfg.seed * 1000 + self.gen_layout.data_index(self.rank))
         self.update_steps = 0
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + self.rank)
+        # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:

@@ -1,4 +1,6 @@
-"""Critic: a value model (a causal LM body with a one-output token head), trained with FSDP2."""
+"""Critic: a value model (a causal LM body with a one-output token head), trained with FSDP2
+(and tensor parallel when critic.parallel.tp > 1: the body is split as the actor's is, the
+one-output head stays replicated)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import TrainEngine, apply_fsdp, mixed_precision_policy
+from asyncrl.engine import TrainEngine, mixed_precision_policy, parallelize
 from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelLayout
-from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
+from asyncrl.protocols import ONE_TO_ALL, THREE_D_PROTO
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import values_forward
 from asyncrl.workers.process import same_init_on_every_rank, setup_process
@@ -38,11 +40,12 @@ class CriticWorker(Worker):
         same_init_on_every_rank(cfg)
         layout = self.register_mesh(ParallelLayout.from_config(cfg.critic.parallel, self.world_size))
         model = load_value_model(cfg.critic.model_path or cfg.model.path)
-        self.critic = TrainEngine(apply_fsdp(model, layout.submesh("dp"), mixed_precision_policy(self.device)),
+        self.critic = TrainEngine(parallelize(model, layout, mixed_precision_policy(self.device)),
                                   layout, optim=cfg.critic.optim, device=self.device)
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + self.rank)
+        # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
 
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     @timed("values")
     def compute_values(self, batch: Batch) -> Batch:
         self.critic.model.eval()
@@ -51,7 +54,7 @@ class CriticWorker(Worker):
                       for mb in micro_batches(batch, self.cfg.critic.micro_batch_size)]
         return Batch({"values": torch.cat(values) * batch["response_mask"].float()})
 
-    @register(DP_PROTO)
+    @register(THREE_D_PROTO)
     @timed("update_critic")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         cc = self.cfg.critic
