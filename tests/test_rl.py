@@ -58,8 +58,11 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("safe_rlhf", ["cost_model.enable=true", "reward.cost_fn=null"]),
     # 3 prompts on 2 ranks: DP padding with n samples per prompt, and cross-rank pulls
     ("remax", ["data.batch_size=3"]),
+    # the 3D-HybridEngine: TP=2 training, generation at tg=1 (micro-DP gather) and tg=2 (in place)
+    ("grpo", ["actor.parallel.tp=2"]),
+    ("ppo", ["actor.parallel.tp=2", "critic.parallel.tp=2", "rollout.parallel.tp=2"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
-        "remax_uneven"])
+        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""
@@ -146,11 +149,14 @@ def test_grpo_advantage_task_on_a_batch():
         advantage.rloo(b.select("response_mask", "scores"))
 
 
-def test_grpo_learns_by_default(tiny_model, tmp_path):
-    """The quickstart recipe, shortened: GRPO must raise held-out greedy reward by a margin."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_grpo_learns_by_default(tp, tiny_model, tmp_path):
+    """The quickstart recipe, shortened: GRPO must raise held-out greedy reward by a margin, also
+    with a tensor-parallel actor resharded into generation every step."""
     out = tmp_path / "learn"
     res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=100", "trainer.eval_every=50",
-                                                  "trainer.save_every=100", "trainer.tensorboard=false"],
+                                                  "trainer.save_every=100", "trainer.tensorboard=false",
+                                                  f"actor.parallel.tp={tp}"],
                   timeout=600, small=False)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
