@@ -227,3 +227,18 @@ def test_phase_summary_reports_median_phases_and_shares(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = phase_summary(tmp_path / "metrics.jsonl", skip=2)
     assert out["steps"] == 3 and out["share/update_actor"] == 0.5 and out["gen_s"] == 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_grpo_steps_on_cuda(tiny_model, tmp_path):
+    """A TP=1 RL run on one GPU: FSDP2 with bf16 compute, the reshard (aliasing on one rank),
+    generation and the update all on CUDA."""
+    out = tmp_path / "cuda"
+    res = _launch("quickstart", out, tiny_model, ["trainer.n_workers=1", "trainer.total_steps=4",
+                                                  "trainer.eval_every=2", "trainer.tensorboard=false"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 4 and all(math.isfinite(r["actor/pg_loss"]) for r in steps)
+    print("cuda step timings:", {k: v for k, v in steps[-1].items() if k.startswith("timing/")})
