@@ -242,3 +242,16 @@ def test_grpo_steps_on_cuda(tiny_model, tmp_path):
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 4 and all(math.isfinite(r["actor/pg_loss"]) for r in steps)
     print("cuda step timings:", {k: v for k, v in steps[-1].items() if k.startswith("timing/")})
+
+
+def test_tensor_parallel_sizes_are_checked_against_the_model(tiny_model):
+    """Before any worker starts: the tiny model has 4 heads, so tp=8 cannot split them."""
+    from asyncrl.config import rl_config
+    from asyncrl.trainer import check_inputs
+    from daemons.errors import ConfigError
+
+    cfg = rl_config({"model": {"path": str(tiny_model)}, "trainer": {"n_workers": 8},
+                     "actor": {"parallel": {"tp": 8}}})
+    with pytest.raises(ConfigError, match=r"actor.parallel.tp=8 must divide the model's num_attention_heads=4"):
+        check_inputs(cfg)
+    check_inputs(rl_config({"model": {"path": str(tiny_model)}, "actor": {"parallel": {"tp": 2}}}))
