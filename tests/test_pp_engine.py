@@ -1,7 +1,7 @@
 """Pipeline-parallel training (`asyncrl.engine.pipeline`) on CPU ranks (gloo) against a plain
 single-process model and AdamW.
 
-One 2-rank job runs pp=2 (dp=1), one 4-rank job pp=2 x dp=2; each writes its results to disk
+One 2-rank job runs pp=2 (dp=1), two 4-rank jobs pp=2 x dp=2 and pp=2 x tp=2; each writes its results to disk
 and the tests compare them with a plain reference computed in-process. The batches are RL-shaped:
 left-padded prompts and right-padded responses with `attention_mask` and `position_ids`, split
 into micro-batches of unequal rows, with the prompt length (and so the sequence length) changing
@@ -12,6 +12,7 @@ own `response_forward`.
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import pytest
@@ -86,16 +87,17 @@ def build_engine(layout, seed: int = 0):
     return PipelineEngine(parallelize(tiny_lm(seed), layout), layout, optim=OPTIM, device="cpu")
 
 
-def _job(rank: int, world_size: int, out_dir: Path) -> dict:
+def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.engine import TrainEngine, init_distributed
     from asyncrl.parallel import ParallelConfig, ParallelLayout
 
     init_distributed()
-    layout = ParallelLayout.from_config(ParallelConfig(pp=2), world_size)
+    layout = ParallelLayout.from_config(ParallelConfig(pp=2, tp=tp), world_size)
     dp_rank, dp_size = layout.dp_rank(rank), layout.dp_size
-    res: dict = {"layout": layout.describe(), "pp_rank": layout.coord(rank, "pp")}
+    res: dict = {"layout": layout.describe(), "pp_rank": layout.coord(rank, "pp"),
+                 "tp_rank": layout.coord(rank, "tp")}
     with pytest.raises(EngineError, match="PipelineEngine"):
         TrainEngine(tiny_lm(), layout, optim=OPTIM, device="cpu")
 
@@ -141,6 +143,18 @@ def job4(tmp_path_factory) -> list[dict]:
     return run_ranks(_job, 4, tmp_path_factory.mktemp("pp2dp2"), timeout_s=JOB_TIMEOUT_S)
 
 
+@pytest.fixture(scope="module")
+def job_tp(tmp_path_factory) -> list[dict]:
+    return run_ranks(functools.partial(_job, tp=2), 4, tmp_path_factory.mktemp("pp2tp2"),
+                     timeout_s=JOB_TIMEOUT_S)
+
+
+@pytest.fixture(params=["pp2", "pp2dp2", "pp2tp2"])
+def results(request) -> list[dict]:
+    """One layout's per-rank results."""
+    return request.getfixturevalue({"pp2": "job", "pp2dp2": "job4", "pp2tp2": "job_tp"}[request.param])
+
+
 # -- the plain reference ------------------------------------------------------------------------
 
 
@@ -177,16 +191,27 @@ def reference() -> dict:
 def assert_sd_close(got: dict, want: dict, atol: float = 2e-5) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=atol, rtol=1e-5, msg=k)
+        torch.testing.assert_close(got[k], want[k], atol=atol, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def param_atol(results: list[dict]) -> float:
+    """How far trained weights (and their logits) may be from the plain model's: TP's split
+    matmuls sum in another order, and after AdamW (which divides tiny gradients by their own
+    scale) a few elements move by ~3e-5."""
+    return 6e-5 if results[0]["layout"].endswith("tp=2") else 2e-5
 
 
 def last_stage_logp(results: list[dict], key: str) -> torch.Tensor:
-    """The log-probs of the whole probe batch, from each dp rank's last stage, in row order."""
-    last = [r for r in results if r["pp_rank"] == 1]
+    """The log-probs of the whole probe batch, from each dp rank's last stage, in row order (the
+    ranks are in dp order); the ranks of a TP group agree."""
     for r in results:
         if r["pp_rank"] == 0:
             assert r[key] is None
-    return torch.cat([torch.cat(r[key]) for r in last])
+        else:
+            lead = next(q for q in results if q["pp_rank"] == 1 and q["tp_rank"] == 0)
+            if lead["layout"].endswith("tp=2"):
+                torch.testing.assert_close(torch.cat(r[key]), torch.cat(lead[key]))
+    return torch.cat([torch.cat(r[key]) for r in results if r["pp_rank"] == 1 and r["tp_rank"] == 0])
 
 
 # -- tests --------------------------------------------------------------------------------------
@@ -200,18 +225,14 @@ def test_stages_keep_the_full_model_names(job):
     assert "model.layers.1.mlp.up_proj.weight" in first and "model.layers.2.mlp.up_proj.weight" in last
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_log_probs_with_padding_match_the_plain_model(world, job, job4, reference):
-    results = {2: job, 4: job4}[world]
+def test_log_probs_with_padding_match_the_plain_model(results, reference):
     torch.testing.assert_close(last_stage_logp(results, "logp"), reference["logp"], atol=1e-5, rtol=1e-5)
     one = [r for r in results if r["pp_rank"] == 1][0]["logp_one_micro"][0]
     torch.testing.assert_close(one, reference["logp"], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_training_matches_plain_adamw(world, job, job4, reference):
-    results = {2: job, 4: job4}[world]
-    assert results[0]["layout"] == ("pp=2 x dp=1 x tp=1" if world == 2 else "pp=2 x dp=2 x tp=1")
+def test_training_matches_plain_adamw(results, reference):
+    assert results[0]["layout"] in ("pp=2 x dp=1 x tp=1", "pp=2 x dp=2 x tp=1", "pp=2 x dp=1 x tp=2")
     for r in results:  # every rank reports the same metrics
         assert r["metrics"] == results[0]["metrics"]
     metrics = results[0]["metrics"]
@@ -219,38 +240,35 @@ def test_training_matches_plain_adamw(world, job, job4, reference):
     assert [m["grad_norm"] for m in metrics] == pytest.approx(reference["norms"], rel=1e-5)
     assert [m["lr"] for m in metrics] == pytest.approx(reference["lrs"])
     assert all(m["skipped"] == 0.0 and "pg_token_mean" in m for m in metrics)
-    assert_sd_close(results[0]["sd"], reference["sd"])
+    atol = param_atol(results)
+    assert_sd_close(results[0]["sd"], reference["sd"], atol)
     for r in results[1:]:
         assert r["sd"] == {}
     for r in results:
-        assert_sd_close(r["sd_everywhere"], reference["sd"])
+        assert_sd_close(r["sd_everywhere"], reference["sd"], atol)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_checkpoint_resumes_identically(world, job, job4):
-    results = {2: job, 4: job4}[world]
+def test_checkpoint_resumes_identically(results):
     for rank, r in enumerate(results):
         assert r["extra"] == {"rank": rank}
         assert r["resumed_metrics"] == r["metrics"][SAVE_AT:]
     assert_sd_close(results[0]["resumed_sd"], results[0]["sd"], atol=0)
 
 
-def test_hf_export_loads_in_transformers(job, job4, reference):
-    for results in (job, job4):
-        torch.testing.assert_close(results[0]["hf_logits"], reference["saved_logits"], atol=1e-5, rtol=1e-5)
-        last = [r for r in results if r["pp_rank"] == 1][0]
-        torch.testing.assert_close(last["saved_logits"][0], reference["saved_logits"], atol=1e-5, rtol=1e-5)
+def test_hf_export_loads_in_transformers(results, reference):
+    hf = results[0]["hf_logits"]
+    torch.testing.assert_close(hf, reference["saved_logits"], atol=param_atol(results), rtol=1e-5)
+    for r in results:
+        if r["pp_rank"] == 1:  # the engine's own logits when it saved
+            torch.testing.assert_close(r["saved_logits"][0], hf, atol=1e-5, rtol=1e-5)
 
 
-def test_full_state_dict_loads_into_every_stage(job, job4, reference):
-    for results in (job, job4):
-        want = last_stage_logp(results, "logp")  # before training; broadcast_logp is after
-        got = last_stage_logp(results, "broadcast_logp")
-        assert got.shape == want.shape and not torch.equal(got, want)
-        model = tiny_lm(seed=99)
-        model.load_state_dict(reference["sd"])
-        with torch.no_grad():
-            torch.testing.assert_close(got, log_probs(model, rl_batch(STEPS)), atol=1e-5, rtol=1e-5)
+def test_full_state_dict_loads_into_every_stage(results, reference):
+    model = tiny_lm(seed=99)
+    model.load_state_dict(reference["sd"])
+    with torch.no_grad():
+        want = log_probs(model, rl_batch(STEPS))
+    torch.testing.assert_close(last_stage_logp(results, "broadcast_logp"), want, atol=1e-5, rtol=1e-5)
 
 
 def test_tied_embeddings_are_refused_until_untied():
