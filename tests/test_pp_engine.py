@@ -62,8 +62,13 @@ def micro_batches(step: int, dp_rank: int = 0, dp_size: int = 1) -> list[dict]:
             for idx in rows.tensor_split(N_MICRO)]
 
 
+LOSS_CALLS: list[int] = []  # per process: how often pg_loss ran since the last reset
+
+
 def pg_loss(model, mb):
+    LOSS_CALLS.append(1)
     logp, _ = response_forward(model, mb)
+    assert torch.isfinite(logp).all()
     mask = mb["response_mask"].float()
     pg = -(mb["advantages"][:, None] * logp * mask).sum()
     return pg * mb["scale"], {"pg_token_mean": pg.detach() / mask.sum()}
@@ -106,11 +111,18 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     probe = micro_batches(STEPS, dp_rank, dp_size)
     res["logp"] = engine.forward(probe, log_probs)
     res["logp_one_micro"] = engine.forward([rl_batch(STEPS)], log_probs)  # 1 micro-batch: GPipe
-    metrics = [engine.train_step(micro_batches(s, dp_rank, dp_size), pg_loss) for s in range(SAVE_AT)]
+    metrics, calls = [], []
+    for s in range(SAVE_AT):
+        LOSS_CALLS.clear()
+        metrics.append(engine.train_step(micro_batches(s, dp_rank, dp_size), pg_loss))
+        calls.append(len(LOSS_CALLS))
     engine.save_checkpoint(out_dir / "ckpt", extra={"rank": rank})
     res["saved_logits"] = engine.forward([rl_batch(STEPS)], logits_of)
-    metrics += [engine.train_step(micro_batches(s, dp_rank, dp_size), pg_loss) for s in range(SAVE_AT, STEPS)]
-    res["metrics"] = metrics
+    for s in range(SAVE_AT, STEPS):
+        LOSS_CALLS.clear()
+        metrics.append(engine.train_step(micro_batches(s, dp_rank, dp_size), pg_loss))
+        calls.append(len(LOSS_CALLS))
+    res["metrics"], res["loss_calls"] = metrics, calls
     res["sd"] = engine.full_state_dict()
     res["sd_everywhere"] = engine.full_state_dict(rank0_only=False)
     del engine
@@ -285,3 +297,9 @@ def test_tied_embeddings_are_refused_until_untied():
                                    logits_of(model, mb), atol=1e-6, rtol=1e-6)
     with pytest.raises(EngineError, match="decoder layers"):
         split_stages(tiny_lm(), 0, 5)
+
+
+def test_the_loss_sees_only_real_logits(results):
+    for r in results:
+        if r["pp_rank"] == 1:
+            assert r["loss_calls"] == [N_MICRO] * STEPS

@@ -243,8 +243,13 @@ class PipelineEngine(TrainEngine):
         return self._pipe[2]
 
     def _stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        assert self._pipe is not None and self._on_output is not None
+        schedule = self._pipe[2]
+        if schedule._has_backward and not getattr(schedule, "_stage_backward_initialized", True):
+            # torch's shape inference before the first backward runs the loss once on an
+            # uninitialised output; any scalar of it will do, and the user's loss never sees it
+            return output.float().sum() * 0.0
         # the schedule's target for micro-batch i is tensor([i])
-        assert self._on_output is not None
         return self._on_output(output, int(target.reshape(-1)[0]))
 
     def _run(self, micro_batches: list[Any], on_output: Callable[[Any, int], Tensor], *, train: bool) -> None:
