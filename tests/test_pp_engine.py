@@ -137,6 +137,16 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     reference.load_full_state_dict(res["sd"] if rank == 0 else {}, broadcast_from_rank0=True)
     res["broadcast_logp"] = reference.forward(probe, log_probs)
     del resumed, reference
+    if world_size == 2 and tp == 1:  # the pp=2 checkpoint resumes without a pipeline, at dp=2
+        from asyncrl.engine import parallelize
+
+        dp2 = ParallelLayout.from_config(ParallelConfig(), world_size)
+        plain = TrainEngine(parallelize(tiny_lm(seed=99), dp2), dp2, optim=OPTIM, device="cpu")
+        plain.load_checkpoint(out_dir / "ckpt")
+        res["dp2_metrics"] = [plain.train_step(micro_batches(s, dp2.dp_rank(rank), 2), pg_loss)
+                              for s in range(SAVE_AT, STEPS)]
+        res["dp2_sd"] = plain.full_state_dict()
+        del plain
 
     if rank == 0:
         hf = AutoModelForCausalLM.from_pretrained(out_dir / "ckpt" / "hf")
@@ -303,3 +313,10 @@ def test_the_loss_sees_only_real_logits(results):
     for r in results:
         if r["pp_rank"] == 1:
             assert r["loss_calls"] == [N_MICRO] * STEPS
+
+
+def test_pipeline_checkpoint_resumes_without_a_pipeline(job, reference):
+    metrics = job[0]["dp2_metrics"]
+    assert [m["loss"] for m in metrics] == pytest.approx(reference["losses"][SAVE_AT:], abs=1e-6)
+    assert [m["grad_norm"] for m in metrics] == pytest.approx(reference["norms"][SAVE_AT:], rel=1e-5)
+    assert_sd_close(job[0]["dp2_sd"], reference["sd"])
