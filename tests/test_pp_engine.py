@@ -1,7 +1,7 @@
 """Pipeline-parallel training (`asyncrl.engine.pipeline`) on CPU ranks (gloo) against a plain
 single-process model and AdamW.
 
-One 2-rank job runs pp=2 (dp=1), two 4-rank jobs pp=2 x dp=2 and pp=2 x tp=2; each writes its results to disk
+One 2-rank job runs pp=2 (dp=1), one 4-rank job pp=2 x dp=2 and then pp=2 x tp=2; each writes its results to disk
 and the tests compare them with a plain reference computed in-process. The batches are RL-shaped:
 left-padded prompts and right-padded responses with `attention_mask` and `position_ids`, split
 into micro-batches of unequal rows, with the prompt length (and so the sequence length) changing
@@ -12,7 +12,6 @@ own `response_forward`.
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 
 import pytest
@@ -155,20 +154,28 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     return res
 
 
+def _four_ranks(rank: int, world_size: int, out_dir: Path) -> dict:
+    return {tp: _job(rank, world_size, out_dir / f"tp{tp}", tp=tp) for tp in (1, 2)}
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[dict]:
     return run_ranks(_job, 2, tmp_path_factory.mktemp("pp2"), timeout_s=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def job4(tmp_path_factory) -> list[dict]:
-    return run_ranks(_job, 4, tmp_path_factory.mktemp("pp2dp2"), timeout_s=JOB_TIMEOUT_S)
+def jobs4(tmp_path_factory) -> list[dict]:
+    return run_ranks(_four_ranks, 4, tmp_path_factory.mktemp("pp2x2"), timeout_s=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def job_tp(tmp_path_factory) -> list[dict]:
-    return run_ranks(functools.partial(_job, tp=2), 4, tmp_path_factory.mktemp("pp2tp2"),
-                     timeout_s=JOB_TIMEOUT_S)
+def job4(jobs4) -> list[dict]:
+    return [r[1] for r in jobs4]
+
+
+@pytest.fixture(scope="module")
+def job_tp(jobs4) -> list[dict]:
+    return [r[2] for r in jobs4]
 
 
 @pytest.fixture(params=["pp2", "pp2dp2", "pp2tp2"])
