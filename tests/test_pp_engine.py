@@ -85,10 +85,10 @@ def logits_of(model, mb):
 # -- the multi-rank jobs ------------------------------------------------------------------------
 
 
-def build_engine(layout, seed: int = 0):
+def build_engine(layout, seed: int = 0, optim: OptimConfig | None = OPTIM):
     from asyncrl.engine import PipelineEngine, parallelize
 
-    return PipelineEngine(parallelize(tiny_lm(seed), layout), layout, optim=OPTIM, device="cpu")
+    return PipelineEngine(parallelize(tiny_lm(seed), layout), layout, optim=optim, device="cpu")
 
 
 def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
@@ -132,7 +132,7 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
                               for s in range(SAVE_AT, STEPS)]
     res["resumed_sd"] = resumed.full_state_dict()
     # an inference engine (the reference policy) loading a full state dict from rank 0
-    reference = build_engine(layout, seed=99)
+    reference = build_engine(layout, seed=99, optim=None)
     reference.load_full_state_dict(res["sd"] if rank == 0 else {}, broadcast_from_rank0=True)
     res["broadcast_logp"] = reference.forward(probe, log_probs)
     del resumed, reference

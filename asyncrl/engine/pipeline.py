@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from asyncrl.config import OptimConfig
-from asyncrl.engine.fsdp import EngineError, LossFn, TrainEngine, global_grad_norm
+from asyncrl.engine.fsdp import EngineError, LossFn, TrainEngine, _local, global_grad_norm
 from asyncrl.parallel import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ class PipelineEngine(TrainEngine):
         if max_norm > 0 and torch.isfinite(total) and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             with torch.no_grad():
-                torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coef)
+                torch._foreach_mul_([_local(g) for g in grads], coef)
         return total
 
     # -- full state dicts across stages -----------------------------------------------------------
