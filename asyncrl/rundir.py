@@ -27,9 +27,11 @@ CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
 OURS = (CONFIG_FILE, "metrics.jsonl", "tensorboard", "reward_curve.png", "checkpoints", "logs", ".hydra", LOCK_FILE)
 KEPT_IN_PLACE = ("logs", ".hydra", LOCK_FILE)  # this run's own, written before the trainer starts
-# keys whose change between a run and its resume does not change what is being trained
+# keys whose change between a run and its resume does not change what is being trained (the
+# parallel layouts included: checkpoints reshard into another layout)
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.resume",
-                     "trainer.keep_checkpoints", "trainer.tensorboard", "trainer.output_dir", "cluster.")
+                     "trainer.keep_checkpoints", "trainer.tensorboard", "trainer.output_dir", "cluster.",
+                     "actor.parallel.", "critic.parallel.", "rollout.parallel.", "trainer.torch_threads")
 UNREMARKABLE_CHANGES = ("trainer.resume", "trainer.output_dir", "cluster.log_dir")
 
 

@@ -258,3 +258,23 @@ def check_inputs(cfg: RLConfig) -> None:
                 load_reward_fn(spec)
             except Exception as e:
                 raise ConfigError(f"reward.{key}={spec}: {e}") from None
+    _check_tp_fits_model(cfg)
+
+
+def _check_tp_fits_model(cfg: RLConfig) -> None:
+    """Tensor-parallel sizes must divide the model's heads and intermediate size (read from its
+    config.json, before any worker starts)."""
+    sizes = {"actor.parallel.tp": cfg.actor.parallel.tp, "rollout.parallel.tp": cfg.rollout.parallel.tp}
+    if all(v == 1 for v in sizes.values()):
+        return
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(cfg.model.path)
+    dims = {"num_attention_heads": model.num_attention_heads,
+            "num_key_value_heads": getattr(model, "num_key_value_heads", None) or model.num_attention_heads,
+            "intermediate_size": model.intermediate_size}
+    for key, tp in sizes.items():
+        bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
+        if bad:
+            raise ConfigError(f"{key}={tp} must divide the model's {', '.join(bad)} ({cfg.model.path}); "
+                              "choose a common divisor")

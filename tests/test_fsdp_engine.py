@@ -7,18 +7,14 @@ results to disk; the tests below compare them with a plain reference computed in
 from __future__ import annotations
 
 import math
-import os
-import socket
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from asyncrl.engine import OptimConfig, lr_multiplier
+from tests.gloo_ranks import run_ranks
 
 VOCAB, ROWS, SEQ, STEPS = 64, 8, 9, 3
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0, warmup_steps=2, total_steps=6)
@@ -82,25 +78,8 @@ def nan_loss_fn(model, micro_batch):
 # -- the 2-rank job ---------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        if world_size > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        else:  # a lone process needs no rendezvous
-            os.environ.pop("MASTER_ADDR", None)
-            os.environ.pop("MASTER_PORT", None)
-        torch.set_num_threads(1)
-        scenarios = _scenarios if world_size > 1 else _single_process
-        torch.save(scenarios(rank, world_size, Path(out_dir)), Path(out_dir) / f"result{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _job(rank: int, world_size: int, out_dir: Path) -> dict:
+    return (_scenarios if world_size > 1 else _single_process)(rank, world_size, out_dir)
 
 
 def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
@@ -205,46 +184,9 @@ def _single_process(rank: int, world_size: int, out_dir: Path) -> dict:
     return {"metrics": metrics, "sd": engine.full_state_dict()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world_size: int, out_dir: Path) -> list[dict]:
-    """Run `_rank_main` on `world_size` spawned processes; every process is reaped on return."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, str(out_dir)), daemon=True)
-        for r in range(world_size)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break  # one rank failed: the others would wait in a collective forever
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(out_dir.glob("error*.txt"))]
-    codes = [p.exitcode for p in procs]
-    if errors or any(codes):
-        pytest.fail(
-            f"rank exit codes {codes} (-9: killed because a peer failed or the job ran past "
-            f"{JOB_TIMEOUT_S}s)\n" + "\n".join(errors)
-        )
-    return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[dict]:
-    return run_ranks(2, tmp_path_factory.mktemp("fsdp"))
+    return run_ranks(_job, 2, tmp_path_factory.mktemp("fsdp"), JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +237,7 @@ def test_two_rank_fsdp_matches_plain_adamw(job, reference):
 
 
 def test_single_process_engine_matches_plain_adamw(tmp_path, reference):
-    (r0,) = run_ranks(1, tmp_path)
+    (r0,) = run_ranks(_job, 1, tmp_path, JOB_TIMEOUT_S)
     assert [m["loss"] for m in r0["metrics"]] == pytest.approx(reference["losses"], abs=1e-6)
     assert_sd_close(r0["sd"], reference["sd"])
 

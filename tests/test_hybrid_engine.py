@@ -218,3 +218,45 @@ def test_pure_fsdp_reshard_gathers_the_whole_model(reshard_job):
     res = reshard_job[0]["t1-d4"]
     full = res["buffer"]
     assert res["received"] == pytest.approx(full * 3 / 4, rel=0.01)  # (N−1)/N·M, padding aside
+
+
+# on a GPU ------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+def _cuda_reshard(rank: int, world_size: int, out_dir: Path) -> dict:
+    from asyncrl.engine import init_distributed
+    from asyncrl.engine.fsdp import apply_fsdp
+    from asyncrl.engine.reshard import Resharder
+    from asyncrl.rollout import RolloutEngine, SamplingParams
+    from asyncrl.rollout.tp import GenerationModel
+
+    init_distributed()
+    train, gen = layouts(1, t=1)
+    model, plain = _model(64, True).cuda(), _model(64, True).cuda()
+    apply_fsdp(model, train.submesh("dp"))
+    resharder = Resharder(model, train, gen)
+    generation = GenerationModel(plain.config, model)
+    t0 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0[0].record()
+    generation.bind(resharder.reshard())
+    t0[1].record()
+    torch.cuda.synchronize()
+    prompts = torch.randint(1, 30, (3, 5), generator=torch.Generator().manual_seed(7)).cuda()
+    greedy = SamplingParams(greedy=True, max_tokens=6)
+    out = RolloutEngine(generation.model, eos_token_id=63, pad_token_id=0, device="cuda").generate(
+        prompts, torch.ones_like(prompts), greedy)
+    ref = RolloutEngine(plain, eos_token_id=63, pad_token_id=0, device="cuda").generate(
+        prompts, torch.ones_like(prompts), greedy)
+    return {"equal": torch.equal(out["responses"], ref["responses"]), "bytes": resharder.stats.bytes_received,
+            "ms": t0[0].elapsed_time(t0[1]), "device": str(next(iter(generation.model.parameters())).device)}
+
+
+@pytest.mark.gpu
+@gpu
+def test_reshard_and_generate_on_cuda(tmp_path):
+    """One GPU: the layouts coincide, so the generation weights are the training shards (no bytes
+    move) and greedy generation equals the plain model's."""
+    (res,) = run_ranks(_cuda_reshard, 1, tmp_path)
+    print("cuda reshard:", res)
+    assert res["equal"] and res["bytes"] == 0 and res["device"].startswith("cuda")

@@ -58,8 +58,11 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("safe_rlhf", ["cost_model.enable=true", "reward.cost_fn=null"]),
     # 3 prompts on 2 ranks: DP padding with n samples per prompt, and cross-rank pulls
     ("remax", ["data.batch_size=3"]),
+    # the 3D-HybridEngine: TP=2 training, generation at tg=1 (micro-DP gather) and tg=2 (in place)
+    ("grpo", ["actor.parallel.tp=2"]),
+    ("ppo", ["actor.parallel.tp=2", "critic.parallel.tp=2", "rollout.parallel.tp=2"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
-        "remax_uneven"])
+        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""
@@ -146,11 +149,14 @@ def test_grpo_advantage_task_on_a_batch():
         advantage.rloo(b.select("response_mask", "scores"))
 
 
-def test_grpo_learns_by_default(tiny_model, tmp_path):
-    """The quickstart recipe, shortened: GRPO must raise held-out greedy reward by a margin."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_grpo_learns_by_default(tp, tiny_model, tmp_path):
+    """The quickstart recipe, shortened: GRPO must raise held-out greedy reward by a margin, also
+    with a tensor-parallel actor resharded into generation every step."""
     out = tmp_path / "learn"
     res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=100", "trainer.eval_every=50",
-                                                  "trainer.save_every=100", "trainer.tensorboard=false"],
+                                                  "trainer.save_every=100", "trainer.tensorboard=false",
+                                                  f"actor.parallel.tp={tp}"],
                   timeout=600, small=False)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -221,3 +227,46 @@ def test_phase_summary_reports_median_phases_and_shares(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = phase_summary(tmp_path / "metrics.jsonl", skip=2)
     assert out["steps"] == 3 and out["share/update_actor"] == 0.5 and out["gen_s"] == 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_grpo_steps_on_cuda(tiny_model, tmp_path):
+    """A TP=1 RL run on one GPU: FSDP2 with bf16 compute, the reshard (aliasing on one rank),
+    generation and the update all on CUDA."""
+    out = tmp_path / "cuda"
+    res = _launch("quickstart", out, tiny_model, ["trainer.n_workers=1", "trainer.total_steps=4",
+                                                  "trainer.eval_every=2", "trainer.tensorboard=false"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 4 and all(math.isfinite(r["actor/pg_loss"]) for r in steps)
+    print("cuda step timings:", {k: v for k, v in steps[-1].items() if k.startswith("timing/")})
+
+
+def test_tensor_parallel_sizes_are_checked_against_the_model(tiny_model):
+    """Before any worker starts: the tiny model has 4 heads, so tp=8 cannot split them."""
+    from asyncrl.config import rl_config
+    from asyncrl.trainer import check_inputs
+    from daemons.errors import ConfigError
+
+    cfg = rl_config({"model": {"path": str(tiny_model)}, "trainer": {"n_workers": 8},
+                     "actor": {"parallel": {"tp": 8}}})
+    with pytest.raises(ConfigError, match=r"actor.parallel.tp=8 must divide the model's num_attention_heads=4"):
+        check_inputs(cfg)
+    check_inputs(rl_config({"model": {"path": str(tiny_model)}, "actor": {"parallel": {"tp": 2}}}))
+
+
+def test_resume_in_another_parallel_layout(tiny_model, tmp_path):
+    """A run saved with a pure-DP actor (tp=1, dp=2) resumes with a tensor-parallel one (tp=2,
+    dp=1): the checkpoint reshards, and the run continues from its step."""
+    out = tmp_path / "relayout"
+    common = ["trainer.save_every=2", "trainer.eval_every=2", "trainer.tensorboard=false"]
+    res = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", *common])
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "actor.parallel.tp=2", *common])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr and "actor.parallel.tp: 1 → 2" in res.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows if r["step"] > 2)

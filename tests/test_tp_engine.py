@@ -10,19 +10,15 @@ replicated), tied and untied; the critic is a Llama with a one-output token head
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from asyncrl.engine import EngineError, OptimConfig, check_tp, lr_multiplier, parallelize
 from asyncrl.parallel import ParallelConfig, ParallelLayout
+from tests.gloo_ranks import run_ranks
 
 ROWS, SEQ, STEPS, SAVE_AT = 8, 9, 4, 2
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0, warmup_steps=2, total_steps=6)
@@ -95,24 +91,11 @@ def target_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
 # -- the multi-rank jobs ------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    try:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        from asyncrl.engine import init_distributed
+def _job(rank: int, world_size: int, out_dir: Path) -> dict:
+    from asyncrl.engine import init_distributed
 
-        init_distributed()
-        scenarios = {2: _two_ranks, 4: _four_ranks}[world_size]
-        torch.save(scenarios(rank, Path(out_dir)), Path(out_dir) / f"result{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    init_distributed()
+    return {2: _two_ranks, 4: _four_ranks}[world_size](rank, out_dir)
 
 
 def build_engine(model, layout, optim=OPTIM):
@@ -226,47 +209,14 @@ def _four_ranks(rank: int, out_dir: Path) -> dict:
     return res
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world_size: int, out_dir: Path) -> list[dict]:
-    """Run `_rank_main` on `world_size` spawned processes; every process is reaped on return."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, str(out_dir)), daemon=True)
-             for r in range(world_size)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break  # one rank failed: the others would wait in a collective forever
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(out_dir.glob("error*.txt"))]
-    codes = [p.exitcode for p in procs]
-    if errors or any(codes):
-        pytest.fail(f"rank exit codes {codes} (-9: killed because a peer failed or the job ran "
-                    f"past {JOB_TIMEOUT_S}s)\n" + "\n".join(errors))
-    return [torch.load(out_dir / f"result{r}.pt", weights_only=False) for r in range(world_size)]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[dict]:
-    return run_ranks(2, tmp_path_factory.mktemp("tp2"))
+    return run_ranks(_job, 2, tmp_path_factory.mktemp("tp2"), JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def job4(tmp_path_factory) -> list[dict]:
-    return run_ranks(4, tmp_path_factory.mktemp("dp2tp2"))
+    return run_ranks(_job, 4, tmp_path_factory.mktemp("dp2tp2"), JOB_TIMEOUT_S)
 
 
 # -- plain references ---------------------------------------------------------------------------

@@ -154,7 +154,7 @@ class Resharder:
         return (p.to_local() if isinstance(p, DTensor) else p).detach()
 
     def _all_gather(self, out: Tensor, inp: Tensor, ranks: list[int], group: dist.ProcessGroup | None) -> None:
-        dist.all_gather_into_tensor(out, inp, group=group)
+        dist.all_gather_single(out, inp, group=group)
         self._count(inp, ranks)
 
     def _count(self, inp: Tensor, ranks: list[int]) -> None:
