@@ -52,6 +52,17 @@ def stage_layers(n_layers: int, pp_rank: int, pp_size: int) -> range:
     return range(n_layers * pp_rank // pp_size, n_layers * (pp_rank + 1) // pp_size)
 
 
+def owner_stage(name: str, n_layers: int, pp_size: int) -> int:
+    """The stage that holds parameter `name` of the full model (see `split_stages`)."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        layer = int(parts[2])
+        return next(s for s in range(pp_size) if layer in stage_layers(n_layers, s, pp_size))
+    if parts[:2] == ["model", "embed_tokens"]:
+        return 0
+    return pp_size - 1  # the final norm and the LM head
+
+
 class DecoderStage(nn.Module):
     """One pipeline stage of an HF decoder-only causal LM, parameter names as in the full model.
 
@@ -397,5 +408,5 @@ class PipelineEngine(TrainEngine):
                              options=StateDictOptions(full_state_dict=True))
 
 
-__all__ = ["DecoderStage", "PipelineEngine", "StageOutput", "model_inputs", "pad_micro_batches",
+__all__ = ["DecoderStage", "PipelineEngine", "StageOutput", "model_inputs", "owner_stage", "pad_micro_batches",
            "split_stages", "stage_layers", "untie_embeddings"]
