@@ -155,6 +155,50 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int) -> DecoderStage:
     return stage
 
 
+# -- values between stages (asyncrl's wire codec: msgpack + raw tensor bytes, never pickle) ---------
+
+
+def _to_bytes(value: Any) -> Tensor:
+    import msgpack
+
+    from transport.codec import encode
+
+    frames = [bytes(f) for f in encode(value)]
+    return torch.frombuffer(bytearray(msgpack.packb(frames, use_bin_type=True)), dtype=torch.uint8)
+
+
+def _from_bytes(data: Tensor) -> Any:
+    import msgpack
+
+    from transport.codec import decode
+
+    return decode(msgpack.unpackb(data.numpy().tobytes(), raw=False))
+
+
+def broadcast_value(value: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    """`value` (plain data and CPU tensors) from global rank `src` to every rank of `group`."""
+    data = _to_bytes(value) if dist.get_rank() == src else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = data.to(device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return _from_bytes(buf.cpu()) if data is None else value
+
+
+def all_gather_values(value: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
+    """Every rank's `value`, in group-rank order."""
+    data = _to_bytes(value).to(device)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    return [_from_bytes(p[: int(s.item())].cpu()) for p, s in zip(parts, sizes, strict=True)]
+
+
 # -- the engine ----------------------------------------------------------------------------------
 
 
@@ -354,9 +398,8 @@ class PipelineEngine(TrainEngine):
     def _from_last_stage(self, value: Any) -> Any:
         if self.pp_group is None:
             return value
-        box = [value]
-        dist.broadcast_object_list(box, group=self.pp_group, group_src=self.pp_size - 1)
-        return box[0]
+        src = dist.get_global_rank(self.pp_group, self.pp_size - 1)
+        return broadcast_value(value, src, self.pp_group, self.device)
 
     def _clip_grads(self, max_norm: float) -> Tensor:
         """The L2 norm of all stages' grads (sums of squares all-reduced over pp), clipped."""
@@ -380,25 +423,16 @@ class PipelineEngine(TrainEngine):
         stage_sd = super().full_state_dict(rank0_only=False)  # collective over this stage's dp/tp
         if self.pp_group is None:
             return stage_sd if (self.rank == 0 or not rank0_only) else {}
-        if not rank0_only:
-            parts: list[Any] = [None] * self.pp_size
-            dist.all_gather_object(parts, stage_sd, group=self.pp_group)
-            return {k: v for part in parts for k, v in part.items()}
-        # the stages' copies on rank 0's pipeline (dp = tp = 0) go to rank 0
-        in_rank0_pipeline = all(c == 0 for d, c in self.layout.coords(self.rank).items() if d != "pp")
-        if not in_rank0_pipeline:
+        parts = all_gather_values(stage_sd, self.pp_group, self.device)  # the stages, over each pipeline
+        if rank0_only and self.rank != 0:
             return {}
-        parts = [None] * self.pp_size if self.rank == 0 else None
-        dist.gather_object(stage_sd, parts, group=self.pp_group, group_dst=0)
-        return {k: v for part in parts for k, v in part.items()} if self.rank == 0 else {}
+        return {k: v for part in parts for k, v in part.items()}
 
     def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
         """Load the whole model's unsharded state dict (each stage takes its own entries); with
         broadcast_from_rank0 only rank 0 needs to hold it."""
         if broadcast_from_rank0:
-            box = [sd if self.rank == 0 else None]
-            dist.broadcast_object_list(box, group_src=0)
-            sd = box[0]
+            sd = broadcast_value(sd if self.rank == 0 else None, 0, None, self.device)
         own = set(self.model.state_dict())
         missing = own - set(sd)
         if missing:
