@@ -388,10 +388,9 @@ class RLConfig(LaunchConfig):
         try:
             for role in ("actor", "critic"):
                 par = getattr(self, role).parallel
-                if par.pp > 1:
-                    raise LayoutError(f"{at}{role}.parallel.pp={par.pp}: pipeline-parallel training is not "
-                                      "supported yet (torch.distributed.pipelining; see the README); use "
-                                      "tensor parallelism (parallel.tp) and data parallelism instead")
+                if par.pp > 1 and role == "critic":
+                    raise LayoutError(f"{at}critic.parallel.pp={par.pp}: pipeline stages need an LM head; "
+                                      "value models train with tp and dp only (set critic.parallel.pp=1)")
                 try:
                     layout = ParallelLayout.from_config(par, self.trainer.n_workers)
                 except LayoutError as e:
@@ -399,6 +398,10 @@ class RLConfig(LaunchConfig):
                 if role == "actor":
                     generation_layout(layout, self.rollout.parallel, at=f"{at}rollout.parallel",
                                       train_at=f"{at}actor.parallel")
+                    if self.rollout.parallel.pp > 1:
+                        raise LayoutError(f"{at}rollout.parallel.pp={self.rollout.parallel.pp}: pipeline-"
+                                          "parallel generation is not implemented; set rollout.parallel.pp=1 "
+                                          "(each generation rank gathers every training stage)")
         except LayoutError as e:
             raise ConfigError(f"bad configuration: {e}") from None
 

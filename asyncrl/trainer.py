@@ -262,14 +262,17 @@ def check_inputs(cfg: RLConfig) -> None:
 
 
 def _check_tp_fits_model(cfg: RLConfig) -> None:
-    """Tensor-parallel sizes must divide the model's heads and intermediate size (read from its
-    config.json, before any worker starts)."""
+    """Tensor-parallel sizes must divide the model's heads and intermediate size, and pipeline
+    stages not outnumber its layers (read from its config.json, before any worker starts)."""
     sizes = {"actor.parallel.tp": cfg.actor.parallel.tp, "rollout.parallel.tp": cfg.rollout.parallel.tp}
-    if all(v == 1 for v in sizes.values()):
+    if all(v == 1 for v in sizes.values()) and cfg.actor.parallel.pp == 1:
         return
     from transformers import AutoConfig
 
     model = AutoConfig.from_pretrained(cfg.model.path)
+    if cfg.actor.parallel.pp > model.num_hidden_layers:
+        raise ConfigError(f"actor.parallel.pp={cfg.actor.parallel.pp} but the model ({cfg.model.path}) has "
+                          f"{model.num_hidden_layers} decoder layers; choose pp <= {model.num_hidden_layers}")
     dims = {"num_attention_heads": model.num_attention_heads,
             "num_key_value_heads": getattr(model, "num_key_value_heads", None) or model.num_attention_heads,
             "intermediate_size": model.intermediate_size}

@@ -81,8 +81,11 @@ def test_config_rejects_layouts_that_do_not_fit():
         rl_config({"rollout": {"parallel": {"tp": 2}}})
     with pytest.raises(ConfigError, match=r"actor.parallel pp=1 x tp=3 .* world size 2.*trainer.n_workers=2"):
         rl_config({"actor": {"parallel": {"tp": 3}}})
-    with pytest.raises(ConfigError, match="pipeline-parallel training is not supported"):
-        rl_config({"actor": {"parallel": {"pp": 2}}})
+    with pytest.raises(ConfigError, match="critic.parallel.pp=2: pipeline stages need an LM head"):
+        rl_config({"critic": {"parallel": {"pp": 2}}})
+    with pytest.raises(ConfigError, match="rollout.parallel.pp=2: pipeline-parallel generation is not implemented"):
+        rl_config({"actor": {"parallel": {"pp": 2}}, "rollout": {"parallel": {"pp": 2}}})
+    assert rl_config({"actor": {"parallel": {"pp": 2}}}).actor.parallel.pp == 2
     assert rl_config({"actor": {"parallel": {"tp": 2}}}).actor.parallel.tp == 2
 
 
@@ -103,11 +106,13 @@ def test_the_rollout_protocol_splits_over_dp_and_micro_dp():
 
 
 # the reshard on 4 gloo ranks ---------------------------------------------------------------------------
-SCENARIOS = {  # name: (train tp, generation tp, vocab, tied)
-    "t4-tg2": (4, 2, 64, True),  # Table 2's case at d=1: Shard(0) gathered in place, Shard(1) bucketed
-    "t2-d2-tg1": (2, 1, 64, False),
-    "t2-d2-tg2-odd-vocab": (2, 2, 31, True),  # replicated embedding/head, gathered over dp only
-    "t1-d4": (1, 1, 64, True),  # today's default: pure FSDP, full gather per rank
+SCENARIOS = {  # name: (train tp, generation tp, vocab, tied, train pp)
+    "t4-tg2": (4, 2, 64, True, 1),  # Table 2's case at d=1: Shard(0) gathered in place, Shard(1) bucketed
+    "t2-d2-tg1": (2, 1, 64, False, 1),
+    "t2-d2-tg2-odd-vocab": (2, 2, 31, True, 1),  # replicated embedding/head, gathered over dp only
+    "t1-d4": (1, 1, 64, True, 1),  # the default: pure FSDP, full gather per rank
+    "p2-t2-tg1": (2, 1, 64, False, 2),  # pipeline stages: gathered within each, then across
+    "p2-d2": (1, 1, 64, False, 2),
 }
 
 
@@ -122,10 +127,9 @@ def _model(vocab: int, tied: bool):
 
 
 def _reshard_scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.engine import init_distributed
-    from asyncrl.engine.fsdp import apply_fsdp
+    from asyncrl.engine import init_distributed, parallelize
     from asyncrl.engine.reshard import Resharder
-    from asyncrl.engine.tp import apply_tp, tp_shard_dim
+    from asyncrl.engine.tp import planned_shard_dim
     from asyncrl.rollout import RolloutEngine, SamplingParams
     from asyncrl.rollout.tp import GenerationModel
 
@@ -134,24 +138,22 @@ def _reshard_scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     mask = torch.ones_like(prompts)
     greedy = SamplingParams(greedy=True, max_tokens=6)
     results = {}
-    for name, (t, tg, vocab, tied) in SCENARIOS.items():
-        train, gen = layouts(world_size, t=t, tg=tg)
+    for name, (t, tg, vocab, tied, p) in SCENARIOS.items():
+        train, gen = layouts(world_size, t=t, tg=tg, p=p)
         model, plain = _model(vocab, tied), _model(vocab, tied)
-        if t > 1:
-            apply_tp(model, train.submesh("tp"))
-        apply_fsdp(model, train.submesh("dp"))
-        resharder = Resharder(model, train, gen)
+        model = parallelize(model, train)
         tp_group = None
         for ranks in gen.groups(("tp",)):
             g = torch.distributed.new_group(ranks) if len(ranks) > 1 else None
             tp_group = g if rank in ranks else tp_group
         generation = GenerationModel(plain.config, model, tp_group)
+        resharder = Resharder(model, train, gen, full_model=generation.model)
         engine = RolloutEngine(generation.model, eos_token_id=vocab - 1, pad_token_id=0)
         mismatched, split_bytes = [], 0
         for rounds in range(2):  # the second round checks that a training update reaches generation
             shards = resharder.reshard()
-            for pname, p in model.named_parameters():
-                k, full = tp_shard_dim(p), p.full_tensor()
+            for pname, full in plain.named_parameters():  # every stage's weights
+                k = planned_shard_dim(pname, plain, t)
                 want = full if k is None else full.chunk(tg, dim=k)[gen.coord(rank, "tp")]
                 if not torch.equal(shards[pname], want):
                     mismatched.append((rounds, pname))
@@ -164,9 +166,10 @@ def _reshard_scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
             generation.unbind()
             resharder.release()
             with torch.no_grad():  # a "training step": the same change to the sharded and the plain model
-                for (_, p), (_, q) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
-                    p.to_local().mul_(0.5)
+                for q in plain.parameters():
                     q.mul_(0.5)
+                for q in model.parameters():
+                    q.to_local().mul_(0.5)
         results[name] = {
             "mismatched": mismatched, "tokens_equal": torch.equal(out["responses"], ref["responses"]),
             "logp_diff": (out["rollout_log_probs"] - ref["rollout_log_probs"]).abs().max().item(),
@@ -202,6 +205,10 @@ def test_reshard_bytes_match_hybridflow_table_2(reshard_job):
     m = res["split_bytes"]
     assert res["received"] == res["expected"] == (4 - 2) * m // (2 * 4)
     assert res["buffer"] == m // 2
+    # p=2, t=2 -> tg=1: this rank's stage gathered inside its TP pair, then the other stage's
+    # half of the model broadcast across stages: every rank ends up receiving M - M/(t·p)·(share)
+    for r in reshard_job:
+        assert r["p2-t2-tg1"]["buffer"] >= r["p2-t2-tg1"]["split_bytes"]
     for r in reshard_job:
         for name in SCENARIOS:
             assert r[name]["received"] == r[name]["expected"]

@@ -61,8 +61,10 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     # the 3D-HybridEngine: TP=2 training, generation at tg=1 (micro-DP gather) and tg=2 (in place)
     ("grpo", ["actor.parallel.tp=2"]),
     ("ppo", ["actor.parallel.tp=2", "critic.parallel.tp=2", "rollout.parallel.tp=2"]),
+    # pipeline stages (the tied tiny model is untied), with the reference model's KL loss
+    ("grpo", ["actor.parallel.pp=2", "actor.use_kl_loss=true"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
-        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2"])
+        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""

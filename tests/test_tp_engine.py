@@ -379,9 +379,3 @@ def test_check_tp_names_the_size_that_does_not_divide():
         check_tp(model, 3)
     with pytest.raises(EngineError, match="no HF config"):
         check_tp(torch.nn.Linear(2, 2), 2)
-
-
-def test_parallelize_refuses_pipeline_parallel():
-    layout = ParallelLayout.from_config(ParallelConfig(pp=2), 2)
-    with pytest.raises(EngineError, match=r"pp=2 .*pipeline parallelism is not implemented"):
-        parallelize(tiny_lm("even"), layout)

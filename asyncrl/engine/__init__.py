@@ -12,11 +12,13 @@ from asyncrl.engine.fsdp import (
     set_rng_state,
 )
 from asyncrl.engine.parallelize import parallelize
+from asyncrl.engine.pipeline import PipelineEngine, split_stages, untie_embeddings
 from asyncrl.engine.tp import apply_tp, check_tp
 
 __all__ = [
     "EngineError",
     "OptimConfig",
+    "PipelineEngine",
     "TrainEngine",
     "apply_fsdp",
     "apply_tp",
@@ -27,4 +29,6 @@ __all__ = [
     "parallelize",
     "rng_state",
     "set_rng_state",
+    "split_stages",
+    "untie_embeddings",
 ]

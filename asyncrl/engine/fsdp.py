@@ -44,6 +44,11 @@ from asyncrl.parallel import ParallelLayout, pure_dp
 
 log = logging.getLogger(__name__)
 
+# Optimizer state keyed by parameter name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`), not
+# by param-group index: pipeline stages hold different parameters in their "group 0", and DCP
+# would otherwise keep one rank's group for all.
+OPTIM_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
 LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 
 
@@ -92,11 +97,13 @@ def lr_multiplier(step: int, cfg: OptimConfig) -> float:
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: `model.model.layers` for HF llama/qwen, else the largest
-    ModuleList by parameter count."""
+    """The repeated transformer blocks: `model.model.layers` for HF llama/qwen (a ModuleDict in a
+    pipeline stage), else the largest ModuleList by parameter count."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if isinstance(layers, nn.ModuleList):
         return list(layers)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         return []
@@ -152,7 +159,12 @@ class TrainEngine:
     Tied input/output embeddings work (both live in the root's FSDP group); the HF export
     writes the tied tensor once, as `save_pretrained` does. With a bf16 mixed-precision policy
     the model's outputs are bf16, so upcast logits in the loss.
+
+    Layouts with pp > 1 need `asyncrl.engine.pipeline.PipelineEngine` over the stage that
+    `parallelize` returns.
     """
+
+    pipelined = False  # whether this engine runs a pipeline over the layout's pp dim
 
     def __init__(
         self,
@@ -164,6 +176,10 @@ class TrainEngine:
     ) -> None:
         if not dist.is_initialized():
             raise EngineError("call asyncrl.engine.init_distributed() before building a TrainEngine")
+        if layout.size("pp") > 1 and not self.pipelined:
+            raise EngineError(f"layout {layout.describe()} has pipeline stages: build "
+                              "asyncrl.engine.PipelineEngine(parallelize(model, layout), layout, ...) "
+                              "instead of TrainEngine")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -322,6 +338,7 @@ class TrainEngine:
                 self.optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
+                options=OPTIM_STATE_OPTIONS,
             )
         else:
             set_model_state_dict(self.model, state["model"])
@@ -351,7 +368,7 @@ class TrainEngine:
             return {"model": get_model_state_dict(self.model)}
         # Note: on a fresh optimizer this initialises AdamW state with a zero-grad, lr=0 step
         # (needed so dcp.load has tensors to fill), which sets its step counter to 1.
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_STATE_OPTIONS)
         return {"model": model_sd, "optim": optim_sd}
 
     def _export_hf(self, out_dir: Path, full_sd: dict[str, Tensor], tokenizer: Any) -> None:

@@ -1,28 +1,31 @@
-"""Apply a training layout's parallelism to a model, in torchtitan's order: tensor parallel over
-the layout's tp dim (`apply_tp`), then FSDP2 over its dp dim (`apply_fsdp`).
+"""Apply a training layout's parallelism to a model, in torchtitan's order: the pipeline split
+over the layout's pp dim (`split_stages`), tensor parallel over its tp dim (`apply_tp`), then
+FSDP2 over its dp dim (`apply_fsdp`).
 
     layout = ParallelLayout.from_config(cfg.parallel, world_size)
     engine = TrainEngine(parallelize(model, layout, mixed_precision_policy(device)), layout, optim=...)
+    # pp > 1: PipelineEngine(parallelize(model, layout), layout, optim=...)
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from asyncrl.engine.fsdp import EngineError, apply_fsdp
+from asyncrl.engine.fsdp import apply_fsdp
+from asyncrl.engine.pipeline import split_stages
 from asyncrl.engine.tp import apply_tp
 from asyncrl.parallel import ParallelLayout
 
 
 def parallelize(model: nn.Module, layout: ParallelLayout,
                 mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Shard `model` in place over `layout` (a collective over the layout's ranks): TP when
-    layout.size("tp") > 1, then FSDP2 over the dp sub-mesh (always, even at dp=1)."""
+    """Shard `model` in place over `layout` (a collective over the layout's ranks): this rank's
+    pipeline stage when layout.size("pp") > 1 (the returned module is then a `DecoderStage`),
+    TP when layout.size("tp") > 1, then FSDP2 over the dp sub-mesh (always, even at dp=1)."""
     if layout.size("pp") > 1:
-        raise EngineError(f"layout {layout.describe()}: pipeline parallelism is not implemented "
-                          "for training; set parallel.pp=1 and split the model with parallel.tp "
-                          "(and the ranks with parallel.dp) instead")
+        model = split_stages(model, layout.coord(dist.get_rank(), "pp"), layout.size("pp"))
     if layout.size("tp") > 1:
         apply_tp(model, layout.submesh("tp"))
     return apply_fsdp(model, layout.submesh("dp"), mp_policy)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from asyncrl.engine.fsdp import EngineError
-from asyncrl.engine.tp import tp_shard_dim
+from asyncrl.engine.tp import planned_shard_dim, tp_shard_dim
 from asyncrl.parallel import MICRO_DP_DIMS, ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class ParamPlan:
     chunk_rows: int  # FSDP's dim-0 chunk, padded (rows of local_shape per dp rank)
     offset: int = -1  # elements into the generation buffer; -1: aliases the training shard
     direct: bool = False  # all-gathered straight into the generation buffer
+    stage: int = 0  # the pipeline stage that trains it
+    itemsize: int = 4
 
     @property
     def chunk_numel(self) -> int:
@@ -94,31 +97,48 @@ class Resharder:
     for the generation layout `gen` (see `asyncrl.parallel.generation_layout`)."""
 
     def __init__(self, model: nn.Module, train: ParallelLayout, gen: ParallelLayout, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        if train.size("pp") > 1:
-            raise EngineError("the reshard of pipeline-parallel training shards is not implemented; "
-                              "set actor.parallel.pp=1")
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, full_model: nn.Module | None = None) -> None:
+        self.p = train.size("pp")
+        if self.p > 1 and gen.size("pp") > 1:
+            raise EngineError("pipeline-parallel generation (rollout.parallel.pp > 1) is not implemented; "
+                              "set rollout.parallel.pp=1 (generation gathers every stage)")
+        if self.p > 1 and full_model is None:
+            raise EngineError("the reshard of a pipeline stage needs the full model's parameter list: "
+                              "pass full_model (e.g. the weightless generation model)")
         self.model = model
         self.train, self.gen = train, gen
         self.rank = dist.get_rank()
         self.bucket_bytes = bucket_bytes
         self.t, self.d = train.size("tp"), train.size("dp")
         self.tg = gen.size("tp")
-        # the gather group: this rank's micro-DP group × its dp replicas
-        self.gather_ranks, self.gather_group = _new_groups(gen.groups(("micro_pp", "micro_tp", "dp")), self.rank)
+        self.stage = train.coord(self.rank, "pp")
+        # the gather group: this rank's micro-DP group within its stage × its dp replicas
+        self.gather_ranks, self.gather_group = _new_groups(gen.groups(("micro_tp", "dp")), self.rank)
         self.dp_ranks, self.dp_group = _new_groups(train.groups(("dp",)), self.rank)
+        # the stages' generation shards then travel inside the micro-DP group across stages
+        self.stage_ranks, self.stage_group = _new_groups(gen.groups(("micro_pp",)), self.rank)
         self.micro_dp = len(gen.group_of(self.rank, MICRO_DP_DIMS))
         self.params = dict(model.named_parameters())
+        self.full_model = full_model
         self.plans, self.buffer_numel = self._plan()
+        self.stage_spans = self._stage_spans()
         self.stats = ReshardStats()
         self._buffer: Tensor | None = None
 
     # planning ---------------------------------------------------------------------------------
     def _plan(self) -> tuple[list[ParamPlan], int]:
+        if self.p == 1:
+            params = [(name, p, 0) for name, p in self.params.items()]
+        else:  # every stage's weights, the stages' in order (each stage one contiguous span)
+            from asyncrl.engine.pipeline import owner_stage
+
+            config = self.full_model.config
+            params = sorted(((name, p, owner_stage(name, config.num_hidden_layers, self.p))
+                             for name, p in self.full_model.named_parameters()), key=lambda x: x[2])
         plans, offset = [], 0
-        for name, p in self.params.items():
+        for name, p, stage in params:
             shape = tuple(p.shape)
-            k = tp_shard_dim(p)
+            k = self._split_dim(name, p, stage)
             local = list(shape)
             gen_shape = list(shape)
             if k is not None:
@@ -127,26 +147,52 @@ class Resharder:
                 local[k] = shape[k] // self.t
                 gen_shape[k] = shape[k] // self.tg
             chunk = math.ceil(local[0] / self.d) if local else 1
-            if len(self.gather_ranks if k is not None else self.dp_ranks) == 1:  # the training shard is the generation shard
-                plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk))
+            group = len(self.gather_ranks if k is not None else self.dp_ranks)
+            if group == 1 and self.p == 1:  # the training shard is the generation shard
+                plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, itemsize=p.element_size()))
                 continue
             direct = k in (0, None) and local[0] % self.d == 0 if local else False
-            plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, offset, direct))
+            plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, offset, direct, stage,
+                                   p.element_size()))
             offset += math.prod(gen_shape)
         return plans, offset
+
+    def _split_dim(self, name: str, param: Any, stage: int) -> int | None:
+        """The TP split dim of a weight: read from its DTensor placement on this rank's stage,
+        from the TP plan for the other stages' (which this rank never holds)."""
+        if self.t == 1:
+            return None
+        planned = planned_shard_dim(name, self.full_model if self.full_model is not None else self.model, self.t)
+        if stage == self.stage:
+            held = tp_shard_dim(self.params[name])
+            if held != planned:
+                raise EngineError(f"{name}: trained split along dim {held}, but the TP plan says {planned}")
+            return held
+        return planned
+
+    def _stage_spans(self) -> list[tuple[int, int]]:
+        """Each stage's [start, end) in the generation buffer (elements)."""
+        spans = []
+        for stage in range(self.p):
+            mine = [pl for pl in self.plans if pl.stage == stage and pl.offset >= 0]
+            spans.append((mine[0].offset, mine[-1].offset + mine[-1].gen_numel) if mine else (0, 0))
+        return spans
 
     def expected_bytes_received(self) -> int:
         """Table 2's volume for this rank: each gathered weight's generation shard minus the part
         this rank already holds, counted in the padded units the collectives move."""
         total = 0
         for plan in self.plans:
-            if plan.offset < 0:
+            if plan.offset < 0 or plan.stage != self.stage:
                 continue
-            total += (len(self._group_for(plan)[0]) - 1) * plan.chunk_numel * self._dtype_size(plan)
+            total += (len(self._group_for(plan)[0]) - 1) * plan.chunk_numel * plan.itemsize
+        for stage, (start, end) in enumerate(self.stage_spans):
+            if stage != self.stage:  # the other stages' generation shards, from the stage group
+                total += (end - start) * self.plans[0].itemsize
         return total
 
     def _dtype_size(self, plan: ParamPlan) -> int:
-        return self.params[plan.name].element_size()
+        return plan.itemsize
 
     # the reshard ------------------------------------------------------------------------------
     def _local(self, name: str) -> Tensor:
@@ -186,7 +232,11 @@ class Resharder:
                 continue
             view = buffer[plan.offset: plan.offset + plan.gen_numel].view(plan.gen_shape)
             out[plan.name] = view
-            if plan.direct:
+            if plan.stage != self.stage:
+                continue  # another stage's: arrives below
+            if len(self._group_for(plan)[0]) == 1:  # a pipeline stage's shard, already whole
+                view.copy_(self._local(plan.name))
+            elif plan.direct:
                 self._gather_direct(plan, view)
             else:
                 pending.append(plan)
@@ -194,6 +244,16 @@ class Resharder:
             todo = [p for p in pending if (p.tp_dim is not None) == tp_split]
             for bucket in self._buckets(todo):
                 self._gather_bucket(bucket, out, tp_split)
+        for stage, (start, end) in enumerate(self.stage_spans):
+            if self.p > 1 and end > start:  # each stage's shards to the same generation-TP rank of the others
+                span = buffer[start:end]
+                dist.broadcast(span, src=self.stage_ranks[stage], group=self.stage_group)
+                nbytes = span.numel() * span.element_size()
+                if stage == self.stage:
+                    self.stats.bytes_sent += (self.p - 1) * nbytes
+                else:
+                    self.stats.bytes_received += nbytes
+                self.stats.collectives += 1
         self.stats.seconds = time.perf_counter() - t0
         return out
 

@@ -93,6 +93,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def planned_shard_dim(name: str, model: nn.Module, tp: int) -> int | None:
+    """The dim `apply_tp(model, <tp ranks>)` splits parameter `name` along (None: replicated):
+    the plan read without a mesh, for weights this rank never holds (other pipeline stages)."""
+    if tp == 1:
+        return None
+    module, _, leaf = name.rpartition(".")
+    if module.endswith(COLWISE):
+        return 0
+    if module.endswith(ROWWISE):
+        return 1 if leaf == "weight" else None
+    if shards_vocab(model, tp):
+        vocab = {m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+        if any(mod is m for n, mod in model.named_modules() if n == module for m in vocab):
+            return 0
+    return None
+
+
 def tp_shard_dim(param: Any, tp_dim_name: str = "tp") -> int | None:
     """The tensor dim `param` is split along on the mesh dim `tp_dim_name` (None: replicated)."""
     if not isinstance(param, DTensor):
@@ -104,4 +121,4 @@ def tp_shard_dim(param: Any, tp_dim_name: str = "tp") -> int | None:
     return placement.dim if isinstance(placement, Shard) else None
 
 
-__all__ = ["apply_tp", "check_tp", "shards_vocab", "tp_shard_dim"]
+__all__ = ["apply_tp", "check_tp", "planned_shard_dim", "shards_vocab", "tp_shard_dim"]

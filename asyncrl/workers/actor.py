@@ -28,6 +28,7 @@ from asyncrl.engine import (
     rng_state,
     set_rng_state,
 )
+from asyncrl.engine.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.engine.reshard import Resharder
 from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelLayout, generation_layout
@@ -68,17 +69,26 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         mp = mixed_precision_policy(self.device)
+        engine_cls = TrainEngine
+        if layout.size("pp") > 1:
+            engine_cls = PipelineEngine
+            if base.get_output_embeddings() is not None and \
+                    base.get_output_embeddings().weight is base.get_input_embeddings().weight:
+                log.warning("actor.parallel.pp=%d: the model ties its input and output embeddings, which "
+                            "live on different pipeline stages; they now train as two weights (the "
+                            "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
+                untie_embeddings(base)
         if "ref" in self.roles:
-            self.ref = TrainEngine(parallelize(copy.deepcopy(base), layout, mp), layout,
-                                   optim=None, device=self.device)
+            self.ref = engine_cls(parallelize(copy.deepcopy(base), layout, mp), layout,
+                                  optim=None, device=self.device)
         if "actor" in self.roles:
-            self.actor = TrainEngine(parallelize(base, layout, mp), layout, optim=cfg.actor.optim,
-                                     device=self.device)
+            self.actor = engine_cls(parallelize(base, layout, mp), layout, optim=cfg.actor.optim,
+                                    device=self.device)
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
         if "rollout" in self.roles and self.actor is not None:
-            self.resharder = Resharder(self.actor.model, layout, self.gen_layout)
             self.generation = GenerationModel(base.config, self.actor.model, self._generation_tp_group())
+            self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model)
             self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         # sampling: one stream per data shard, so the ranks of a generation TP group draw alike
@@ -145,15 +155,24 @@ class ActorRolloutRefWorker(Worker):
             return 1.0
         return float(batch.meta.get("temperature", self.cfg.rollout.temperature)) or 1.0
 
-    def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs (and entropies); (None, None) on a pipeline stage other than the last."""
         temp = self._temperature(batch)
         engine.model.eval()
-        logps, ents = [], []
+        mbs = micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size)
+
+        def forward(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return response_forward(model, mb, temp, with_entropy)
+
         with torch.no_grad():
-            for mb in micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size):
-                lp, ent = response_forward(engine.model, mb, temp, with_entropy)
-                logps.append(lp)
-                ents.append(ent)
+            if engine.pipelined and mbs:
+                outs = engine.forward(mbs, forward)
+                if outs is None:
+                    return None, None
+            else:
+                outs = [forward(engine.model, mb) for mb in mbs]
+        logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
         logp = torch.cat(logps) if logps else torch.zeros(0)
         return logp, (torch.cat(ents) if with_entropy and ents else None)
 
@@ -162,13 +181,13 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Current policy log-probs of the responses (`old_log_probs`) and their entropy."""
         logp, ent = self._log_probs(self.actor, batch, with_entropy=True)
-        return Batch({"old_log_probs": logp, "entropy": ent})
+        return Batch({"old_log_probs": logp, "entropy": ent}) if logp is not None else None
 
     @register(THREE_D_PROTO)
     @timed("ref_log_prob")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         logp, _ = self._log_probs(self.ref, batch, with_entropy=False)
-        return Batch({"ref_log_prob": logp})
+        return Batch({"ref_log_prob": logp}) if logp is not None else None
 
     # training ------------------------------------------------------------------------------------
     @register(THREE_D_PROTO)
@@ -226,6 +245,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_loss(self, batch: Batch) -> dict[str, float]:
         """Pretrain/SFT loss (mean negative log-likelihood of response tokens), no update."""
         logp, _ = self._log_probs(self.actor, batch, with_entropy=False)
+        if logp is None:  # not the last pipeline stage: the driver keeps the last stage's
+            return {}
         mask = batch["response_mask"].float()
         return {"sft_loss": float(-core.masked_mean(logp, mask)), "tokens": float(mask.sum())}
 
