@@ -151,14 +151,15 @@ def test_grpo_advantage_task_on_a_batch():
         advantage.rloo(b.select("response_mask", "scores"))
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_grpo_learns_by_default(tp, tiny_model, tmp_path):
+@pytest.mark.parametrize("parallel", [[], ["actor.parallel.tp=2"], ["actor.parallel.pp=2"]],
+                         ids=["dp2", "tp2", "pp2"])
+def test_grpo_learns_by_default(parallel, tiny_model, tmp_path):
     """The quickstart recipe, shortened: GRPO must raise held-out greedy reward by a margin, also
-    with a tensor-parallel actor resharded into generation every step."""
+    with a tensor- or pipeline-parallel actor resharded into generation every step."""
     out = tmp_path / "learn"
     res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=100", "trainer.eval_every=50",
                                                   "trainer.save_every=100", "trainer.tensorboard=false",
-                                                  f"actor.parallel.tp={tp}"],
+                                                  *parallel],
                   timeout=600, small=False)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
