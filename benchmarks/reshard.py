@@ -3,6 +3,7 @@ measured in the same run on gloo CPU ranks.
 
     python -m benchmarks.reshard [--ranks 4] [--tp 4] [--gen-tp 2] [--reps 5]
     python -m benchmarks.reshard --ranks 8        # t=4, d=2: FSDP also shards over dp
+    python -m benchmarks.reshard --ranks 8 --tp 2 --gen-tp 1 --pp 2   # p=2 pipeline stages
 
 Every rank builds the same random-init fp32 Llama (default 116.7 M parameters: hidden 1024,
 intermediate 2048, 8 layers, 16 heads, vocab 32000, tied embeddings, so the embedding/LM head
@@ -41,6 +42,21 @@ rank's wall time per rep (after a barrier), median over `--reps` after one warmu
 methods are interleaved within each rep. Ranks use one torch thread each; on a machine with
 fewer cores than ranks they share cores, which slows every method alike.
 
+With `--pp P` (p > 1, pg = 1) every rank builds its training stage with `parallelize(model,
+layout)` (stage split, TP, FSDP), the model untied first (`untie_embeddings`: stages cannot
+share the tied embedding/LM head; the JSON's model says `untied_for_pp`). The Resharder
+gathers inside the stage's micro-DP × dp group, then broadcasts each stage's generation shards
+across the stages; HybridFlow-V gathers each stage whole inside its TP group and broadcasts the
+stages' whole weights across the pipeline (p ranks of one dp/tp coordinate, peak M); DS-Chat is
+unchanged (the whole model over N ranks); `full_state` is `PipelineEngine(..., optim=None)
+.full_state_dict(rank0_only=False)`, which gathers the stages. Every method is checked on every
+parameter of the FULL model against a plain model built with the same seed (untied the same
+way), chunked along `planned_shard_dim`. The embedding sits on the first stage and the LM head on
+the last, so stages are unequal while Table 2 assumes M/p each: `formula_bytes` stays Table 2's
+value, `expected_bytes` is the Resharder's exact count, `bytes_ratio` = bytes_per_rank /
+formula_bytes deviates from 1 by the stage imbalance, reported as `stage_imbalance` (the stage of
+the rank receiving most: its stage's bytes / (M/p)) and `stage_imbalance_by_stage`.
+
 The last line printed is one JSON object.
 """
 
@@ -51,6 +67,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -75,6 +92,7 @@ class ReshardCheckError(RuntimeError):
 class Setup:
     ranks: int = 4
     tp: int = 4
+    pp: int = 1
     gen_tp: int = 2
     hidden: int = 1024
     intermediate: int = 2048
@@ -88,7 +106,7 @@ class Setup:
 
     @property
     def dp(self) -> int:
-        return self.ranks // self.tp
+        return self.ranks // (self.tp * self.pp)
 
 
 # Table 2 ----------------------------------------------------------------------------------------
@@ -99,13 +117,14 @@ def table2(split_bytes: int, replicated_bytes: int, t: int, tg: int, d: int, p: 
     over TP (`replicated_bytes`, sharded only by FSDP) counted apart."""
     m = split_bytes + replicated_bytes
     n = t * p * d
-    dp_part = replicated_bytes * (1 - 1 / d)  # each rank holds 1/d of a replicated weight
+    # each rank holds 1/d of its stage's replicated weights, and generation needs 1/pg of all
+    dp_part = replicated_bytes * (1 / pg - 1 / (p * d))
     return {
         "hybridflow": split_bytes * (1 / (tg * pg) - 1 / n) + dp_part,
         "hybridflow_v": split_bytes * (1 - 1 / n) + dp_part,  # dp gather, then the TP group's
         "dschat": m * (1 - 1 / n),
         "full_state_implied": split_bytes * (1 - 1 / n) + dp_part,
-        "peak_hybridflow": split_bytes / (tg * pg) + (replicated_bytes if d > 1 else 0),
+        "peak_hybridflow": split_bytes / (tg * pg) + (replicated_bytes / pg if d > 1 or p > pg else 0),
     }
 
 
@@ -122,6 +141,14 @@ class Counter:
 
         dist.all_gather_single(out, inp, group=group)
         self.bytes_received += (size - 1) * inp.numel() * inp.element_size()
+        self.collectives += 1
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=src, group=group)
+        if dist.get_rank() != src:
+            self.bytes_received += tensor.numel() * tensor.element_size()
         self.collectives += 1
 
 
@@ -152,6 +179,7 @@ class Param:
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None  # None: replicated over TP
+    stage: int = 0  # the pipeline stage that trains it
 
     @property
     def numel(self) -> int:
@@ -192,6 +220,53 @@ def hybridflow_v(model: torch.nn.Module, params: list[Param], t: int, tg: int, d
     peak = full.nbytes + gen_bytes
     del full, stacked
     return out, peak
+
+
+@torch.no_grad()
+def hybridflow_v_stages(model: torch.nn.Module, params: list[Param], t: int, tg: int, d: int, stage: int,
+                        tp_coord: int, tp_group: Any, dp_group: Any, pp_ranks: list[int], pp_group: Any,
+                        counter: Counter) -> tuple[dict[str, torch.Tensor], int]:
+    """HybridFlow-V over pipeline stages: this stage's weights gathered whole inside the training
+    TP group (FSDP chunks over dp first) into its span of one model-sized buffer, then every
+    stage's span broadcast across the pipeline (`pp_ranks`: the p ranks of this rank's dp and tp
+    coordinates, stage order), then the generation shards copied out at the naive generation TP
+    coordinate. `params` is the full model's, grouped by stage. Returns the shards and the extra
+    bytes held at the peak."""
+    named = dict(model.named_parameters())
+    full = torch.empty(sum(q.numel for q in params), dtype=torch.float32)
+    slots: dict[str, torch.Tensor] = {}
+    spans: dict[int, list[int]] = {}  # stage -> [start, end) in `full`
+    at = 0
+    for q in params:
+        slots[q.name] = full[at: at + q.numel]
+        spans.setdefault(q.stage, [at, at])[1] = at + q.numel
+        at += q.numel
+    for q in params:
+        if q.stage != stage:
+            continue
+        local = _local(named[q.name])
+        if q.tp_dim is None:
+            slots[q.name].copy_(_unshard_dp(local, q.shape[0], d, dp_group, counter).reshape(-1))
+            continue
+        local_shape = list(q.shape)
+        local_shape[q.tp_dim] //= t
+        shard = _unshard_dp(local, local_shape[0], d, dp_group, counter).contiguous()
+        counter.all_gather(slots[q.name].view(t * shard.shape[0], *shard.shape[1:]), shard, tp_group, t)
+    for s, (start, end) in sorted(spans.items()):
+        counter.broadcast(full[start:end], pp_ranks[s], pp_group)
+    g, per = tp_coord % tg, t // tg
+    out: dict[str, torch.Tensor] = {}
+    gen_bytes = 0
+    for q in params:
+        if q.tp_dim is None:  # the whole weight is the generation weight
+            out[q.name] = slots[q.name].view(q.shape)
+            continue
+        local_shape = list(q.shape)
+        local_shape[q.tp_dim] //= t
+        parts = slots[q.name].view(t, *local_shape)  # the t training shards, stacked
+        out[q.name] = torch.cat(list(parts[g * per: (g + 1) * per]), dim=q.tp_dim)
+        gen_bytes += out[q.name].nbytes
+    return out, full.nbytes + gen_bytes
 
 
 def dschat_slices(full: dict[str, torch.Tensor], params: list[Param], world: int, rank: int,
@@ -245,7 +320,12 @@ def build_model(s: Setup) -> torch.nn.Module:
         max_position_embeddings=256, tie_word_embeddings=s.tied,
     )
     torch.manual_seed(s.seed)
-    return LlamaForCausalLM(config).float()
+    model = LlamaForCausalLM(config).float()
+    if s.pp > 1:  # pipeline stages cannot share the tied embedding/LM head
+        from asyncrl.engine.pipeline import untie_embeddings
+
+        untie_embeddings(model)
+    return model
 
 
 def _check(method: str, shards: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
@@ -290,35 +370,56 @@ def _rank_job(rank: int, s: Setup) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from asyncrl.engine.fsdp import TrainEngine, apply_fsdp
+    from asyncrl.engine.parallelize import parallelize
+    from asyncrl.engine.pipeline import PipelineEngine, owner_stage
     from asyncrl.engine.reshard import Resharder
-    from asyncrl.engine.tp import apply_tp, tp_shard_dim
+    from asyncrl.engine.tp import apply_tp, planned_shard_dim, tp_shard_dim
     from asyncrl.parallel import (
         GenerationParallelConfig,
         ParallelConfig,
         ParallelLayout,
         generation_layout,
     )
+    from asyncrl.rollout.tp import GenerationModel
 
     dist.init_process_group("gloo", rank=rank, world_size=s.ranks)
-    layout = ParallelLayout.from_config(ParallelConfig(tp=s.tp), s.ranks)
+    layout = ParallelLayout.from_config(ParallelConfig(pp=s.pp, tp=s.tp), s.ranks)
     gen = generation_layout(layout, GenerationParallelConfig(tp=s.gen_tp))
     t, tg, d = s.tp, s.gen_tp, s.dp
-    model = build_model(s)
-    tp_group = None
-    if t > 1:
-        apply_tp(model, layout.submesh("tp"))
-        tp_group = layout.submesh("tp").get_group()
-    apply_fsdp(model, layout.submesh("dp"))
+    stage = layout.coord(rank, "pp")
+    if s.pp == 1:
+        model = build_model(s)
+        tp_group = None
+        if t > 1:
+            apply_tp(model, layout.submesh("tp"))
+            tp_group = layout.submesh("tp").get_group()
+        apply_fsdp(model, layout.submesh("dp"))
+        params = [Param(n, tuple(p.shape), tp_shard_dim(p)) for n, p in model.named_parameters()]
+        # untimed setup: the reference, DS-Chat's slices, the Resharder, the engine
+        reference = {n: p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach().clone()
+                     for n, p in model.named_parameters()}
+        resharder = Resharder(model, layout, gen)
+        engine = TrainEngine(model, layout, optim=None, device="cpu")
+    else:  # this rank's stage; the reference is a plain full model from the same seed
+        model, plain = parallelize(build_model(s), layout), build_model(s)
+        tp_group = layout.submesh("tp").get_group() if t > 1 else None
+        gen_tp_group = None
+        for ranks in gen.groups(("tp",)):
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            gen_tp_group = g if rank in ranks else gen_tp_group
+        generation = GenerationModel(plain.config, model, gen_tp_group)  # weightless full-model skeleton
+        params = sorted((Param(n, tuple(p.shape), planned_shard_dim(n, plain, t),
+                               owner_stage(n, s.layers, s.pp)) for n, p in plain.named_parameters()),
+                        key=lambda q: q.stage)
+        reference = {n: p.detach() for n, p in plain.named_parameters()}
+        del plain
+        resharder = Resharder(model, layout, gen, full_model=generation.model)
+        engine = PipelineEngine(model, layout, optim=None, device="cpu")
+        pp_ranks = next(r for r in layout.groups(("pp",)) if rank in r)
+        pp_group = layout.submesh("pp").get_group()
     dp_group = layout.submesh("dp").get_group()
-    params = [Param(n, tuple(p.shape), tp_shard_dim(p)) for n, p in model.named_parameters()]
-
-    # untimed setup: the reference, DS-Chat's slices, the Resharder, the engine
-    reference = {n: p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach().clone()
-                 for n, p in model.named_parameters()}
     bucket_numel = int(s.bucket_mib * (1 << 20)) // 4
     mine, buckets, padded = dschat_slices(reference, params, s.ranks, rank, bucket_numel)
-    resharder = Resharder(model, layout, gen)
-    engine = TrainEngine(model, layout, optim=None, device="cpu")
     tp_coord = layout.coord(rank, "tp")
 
     counters = {m: Counter() for m in ("hybridflow_v", "dschat")}
@@ -326,8 +427,12 @@ def _rank_job(rank: int, s: Setup) -> dict[str, Any] | None:
 
     def run_v() -> dict[str, torch.Tensor]:
         counters["hybridflow_v"] = Counter()
-        out, peaks["hybridflow_v"] = hybridflow_v(model, params, t, tg, d, tp_coord, tp_group,
-                                                  dp_group, counters["hybridflow_v"])
+        if s.pp > 1:
+            out, peaks["hybridflow_v"] = hybridflow_v_stages(model, params, t, tg, d, stage, tp_coord, tp_group,
+                                                             dp_group, pp_ranks, pp_group, counters["hybridflow_v"])
+        else:
+            out, peaks["hybridflow_v"] = hybridflow_v(model, params, t, tg, d, tp_coord, tp_group,
+                                                      dp_group, counters["hybridflow_v"])
         return out
 
     def run_dschat() -> dict[str, torch.Tensor]:
@@ -375,13 +480,24 @@ def _rank_job(rank: int, s: Setup) -> dict[str, Any] | None:
         "peak_extra_bytes_dschat": _max_over_ranks(peaks["dschat"]),
     }
     staging = resharder.staging_bytes()
+    per_rank = None
+    if s.pp > 1:  # (stage, received, expected) of every rank: the stages receive unequal volumes
+        mine_row = torch.tensor([stage, stats.bytes_received, resharder.expected_bytes_received()],
+                                dtype=torch.int64)
+        rows = [torch.empty(3, dtype=torch.int64) for _ in range(s.ranks)]
+        dist.all_gather(rows, mine_row)
+        per_rank = [tuple(int(x) for x in row) for row in rows]
     dist.barrier()
     if rank != 0:
         return None
-    return {"measured": measured, "times": times, "split_bytes": split, "replicated_bytes": replicated,
-            "params": sum(q.numel for q in params),
-            "params_split": sum(q.numel for q in params if q.tp_dim is not None),
-            "staging_bytes": staging}
+    result = {"measured": measured, "times": times, "split_bytes": split, "replicated_bytes": replicated,
+              "params": sum(q.numel for q in params),
+              "params_split": sum(q.numel for q in params if q.tp_dim is not None),
+              "staging_bytes": staging}
+    if per_rank is not None:
+        result["per_rank"] = per_rank
+        result["stage_bytes"] = [sum(q.numel * 4 for q in params if q.stage == st) for st in range(s.pp)]
+    return result
 
 
 def _rank_main(rank: int, s: Setup, port: int, out_dir: str) -> None:
@@ -441,7 +557,7 @@ def run_ranks(s: Setup, timeout_s: float) -> dict[str, Any]:
 def summarize(s: Setup, r: dict[str, Any]) -> dict[str, Any]:
     m, times = r["measured"], r["times"]
     split, replicated = r["split_bytes"], r["replicated_bytes"]
-    formula = table2(split, replicated, s.tp, s.gen_tp, s.dp)
+    formula = table2(split, replicated, s.tp, s.gen_tp, s.dp, p=s.pp)
     med = {k: statistics.median(v) for k, v in times.items()}
 
     def ratio(a: float, b: float) -> float | None:
@@ -450,8 +566,8 @@ def summarize(s: Setup, r: dict[str, Any]) -> dict[str, Any]:
     def paired(peer: str) -> float:
         return round(statistics.median(p / h for p, h in zip(times[peer], times["hybridflow"], strict=True)), 4)
 
-    return {
-        "benchmark": "reshard", "ranks": s.ranks, "p": 1, "t": s.tp, "d": s.dp, "pg": 1, "tg": s.gen_tp,
+    out = {
+        "benchmark": "reshard", "ranks": s.ranks, "p": s.pp, "t": s.tp, "d": s.dp, "pg": 1, "tg": s.gen_tp,
         "micro_dp": s.tp // s.gen_tp, "reps": s.reps, "cores": os.cpu_count(),
         "model": {"hidden": s.hidden, "intermediate": s.intermediate, "layers": s.layers,
                   "heads": s.heads, "vocab": s.vocab, "tied": s.tied, "dtype": "float32"},
@@ -488,6 +604,23 @@ def summarize(s: Setup, r: dict[str, Any]) -> dict[str, Any]:
         "loadavg_1m": r["loadavg_1m"],  # before and after: other work on the machine skews times
         "correct": True,  # every method's shards matched the reference on the warmup (else no JSON)
     }
+    if s.pp > 1:
+        out["model"]["untied_for_pp"] = True  # pipeline stages cannot share the tied embedding/LM head
+        out.update(pipeline_summary(s, r))
+    return out
+
+
+def pipeline_summary(s: Setup, r: dict[str, Any]) -> dict[str, Any]:
+    """The stages' unequal shares (embedding on the first, LM head on the last) against Table 2's
+    M/p each: the bytes each stage's ranks receive, expected and measured."""
+    total = r["split_bytes"] + r["replicated_bytes"]
+    imbalance = [round(b / (total / s.pp), 4) for b in r["stage_bytes"]]
+    received = [max(b for st, b, _ in r["per_rank"] if st == stage) for stage in range(s.pp)]
+    expected = [max(e for st, _, e in r["per_rank"] if st == stage) for stage in range(s.pp)]
+    top = max(range(s.pp), key=lambda st: received[st])  # the stage whose rank sets bytes_per_rank
+    return {"stage_bytes": r["stage_bytes"], "stage_imbalance": imbalance[top], "stage_of_max_bytes": top,
+            "stage_imbalance_by_stage": imbalance, "bytes_per_stage": received,
+            "expected_bytes_per_stage": expected}
 
 
 def main() -> None:
@@ -495,10 +628,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--tp", type=int, default=4, help="training tensor parallel size t")
     parser.add_argument("--gen-tp", type=int, default=2, help="generation tensor parallel size tg")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="training pipeline stages p (generation pg = 1); p > 1 unties the embeddings")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=None, help="default: 2 × hidden")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="default: 8, rounded up to a multiple of pp")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--untied", action="store_true", help="separate embedding and LM head")
@@ -506,12 +641,21 @@ def main() -> None:
                         help="DS-Chat's gather output per collective")
     parser.add_argument("--timeout-s", type=float, default=1800)
     args = parser.parse_args()
-    if args.ranks % args.tp or args.tp % args.gen_tp or args.gen_tp >= args.tp:
-        parser.error(f"need tp | ranks and gen-tp | tp with gen-tp < tp (else nothing is resharded); "
-                     f"got ranks={args.ranks} tp={args.tp} gen-tp={args.gen_tp}")
-    s = Setup(ranks=args.ranks, tp=args.tp, gen_tp=args.gen_tp, hidden=args.hidden,
-              intermediate=args.intermediate or 2 * args.hidden, layers=args.layers, heads=args.heads,
-              vocab=args.vocab, tied=not args.untied, reps=args.reps, bucket_mib=args.bucket_mib)
+    if args.pp < 1 or args.ranks % (args.tp * args.pp) or args.tp % args.gen_tp \
+            or (args.gen_tp >= args.tp and args.pp == 1):
+        parser.error(f"need pp·tp | ranks and gen-tp | tp with gen-tp < tp or pp > 1 (else nothing is "
+                     f"resharded); got ranks={args.ranks} pp={args.pp} tp={args.tp} gen-tp={args.gen_tp}")
+    layers = args.layers if args.layers is not None else -(-8 // args.pp) * args.pp
+    if layers < args.pp:
+        parser.error(f"--layers {layers} < --pp {args.pp}: every pipeline stage needs a decoder layer")
+    tied = not args.untied
+    if args.pp > 1 and tied:
+        print("--pp > 1: untying the embedding and LM head (pipeline stages cannot share a weight)",
+              file=sys.stderr)
+        tied = False
+    s = Setup(ranks=args.ranks, tp=args.tp, pp=args.pp, gen_tp=args.gen_tp, hidden=args.hidden,
+              intermediate=args.intermediate or 2 * args.hidden, layers=layers, heads=args.heads,
+              vocab=args.vocab, tied=tied, reps=args.reps, bucket_mib=args.bucket_mib)
     print(json.dumps({"setup": asdict(s)}), flush=True)
     print(json.dumps(summarize(s, run_ranks(s, args.timeout_s))))
 

@@ -52,3 +52,25 @@ def test_tiny_run() -> None:
     assert out["buffer_bytes"] == out["peak_formula_bytes"]
     assert out["buffer_bytes"] <= out["peak_extra_bytes"] <= out["buffer_bytes"] + out["staging_bytes"]
     assert all(out[f"time_{m}_s"] > 0 for m in ("hybridflow", "hybridflow_v", "dschat", "full_state"))
+
+
+def test_tiny_pipeline_run() -> None:
+    """4 gloo ranks, p=2 stages of t=2 -> tg=1: the full model's generation shards checked inside
+    the run for every method, the reshard's bytes equal to the Resharder's exact count."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "benchmarks.reshard", "--tp", "2", "--gen-tp", "1", "--pp", "2",
+           "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "64", "--reps", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["correct"] is True
+    assert (out["ranks"], out["p"], out["t"], out["tg"], out["d"]) == (4, 2, 2, 1, 1)
+    assert out["model"]["tied"] is False and out["model"]["untied_for_pp"] is True
+    assert out["bytes_per_rank"] == out["expected_bytes"]
+    assert out["bytes_per_stage"] == out["expected_bytes_per_stage"]
+    assert sum(out["stage_bytes"]) == out["M_bytes"]
+    # unequal stages move bytes_ratio off 1 by the stage imbalance (tg=1: 1 - r/(t·p) over 1 - 1/(t·p))
+    r = out["stage_imbalance"]
+    assert out["bytes_ratio"] == pytest.approx((1 - r / 4) / (1 - 1 / 4), abs=0.01)
+    assert out["bytes_per_rank_dschat"] == pytest.approx(out["formula_bytes_dschat"], rel=0.01)
+    assert all(out[f"time_{m}_s"] > 0 for m in ("hybridflow", "hybridflow_v", "dschat", "full_state"))
