@@ -77,9 +77,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from daemons.proc import die_with_parent, exit_reason, free_port
+from daemons.proc import die_with_parent, exit_reason, free_port, run_spawned
 
 METHODS = ("hybridflow", "hybridflow_v", "dschat", "full_state")
 
@@ -524,26 +523,10 @@ def run_ranks(s: Setup, timeout_s: float) -> dict[str, Any]:
     """Spawn the ranks, wait for them, and return rank 0's result; every process is reaped on
     return, and a failing rank stops the others (they would wait in a collective forever)."""
     load_before = os.getloadavg()[0]
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="asyncrl-reshard-") as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, s, port, out_dir), daemon=True)
-                 for r in range(s.ranks)]
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout_s
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+        codes = run_spawned(_rank_main, [(r, s, port, out_dir) for r in range(s.ranks)], timeout_s)
         errors = [f.read_text() for f in sorted(Path(out_dir).glob("error*.txt"))]
-        codes = [p.exitcode for p in procs]
         if errors or any(codes):
             reasons = ", ".join(f"rank {r} {exit_reason(c)}" for r, c in enumerate(codes))
             raise SystemExit(f"reshard benchmark failed ({reasons}; killed ranks were stopped "

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -46,6 +47,30 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def run_spawned(target: Any, args_per_process: list[tuple], timeout_s: float) -> list[int | None]:
+    """Run `target(*args)` in one spawned process per entry of `args_per_process` and wait until
+    all have ended, one has failed (its peers would wait in a collective forever) or `timeout_s`
+    passed; the survivors are killed and every process is reaped. Returns the exit codes."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args, daemon=True) for args in args_per_process]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

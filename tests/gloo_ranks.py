@@ -9,8 +9,6 @@ per-rank results, or fails the test with each rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -18,13 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from daemons.proc import free_port, run_spawned
 
 
 def _rank_main(fn: Callable[[int, int, Path], Any], rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -50,25 +43,10 @@ def _rank_main(fn: Callable[[int, int, Path], Any], rank: int, world_size: int, 
 def run_ranks(fn: Callable[[int, int, Path], Any], world_size: int, out_dir: Path,
               timeout_s: float = 100) -> list[Any]:
     """`fn`'s result on every rank, in rank order; every process is reaped on return."""
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, str(out_dir)), daemon=True)
-             for r in range(world_size)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+    codes = run_spawned(_rank_main, [(fn, r, world_size, port, str(out_dir)) for r in range(world_size)],
+                        timeout_s)
     errors = [f.read_text() for f in sorted(out_dir.glob("error*.txt"))]
-    codes = [p.exitcode for p in procs]
     if errors or any(codes):
         pytest.fail(f"rank exit codes {codes} (-9: killed because a peer failed or the job ran past "
                     f"{timeout_s}s)\n" + "\n".join(errors))

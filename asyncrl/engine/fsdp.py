@@ -242,15 +242,7 @@ class TrainEngine:
                 v = torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
 
-        grad_norm = self._clip_grads(self.optim_config.grad_clip)
-        lr = self.optimizer.param_groups[0]["lr"]
-        finite = bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-        else:
-            log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr, finite = self._optimizer_step()
 
         # One collective for every logged number; TP peers hold equal values, so dp suffices.
         names = sorted(metric_sums)
@@ -260,6 +252,20 @@ class TrainEngine:
         out = {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
         out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
         return out
+
+    def _optimizer_step(self) -> tuple[Tensor, float, bool]:
+        """Clip the accumulated grads, step AdamW and the lr schedule unless the grad norm is
+        non-finite, zero the grads; returns (pre-clip grad norm, lr used, whether it stepped)."""
+        grad_norm = self._clip_grads(self.optim_config.grad_clip)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr, finite
 
     def _clip_grads(self, max_norm: float) -> Tensor:
         """Global L2 norm of the sharded grads (a collective), clipped to `max_norm` if finite."""

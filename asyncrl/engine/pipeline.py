@@ -354,15 +354,7 @@ class PipelineEngine(TrainEngine):
 
         self._run(micro_batches, on_output, train=True)
 
-        grad_norm = self._clip_grads(self.optim_config.grad_clip)
-        lr = self.optimizer.param_groups[0]["lr"]
-        finite = bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-        else:
-            log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, lr, finite = self._optimizer_step()
 
         out: dict[str, float] | None = None
         if self.is_last:
