@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Generator
@@ -28,6 +29,10 @@ from daemons.worker_client import WorkerHandle
 from transport import RemoteError
 
 log = logging.getLogger(__name__)
+
+DEATH_NOTICE_S = 3.0  # after a collective lost a peer, how long a dead worker's notice may take
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL (error|communicator)|"
+                        r"ProcessGroup\w* .*(abort|timed out)", re.IGNORECASE)
 
 
 class WorkerCallError(DaemonError):
@@ -203,6 +208,14 @@ class WorkerGroup:
             raise
         failed = [t.exception() for t in tasks.values()
                   if t.done() and not t.cancelled() and t.exception() is not None]
+        if any(_LOST_PEER.search(str(e)) for e in failed) and not any(isinstance(e, WorkerDiedError) for e in failed):
+            # a killed rank's peers often fail first (a collective's connection closed): give
+            # the coordinator's death notice a moment, so the error names the root cause
+            pending = [t for t in tasks.values() if not t.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=DEATH_NOTICE_S)
+            failed = [t.exception() for t in tasks.values()
+                      if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             # raise at once; the other ranks finish (or fail) in the background and the pool's
             # next ordered call waits for them, so collectives never overlap two calls

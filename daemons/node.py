@@ -20,6 +20,7 @@ from pathlib import Path
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
+from objectstore.segments import remove_stale_segments
 from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ class NodeDaemon:
                 child.reported = True
                 reason = exit_reason(code)
                 log.info("worker %s %s", child.worker_id, reason)
+                if code != 0:  # a killed store cannot unlink its shared memory: do it for it
+                    remove_stale_segments()
                 try:
                     await self.coordinator.call(
                         "worker_exited", WorkerExit(child.worker_id, code, reason, tail(child.log_path)),

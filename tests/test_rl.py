@@ -261,15 +261,18 @@ def test_tensor_parallel_sizes_are_checked_against_the_model(tiny_model):
 
 
 def test_resume_in_another_parallel_layout(tiny_model, tmp_path):
-    """A run saved with a pure-DP actor (tp=1, dp=2) resumes with a tensor-parallel one (tp=2,
-    dp=1): the checkpoint reshards, and the run continues from its step."""
+    """A run saved with a pure-DP actor (dp=2, tied embeddings) resumes with pipeline stages
+    (pp=2: the embedding and LM head untie, the head's optimizer state comes from the tied
+    weight's); going back to the tied model is refused, since one trained weight would be lost."""
     out = tmp_path / "relayout"
     common = ["trainer.save_every=2", "trainer.eval_every=2", "trainer.tensorboard=false"]
     res = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", *common])
     assert res.returncode == 0, res.stderr[-3000:]
-    res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "actor.parallel.tp=2", *common])
+    res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "actor.parallel.pp=2", *common])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stderr and "actor.parallel.tp: 1 → 2" in res.stderr
+    assert "resumed from" in res.stderr and "actor.parallel.pp: 1 → 2" in res.stderr
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in rows if r["step"] > 2)
+    res = _launch("grpo", out, tiny_model, ["trainer.total_steps=6", *common])
+    assert res.returncode != 0 and "trained the token embedding and the LM head as two weights" in res.stderr

@@ -51,6 +51,9 @@ OPTIM_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 
+# HF Llama/Qwen2 names of the token embedding and the LM head, one tensor when tied
+TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
+
 
 class EngineError(RuntimeError):
     """The training engine was used in a way it does not support; the message says how to fix it."""
@@ -314,6 +317,7 @@ class TrainEngine:
         torch.save(
             {
                 "layout": self.layout.to_wire(),
+                "tied": bool(self._tied_names),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "extra": extra,
             },
@@ -336,8 +340,23 @@ class TrainEngine:
         """
         path = Path(path)
         meta = self._read_meta(path)
+        if meta.get("tied") is False and self._tied_names:
+            raise EngineError(
+                f"checkpoint {path} trained the token embedding and the LM head as two weights "
+                "(pipeline stages untie them), but this model ties them, so one trained weight "
+                "would be lost; resume with the same actor.parallel.pp > 1, or start a new run "
+                f"from its export (model.path={path / 'hf'}), which loads untied")
         state = self._sharded_state()
+        copies = _alias_tied_keys(state, path / "dcp")
         dcp.load(state, checkpoint_id=path / "dcp")
+        for sub, key, twin, kept in copies:  # weights this model keeps apart, from the tied one
+            if kept is None:
+                state[sub][key] = state[sub].pop(twin)
+            elif isinstance(kept, Tensor):
+                kept.copy_(state[sub][twin])
+                state[sub][key] = kept
+            else:
+                state[sub][key] = state[sub][twin]
         if self.optimizer is not None:
             set_state_dict(
                 self.model,
@@ -438,6 +457,41 @@ def global_grad_norm(grads: list[Tensor]) -> Tensor:
         dist.all_reduce(part, group=group)
         sums = torch.where(mask, part, sums)
     return sums.sum().sqrt()
+
+
+def _twin(key: str) -> str | None:
+    """`key` with the embedding's name swapped for the LM head's (or back); None if neither."""
+    embed, head = TIED_PAIR
+    if embed in key:
+        return key.replace(embed, head)
+    if head in key:
+        return key.replace(head, embed)
+    return None
+
+
+def _alias_tied_keys(state: dict[str, Any], checkpoint: Path) -> list[tuple[str, str, str, Any]]:
+    """Let an untied model (pipeline stages) load a checkpoint written tied, where only one of
+    the embedding / LM head entries exists: each missing key is read from its twin. Returns
+    (section, key, twin, the key's own value if the twin is also this model's, else None) for
+    putting them back after `dcp.load`."""
+    saved = set(dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    saved_prefixes = {k.rsplit(".", 1)[0] for k in saved}
+    copies = []
+    for sub, entries in state.items():
+        for key in list(entries):
+            full = f"{sub}.{key}"
+            twin = _twin(key)
+            if twin is None or full in saved or any(s.startswith(full + ".") for s in saved_prefixes | saved):
+                continue
+            if f"{sub}.{twin}" not in saved and not any(s.startswith(f"{sub}.{twin}.") for s in saved):
+                continue
+            own = entries.pop(key)
+            if twin in entries:
+                copies.append((sub, key, twin, own))
+            else:
+                entries[twin] = own
+                copies.append((sub, key, twin, None))
+    return copies
 
 
 def rng_state() -> dict[str, Any]:
