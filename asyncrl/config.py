@@ -377,6 +377,10 @@ class RLConfig(LaunchConfig):
             raise ConfigError(f"bad configuration: {at}algorithm.estimator={self.algorithm.estimator!r} only "
                               f"applies to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
         self._check_layouts(at)
+        if self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
+            raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
+                              "each prompt's samples with each other, so one sample per prompt gives zero "
+                              "advantages; set rollout.n >= 2")
         if self.cost_model.enable and self.reward.cost_fn:
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
@@ -394,7 +398,8 @@ class RLConfig(LaunchConfig):
                 try:
                     layout = ParallelLayout.from_config(par, self.trainer.n_workers)
                 except LayoutError as e:
-                    raise LayoutError(f"{at}{role}.{e} (trainer.n_workers={self.trainer.n_workers})") from None
+                    hint = f" (trainer.n_workers={self.trainer.n_workers})" if "world size" in str(e) else ""
+                    raise LayoutError(f"{at}{role}.{e}{hint}") from None
                 if role == "actor":
                     generation_layout(layout, self.rollout.parallel, at=f"{at}rollout.parallel",
                                       train_at=f"{at}actor.parallel")
@@ -438,7 +443,7 @@ def typed(schema: type, cfg: DictConfig | dict) -> Any:
         key = unknown[0]
         best = closest_key(schema, key)
         raise ConfigError(f"bad configuration: {key}: no such key" + (f"; did you mean {best}?" if best else "")
-                          + f" Valid keys in {key.rpartition('.')[0] or 'the top level'}: "
+                          + f". Valid keys in {key.rpartition('.')[0] or 'the top level'}: "
                           + ", ".join(valid_keys(schema, key.rpartition(".")[0])) + ".")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)

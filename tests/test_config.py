@@ -309,3 +309,10 @@ def test_config_changes_names_each_key():
 
     assert config_changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 4}) == {"a.c": "2 → 3",
                                                                                          "d": "None → 4"}
+
+
+def test_group_baselines_need_two_samples_per_prompt():
+    """GRPO/RLOO with one sample per prompt would train on zero advantages: exit 2 instead."""
+    with pytest.raises(ConfigError, match=r"rollout.n=1: grpo compares each prompt's samples"):
+        C.rl_config({"rollout": {"n": 1}})
+    assert C.rl_config({"rollout": {"n": 1}, "algorithm": {"name": "remax"}}).rollout.n == 1
