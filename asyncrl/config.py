@@ -426,10 +426,12 @@ class RLConfig(LaunchConfig):
                 if role == "actor":
                     generation_layout(layout, self.rollout.parallel, at=f"{at}rollout.parallel",
                                       train_at=f"{at}actor.parallel")
-                    if self.rollout.engine == "vllm" and self.rollout.parallel.tp > 1:
-                        raise LayoutError(f"{at}rollout.parallel.tp={self.rollout.parallel.tp}: rollout.engine=vllm "
-                                          "runs one engine per generation replica (tg=1) so far; set "
-                                          "rollout.parallel.tp=1 or rollout.engine=native")
+                    tg = self.rollout.parallel.tp
+                    if self.rollout.engine == "vllm" and tg > 1 and tg != par.tp:
+                        raise LayoutError(f"{at}rollout.parallel.tp={tg}: vLLM's tensor-parallel engines take "
+                                          f"consecutive ranks, which a generation TP group is only when it is the "
+                                          f"whole training TP group; set rollout.parallel.tp={par.tp} or 1, or "
+                                          "rollout.engine=native")
                     if self.rollout.parallel.pp > 1:
                         raise LayoutError(f"{at}rollout.parallel.pp={self.rollout.parallel.pp}: pipeline-"
                                           "parallel generation is not implemented; set rollout.parallel.pp=1 "

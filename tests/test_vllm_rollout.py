@@ -12,9 +12,11 @@ CI installs vLLM (`make vllm`); elsewhere these tests skip with that hint.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,9 +132,10 @@ def test_vllm_stop_ids_end_the_response_inclusive(contract):
 
 
 # the weight sync ---------------------------------------------------------------------------------
-def _weight_sync(rank: int, world_size: int, out_dir: Path) -> dict:
-    """Actor trained with tp=2 on 2 ranks, generation tg=1: each rank reshards the full weights
-    into its own vLLM engine, as `ActorRolloutRefWorker` does."""
+def _weight_sync(rank: int, world_size: int, out_dir: Path, tg: int = 1) -> dict:
+    """Actor trained with tp=2 on 2 ranks; generation with tg=1 (each rank reshards the full
+    weights into its own vLLM engine) or tg=2 (one vLLM engine over both ranks, as
+    `ActorRolloutRefWorker` builds it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.batch import Batch
@@ -147,25 +150,29 @@ def _weight_sync(rank: int, world_size: int, out_dir: Path) -> dict:
     )
     from asyncrl.rollout.engine import RolloutEngine, SamplingParams
     from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.workers.actor import ActorRolloutRefWorker
     from asyncrl.workers.forward import response_forward
 
     init_distributed()
     path = out_dir.parent / "model"
     tok = AutoTokenizer.from_pretrained(path)
     train = ParallelLayout.from_config(ParallelConfig(tp=2), world_size)
-    gen = generation_layout(train, GenerationParallelConfig(tp=1))
+    gen = generation_layout(train, GenerationParallelConfig(tp=tg))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = model.config
     actor = TrainEngine(parallelize(model, train), train, optim=OptimConfig(lr=3e-2), device="cpu")
-    resharder = Resharder(actor.model, train, gen, full_model=GenerationModel(config, actor.model).model)
-    engine = _vllm(path, tok, load_format="dummy")  # random weights until the first sync
+    tp_group = torch.distributed.new_group([0, 1]) if tg > 1 else None
+    resharder = Resharder(actor.model, train, gen, full_model=GenerationModel(config, actor.model, tp_group).model)
+    engine = _vllm(path, tok, load_format="dummy", tp_size=tg)  # random weights until the first sync
+    # the worker's own gather of generation-TP shards into full tensors, on a stand-in worker
+    worker = SimpleNamespace(gen_layout=gen, rank=rank, resharder=resharder, gen_tp_group=tp_group)
     ids, mask = _prompts(tok)
     greedy = SamplingParams(greedy=True, max_tokens=10)
     res: dict = {"rounds": []}
     unsynced = engine.generate(ids, mask, greedy)
     for _ in range(2):
         shards = resharder.reshard()
-        loaded = engine.load_weights(shards)
+        loaded = engine.load_weights(shards if tg == 1 else ActorRolloutRefWorker._full_weights(worker, shards))
         resharder.release()
         full = {n: p.full_tensor() for n, p in actor.model.named_parameters()}  # the trained actor
         plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -190,11 +197,11 @@ def _weight_sync(rank: int, world_size: int, out_dir: Path) -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def weight_sync(tiny_vllm_model) -> list[dict]:
-    out = tiny_vllm_model.parent / "sync"
+@pytest.fixture(scope="module", params=[1, 2], ids=["tg1", "tg2"])
+def weight_sync(tiny_vllm_model, request) -> list[dict]:
+    out = tiny_vllm_model.parent / f"sync-tg{request.param}"
     out.mkdir()
-    return run_ranks(_weight_sync, 2, out, timeout_s=110)
+    return run_ranks(functools.partial(_weight_sync, tg=request.param), 2, out, timeout_s=110)
 
 
 def test_resharded_weights_reach_vllm_before_and_after_an_update(weight_sync):
@@ -220,3 +227,28 @@ def test_grpo_with_vllm_rollout_learns(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["val_reward_end"] - summary["val_reward_start"] >= 0.15, summary
+
+
+def test_grpo_with_tensor_parallel_vllm_trains(tmp_path):
+    """actor tp=2 with one vLLM engine over both ranks (tg=2): a few GRPO steps run and finish."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from tests.test_rl import _launch
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", sft_steps=0, **TINY)
+    out = tmp_path / "tp2"
+    res = _launch("grpo", out, model, ["rollout.engine=vllm", "actor.parallel.tp=2", "rollout.parallel.tp=2",
+                                       "trainer.total_steps=3", "trainer.tensorboard=false"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 3
+
+
+def test_vllm_layouts_are_checked_on_startup(tmp_path):
+    from asyncrl.config import rl_config
+    from daemons.errors import ConfigError
+
+    cfg = {"rollout": {"engine": "vllm", "parallel": {"tp": 2}}, "actor": {"parallel": {"tp": 4}},
+           "trainer": {"n_workers": 4}}
+    with pytest.raises(ConfigError, match="consecutive ranks"):
+        rl_config(cfg)
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        rl_config({"rollout": {"engine": "sglang"}})

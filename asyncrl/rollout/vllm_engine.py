@@ -111,10 +111,18 @@ class AsyncRLWorkerExtension:
                                       use_fp64_gumbel=getattr(sampler, "use_fp64_gumbel", False))
         return sum(p.numel() for p in runner.model.parameters())
 
-    def asyncrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def asyncrl_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         # vLLM's in-place reload: the model's own loaders (q/k/v, gate/up fusion), then the
         # kernel-format processing a backend applied after the first load (CPU repacks linears)
-        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         # a tied weight is re-processed for one of its modules only (vLLM's documented limit): on
         # CPU the LM head tied to the embedding would keep its old packed copy. Process the rest.
         owners: dict[int, torch.nn.Module] = {}
@@ -127,7 +135,7 @@ class AsyncRLWorkerExtension:
                 method.process_weights_after_loading(module)
             else:
                 owners[id(weight)] = module
-        return len(weights)
+        return count
 
     def asyncrl_state(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the engine's own parameters (after vLLM's fusion), for tests."""
@@ -139,7 +147,8 @@ class AsyncRLWorkerExtension:
 
 
 class VLLMRolloutEngine:
-    """A vLLM engine for one generation replica (tg = 1), with the native engine's interface."""
+    """A vLLM engine for one generation replica, with the native engine's interface. With
+    tp_size > 1 every rank of the replica builds one and calls every method alike, in order."""
 
     def __init__(
         self,
@@ -157,6 +166,7 @@ class VLLMRolloutEngine:
         cuda_graphs: bool = True,
         load_format: str = "auto",
         enable_sleep_mode: bool | None = None,
+        tp_size: int = 1,
     ) -> None:
         vllm = _import_vllm()
         self.device = torch.device(device)
@@ -174,6 +184,10 @@ class VLLMRolloutEngine:
             worker_extension_cls=EXTENSION, load_format=load_format,
             enable_sleep_mode=self.sleep_enabled, gpu_memory_utilization=gpu_memory_utilization,
         )
+        if tp_size > 1:
+            # the engine's TP ranks are this process and its generation-TP peers, on the process
+            # group they already share (vLLM groups consecutive blocks of tp_size world ranks)
+            kwargs.update(tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher")
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
         if kv_cache_bytes:
@@ -197,10 +211,11 @@ class VLLMRolloutEngine:
     def load_weights(
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> int:
-        """Load Hugging Face-named tensors into the engine's model (in place, fusing q/k/v and
-        gate/up as vLLM's model does); return how many were loaded."""
+        """Load full Hugging Face-named tensors into the engine's model (in place, fusing q/k/v
+        and gate/up, each TP rank taking its slice, as vLLM's loaders do); return how many. The
+        tensors are consumed one at a time, so a generator can produce each just in time."""
         # plain tensors: vLLM's loaders treat an nn.Parameter argument as one of their own
-        items = [(name, t.detach()) for name, t in (weights.items() if isinstance(weights, Mapping) else weights)]
+        items = ((name, t.detach()) for name, t in (weights.items() if isinstance(weights, Mapping) else weights))
         if self.asleep:
             self.wake_up(("weights",))
         try:

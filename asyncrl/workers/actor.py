@@ -92,7 +92,8 @@ class ActorRolloutRefWorker(Worker):
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
         if "rollout" in self.roles and self.actor is not None:
-            self.generation = GenerationModel(base.config, self.actor.model, self._generation_tp_group())
+            self.gen_tp_group = self._generation_tp_group()
+            self.generation = GenerationModel(base.config, self.actor.model, self.gen_tp_group)
             self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model)
             if cfg.rollout.engine == "vllm":  # weights arrive from the reshard before the first generate
                 self.rollout = self._vllm_engine(base.config, load_format="dummy")
@@ -129,7 +130,7 @@ class ActorRolloutRefWorker(Worker):
             seed=cfg.seed * 1000 + self.gen_layout.data_index(self.rank), max_model_len=max_len,
             max_num_seqs=vc.max_num_seqs, gpu_memory_utilization=vc.gpu_memory_utilization,
             kv_cache_bytes=kv_bytes or None, cuda_graphs=vc.cuda_graphs, load_format=load_format,
-            enable_sleep_mode=vc.sleep)
+            enable_sleep_mode=vc.sleep, tp_size=self.gen_layout.size("tp"))
 
     def _bind_generation_weights(self) -> None:
         """Reshard the training weights into this rank's generation shard (a collective over the
@@ -138,11 +139,25 @@ class ActorRolloutRefWorker(Worker):
             return
         if isinstance(self.rollout, VLLMRolloutEngine):
             if not self.rollout_current:
-                self.rollout.load_weights(self.resharder.reshard())
+                shards = self.resharder.reshard()
+                self.rollout.load_weights(shards if self.gen_layout.size("tp") == 1 else self._full_weights(shards))
                 self.resharder.release()
                 self.rollout_current = True
         elif not self.generation.bound:
             self.generation.bind(self.resharder.reshard())
+
+    def _full_weights(self, shards: dict[str, torch.Tensor]):
+        """Generation-TP shards, all-gathered one tensor at a time within the generation-TP
+        group into the full tensors vLLM's loaders take (each rank's engine keeps its slice)."""
+        ranks = len(self.gen_layout.group_of(self.rank, ("tp",)))
+        for plan in self.resharder.plans:
+            shard = shards[plan.name]
+            if plan.tp_dim is None:
+                yield plan.name, shard
+                continue
+            parts = [torch.empty_like(shard) for _ in range(ranks)]
+            torch.distributed.all_gather(parts, shard.contiguous(), group=self.gen_tp_group)
+            yield plan.name, torch.cat(parts, dim=plan.tp_dim)
 
     def _release_generation_weights(self) -> None:
         """Before training: drop the generation shards (the next generate reshards again)."""
