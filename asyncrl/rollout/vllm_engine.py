@@ -63,6 +63,8 @@ def _check_cpu_head_dim(model_path: str) -> None:
 
 def _import_vllm():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM logs several INFO lines per weight load (each update); VLLM_LOGGING_LEVEL=INFO restores them
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as e:
@@ -137,14 +139,6 @@ class AsyncRLWorkerExtension:
                 owners[id(weight)] = module
         return count
 
-    def asyncrl_state(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Copies of the engine's own parameters (after vLLM's fusion), for tests."""
-        params = dict(self.model_runner.model.named_parameters())
-        return {n: params[n].detach().clone() for n in names if n in params}
-
-    def asyncrl_param_names(self) -> list[str]:
-        return [n for n, _ in self.model_runner.model.named_parameters()]
-
 
 class VLLMRolloutEngine:
     """A vLLM engine for one generation replica, with the native engine's interface. With
@@ -200,7 +194,12 @@ class VLLMRolloutEngine:
         finally:
             torch.set_num_threads = set_threads
         self._vllm = vllm
+        # the reload names the tied LM head and the rotary buffers as "failed to load" on every
+        # update: neither has checkpoint weights (the head is re-processed in asyncrl_load_weights)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.param_count = self._rpc("asyncrl_setup")
+        log.info("vLLM %s engine on %s: %d parameters, tensor parallel %d", vllm.__version__, self.device,
+                 self.param_count, tp_size)
         self.asleep = False
 
     def _rpc(self, method: str, *args: Any) -> Any:
