@@ -66,7 +66,9 @@ class ClusterConfig:
     insecure: bool = False  # unauthenticated sockets: local tests only
     join_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
-    node_timeout_s: float = 5.0
+    node_timeout_s: float = 5.0  # the coordinator marks a node dead after this long without heartbeats
+    # a job's non-head node exits after this long without the head (daemon nodes wait for it)
+    head_loss_timeout_s: float = 30.0
     log_dir: str = "outputs/logs"
     # a pre-faulted /dev/shm block per worker store for same-node pulls (costs that much shared
     # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
@@ -79,12 +81,38 @@ class ClusterConfig:
                f"must be in [0, {at}nnodes={self.nnodes})")
         _check(0 <= self.port <= 65535, at + "port", self.port, "must be a TCP port (0 = any)")
         _positive(at + "cpu_devices", self.cpu_devices)
-        for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s"):
+        for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s", "head_loss_timeout_s"):
             _positive(at + name, getattr(self, name))
         if self.nnodes > 1 and not self.key_dir and not self.insecure:
             raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
                               "copy DIR to every node and pass cluster.key_dir=DIR (or "
                               "cluster.insecure=true on a trusted test network)")
+
+
+COLLECTIVE_TIMEOUT_ENV = "ASYNCRL_COLLECTIVE_TIMEOUT_S"  # how worker.collective_timeout_s reaches workers
+
+
+@dataclass
+class WorkerConfig:
+    """Deadlines of the calls the driver makes on worker groups, and of the workers' collectives."""
+
+    # a group call that has not finished on every rank after this long fails with
+    # CallTimeoutError naming the ranks still running it (0 = no deadline)
+    call_timeout_s: float = 3600.0
+    # torch.distributed process groups: a collective waiting longer than this raises in the worker
+    collective_timeout_s: float = 1800.0
+
+    def check(self, at: str) -> None:
+        _positive(at + "call_timeout_s", self.call_timeout_s, allow_zero=True)
+        _positive(at + "collective_timeout_s", self.collective_timeout_s)
+
+    @classmethod
+    def of(cls, cfg: Any) -> WorkerConfig:
+        """The `worker` section of a job's config (typed, plain or absent: the defaults)."""
+        section = cfg.get("worker") if cfg is not None and hasattr(cfg, "get") else getattr(cfg, "worker", None)
+        if section is None or isinstance(section, WorkerConfig):
+            return section or cls()
+        return typed(LaunchConfig, {"worker": section}).worker  # errors name `worker.KEY`
 
 
 @dataclass
@@ -98,6 +126,7 @@ class LaunchConfig:
     """What `asyncrl-launch` itself reads; every job config has these sections."""
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
     job: JobConfig = field(default_factory=JobConfig)
     seed: int = 0
 

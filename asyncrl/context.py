@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.batch import Batch
+from asyncrl.config import COLLECTIVE_TIMEOUT_ENV, WorkerConfig
 from asyncrl.distbatch import DistBatch
 from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
 from asyncrl.refs import RefTracker
@@ -49,6 +50,7 @@ class JobContext:
         self.tracker: RefTracker | None = None
         self.process_sets: dict[str, ProcessSet] = {}
         self.groups: dict[str, WorkerGroup] = {}
+        self.worker_cfg = WorkerConfig.of(cfg)  # call deadlines and collective timeouts
 
     async def open(self) -> JobContext:
         """Start the driver's object store on the head node and track the refs the driver holds."""
@@ -91,7 +93,8 @@ class JobContext:
         procs = self.process_sets.get(pool.name)
         if procs is None:
             handles = await self.spawn_workers(pool, group=pool.name)
-            procs = self.process_sets[pool.name] = ProcessSet(pool, handles)
+            procs = self.process_sets[pool.name] = ProcessSet(
+                pool, handles, self.worker_cfg.call_timeout_s, self.worker_cfg.collective_timeout_s)
         groups = await create_groups(procs, {r: spec_of(v) for r, v in roles.items()}, self.tracker)
         self.groups.update(groups)
         return Groups(groups)
@@ -109,7 +112,8 @@ class JobContext:
         own = [p for p in sys.path if p and Path(p).is_dir() and not p.startswith(installed)]
         paths = [str(REPO_ROOT), os.getcwd(), *own]
         paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p)}
+        return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p),
+                COLLECTIVE_TIMEOUT_ENV: str(self.worker_cfg.collective_timeout_s)}
 
     # data ---------------------------------------------------------------------------------------
     def put(self, batch: Batch | dict) -> DistBatch:

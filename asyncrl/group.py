@@ -24,27 +24,44 @@ from asyncrl.refs import RefTracker
 from asyncrl.tree import tree_map, tree_map_async
 from asyncrl.worker import MethodSpec, registered_methods
 from daemons.coordinator import ResourcePool
-from daemons.errors import DaemonError, WorkerDiedError
+from daemons.errors import CallTimeoutError, DaemonError, WorkerDiedError
+from daemons.messages import WorkerState
 from daemons.worker_client import WorkerHandle
-from transport import RemoteError
+from transport import RemoteError, RpcTimeout
 
 log = logging.getLogger(__name__)
 
-DEATH_NOTICE_S = 3.0  # after a collective lost a peer, how long a dead worker's notice may take
+# After a rank lost a peer in a collective, how long its node daemons are asked (every 0.2 s)
+# whether a rank of the call died; the survivor's error often arrives before the death is known
+DEATH_NOTICE_S = 3.0
 _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL (error|communicator)|"
-                        r"ProcessGroup\w* .*(abort|timed out)", re.IGNORECASE)
+                        r"ProcessGroup\w* .*(abort|timed out)|Socket Timeout|Connection refused",
+                        re.IGNORECASE)
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Watchdog caught collective operation timeout",
+                                 re.IGNORECASE)
 
 
 class WorkerCallError(DaemonError):
     """A rank raised inside a worker method; carries the group, method, rank and traceback."""
 
-    def __init__(self, group: str, method: str, rank: int, remote: RemoteError) -> None:
+    def __init__(self, group: str, method: str, rank: int, remote: RemoteError,
+                 collective_timeout_s: float | None = None) -> None:
         self.group, self.method, self.rank = group, method, rank
         self.remote_type = remote.remote_type.removeprefix("builtins.")
         self.remote_message, self.remote_traceback = remote.remote_message, remote.remote_traceback
+        hint = ""
+        if _COLLECTIVE_TIMEOUT.search(self.remote_message):
+            value = f"={collective_timeout_s:g}s" if collective_timeout_s else ""
+            hint = (f"\n(a collective waited longer than worker.collective_timeout_s{value}: "
+                    "another rank never joined it — stuck, much slower, or calling a different "
+                    "collective; see the other ranks' worker logs. Raise worker.collective_timeout_s "
+                    "if a rank legitimately needs longer)")
         super().__init__(f"{group}.{method} failed on rank {rank}: {self.remote_type}: "
-                         f"{self.remote_message}\n--- rank {rank} traceback ---\n"
+                         f"{self.remote_message}{hint}\n--- rank {rank} traceback ---\n"
                          f"{self.remote_traceback.rstrip()}")
+
+    def summary(self) -> str:
+        return f"rank {self.rank}: {self.remote_type}: {self.remote_message.splitlines()[0][:300]}"
 
 
 class DataFuture:
@@ -79,8 +96,11 @@ async def resolve_futures(value: Any) -> Any:
 class ProcessSet:
     """The worker processes of one pool, shared by the groups colocated on it."""
 
-    def __init__(self, pool: ResourcePool, handles: list[WorkerHandle]) -> None:
+    def __init__(self, pool: ResourcePool, handles: list[WorkerHandle], call_timeout_s: float = 0.0,
+                 collective_timeout_s: float | None = None) -> None:
         self.pool, self.handles = pool, handles
+        self.call_timeout_s = call_timeout_s  # per call, every rank (0 = none; worker.call_timeout_s)
+        self.collective_timeout_s = collective_timeout_s  # what the workers' process groups use
         self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
         self.unsettled: list[asyncio.Future] = []  # rank calls still running after a failed call
         self.calls = 0
@@ -187,12 +207,15 @@ class WorkerGroup:
 
     async def _fan_out(self, label: str, entry: str, head: list,
                        plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
+        timeout = self.procs.call_timeout_s or None
+
         async def one(rank: int, a: tuple, k: dict) -> Any:
             handle = self.handles[rank]
             try:
-                out, layouts = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {})
+                out, layouts = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {},
+                                                 timeout=timeout)
             except RemoteError as e:
-                raise WorkerCallError(self.role, label, rank, e) from None
+                raise WorkerCallError(self.role, label, rank, e, self.procs.collective_timeout_s) from None
             if layouts is not None:
                 self._update_layouts(rank, layouts)
             if self.tracker is not None:
@@ -206,16 +229,24 @@ class WorkerGroup:
             for t in tasks.values():
                 t.cancel()
             raise
-        failed = [t.exception() for t in tasks.values()
-                  if t.done() and not t.cancelled() and t.exception() is not None]
-        if any(_LOST_PEER.search(str(e)) for e in failed) and not any(isinstance(e, WorkerDiedError) for e in failed):
-            # a killed rank's peers often fail first (a collective's connection closed): give
-            # the coordinator's death notice a moment, so the error names the root cause
-            pending = [t for t in tasks.values() if not t.done()]
-            if pending:
-                await asyncio.wait(pending, timeout=DEATH_NOTICE_S)
-            failed = [t.exception() for t in tasks.values()
-                      if t.done() and not t.cancelled() and t.exception() is not None]
+
+        def failures() -> dict[int, BaseException]:
+            return {r: t.exception() for r, t in tasks.items()
+                    if t.done() and not t.cancelled() and t.exception() is not None}
+
+        failed = failures()
+        if failed and not any(isinstance(e, WorkerDiedError) for e in failed.values()):
+            # a rank's death often reaches us second, as its peers' errors (a collective's
+            # connection closed): ask the nodes whether a rank of this call died, so the error
+            # names the root cause
+            running = [r for r, t in tasks.items() if not t.done()]
+            if running:
+                lost_peer = any(_LOST_PEER.search(str(e)) for e in failed.values())
+                await self._find_dead(running, DEATH_NOTICE_S if lost_peer else 0.0)
+                dead = [tasks[r] for r in running if self.handles[r].info.state is WorkerState.DEAD]
+                if dead:
+                    await asyncio.wait(dead, timeout=1.0)  # their calls fail at once: let them
+                failed = failures()
         if failed:
             # raise at once; the other ranks finish (or fail) in the background and the pool's
             # next ordered call waits for them, so collectives never overlap two calls
@@ -223,9 +254,42 @@ class WorkerGroup:
             for t in pending:
                 t.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
             self.procs.unsettled.extend(pending)
-            died = [e for e in failed if isinstance(e, WorkerDiedError)]
-            raise (died or failed)[0]  # a dead worker is the root cause of its peers' errors
+            raise self._root_cause(label, failed, tasks)
         return {r: t.result() for r, t in tasks.items()}
+
+    async def _find_dead(self, ranks: list[int], patience_s: float) -> None:
+        """Ask the ranks' node daemons whether they still run (marking the dead ones), again
+        every 0.2 s for `patience_s` while all of them do."""
+        coordinator = self.handles[ranks[0]].coordinator
+        deadline = time.monotonic() + patience_s
+        while True:
+            if await coordinator.check_workers([self.handles[r].info for r in ranks]):
+                return
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.2)
+
+    def _root_cause(self, label: str, failed: dict[int, BaseException],
+                    tasks: dict[int, asyncio.Future]) -> BaseException:
+        """A dead rank first (the others' errors followed from it), then a deadline, then the
+        first rank's own error."""
+        died = {r: e for r, e in failed.items() if isinstance(e, WorkerDiedError)}
+        if died:
+            rank = min(died)
+            err = died[rank]
+            others = [e.summary() if isinstance(e, WorkerCallError) else f"rank {r}: {type(e).__name__}: {e}"
+                      for r, e in sorted(failed.items()) if r != rank and not isinstance(e, WorkerDiedError)]
+            if others:
+                return WorkerDiedError(err.worker_id, err.node_id, err.rank, err.reason, err.log_tail,
+                                       consequences=others, call=f"{self.role}.{label}")
+            return err
+        late = sorted(r for r, e in failed.items() if isinstance(e, RpcTimeout))
+        if late:
+            running = sorted(r for r, t in tasks.items() if not t.done())
+            finished = sorted(r for r, t in tasks.items() if t.done() and r not in failed)
+            return CallTimeoutError(f"{self.role}.{label}", sorted({*late, *running}),
+                                    self.procs.call_timeout_s, finished)
+        return failed[min(failed)]
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.role}: {self.cls.__qualname__} x {self.world_size})"

@@ -25,6 +25,7 @@ from typing import Any
 from daemons.coordinator import Coordinator
 from daemons.node import DEFAULT_SHM_POOL_BYTES, NodeDaemon
 from transport import CurveConfig
+from transport.loop import LoopLagMonitor
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ClusterSpec:
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0  # the coordinator marks a silent node dead after this
     coordinator_timeout_s: float | None = None  # a node stops its workers after this (default max(10, 2 x node_timeout_s))
+    head_loss_timeout_s: float | None = None  # NodeOnly: the daemon stops after this long without the head (None: never)
     register_timeout_s: float = 30.0  # HeadNode: wait this long for its own node to register
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES  # per worker store; see daemons.node
     write_state: bool = False  # HeadNode: write the state file (and remove it on stop)
@@ -62,7 +64,8 @@ class ClusterSpec:
                           log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),
-                          shm_pool_bytes=self.shm_pool_bytes)
+                          shm_pool_bytes=self.shm_pool_bytes,
+                          head_loss_timeout=None if self.node_rank == 0 else self.head_loss_timeout_s)
 
 
 # state file ------------------------------------------------------------------------------------
@@ -122,6 +125,9 @@ class HeadNode:
         self.node = node
         self.endpoint = endpoint  # advertised "tcp://HOST:PORT"
         self.state_path: Path | None = None
+        # the driver shares this loop: a warning names any stall its code causes (heartbeats
+        # are unaffected, see daemons.liveness)
+        self.loop_lag = LoopLagMonitor("driver", threshold_s=max(1.0, spec.heartbeat_interval_s))
 
     @classmethod
     async def launch(cls, spec: ClusterSpec) -> HeadNode:
@@ -133,6 +139,7 @@ class HeadNode:
         endpoint = f"tcp://{spec.host}:{coordinator.endpoint.rsplit(':', 1)[1]}"
         node = spec.node_daemon(endpoint)
         head = cls(spec, coordinator, node, endpoint)
+        head.loop_lag.start()
         try:
             await node.start()
             if spec.write_state:
@@ -160,6 +167,7 @@ class HeadNode:
     async def stop(self, *, release_nodes: bool = True, grace_s: float = 3.0) -> None:
         """Stop every worker, release the nodes (unless `release_nodes` is False: daemon nodes
         outlive a coordinator restart and re-register), close both daemons, remove the state file."""
+        self.loop_lag.stop()
         try:
             await self.coordinator.shutdown_workers(grace_s=grace_s)
             if release_nodes:

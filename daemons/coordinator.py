@@ -1,6 +1,7 @@
 """Coordinator daemon: node registry, resource pools, worker placement, object directory.
 
-It runs in the driver's event loop. The driver (the user's `async def` algorithm script) talks
+It runs in the driver's event loop; node heartbeats do not (`daemons.liveness`), so a driver
+that blocks the loop delays the coordinator's answers but never gets a healthy node marked dead. The driver (the user's `async def` algorithm script) talks
 to workers through `WorkerHandle`s (`daemons.worker_client`); the coordinator holds only
 metadata — where workers and objects are — never bulk data. Its RPC endpoints are its
 `@expose` methods; what nodes and workers send it are the typed messages of `daemons.messages`.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemons.errors import NodeDiedError, PlacementError, WorkerDiedError
+from daemons.liveness import HeartbeatServer
 from daemons.messages import (
     ClusterStatus,
     NodeLiveness,
@@ -29,7 +31,15 @@ from daemons.messages import (
 )
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectRef
-from transport import ConnectionLost, CurveConfig, RpcClient, RpcServer, RpcTimeout, expose
+from transport import (
+    ConnectionLost,
+    CurveConfig,
+    RpcClient,
+    RpcServer,
+    RpcTimeout,
+    TransportError,
+    expose,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +52,6 @@ class NodeInfo:
     endpoint: str
     devices: list[str]
     client: RpcClient
-    last_heartbeat: float
     liveness: NodeLiveness = NodeLiveness.ALIVE
 
     @property
@@ -101,13 +110,15 @@ class Coordinator:
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
         self._ids = itertools.count()
-        self._monitor: asyncio.Task | None = None
+        self.liveness = HeartbeatServer(endpoint.removeprefix("tcp://").rsplit(":", 1)[0], curve=curve,
+                                        insecure=insecure, node_timeout=node_timeout,
+                                        on_silent=self._node_silent)
         self.started_at = time.time()
 
     async def start(self) -> str:
         self.server.register_object(self)
         endpoint = await self.server.start()
-        self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="coord-watch")
+        await self.liveness.start()
         return endpoint
 
     @property
@@ -117,9 +128,7 @@ class Coordinator:
     async def close(self) -> None:
         if any(w.state is not WorkerState.DEAD for w in self.workers.values()):
             await self.shutdown_workers()
-        if self._monitor is not None:
-            self._monitor.cancel()
-            await asyncio.gather(self._monitor, return_exceptions=True)
+        await self.liveness.close()
         for handle in self.handles.values():
             await handle.client.close()
         for node in self.nodes.values():
@@ -128,7 +137,8 @@ class Coordinator:
 
     # node registry -------------------------------------------------------------------------
     @expose
-    async def register_node(self, reg: NodeRegistration) -> bool:
+    async def register_node(self, reg: NodeRegistration) -> int:
+        """Add (or re-add) a node; returns the port of the heartbeat endpoint (`daemons.liveness`)."""
         if not isinstance(reg, NodeRegistration):
             raise TypeError(f"register_node takes a NodeRegistration, got a {type(reg).__qualname__}")
         old = self.nodes.get(reg.node_id)
@@ -137,20 +147,13 @@ class Coordinator:
         client = RpcClient(reg.endpoint, curve=self.curve, insecure=self.insecure,
                            name=f"coord->{reg.node_id}")
         self.nodes[reg.node_id] = NodeInfo(reg.node_id, reg.rank, reg.host, reg.endpoint,
-                                           list(reg.devices), client, time.monotonic())
+                                           list(reg.devices), client)
+        self.liveness.track(reg.node_id)
         log.info("node %s (rank %d, %s) joined with %d devices", reg.node_id, reg.rank, reg.host,
                  len(reg.devices))
         async with self.node_joined:
             self.node_joined.notify_all()
-        return True
-
-    @expose
-    def heartbeat(self, node_id: str) -> bool:
-        node = self.nodes.get(node_id)
-        if node is None or not node.alive:
-            return False  # tells the node to register again
-        node.last_heartbeat = time.monotonic()
-        return True
+        return self.liveness.port
 
     async def wait_for_nodes(self, nnodes: int, timeout: float) -> None:
         """Wait until `nnodes` live nodes have joined; the error names the missing node ranks."""
@@ -173,18 +176,19 @@ class Coordinator:
     def live_nodes(self) -> list[NodeInfo]:
         return sorted((n for n in self.nodes.values() if n.alive), key=lambda n: n.rank)
 
-    async def _watch_nodes(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.5, self.node_timeout / 4))
-            now = time.monotonic()
-            for node in list(self.nodes.values()):
-                if node.alive and now - node.last_heartbeat > self.node_timeout:
-                    node.liveness = NodeLiveness.DEAD
-                    log.error("node %s missed heartbeats for %.1fs: marked dead", node.node_id,
-                              now - node.last_heartbeat)
-                    for info in self.workers.values():
-                        if info.node_id == node.node_id and info.state is not WorkerState.DEAD:
-                            self._mark_dead(info, f"its node {node.node_id} stopped heartbeating", "")
+    def _node_silent(self, node_id: str, silent_s: float) -> None:
+        """The liveness thread heard nothing from `node_id` for node_timeout: it and its workers are dead."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.alive:
+            log.error("node %s missed heartbeats for %.1fs: marked dead", node_id, silent_s)
+            self._node_lost(node, "stopped heartbeating")
+
+    def _node_lost(self, node: NodeInfo, how: str) -> None:
+        node.liveness = NodeLiveness.DEAD
+        self.liveness.forget(node.node_id)
+        for info in self.workers.values():
+            if info.node_id == node.node_id and info.state is not WorkerState.DEAD:
+                self._mark_dead(info, f"its node {node.node_id} {how}", "")
 
     # resource pools and placement ------------------------------------------------------------
     def create_pool(self, name: str, world_size: int | None = None,
@@ -298,15 +302,46 @@ class Coordinator:
             del self.objects[oid]
 
     async def explain_loss(self, info: WorkerInfo, cause: Exception) -> WorkerDiedError:
-        """Turn a lost connection into WorkerDiedError, waiting briefly for the exit report."""
+        """Turn a lost connection into WorkerDiedError: the exit its node reaped, else its node's loss."""
         if isinstance(cause, WorkerDiedError):
             return cause
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 0.3  # the node's own exit report usually arrives first
         while info.state is not WorkerState.DEAD and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if info.state is not WorkerState.DEAD:
+            await self.check_workers([info])
+        if info.state is not WorkerState.DEAD:
             self._mark_dead(info, f"stopped answering ({cause})", "")
         return WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, info.log_tail)
+
+    async def check_workers(self, infos: list[WorkerInfo], timeout: float = 2.0) -> list[WorkerInfo]:
+        """Ask the workers' node daemons whether they still run (without waiting for heartbeats or
+        exit reports); those that exited, or whose node does not answer within `timeout`, are
+        marked dead and returned."""
+        by_node: dict[str, list[WorkerInfo]] = {}
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                by_node.setdefault(info.node_id, []).append(info)
+
+        async def ask(node_id: str, members: list[WorkerInfo]) -> None:
+            node = self.nodes.get(node_id)
+            if node is None or not node.alive:
+                for info in members:
+                    self._mark_dead(info, f"its node {node_id} is gone", "")
+                return
+            try:
+                exits = await node.client.call("exits", [i.worker_id for i in members], timeout=timeout)
+            except TransportError as e:
+                for info in members:  # a node daemon takes its workers with it (parent-death signal)
+                    if info.state is not WorkerState.DEAD:
+                        self._mark_dead(info, f"its node {node_id} stopped answering ({type(e).__name__}); "
+                                        "its daemon is probably dead, and its workers with it", "")
+                return
+            for msg in exits:
+                self.worker_exited(msg)
+
+        await asyncio.gather(*(ask(n, m) for n, m in by_node.items()))
+        return [i for i in infos if i.state is WorkerState.DEAD]
 
     async def shutdown_workers(self, grace_s: float = 5.0) -> None:
         """Stop every worker: ask nicely, then let node daemons kill what is left. Frees all pools."""
@@ -337,6 +372,7 @@ class Coordinator:
             except Exception as e:  # a node that is gone needs no shutdown
                 log.debug("node %s shutdown: %s", node.node_id, e)
             node.liveness = NodeLiveness.RELEASED  # not failed: stop watching its heartbeats
+            self.liveness.forget(node.node_id)
 
     # object directory --------------------------------------------------------------------------
     def note_refs(self, value: Any, info: WorkerInfo) -> None:
@@ -353,12 +389,11 @@ class Coordinator:
     # status -----------------------------------------------------------------------------------
     @expose
     async def status(self) -> ClusterStatus:
-        now = time.monotonic()
         return ClusterStatus(
             coordinator=self.endpoint,
             uptime_s=round(time.time() - self.started_at, 1),
             nodes=tuple(NodeStatus(n.node_id, n.rank, n.host, n.liveness, tuple(n.devices),
-                                   round(now - n.last_heartbeat, 2))
+                                   round(self.liveness.silence(n.node_id) or 0.0, 2))
                         for n in sorted(self.nodes.values(), key=lambda n: n.rank)),
             workers=tuple(WorkerStatus(w.worker_id, w.group, w.rank, w.node_id, w.device, w.pid,
                                        w.state, w.exit_reason)

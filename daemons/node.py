@@ -1,8 +1,10 @@
 """Node daemon: one per machine. Registers its devices, spawns and reaps worker processes.
 
-It heartbeats the coordinator; when the coordinator has been unreachable for
-`coordinator_timeout` seconds it kills its workers (no orphans) and keeps trying to register
-again, so a restarted coordinator gets the node back.
+It heartbeats the coordinator from a thread of its own (`daemons.liveness`); when the
+coordinator has been unreachable for `coordinator_timeout` seconds it kills its workers (no
+orphans) and keeps trying to register again, so a restarted coordinator gets the node back —
+unless `head_loss_timeout` is set (a job's non-head node): after that long without the head the
+daemon stops (`stopped` is set, `stop_reason` says why).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemons.liveness import HeartbeatSender
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
@@ -77,6 +80,7 @@ class NodeDaemon:
         coordinator_timeout: float = 10.0,
         node_id: str | None = None,
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
+        head_loss_timeout: float | None = None,
     ) -> None:
         self.coordinator_endpoint = coordinator
         self.node_rank = node_rank
@@ -87,6 +91,7 @@ class NodeDaemon:
         self.log_dir = Path(log_dir)
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
+        self.head_loss_timeout = head_loss_timeout
         self.shm_pool_bytes = shm_pool_bytes
         self.children: dict[str, _Child] = {}
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, name=f"node-{node_rank}")
@@ -95,6 +100,11 @@ class NodeDaemon:
                                      heartbeat_timeout=max(2.0, coordinator_timeout / 2))
         self.registered = asyncio.Event()
         self.stopped = asyncio.Event()
+        self.stop_reason = ""
+        self.heartbeats = HeartbeatSender(self.node_id, curve=curve, insecure=insecure,
+                                          interval=heartbeat_interval, on_unknown=self.registered.clear)
+        self._last_contact = time.monotonic()  # last answer from the coordinator (registration)
+        self._ever_registered = False
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> str:
@@ -102,7 +112,9 @@ class NodeDaemon:
         self.server.register_object(self)
         endpoint = await self.server.start()
         loop = asyncio.get_running_loop()
+        self.heartbeats.start()
         self._tasks = [loop.create_task(self._keep_registered(), name="node-register"),
+                       loop.create_task(self._watch_coordinator(), name="node-watch"),
                        loop.create_task(self._reap(), name="node-reap")]
         for task in self._tasks:
             task.add_done_callback(_log_crash)
@@ -116,37 +128,62 @@ class NodeDaemon:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.heartbeats.close()
         await self.coordinator.close()
         await self.server.close()
 
     # registration and heartbeats -------------------------------------------------------
     async def _keep_registered(self) -> None:
-        last_ok = time.monotonic()
+        """Register whenever not registered (at start, after the coordinator forgot this node or
+        was unreachable); heartbeats then go from the liveness thread."""
         while True:
-            try:
-                if not self.registered.is_set():
+            if not self.registered.is_set():
+                try:
                     reg = NodeRegistration(self.node_id, self.node_rank, self.host,
                                            self.server.endpoint, tuple(self.devices))
-                    await self.coordinator.call("register_node", reg,
-                                                timeout=self.heartbeat_interval * 3)
+                    port = await self.coordinator.call("register_node", reg,
+                                                       timeout=max(1.0, self.heartbeat_interval * 3))
+                except TransportError as e:
+                    log.debug("registering with %s: %s", self.coordinator_endpoint, e)
+                else:
+                    self._last_contact = time.monotonic()
+                    host = self.coordinator_endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+                    self.heartbeats.target(f"tcp://{host}:{port}")
                     self.registered.set()
+                    self._ever_registered = True
                     log.info("node %s registered with %s (%d devices)", self.node_id,
                              self.coordinator_endpoint, len(self.devices))
-                else:
-                    known = await self.coordinator.call("heartbeat", self.node_id,
-                                                        timeout=self.heartbeat_interval * 3)
-                    if not known:  # the coordinator restarted and forgot us
-                        self.registered.clear()
-                        continue
-                last_ok = time.monotonic()
-            except TransportError as e:
-                silent = time.monotonic() - last_ok
-                if silent > self.coordinator_timeout and (self.children or self.registered.is_set()):
-                    log.warning("coordinator %s unreachable for %.0fs (%s); stopping this node's workers",
-                                self.coordinator_endpoint, silent, e)
-                    self.kill_all()
-                    self.registered.clear()
             await asyncio.sleep(self.heartbeat_interval)
+
+    def silence(self) -> float:
+        """Seconds since the coordinator last answered this node."""
+        return time.monotonic() - max(self._last_contact, self.heartbeats.last_ok)
+
+    async def _watch_coordinator(self) -> None:
+        lost = False
+        while True:
+            await asyncio.sleep(min(0.5, self.heartbeat_interval))
+            silent = self.silence()
+            if (self.head_loss_timeout is not None and self._ever_registered
+                    and silent > self.head_loss_timeout and not self.stopped.is_set()):
+                self.stop_reason = (
+                    f"the head's coordinator {self.coordinator_endpoint} has been unreachable for "
+                    f"{silent:.0f}s (cluster.head_loss_timeout_s={self.head_loss_timeout:g}): node 0 "
+                    "died or the network between the nodes is down; this node stops. Restart the job "
+                    "(from its last checkpoint) once node 0 is back")
+                log.error("%s", self.stop_reason)
+                self.stopped.set()  # the owner closes the daemon, which stops the workers
+                continue
+            if silent <= self.coordinator_timeout:
+                lost = False
+                continue
+            if not lost and (self.registered.is_set() or any(c.proc.poll() is None for c in self.children.values())):
+                lost = True
+                log.warning("coordinator %s unreachable for %.0fs; stopping this node's workers",
+                            self.coordinator_endpoint, silent)
+                self.heartbeats.target(None)
+                self.registered.clear()  # a restarted coordinator gets this node back
+                await asyncio.to_thread(self.kill_all)
 
     # workers ------------------------------------------------------------------------------
     @expose
@@ -198,6 +235,17 @@ class NodeDaemon:
         for child in alive:
             kill_group(child.proc, grace_s)
         return len(alive)
+
+    @expose
+    def exits(self, worker_ids: list[str]) -> list[WorkerExit]:
+        """The exits (code, reason, log tail) of those of `worker_ids` that have ended, now."""
+        out = []
+        for worker_id in worker_ids:
+            child = self.children.get(worker_id)
+            code = None if child is None else child.proc.poll()
+            if code is not None:
+                out.append(WorkerExit(worker_id, code, exit_reason(code), tail(child.log_path)))
+        return out
 
     @expose
     def free_port(self) -> int:

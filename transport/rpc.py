@@ -480,12 +480,20 @@ class RpcClient:
 
     async def _heartbeat(self) -> None:
         ping = codec.encode([PING, 1])
+        last = self._loop.time()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            now = self._loop.time()
+            late = now - last > 2 * self.heartbeat_interval + 0.5
+            last = now
             if not self._pending or self._sock is None:
                 continue
             self._sock.send(ping)
-            silent = self._loop.time() - max(self._last_heard, self._waiting_since)
+            if late:
+                # our own loop was blocked: replies that came meanwhile are still unread, so the
+                # server gets until the next tick before its silence counts
+                continue
+            silent = now - max(self._last_heard, self._waiting_since)
             if silent > self.heartbeat_timeout:
                 self._fail_all(ConnectionLost(
                     f"{self.endpoint} has not answered for {silent:.1f}s (heartbeat timeout "

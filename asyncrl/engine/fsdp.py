@@ -19,6 +19,7 @@ import math
 import os
 import random
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from asyncrl.config import OptimConfig
+from asyncrl.config import COLLECTIVE_TIMEOUT_ENV, OptimConfig
 from asyncrl.parallel import ParallelLayout, pure_dp
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,15 @@ def init_distributed(backend: str | None = None) -> None:
         torch.cuda.set_device(local if torch.cuda.device_count() > 1 else 0)
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    timeout = collective_timeout()
+    if timeout is not None:
+        # every group made later (`new_group`, device meshes) takes torch's module default, which
+        # this is: a hung collective raises after worker.collective_timeout_s instead of 30 min
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
@@ -84,8 +92,14 @@ def init_distributed(backend: str | None = None) -> None:
                 f"WORLD_SIZE={world_size} but {', '.join(missing)} is not set; start the worker "
                 "through the node daemon (it sets the rendezvous env) or export them yourself"
             )
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     log.info("process group up: rank %d of %d, backend %s", rank, world_size, backend)
+
+
+def collective_timeout() -> timedelta | None:
+    """worker.collective_timeout_s as the driver passed it to this worker (None: torch's default)."""
+    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    return timedelta(seconds=float(value)) if value else None
 
 
 def lr_multiplier(step: int, cfg: OptimConfig) -> float:

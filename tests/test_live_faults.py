@@ -1,0 +1,203 @@
+"""Live faults: a blocked driver loop, ranks killed mid-collective, hung calls, a lost head.
+
+Each test starts real daemons and worker processes and ends every one of them (by pid or
+process group) before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from asyncrl import WorkerCallError
+from asyncrl.context import JobContext, local_cluster
+from asyncrl.jobs import faults
+from daemons.cluster import ClusterSpec, HeadNode
+from daemons.errors import CallTimeoutError, WorkerDiedError
+from daemons.proc import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _start(argv: list[str], tmp_path: Path, out: Path, **env: str) -> subprocess.Popen:
+    with open(out, "wb") as f:
+        return subprocess.Popen(argv, cwd=REPO, env=_env(tmp_path, **env), stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _wait_for_text(path: Path, text: str, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    pytest.fail(f"{text!r} not seen within {timeout}s:\n{path.read_text(errors='replace')}")
+
+
+# 4. a blocked driver loop --------------------------------------------------------------------------
+def test_blocked_driver_loop_does_not_kill_healthy_workers(tmp_path):
+    """`time.sleep(8)` in the driver, nodes declared dead after 2 s of silence: the job succeeds
+    and a warning names the stall and where it happened."""
+    out = tmp_path / "out.txt"
+    proc = _start(LAUNCH + ["--config-name", "smoke", "job.entry=asyncrl.jobs.faults:stall",
+                            "cluster.node_timeout_s=2", "cluster.heartbeat_interval_s=0.3",
+                            f"cluster.log_dir={tmp_path}/logs", f"hydra.run.dir={tmp_path}/run"],
+                  tmp_path, out, **{faults.STALL_ENV: "8"})
+    try:
+        rc = proc.wait(timeout=90)
+    finally:
+        _end(proc)
+    text = out.read_text()
+    assert rc == 0, text
+    assert '"same_workers": true' in text, text
+    assert "stopped heartbeating" not in text, text
+    assert "event loop was blocked for 8." in text and "(in stall" in text, text
+
+
+# 5. peer death, deadlines ------------------------------------------------------------------------
+async def test_killed_rank_is_blamed_every_time(tmp_path):
+    """kill -9 one rank of a gloo all-reduce loop, three times: the error names the dead rank."""
+    blamed = []
+    async with local_cluster(cpu_devices=6, log_dir=tmp_path / "logs", insecure=True) as ctx:
+        for attempt in range(3):
+            victim = attempt % 2
+            group = await ctx.spawn_group(ctx.create_pool(f"p{attempt}", world_size=2), faults.Collective)
+            pids = await group.setup()
+            call = group.allreduce_for(60.0)
+            await asyncio.sleep(0.5)
+            os.kill(pids[victim], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(Exception) as info:
+                await asyncio.wait_for(call, 20)
+            took = time.monotonic() - t0
+            err = info.value
+            blamed.append(isinstance(err, WorkerDiedError) and err.rank == victim)
+            assert isinstance(err, WorkerDiedError), f"attempt {attempt}: {type(err).__name__}: {err}"
+            assert err.rank == victim and "SIGKILL" in str(err), str(err)
+            assert "followed from it" in str(err) or took < 0.5, str(err)
+            assert took < 5, took
+    assert blamed == [True] * 3
+
+
+async def test_killed_node_daemon_is_blamed_on_its_rank(tmp_path):
+    """kill -9 the node daemon of rank 1 mid-collective: rank 1's death is the error, quickly."""
+    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.3,
+                       node_timeout_s=3.0)
+    async with HeadNode.start(spec) as head:
+        port = head.endpoint.rsplit(":", 1)[1]
+        out = tmp_path / "node1.out"
+        node = _start(LAUNCH + ["--config-name", "smoke", f"cluster.coordinator=127.0.0.1:{port}",
+                                "cluster.node_rank=1", "cluster.nnodes=2", "cluster.insecure=true",
+                                "cluster.cpu_devices=1", "cluster.heartbeat_interval_s=0.3",
+                                f"cluster.log_dir={tmp_path}/logs1", f"hydra.run.dir={tmp_path}/run1"],
+                      tmp_path, out)
+        ctx = None
+        try:
+            await head.coordinator.wait_for_nodes(2, timeout=60)
+            ctx = await JobContext(head.coordinator, None).open()
+            group = await ctx.spawn_group(ctx.create_pool("p", per_node=[1, 1]), faults.Collective)
+            await group.setup()
+            call = group.allreduce_for(60.0)
+            await asyncio.sleep(0.5)
+            os.killpg(node.pid, signal.SIGKILL)  # its worker dies with it (parent-death signal)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerDiedError) as info:
+                await asyncio.wait_for(call, 30)
+            took = time.monotonic() - t0
+            assert info.value.rank == 1, str(info.value)
+            assert took < 6, took
+        finally:
+            if ctx is not None:
+                await ctx.close()
+            _end(node)
+
+
+async def test_hung_call_ends_at_its_deadline(tmp_path):
+    cfg = OmegaConf.create({"worker": {"call_timeout_s": 1.5}})
+    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True, cfg=cfg) as ctx:
+        group = await ctx.spawn_group(ctx.create_pool("p", world_size=2), faults.Collective)
+        t0 = time.monotonic()
+        with pytest.raises(CallTimeoutError) as info:
+            await group.sleep_on(1, 60)
+        assert 1.4 < time.monotonic() - t0 < 5
+        err = info.value
+        assert isinstance(err, TimeoutError) and err.ranks == [1], str(err)
+        assert "worker.call_timeout_s" in str(err) and "p.sleep_on" in str(err), str(err)
+
+
+async def test_hung_collective_ends_at_the_process_group_timeout(tmp_path):
+    cfg = OmegaConf.create({"worker": {"collective_timeout_s": 2}})
+    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True, cfg=cfg) as ctx:
+        group = await ctx.spawn_group(ctx.create_pool("p", world_size=2), faults.Collective)
+        await group.setup()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCallError) as info:
+            await group.hang_in_collective(1)
+        assert time.monotonic() - t0 < 15
+        assert info.value.rank == 0 and "worker.collective_timeout_s=2" in str(info.value), str(info.value)
+
+
+def test_bad_worker_keys_are_config_errors():
+    from asyncrl.config import LaunchConfig, typed
+    from daemons.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="call_timeout_s"):
+        typed(LaunchConfig, {"worker": {"call_timeout": 3}})
+    with pytest.raises(ConfigError, match="worker.call_timeout_s"):
+        typed(LaunchConfig, {"worker": {"call_timeout_s": -1}})
+    with pytest.raises(ConfigError, match="head_loss_timeout_s"):
+        typed(LaunchConfig, {"cluster": {"head_loss_timeout_s": 0}})
+
+
+def test_other_node_exits_when_the_head_is_killed(tmp_path):
+    """kill -9 the head of a two-node job: node 1's launcher exits within head_loss_timeout_s."""
+    port = free_port()
+    common = ["cluster.nnodes=2", "cluster.insecure=true", "cluster.cpu_devices=1", "cluster.host=127.0.0.1",
+              "cluster.heartbeat_interval_s=0.3", "cluster.node_timeout_s=2"]
+    out0, out1 = tmp_path / "node0.out", tmp_path / "node1.out"
+    head = _start(LAUNCH + ["--config-name", "smoke", "job.entry=asyncrl.jobs.smoke:hold", *common,
+                            f"cluster.port={port}", f"cluster.log_dir={tmp_path}/logs0",
+                            f"hydra.run.dir={tmp_path}/run0"], tmp_path, out0)
+    node = _start(LAUNCH + ["--config-name", "smoke", *common, f"cluster.coordinator=127.0.0.1:{port}",
+                            "cluster.node_rank=1", "cluster.head_loss_timeout_s=3",
+                            f"cluster.log_dir={tmp_path}/logs1", f"hydra.run.dir={tmp_path}/run1"],
+                  tmp_path, out1)
+    try:
+        _wait_for_text(out0, "holding 2 workers", 60, head)
+        os.killpg(head.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            rc = node.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 1 still runs 20 s after the head died:\n{out1.read_text()}")
+        took = time.monotonic() - t0
+        text = out1.read_text()
+        assert rc == 1, text
+        assert "cluster.head_loss_timeout_s" in text, text
+        assert 2.5 < took < 8, (took, text)
+    finally:
+        _end(head)
+        _end(node)
