@@ -124,7 +124,10 @@ class NodeDaemon:
         await asyncio.wait_for(self.registered.wait(), timeout)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.kill_all)
+        t0 = time.monotonic()
+        stopped = await asyncio.to_thread(self.kill_all)
+        if stopped:
+            log.info("node %s stopped %d worker(s) in %.1fs", self.node_id, stopped, time.monotonic() - t0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -309,3 +309,32 @@ def test_grpo_across_two_namespaces(netpair, tmp_path):
         assert '"steps": 2' in text_a, report
         worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
+
+
+@pytest.mark.multinode
+def test_node_exits_when_the_head_is_killed(netpair, tmp_path):
+    """kill -9 node 0 (coordinator, driver) mid-job: node 1's launcher exits, naming the head's
+    loss, within cluster.head_loss_timeout_s (and takes its worker with it)."""
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-headloss")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    with _cleaned_up(procs, check_shm=False):  # a SIGKILLed head cannot clean its shared memory
+        head = procs.start(_node0(ns_a, keys, tmp, "job.entry=asyncrl.jobs.smoke:hold"), out_a)
+        node1 = procs.start(_node1(ns_b, keys, tmp, "cluster.head_loss_timeout_s=5"), out_b)
+        deadline = time.monotonic() + 60
+        while "holding 2 workers" not in out_a.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, out_a.read_text()
+            time.sleep(0.1)
+        os.killpg(head.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc1 = _wait(node1, 30, out_b)
+        took = time.monotonic() - t0
+        text_b = out_b.read_text()
+        assert rc1 == 1, text_b
+        assert "cluster.head_loss_timeout_s=5" in text_b, text_b
+        assert 4.5 < took < 12, (took, text_b)
+        print(f"node 1 exited {took:.1f}s after the head was killed")
