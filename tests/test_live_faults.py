@@ -201,3 +201,57 @@ def test_other_node_exits_when_the_head_is_killed(tmp_path):
     finally:
         _end(head)
         _end(node)
+
+
+# the pieces, in-process ----------------------------------------------------------------------------
+def _block_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def test_loop_lag_monitor_names_the_blocking_frame():
+    from transport.loop import LoopLagMonitor
+
+    monitor = LoopLagMonitor("driver", threshold_s=0.4)
+    monitor.start()
+    try:
+        await asyncio.sleep(0.3)
+        _block_the_loop(1.2)
+        await asyncio.sleep(0.5)
+    finally:
+        monitor.stop()
+    ((seconds, where),) = monitor.stalls
+    assert 1.1 < seconds < 1.8 and where.startswith("_block_the_loop at test_live_faults.py:"), monitor.stalls
+
+
+async def test_rpc_client_survives_its_own_loop_blocking_past_the_heartbeat_timeout():
+    """A call in flight while our loop is blocked longer than heartbeat_timeout: the server
+    answered meanwhile, so the call succeeds instead of failing with ConnectionLost."""
+    from transport import RpcClient, RpcServer
+
+    async def slow(x: int) -> int:
+        await asyncio.sleep(0.3)
+        return x + 1
+
+    server = RpcServer("tcp://127.0.0.1:0", insecure=True, name="slow")
+    server.register("slow", slow)
+    endpoint = await server.start()
+    client = RpcClient(endpoint, insecure=True, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    try:
+        call = asyncio.ensure_future(client.call("slow", 1, timeout=10))
+        await asyncio.sleep(0.05)
+        time.sleep(1.5)  # the client's own loop stalls for 3 x heartbeat_timeout
+        assert await call == 2
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_heartbeats_flow_while_the_coordinator_loop_is_blocked(tmp_path):
+    """Coordinator and node daemon on one loop, blocked for 3 x node_timeout: no node is lost."""
+    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.2,
+                       node_timeout_s=1.0)
+    async with HeadNode.start(spec) as head:
+        time.sleep(3.0)
+        await asyncio.sleep(0.5)  # what the liveness thread reported is handled now
+        assert [n.alive for n in head.coordinator.nodes.values()] == [True]
+        assert head.loop_lag.stalls and head.loop_lag.stalls[0][0] > 2.5
