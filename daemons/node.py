@@ -177,10 +177,14 @@ class NodeDaemon:
                 log.error("%s", self.stop_reason)
                 self.stopped.set()  # the owner closes the daemon, which stops the workers
                 continue
+            if self.registered.is_set() and silent > max(2.0, 3 * self.heartbeat_interval):
+                # heartbeats go unanswered: register again through the coordinator's own port (a
+                # restarted coordinator has a new heartbeat port; a live one just answers)
+                self.registered.clear()
             if silent <= self.coordinator_timeout:
                 lost = False
                 continue
-            if not lost and (self.registered.is_set() or any(c.proc.poll() is None for c in self.children.values())):
+            if not lost and (self._ever_registered or any(c.proc.poll() is None for c in self.children.values())):
                 lost = True
                 log.warning("coordinator %s unreachable for %.0fs; stopping this node's workers",
                             self.coordinator_endpoint, silent)

@@ -129,6 +129,7 @@ async def test_killed_node_daemon_is_blamed_on_its_rank(tmp_path):
             took = time.monotonic() - t0
             assert info.value.rank == 1, str(info.value)
             assert took < 6, took
+            print(f"rank 1's node daemon killed: blamed in {took:.2f}s: {info.value}")
         finally:
             if ctx is not None:
                 await ctx.close()
@@ -255,3 +256,31 @@ async def test_heartbeats_flow_while_the_coordinator_loop_is_blocked(tmp_path):
         await asyncio.sleep(0.5)  # what the liveness thread reported is handled now
         assert [n.alive for n in head.coordinator.nodes.values()] == [True]
         assert head.loop_lag.stalls and head.loop_lag.stalls[0][0] > 2.5
+
+
+async def test_node_rejoins_a_restarted_coordinator(tmp_path):
+    """The heartbeat port changes with the coordinator: the node registers again on its own port."""
+    from daemons.coordinator import Coordinator
+    from daemons.node import NodeDaemon
+
+    port = free_port()
+    first = Coordinator(f"tcp://127.0.0.1:{port}", insecure=True, node_timeout=2.0)
+    await first.start()
+    node = NodeDaemon(first.endpoint, insecure=True, cpu_devices=1, log_dir=tmp_path / "logs",
+                      heartbeat_interval=0.2, coordinator_timeout=30)
+    await node.start()
+    second = None
+    try:
+        await node.wait_registered(10)
+        await first.close()
+        second = Coordinator(f"tcp://127.0.0.1:{port}", insecure=True, node_timeout=2.0)
+        await second.start()
+        t0 = time.monotonic()
+        await second.wait_for_nodes(1, timeout=10)
+        assert time.monotonic() - t0 < 5
+        await asyncio.sleep(2.5)  # heartbeats reach the new coordinator: still alive after node_timeout
+        assert [n.alive for n in second.nodes.values()] == [True]
+    finally:
+        await node.close()
+        if second is not None:
+            await second.close()
