@@ -332,10 +332,12 @@ class Coordinator:
             try:
                 exits = await node.client.call("exits", [i.worker_id for i in members], timeout=timeout)
             except TransportError as e:
-                for info in members:  # a node daemon takes its workers with it (parent-death signal)
-                    if info.state is not WorkerState.DEAD:
-                        self._mark_dead(info, f"its node {node_id} stopped answering ({type(e).__name__}); "
-                                        "its daemon is probably dead, and its workers with it", "")
+                # a node daemon takes its workers with it (parent-death signal); were it alive
+                # after all, its next heartbeat is refused and it registers again
+                log.error("node %s did not answer within %.0fs (%s): marked dead", node_id, timeout,
+                          type(e).__name__)
+                self._node_lost(node, f"stopped answering ({type(e).__name__}); its daemon is probably "
+                                "dead, and its workers with it")
                 return
             for msg in exits:
                 self.worker_exited(msg)
@@ -349,30 +351,38 @@ class Coordinator:
         for info in self.workers.values():
             if info.state is not WorkerState.DEAD:
                 info.exit_reason = "stopped"
-        for handle in self.handles.values():
-            if handle.info.state is WorkerState.READY:
-                try:
-                    await handle.client.call("shutdown", timeout=1)
-                except (ConnectionLost, RpcTimeout, Exception):
-                    pass
-        for node in self.live_nodes():
+        async def ask(handle: WorkerHandle) -> None:
+            try:
+                await handle.client.call("shutdown", timeout=1)
+            except Exception:  # it is stopped below either way
+                pass
+
+        await asyncio.gather(*(ask(h) for h in self.handles.values() if h.info.state is WorkerState.READY))
+
+        async def kill(node: NodeInfo) -> None:
             try:
                 await node.client.call("kill_all", grace_s, timeout=grace_s + 10)
             except (ConnectionLost, RpcTimeout, Exception) as e:
                 log.warning("node %s did not confirm stopping its workers: %s", node.node_id, e)
-                continue
+                return
             for info in self.workers.values():
                 if info.node_id == node.node_id and info.state is not WorkerState.DEAD:
                     self._mark_dead(info, "stopped", "")
 
+        # nodes whose workers are all dead have nothing to stop (and may be dead themselves)
+        busy = {i.node_id for i in self.workers.values() if i.state is not WorkerState.DEAD}
+        await asyncio.gather(*(kill(n) for n in self.live_nodes() if n.node_id in busy))
+
     async def shutdown_nodes(self) -> None:
-        for node in self.live_nodes():
+        async def release(node: NodeInfo) -> None:
             try:
-                await node.client.call("shutdown", timeout=5)
+                await node.client.call("shutdown", timeout=2)
             except Exception as e:  # a node that is gone needs no shutdown
                 log.debug("node %s shutdown: %s", node.node_id, e)
             node.liveness = NodeLiveness.RELEASED  # not failed: stop watching its heartbeats
             self.liveness.forget(node.node_id)
+
+        await asyncio.gather(*(release(n) for n in self.live_nodes()))
 
     # object directory --------------------------------------------------------------------------
     def note_refs(self, value: Any, info: WorkerInfo) -> None:

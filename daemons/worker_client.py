@@ -32,6 +32,10 @@ class WorkerHandle:
     async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         if self.info.state is WorkerState.DEAD:
             raise self.death_error()
+        if self.client.connection_dropped:  # between calls: ask its node before sending into the void
+            await self.coordinator.check_workers([self.info])
+            if self.info.state is WorkerState.DEAD:
+                raise self.death_error()
         try:
             result = await self.client.call_with(method, args, kwargs, timeout=timeout)
         except (ConnectionLost, WorkerDiedError) as e:

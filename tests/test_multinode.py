@@ -338,3 +338,38 @@ def test_node_exits_when_the_head_is_killed(netpair, tmp_path):
         assert "cluster.head_loss_timeout_s=5" in text_b, text_b
         assert 4.5 < took < 12, (took, text_b)
         print(f"node 1 exited {took:.1f}s after the head was killed")
+
+
+@pytest.mark.multinode
+def test_killed_node_is_blamed_across_namespaces(netpair, tmp_path):
+    """kill -9 node 1 (its daemon; its worker dies with it) mid-GRPO: node 0 fails within seconds
+    with one WorkerDiedError naming rank 1, the gloo error of rank 0 as its consequence, and no
+    traceback."""
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-nodekill")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    rl = ["trainer.total_steps=200", "trainer.eval_every=200", "trainer.tensorboard=false",
+          "data.batch_size=4", "rollout.n=2", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
+          f"trainer.output_dir={tmp}/out", f"model.path={tmp}/model"]
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    with _cleaned_up(procs, check_shm=False):  # a SIGKILLed worker cannot clean its shared memory
+        head = procs.start(_node0(ns_a, keys, tmp, *rl, config="quickstart"), out_a)
+        node1 = procs.start(_node1(ns_b, keys, tmp, config="quickstart"), out_b)
+        deadline = time.monotonic() + 120
+        while "step 3 |" not in out_a.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, out_a.read_text()
+            time.sleep(0.1)
+        os.killpg(node1.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc0 = _wait(head, 30, out_a)
+        took = time.monotonic() - t0
+        text = out_a.read_text()
+        last = text[text.rindex("asyncrl-launch:"):]
+        assert rc0 == 1, text
+        assert "(rank 1 on node" in last and "died" in last, last
+        assert "Traceback" not in text, text
+        assert took < 10, (took, last)
+        print(f"node 1 killed: node 0 exited {took:.1f}s later: {last.splitlines()[0]}")

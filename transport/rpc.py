@@ -371,6 +371,12 @@ class RpcClient:
         self._closed = False
         self._closed_bytes = (0, 0)
         self._handshake_ok = False
+        self._dropped = False  # the connection dropped and has not come back
+
+    @property
+    def connection_dropped(self) -> bool:
+        """Whether the server's connection dropped (it exited?) and has not been re-established."""
+        return self._dropped
 
     def _ensure_open(self) -> MessageSocket:
         if self._sock is not None:
@@ -504,6 +510,7 @@ class RpcClient:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._auth_failure = None
             self._handshake_ok = True
+            self._dropped = False
             return
         if event["event"] == zmq.EVENT_DISCONNECTED and not self._handshake_ok:
             self._fail_all(AuthenticationError(
@@ -512,6 +519,7 @@ class RpcClient:
             return
         if event["event"] == zmq.EVENT_DISCONNECTED:
             self._handshake_ok = False
+            self._dropped = True
             self._fail_all(ConnectionLost(
                 f"connection to {self.endpoint} dropped with calls in flight: the server exited, "
                 "or refused a message above its size limit (send bulk data through the object store)"))
