@@ -341,3 +341,14 @@ async def test_node_daemon_removes_a_killed_workers_segments(tmp_path, stores):
         while time.monotonic() < deadline and any(token in n for n in os.listdir(segments.SHM_DIR)):
             await asyncio.sleep(0.1)
         assert not any(token in n for n in os.listdir(segments.SHM_DIR)), "the node left the segments"
+
+
+# the benchmark -------------------------------------------------------------------------------
+def test_chaos_store_benchmark():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-m", "benchmarks.chaos_store"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["store_full_error"] is True and out["small_shm_ok"] is True
+    assert out["leftover_shm_segments"] == 0 and out["seconds"] < 30
