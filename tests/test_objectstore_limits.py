@@ -221,14 +221,6 @@ async def test_worker_and_driver_stores_have_limits(tmp_path):
             await ctx.close()
 
 
-async def test_worker_store_gets_the_default_limit(tmp_path):
-    spec = ClusterSpec(cpu_devices=2, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5)
-    async with HeadNode.start(spec) as head:
-        workers = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=1))
-        stats = await workers[0].call("store_stats", timeout=5)
-        assert stats["limit"] == memory.resolve_memory_limit(None, stores_on_node=3)
-
-
 # a small /dev/shm ----------------------------------------------------------------------------
 async def test_pull_bigger_than_free_shm_goes_over_tcp(stores, caplog):
     before = set(list_segments())
@@ -328,10 +320,13 @@ async def test_closed_store_leaves_no_lock_file(stores):
 
 
 async def test_node_daemon_removes_a_killed_workers_segments(tmp_path, stores):
-    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5)
+    spec = ClusterSpec(cpu_devices=2, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5)
     async with HeadNode.start(spec) as head:
-        (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
-        token = (await worker.call("store_stats", timeout=5))["shm_owner"]
+        (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=1))
+        stats = await worker.call("store_stats", timeout=5)
+        # nothing configured: the default share (two workers' stores and the driver's on this node)
+        assert stats["limit"] == memory.resolve_memory_limit(None, stores_on_node=3)
+        token = stats["shm_owner"]
         consumer = await stores(node_id=head.node.node_id)
         ref = await worker.run("tests.store_workers:put_rows", 256, timeout=10)
         assert (await consumer.get(ref)).shape == (256, 4)
@@ -344,6 +339,7 @@ async def test_node_daemon_removes_a_killed_workers_segments(tmp_path, stores):
 
 
 # the benchmark -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_chaos_store_benchmark():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     res = subprocess.run([sys.executable, "-m", "benchmarks.chaos_store"], cwd=REPO, env=env,
