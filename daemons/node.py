@@ -48,6 +48,14 @@ def _log_crash(task: asyncio.Task) -> None:
         log.error("node task %s crashed", task.get_name(), exc_info=task.exception())
 
 
+def _sweep_shm() -> None:
+    """Remove the shared memory of stores that are gone; a failure is logged, never fatal."""
+    try:
+        remove_stale_segments()
+    except OSError as e:
+        log.warning("could not sweep shared-memory segments of dead stores: %s", e)
+
+
 def discover_devices(cpu_devices: int) -> list[str]:
     """CUDA GPUs when present, else `cpu_devices` CPU "devices" so everything runs here."""
     try:
@@ -231,7 +239,7 @@ class NodeDaemon:
             await asyncio.sleep(0.1)
             if time.monotonic() - last_sweep > SHM_SWEEP_INTERVAL_S:
                 last_sweep = time.monotonic()
-                remove_stale_segments()
+                _sweep_shm()
             for child in list(self.children.values()):
                 code = child.proc.poll()
                 if code is None or child.reported:
@@ -240,7 +248,7 @@ class NodeDaemon:
                 reason = exit_reason(code)
                 log.info("worker %s %s", child.worker_id, reason)
                 if code != 0:  # a killed store cannot unlink its shared memory: do it for it
-                    remove_stale_segments()
+                    _sweep_shm()
                 try:
                     await self.coordinator.call(
                         "worker_exited", WorkerExit(child.worker_id, code, reason, tail(child.log_path)),
