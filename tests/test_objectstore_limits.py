@@ -160,6 +160,17 @@ async def test_full_store_names_its_biggest_holders(stores):
     await holder.decref(big)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+async def test_gpu_objects_do_not_count_against_the_host_limit(stores):
+    store = await stores(memory_limit_bytes=10_000)
+    store.put(torch.zeros(1 << 20, device="cuda"))  # 4 MiB on the device: its allocator's business
+    assert store.stats()["host_bytes"] == 0 and store.stats()["bytes"] == 4 << 20
+    store.put(torch.zeros(2000))
+    with pytest.raises(ObjectStoreFullError):
+        store.put(torch.zeros(1000))
+
+
 def test_default_limit_is_a_fraction_of_the_node_memory():
     total = memory.node_memory_bytes()
     assert 0 < total <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
