@@ -256,6 +256,20 @@ async def test_pull_bigger_than_free_shm_goes_over_tcp(stores, caplog):
     assert _own_leftovers(before) == set()
 
 
+async def test_spare_segment_that_does_not_fit_is_skipped(stores):
+    before = set(list_segments())
+    owner = await stores(node_id="n", shm_pool_bytes=1 << 20, shm_free_bytes=lambda shm_dir: 512 << 10)
+    consumer = await stores(node_id="n")
+    await owner.wait_shm_pool()
+    assert owner.stats()["shm_pool_bytes_ready"] == 0
+    small, big = torch.ones(1024), torch.ones(256 << 10)  # 4 KiB fits, 1 MiB does not
+    assert torch.equal(await consumer.get(owner.put(small)), small)
+    assert torch.equal(await consumer.get(owner.put(big)), big)
+    assert consumer.stats()["pulls_shm"] == 1 and consumer.stats()["pulls_tcp"] == 1
+    await owner.close()
+    assert _own_leftovers(before) == set()
+
+
 async def test_pull_bigger_than_a_real_small_shm_keeps_the_owner_alive(small_tmpfs, stores, owner):
     """Before: the owner died of SIGBUS and a segment filled the tmpfs."""
     helper = await owner("n", small_tmpfs)
