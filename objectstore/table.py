@@ -159,6 +159,11 @@ class ObjectTable:
             holders += [f"{h} ({n})" for h, n in sorted(e.holders.items())]
             lines.append(f"{e.ref.object_id} ({e.ref.kind}, {format_bytes(e.ref.nbytes)}, "
                          f"{now - e.created:.0f}s old) held by {', '.join(holders) or 'nobody'}")
+        if wanted > limit:
+            return (f"store {self.name} on node {self.node_id} cannot take an object of "
+                    f"{format_bytes(wanted)}: that alone is over its {format_bytes(limit)} memory limit; "
+                    "raise objectstore.memory_limit (bytes per store; memory_limit_bytes= for an "
+                    "ObjectStore of your own) or split the object")
         biggest = "; ".join(lines) if lines else "none"
         more = f" and {len(held) - top} more" if len(held) > top else ""
         return (f"store {self.name} on node {self.node_id} cannot take {format_bytes(wanted)} more: "

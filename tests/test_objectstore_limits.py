@@ -157,6 +157,8 @@ async def test_full_store_names_its_biggest_holders(stores):
     assert big.object_id[:12] in msg and "512.0 KiB" in msg and "store-w1" in msg
     assert msg.index(big.object_id[:12]) < msg.index(small.object_id[:12])  # biggest first
     assert "objectstore.memory_limit" in msg and "free" in msg
+    with pytest.raises(ObjectStoreFullError, match="that alone is over its 1.0 MiB memory limit"):
+        owner.put(torch.zeros(1 << 20))
     await holder.decref(big)
 
 

@@ -30,6 +30,7 @@ from transport.dtypes import dtype_name, nbytes, row_bytes
 from transport.wire import Ext, message
 
 log = logging.getLogger(__name__)
+
 # mmap is a syscall of a few microseconds; a thread hop costs more for small regions.
 _THREAD_MAP_BYTES = 64 << 20
 
