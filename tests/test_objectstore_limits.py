@@ -37,7 +37,7 @@ FAST = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0, insecure=True)
 
 # A store in its own process, driven over a small control server.
 OWNER = r"""
-import asyncio, json, signal, sys, torch
+import asyncio, json, os, signal, sys, torch
 from objectstore import ObjectStore
 from transport import RpcServer
 from transport.loop import run
@@ -50,7 +50,7 @@ async def main(node_id, shm_dir):
     ctl.register("put", lambda n: store.put(torch.arange(n, dtype=torch.float32)))
     ctl.register("stats", store.stats)
     ep = await ctl.start()
-    print(json.dumps({"ctl": ep, "store": store.endpoint}), flush=True)
+    print(json.dumps({"ctl": ep, "store": store.endpoint, "pid": os.getpid()}), flush=True)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
@@ -66,15 +66,16 @@ run(main(sys.argv[1], sys.argv[2]))
 class Owner:
     """A store in a helper process; always stopped by the fixture."""
 
-    def __init__(self, node_id: str, shm_dir: str) -> None:
+    def __init__(self, node_id: str, shm_dir: str, wrap: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen([sys.executable, "-c", OWNER, node_id, shm_dir], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([*wrap, sys.executable, "-c", OWNER, node_id, shm_dir], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, start_new_session=True)
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("helper process failed to start")
-        self.ctl = RpcClient(json.loads(line)["ctl"], insecure=True, heartbeat_interval=0.1,
-                             heartbeat_timeout=2.0)
+        info = json.loads(line)
+        self.pid = info["pid"]  # as its own PID namespace numbers it
+        self.ctl = RpcClient(info["ctl"], insecure=True, heartbeat_interval=0.1, heartbeat_timeout=2.0)
 
     async def call(self, method: str, *args):
         return await self.ctl.call(method, *args, timeout=20)
@@ -109,8 +110,8 @@ async def stores():
 async def owner():
     started: list[Owner] = []
 
-    async def make(node_id: str = "n", shm_dir: str = segments.SHM_DIR) -> Owner:
-        started.append(Owner(node_id, shm_dir))
+    async def make(node_id: str = "n", shm_dir: str = segments.SHM_DIR, wrap: tuple[str, ...] = ()) -> Owner:
+        started.append(Owner(node_id, shm_dir, wrap))
         return started[-1]
 
     yield make
@@ -322,6 +323,42 @@ async def test_sweep_keeps_a_live_segment_whose_pid_is_not_visible(stores, owner
         removed = remove_stale_segments()
     assert not made & set(removed)
     assert made <= set(list_segments())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_store_in_another_pid_namespace_keeps_its_segments(stores, owner):
+    """The real case: a job in another PID namespace shares /dev/shm (`--ipc=host`) and its owner's
+    pid, as that namespace numbers it, is no process here. The old pid-based sweep deleted its live
+    segment and the next pull was ObjectLostError."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        reason = "a PID namespace needs root and unshare(1)"
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    pid = next(p for p in range(pid_max - 10, 300, -1) if not _pid_alive(p))
+    # the namespace's shell forks the owner as its next pid: `pid`, dead in our namespace
+    wrap = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
+            f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" "$@"; exit $?')
+    helper = await owner("n", wrap=wrap)
+    if helper.pid != pid:
+        pytest.skip(f"could not choose the owner's pid in its namespace (got {helper.pid}, wanted {pid})")
+    assert not _pid_alive(helper.pid)
+    consumer = await stores(node_id="n")
+    before = set(list_segments())
+    ref = await helper.call("put", 4096)
+    assert torch.equal(await consumer.get(ref), torch.arange(4096, dtype=torch.float32))
+    made = set(list_segments()) - before
+    assert made
+    removed = remove_stale_segments()
+    assert not made & set(removed) and made <= set(list_segments())
+    assert torch.equal(await consumer.get(ref, (10, 20)), torch.arange(10, 20, dtype=torch.float32))
 
 
 async def test_sweep_removes_a_killed_stores_segments_even_if_its_pid_is_reused(stores, owner, monkeypatch):
