@@ -88,6 +88,20 @@ class ClusterConfig:
 
 
 @dataclass
+class ObjectStoreConfig:
+    # bytes of host memory each worker's (and the driver's) object store may hold; past it a put
+    # raises ObjectStoreFullError naming the biggest objects, instead of the kernel killing the
+    # worker. None: objectstore.memory.DEFAULT_MEMORY_FRACTION of the node's memory (RAM or its
+    # cgroup limit), shared equally by the node's stores
+    memory_limit: int | None = None
+
+    def check(self, at: str) -> None:
+        if self.memory_limit is not None:
+            _check(self.memory_limit > 0, at + "memory_limit", self.memory_limit,
+                   "must be a number of bytes > 0 (e.g. 8589934592 for 8 GiB), or null for the default")
+
+
+@dataclass
 class JobConfig:
     entry: str | None = None  # "package.module:main" or "path/to/script.py:main"
     name: str = "job"
@@ -99,6 +113,7 @@ class LaunchConfig:
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    objectstore: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     seed: int = 0
 
     def check(self, at: str) -> None:

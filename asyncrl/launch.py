@@ -83,11 +83,11 @@ def check_config(cfg: DictConfig) -> Any:
     """Types and ranges of every section (the schemas' `check` methods); the typed config.
 
     A config whose YAML names no schema is a user's job with sections of its own: only what
-    `asyncrl-launch` reads (cluster, job, seed) is checked."""
+    `asyncrl-launch` reads (cluster, job, seed, objectstore) is checked."""
     kind = OmegaConf.get_type(cfg)
     if isinstance(kind, type) and issubclass(kind, LaunchConfig) and kind is not LaunchConfig:
         return typed(kind, cfg)
-    return typed(LaunchConfig, {k: cfg[k] for k in ("cluster", "job", "seed") if k in cfg})
+    return typed(LaunchConfig, {k: cfg[k] for k in ("cluster", "job", "seed", "objectstore") if k in cfg})
 
 
 def load_config(config_name: str, overrides: list[str], config_dir: str | None = None) -> DictConfig:
@@ -172,7 +172,8 @@ def cluster_spec(cfg: DictConfig, daemon: bool = False) -> ClusterSpec:
     return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
                        node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
                        log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
-                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes, write_state=True)
+                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
+                       store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True)
 
 
 def _stop_on_signals() -> asyncio.Event:
