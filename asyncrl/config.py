@@ -33,6 +33,7 @@ from daemons.errors import ConfigError
 from daemons.node import DEFAULT_SHM_POOL_BYTES
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
+CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.algorithms.registry agrees)
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
@@ -130,6 +131,10 @@ class ModelConfig:
     path: str = "outputs/tiny-model"  # a local Hugging Face model directory (or a cached Hub name)
     build_tiny: TinyModelConfig | None = None  # build a toy model at `path` (the quickstart does)
 
+    def check(self, at: str) -> None:
+        _check(bool(self.path.strip()), at + "path", self.path,
+               "must name a local Hugging Face model directory (or a cached Hub name such as Qwen/Qwen2.5-0.5B)")
+
 
 @dataclass
 class SyntheticDataConfig:
@@ -157,6 +162,14 @@ class DataConfig:
     def check(self, at: str) -> None:
         _positive(at + "batch_size", self.batch_size)
         _positive(at + "max_prompt_len", self.max_prompt_len)
+        for name in ("train_files", "val_files"):
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), at + name, value,
+                   "must name a .parquet or .jsonl file (or be null for the built-in synthetic task)")
+        if self.val_files and not self.train_files:
+            raise ConfigError(f"bad configuration: {at}val_files={self.val_files!r} is set but {at}train_files "
+                              "is not, so training would use the built-in synthetic task and ignore it; set "
+                              f"{at}train_files too (or {at}val_files=null)")
 
 
 @dataclass
@@ -404,11 +417,25 @@ class RLConfig(LaunchConfig):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
+        self._check_mini_batches(at)
         if self.cost_model.enable and self.reward.cost_fn:
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
                               "cost model (or cost_model.enable=false for the rule)")
 
+    def _check_mini_batches(self, at: str) -> None:
+        """Every data-parallel rank must hold at least one row per mini-batch (fewer rows than
+        mini-batches would silently mean fewer optimizer steps than configured)."""
+        rows = self.data.batch_size * self.rollout.n
+        for role in ("actor", "critic") if self.algorithm.name in CRITIC_ALGORITHMS else ("actor",):
+            section = getattr(self, role)
+            par = section.parallel
+            dp = par.dp or max(1, self.trainer.n_workers // (par.tp * par.pp))
+            per_rank = rows // dp
+            _check(section.ppo_mini_batches <= per_rank, f"{at}{role}.ppo_mini_batches", section.ppo_mini_batches,
+                   f"each of the {dp} data-parallel ranks updates on {per_rank} rows per step "
+                   f"(data.batch_size={self.data.batch_size} x rollout.n={self.rollout.n} / {dp}), fewer than "
+                   f"its mini-batches; set {role}.ppo_mini_batches <= {max(1, per_rank)} or raise data.batch_size")
 
     def _check_layouts(self, at: str) -> None:
         """The actor/critic layouts fit trainer.n_workers; the generation layout fits the actor's."""
