@@ -79,6 +79,10 @@ class ClusterConfig:
         _check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
                f"must be in [0, {at}nnodes={self.nnodes})")
         _check(0 <= self.port <= 65535, at + "port", self.port, "must be a TCP port (0 = any)")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            _check(bool(host) and port.isdigit() and 0 < int(port) <= 65535, at + "coordinator", self.coordinator,
+                   "must be HOST:PORT, node 0's cluster.host and cluster.port (null on node 0 itself)")
         _positive(at + "cpu_devices", self.cpu_devices)
         for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s"):
             _positive(at + name, getattr(self, name))

@@ -28,7 +28,7 @@ from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.registry import ALGORITHMS
 from asyncrl.algorithms.roles import Roles
 from asyncrl.batch import Batch
-from asyncrl.config import RLConfig, rl_config, to_dict
+from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig, rl_config, to_dict
 from asyncrl.distbatch import DistBatch
 from asyncrl.group import WorkerCallError
 from asyncrl.models.resolve import resolve_model
@@ -298,6 +298,10 @@ def check_files(cfg: RLConfig) -> None:
 
     if cfg.model.build_tiny is None:
         resolve_model(cfg.model)
+    if cfg.critic.model_path and cfg.algorithm.name in CRITIC_ALGORITHMS:
+        resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
+    if cfg.cost_model.path and cfg.cost_model.enable:
+        resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")
     for key in ("train_files", "val_files"):
         value = getattr(cfg.data, key)
         if value:
