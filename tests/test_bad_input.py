@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -227,16 +228,18 @@ def test_padding_early_stopped_responses_stays_on_their_device(device):
         assert out["position_ids"][0].tolist() == [1, 2, 3, 4, 5]
 
 
-def test_pulled_batches_move_to_the_worker_device_once():
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=[pytest.mark.gpu, cuda])])
+def test_pulled_batches_move_to_the_worker_device_once(device):
+    """`meta` stands in for a GPU on CPU-only machines."""
     from asyncrl.transfer import to_device
     from asyncrl.worker import Worker
 
     batch = _responses()
     assert to_device(batch, "cpu:0") is batch  # a CPU worker copies nothing
-    moved = to_device({"a": [batch]}, "meta")
-    assert moved["a"][0]["responses"].device.type == "meta" and moved["a"][0]["ground_truth"] == ["1 2", "3"]
+    moved = to_device({"a": [batch]}, device)
+    assert moved["a"][0]["responses"].device.type == device[:4] and moved["a"][0]["ground_truth"] == ["1 2", "3"]
 
-    runtime = SimpleNamespace(rank=0, world_size=1, local_rank=0, device="meta", node_id="n", store=None)
+    runtime = SimpleNamespace(rank=0, world_size=1, local_rank=0, device=device, node_id="n", store=None)
     worker = Worker.create_hosted(runtime)
     seen = {}
 
@@ -244,10 +247,8 @@ def test_pulled_batches_move_to_the_worker_device_once():
         seen["device"], seen["other"] = b["responses"].device.type, other
         return 1
 
-    import asyncio
-
     assert asyncio.run(worker._run(method, True, [batch], {"other": 2}))[0] == 1
-    assert seen == {"device": "meta", "other": 2}
+    assert seen == {"device": device[:4], "other": 2}
 
 
 @pytest.mark.parametrize("device,visible,want", [
