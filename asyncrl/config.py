@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -86,6 +87,8 @@ class ClusterConfig:
         _positive(at + "cpu_devices", self.cpu_devices)
         for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s"):
             _positive(at + name, getattr(self, name))
+        _check(not Path(self.log_dir).expanduser().exists() or Path(self.log_dir).expanduser().is_dir(),
+               at + "log_dir", self.log_dir, "is a file; it must be a directory (created when missing)")
         if self.nnodes > 1 and not self.key_dir and not self.insecure:
             raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
                               "copy DIR to every node and pass cluster.key_dir=DIR (or "
@@ -238,6 +241,9 @@ class OptimConfig:
         _positive(at + "total_steps", self.total_steps, allow_zero=True)
         _positive(at + "weight_decay", self.weight_decay, allow_zero=True)
         _positive(at + "warmup_steps", self.warmup_steps, allow_zero=True)
+        _check(not self.total_steps or self.warmup_steps <= self.total_steps, at + "warmup_steps", self.warmup_steps,
+               f"must be <= {at}total_steps={self.total_steps} (the schedule decays after warmup; "
+               "total_steps=0 keeps the lr constant)")
         _check(0 <= self.min_lr_ratio <= 1, at + "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
 
 

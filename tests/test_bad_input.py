@@ -60,6 +60,8 @@ def _one_paragraph(err: str) -> str:
     ("data.val_files=held_out.parquet", "data.train_files"),  # was ignored for the synthetic task
     ("actor.ppo_mini_batches=1000", "actor.ppo_mini_batches"),  # was clamped to the rows per rank
     ("cluster.coordinator=10.0.0.1", "cluster.coordinator"),  # no port
+    ("cluster.log_dir=/dev/null", "cluster.log_dir"),  # a file: was a FileExistsError traceback
+    ("actor.optim.warmup_steps=100", "actor.optim.warmup_steps"),  # beyond total_steps: lr never peaked
     ("critic.model_path=/no/such/critic", "critic.model_path"),  # ppo: was a traceback in the worker
     ("cost_model.path=/no/such/cost", "cost_model.path"),  # safe_rlhf with a cost model
 ])
@@ -67,6 +69,7 @@ def test_bad_values_exit_2_naming_the_key(override, key, tiny_model, tmp_path, c
     out = tmp_path / "out"
     config = {"critic": "ppo", "cost_model": "safe_rlhf"}.get(key.split(".")[0], "grpo")
     extra = ["cost_model.enable=true", "reward.cost_fn=null"] if config == "safe_rlhf" else []
+    extra += ["actor.optim.total_steps=10"] if "warmup" in key else []
     model = [] if key == "model.path" else [f"model.path={tiny_model}", "model.build_tiny=null"]
     assert main(["--config-name", config, f"trainer.output_dir={out}", *model, *extra, override]) == 2
     assert key in _one_paragraph(capsys.readouterr().err)
