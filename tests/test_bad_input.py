@@ -281,3 +281,31 @@ def test_reward_workers_run_on_the_gpu(tiny_model, monkeypatch):
     assert {t.device.type for t in out.tensors.values()} == {"cuda"}
     model = RewardModelWorker(cfg, "costs")
     assert next(model.model.parameters()).device.type == "cuda"
+
+
+def test_the_node_daemon_spawns_a_gpu_worker_on_its_physical_gpu(tmp_path, monkeypatch):
+    """SLURM gave the node GPUs 4-7; the coordinator placed a worker on the node's cuda:1."""
+    import daemons.node as node_mod
+    from daemons.messages import WorkerSpec
+
+    seen = {}
+
+    class FakePopen:
+        pid = 4242
+
+        def __init__(self, cmd, env, **kw):
+            seen.update(env)
+
+    monkeypatch.setattr(node_mod.subprocess, "Popen", FakePopen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+
+    async def spawn() -> int:
+        node = node_mod.NodeDaemon("tcp://127.0.0.1:1", insecure=True, log_dir=tmp_path)
+        try:
+            return node.spawn_worker(WorkerSpec("w-1", {"ASYNCRL_DEVICE": "cuda:1", "RANK": "1"}))
+        finally:
+            node.children.clear()  # nothing was started
+            await node.close()
+
+    assert asyncio.run(spawn()) == 4242
+    assert seen["CUDA_VISIBLE_DEVICES"] == "5" and seen["ASYNCRL_DEVICE"] == "cuda:0" and seen["RANK"] == "1"
