@@ -223,7 +223,7 @@ class ActorRolloutRefWorker(Worker):
             else:
                 outs = [forward(engine.model, mb) for mb in mbs]
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
-        logp = torch.cat(logps) if logps else torch.zeros(0)
+        logp = torch.cat(logps) if logps else torch.zeros(0, device=engine.device)
         return logp, (torch.cat(ents) if with_entropy and ents else None)
 
     @register(THREE_D_PROTO)
