@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
+from asyncrl.metrics import json_line
 from asyncrl.rundir import check_output_dir
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
@@ -209,7 +209,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
             result = driver.result()  # raises the driver's exception
             log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
             if isinstance(result, dict):  # the job's summary is the last line on stdout
-                print(json.dumps(result), flush=True)
+                print(json_line(result), flush=True)
             return 0
         finally:
             await ctx.close()
@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(config_name, overrides, args.config_dir)
             if not args.multirun and not args.cfg and OmegaConf.get_type(cfg) is RLConfig:
                 _check_run_dir(cfg, overrides)
+                if cfg.cluster.coordinator is None and not args.info:  # node 0 reads data, imports the reward
+                    from asyncrl.trainer import check_files
+
+                    check_files(typed(RLConfig, cfg))
     except ConfigError as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2

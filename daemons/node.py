@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemons.errors import PlacementError
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
@@ -66,6 +67,25 @@ def discover_devices(cpu_devices: int) -> list[str]:
     except ImportError:
         pass
     return [f"cpu:{i}" for i in range(cpu_devices)]
+
+
+def gpu_env(device: str, visible: str | None) -> dict[str, str]:
+    """The environment that pins a worker to `device` ("cuda:i", the i-th GPU this node sees):
+    CUDA_VISIBLE_DEVICES names that GPU as the node itself was given it (entry i of the node's
+    own CUDA_VISIBLE_DEVICES, such as "5" of SLURM's "4,5,6,7" or a GPU UUID; i itself when
+    unset) and the worker calls it cuda:0. Empty for a CPU device."""
+    if not device.startswith("cuda:"):
+        return {}
+    index = int(device.split(":", 1)[1])
+    if visible is None:
+        physical = str(index)
+    else:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if index >= len(ids):
+            raise PlacementError(f"device {device} is not among this node's CUDA_VISIBLE_DEVICES={visible!r}; "
+                                 "restart the node daemon with the GPUs it may use")
+        physical = ids[index]
+    return {"CUDA_VISIBLE_DEVICES": physical, "ASYNCRL_DEVICE": "cuda:0"}
 
 
 @dataclass
@@ -179,6 +199,7 @@ class NodeDaemon:
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
                     "ASYNCRL_HOST": self.host, "ASYNCRL_COORDINATOR": self.coordinator_endpoint,
                     "PYTHONUNBUFFERED": "1"}
+        full_env.update(gpu_env(str(spec.env.get("ASYNCRL_DEVICE", "")), os.environ.get("CUDA_VISIBLE_DEVICES")))
         # collectives (gloo/NCCL) must use the interface the cluster talks over, not whatever
         # the hostname resolves to (often 127.0.1.1); a user's own setting wins
         iface = interface_for(self.host)
