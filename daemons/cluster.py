@@ -51,6 +51,7 @@ class ClusterSpec:
     head_loss_timeout_s: float | None = None  # NodeOnly: the daemon stops after this long without the head (None: never)
     register_timeout_s: float = 30.0  # HeadNode: wait this long for its own node to register
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES  # per worker store; see daemons.node
+    store_memory_limit: int | None = None  # bytes per worker store; None: objectstore.memory's default
     write_state: bool = False  # HeadNode: write the state file (and remove it on stop)
     state_dir: str | os.PathLike | None = None  # None: $ASYNCRL_STATE_DIR or ~/.asyncrl/state
 
@@ -64,7 +65,7 @@ class ClusterSpec:
                           log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),
-                          shm_pool_bytes=self.shm_pool_bytes,
+                          shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
                           head_loss_timeout=None if self.node_rank == 0 else self.head_loss_timeout_s)
 
 
