@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # whether a rank of the call died; the survivor's error often arrives before the death is known
 DEATH_NOTICE_S = 3.0
 _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL (error|communicator)|"
-                        r"ProcessGroup\w* .*(abort|timed out)|Socket Timeout|Connection refused",
+                        r"ProcessGroup\w* .*(abort|timed out)|Socket Timeout|Connection refused|"
+                        r"ObjectLostError|dead or unreachable",
                         re.IGNORECASE)
 _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Watchdog caught collective operation timeout",
                                  re.IGNORECASE)
@@ -67,23 +68,47 @@ class WorkerCallError(DaemonError):
 class DataFuture:
     """The result of a group call that may not exist yet; await it, or pass it to another call."""
 
-    __slots__ = ("task", "label")
+    __slots__ = ("task", "label", "awaited")
 
     def __init__(self, task: asyncio.Task, label: str) -> None:
-        self.task, self.label = task, label
+        self.task, self.label, self.awaited = task, label, False
+        task.add_done_callback(_retrieved)  # reported below if nobody awaits it
 
     def __await__(self) -> Generator[Any, None, Any]:
+        self.awaited = True
         return self.task.__await__()
 
     def done(self) -> bool:
         return self.task.done()
 
     def result(self) -> Any:
+        self.awaited = True
         return self.task.result()
+
+    def __del__(self) -> None:
+        if not self.awaited:
+            if self.task.done():
+                _report_unawaited(self.task, self.label)
+            else:
+                self.task.add_done_callback(lambda t, label=self.label: _report_unawaited(t, label))
 
     def __repr__(self) -> str:
         state = "done" if self.task.done() else "pending"
         return f"DataFuture({self.label}, {state})"
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # asyncio would print a traceback per dropped future; see _report_unawaited
+
+
+def _report_unawaited(task: asyncio.Task, label: str) -> None:
+    """One line for a call that failed and was dropped unawaited. A worker's death is not
+    repeated: the call that met it first reports it (and the coordinator logs it)."""
+    err = None if task.cancelled() else task.exception()
+    if err is not None and not isinstance(err, WorkerDiedError):
+        log.error("%s failed and was never awaited: %s: %s", label, type(err).__name__,
+                  str(err).splitlines()[0] if str(err) else "")
 
 
 async def resolve_futures(value: Any) -> Any:
@@ -237,16 +262,14 @@ class WorkerGroup:
         failed = failures()
         if failed and not any(isinstance(e, WorkerDiedError) for e in failed.values()):
             # a rank's death often reaches us second, as its peers' errors (a collective's
-            # connection closed): ask the nodes whether a rank of this call died, so the error
-            # names the root cause
-            running = [r for r, t in tasks.items() if not t.done()]
-            if running:
-                lost_peer = any(_LOST_PEER.search(str(e)) for e in failed.values())
-                await self._find_dead(running, DEATH_NOTICE_S if lost_peer else 0.0)
-                dead = [tasks[r] for r in running if self.handles[r].info.state is WorkerState.DEAD]
-                if dead:
-                    await asyncio.wait(dead, timeout=1.0)  # their calls fail at once: let them
-                failed = failures()
+            # connection closed, an object it owned lost): ask the nodes whether a rank of this
+            # pool died, so the error names the root cause
+            lost_peer = any(_LOST_PEER.search(str(e)) for e in failed.values())
+            await self._find_dead(DEATH_NOTICE_S if lost_peer else 0.0)
+            dead = [t for r, t in tasks.items() if not t.done() and self.handles[r].info.state is WorkerState.DEAD]
+            if dead:
+                await asyncio.wait(dead, timeout=1.0)  # their calls fail at once: let them
+            failed = failures()
         if failed:
             # raise at once; the other ranks finish (or fail) in the background and the pool's
             # next ordered call waits for them, so collectives never overlap two calls
@@ -257,13 +280,14 @@ class WorkerGroup:
             raise self._root_cause(label, failed, tasks)
         return {r: t.result() for r, t in tasks.items()}
 
-    async def _find_dead(self, ranks: list[int], patience_s: float) -> None:
-        """Ask the ranks' node daemons whether they still run (marking the dead ones), again
+    async def _find_dead(self, patience_s: float) -> None:
+        """Ask the pool's node daemons whether its ranks still run (marking the dead ones), again
         every 0.2 s for `patience_s` while all of them do."""
-        coordinator = self.handles[ranks[0]].coordinator
+        coordinator = self.handles[0].coordinator
+        infos = [h.info for h in self.handles]
         deadline = time.monotonic() + patience_s
         while True:
-            if await coordinator.check_workers([self.handles[r].info for r in ranks]):
+            if any(i.state is WorkerState.DEAD for i in infos) or await coordinator.check_workers(infos):
                 return
             if time.monotonic() >= deadline:
                 return
@@ -274,6 +298,8 @@ class WorkerGroup:
         """A dead rank first (the others' errors followed from it), then a deadline, then the
         first rank's own error."""
         died = {r: e for r, e in failed.items() if isinstance(e, WorkerDiedError)}
+        if not died:  # a rank outside this call (the owner of an object it needed) died
+            died = {h.rank: h.death_error() for h in self.handles if h.info.state is WorkerState.DEAD}
         if died:
             rank = min(died)
             err = died[rank]
