@@ -284,3 +284,19 @@ async def test_node_rejoins_a_restarted_coordinator(tmp_path):
         await node.close()
         if second is not None:
             await second.close()
+
+
+async def test_a_dropped_failed_call_is_one_line_not_a_traceback(tmp_path, caplog):
+    import gc
+    import logging
+
+    async with local_cluster(cpu_devices=1, log_dir=tmp_path / "logs", insecure=True) as ctx:
+        group = await ctx.spawn_group(ctx.create_pool("p", world_size=1), faults.Collective)
+        group.allreduce_for(0.1)  # no process group yet: fails, and nobody awaits it
+        with caplog.at_level(logging.ERROR, logger="asyncrl.group"):
+            gc.collect()
+            await asyncio.sleep(2.0)
+            gc.collect()
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.group"]
+    assert len(lines) == 1 and "p.allreduce_for failed and was never awaited" in lines[0], lines
+    assert "Traceback" not in lines[0]
