@@ -70,7 +70,7 @@ class ClusterConfig:
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0  # the coordinator marks a node dead after this long without heartbeats
     # a job's non-head node exits after this long without the head (daemon nodes wait for it)
-    head_loss_timeout_s: float = 30.0
+    head_loss_timeout_s: float = 20.0
     log_dir: str = "outputs/logs"
     # a pre-faulted /dev/shm block per worker store for same-node pulls (costs that much shared
     # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
