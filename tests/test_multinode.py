@@ -195,11 +195,11 @@ def _cleaned_up(procs: _Procs, check_shm: bool = True) -> Iterator[None]:
 
 
 def _run_pair(procs: _Procs, tmp: Path, argv0: list[str], argv1: list[str], timeout0: float,
-              timeout1: float = 15) -> tuple[int, int, str, str, str]:
+              timeout1: float = 15, env: dict[str, str] | None = None) -> tuple[int, int, str, str, str]:
     """Start node 0 and node 1, wait for both; returns their exit codes, outputs and a report."""
     out_a, out_b = tmp / "node0.out", tmp / "node1.out"
-    node0 = procs.start(argv0, out_a)
-    node1 = procs.start(argv1, out_b)
+    node0 = procs.start(argv0, out_a, env)
+    node1 = procs.start(argv1, out_b, env)
     rc0 = _wait(node0, timeout0, out_a)
     rc1 = _wait(node1, timeout1, out_b)  # released by the coordinator when the job is done
     text_a, text_b = out_a.read_text(), out_b.read_text()
@@ -373,3 +373,25 @@ def test_killed_node_is_blamed_across_namespaces(netpair, tmp_path):
         assert "Traceback" not in text, text
         assert took < 10, (took, last)
         print(f"node 1 killed: node 0 exited {took:.1f}s later: {last.splitlines()[0]}")
+
+
+@pytest.mark.multinode
+def test_blocked_driver_does_not_lose_the_other_node(netpair, tmp_path):
+    """The driver on node 0 blocks its loop for 12 s, longer than node 1's coordinator timeout
+    (10 s) and node_timeout (2 s): heartbeats are answered off that loop, so the job succeeds."""
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-stall")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    fast = ["cluster.node_timeout_s=2", "cluster.heartbeat_interval_s=0.3"]
+    with _cleaned_up(procs):
+        rc0, rc1, text_a, text_b, report = _run_pair(
+            procs, tmp, _node0(ns_a, keys, tmp, "job.entry=asyncrl.jobs.faults:stall", *fast),
+            _node1(ns_b, keys, tmp, *fast), timeout0=90,
+            env={"ASYNCRL_FAULT_STALL_S": "12"})
+        assert rc0 == 0 and rc1 == 0, report
+        assert '"same_workers": true' in text_a, report
+        assert "event loop was blocked for 12." in text_a, report
+        assert "unreachable" not in text_b and "missed heartbeats" not in text_a, report
