@@ -23,6 +23,14 @@ from transport import CurveConfig, RpcClient, RpcServer, TransportError
 log = logging.getLogger(__name__)
 
 
+def _tell(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Run `fn(*args)` on `loop` (the owner's), unless that loop has already closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the owner is gone: nobody left to tell
+        pass
+
+
 class LoopThread:
     """An event loop running in a daemon thread; coroutines are submitted to it."""
 
@@ -125,7 +133,7 @@ class HeartbeatServer:
                     del self._seen[node_id]
             last = now
             for node_id, seconds in silent:
-                self._owner.call_soon_threadsafe(self.on_silent, node_id, seconds)
+                _tell(self._owner, self.on_silent, node_id, seconds)
 
     async def _shutdown(self) -> None:
         if self._watch is not None:
@@ -201,7 +209,7 @@ class HeartbeatSender:
                             self.last_ok = time.monotonic()
                         elif self._endpoint == endpoint:
                             self._endpoint = None
-                            self._owner.call_soon_threadsafe(self.on_unknown)
+                            _tell(self._owner, self.on_unknown)
                 await asyncio.sleep(self.interval)
         finally:
             if client is not None:
