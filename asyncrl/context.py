@@ -1,7 +1,9 @@
 """`JobContext`: what an algorithm script's `async def main(ctx)` gets — the cluster, the config,
 resource pools, worker groups, and the driver's own small object store for data it produces
 (prompts from a dataloader). A context owns its store and its `RefTracker`; the DistBatches
-it and its groups hand out carry that tracker, so two contexts in one process never share one."""
+it and its groups hand out carry that tracker, so two contexts in one process never share one.
+A context is one job on the coordinator (`job_id`): its pools and workers are that job's, and
+closing the context stops them, leaving other jobs on the same cluster alone."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
 from asyncrl.refs import RefTracker
 from asyncrl.transfer import publish
 from daemons.cluster import ClusterSpec, HeadNode
-from daemons.coordinator import Coordinator, ResourcePool
+from daemons.coordinator import Coordinator, JobRecord, ResourcePool
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectStore
 
@@ -40,11 +42,12 @@ class Groups(dict):
 class JobContext:
     """The cluster as a driver script sees it."""
 
-    def __init__(self, coordinator: Coordinator, cfg: Any) -> None:
+    def __init__(self, coordinator: Coordinator, cfg: Any, job_id: str | None = None) -> None:
         self.coordinator = coordinator
         self.cfg = cfg
-        name = cfg.job.name if cfg is not None and "job" in cfg else "job"
-        self.log = logging.getLogger(f"asyncrl.job.{name}")
+        self.name = cfg.job.name if cfg is not None and "job" in cfg else "job"
+        self.log = logging.getLogger(f"asyncrl.job.{self.name}")
+        self.job: JobRecord = coordinator.begin_job(job_id, self.name)
         self.store: ObjectStore | None = None
         self.tracker: RefTracker | None = None
         self.process_sets: dict[str, ProcessSet] = {}
@@ -60,18 +63,26 @@ class JobContext:
         self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self
 
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
     async def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-        if self.store is not None:
-            await self.store.close()
-            self.store = None
+        """Stop this job's workers (only this job's) and close the driver's store."""
+        try:
+            await self.coordinator.end_job(self.job_id)
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
+            if self.store is not None:
+                await self.store.close()
+                self.store = None
 
     # pools and groups ---------------------------------------------------------------------------
     def create_pool(self, name: str, world_size: int | None = None,
                     per_node: list[int] | None = None) -> ResourcePool:
         """A named set of devices: `world_size` in node order, or `per_node[k]` on node rank k."""
-        return self.coordinator.create_pool(name, world_size, per_node)
+        return self.coordinator.create_pool(name, world_size, per_node, job=self.job_id)
 
 
     async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
@@ -125,7 +136,7 @@ class JobContext:
         back, its store's own RPC, and the bytes its store serves to pulling workers (RPC
         replies, bulk TCP, shared memory written for same-node readers)."""
         total = 0
-        for handle in self.coordinator.handles.values():
+        for handle in self.coordinator.job_handles(self.job_id):
             sent, received = handle.client.bytes_transferred
             total += sent + received
         if self.store is not None:
@@ -134,7 +145,7 @@ class JobContext:
         return total
 
     def status(self) -> Any:
-        return self.coordinator.status()
+        return self.coordinator.status(self.job_id)
 
 
 @contextlib.asynccontextmanager

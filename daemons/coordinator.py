@@ -4,6 +4,10 @@ It runs in the driver's event loop. The driver (the user's `async def` algorithm
 to workers through `WorkerHandle`s (`daemons.worker_client`); the coordinator holds only
 metadata — where workers and objects are — never bulk data. Its RPC endpoints are its
 `@expose` methods; what nodes and workers send it are the typed messages of `daemons.messages`.
+
+Every pool and worker belongs to a job (`begin_job`); `end_job` stops that job's workers only
+and forgets its pools, handles and objects, so a daemon running job after job (or several at
+once) neither kills other jobs' workers nor grows.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from daemons.errors import NodeDiedError, PlacementError, WorkerDiedError
+from daemons.errors import JobError, NodeDiedError, PlacementError, WorkerDiedError
 from daemons.messages import (
     ClusterStatus,
+    JobStatus,
     NodeLiveness,
     NodeRegistration,
     NodeStatus,
@@ -27,6 +32,7 @@ from daemons.messages import (
     WorkerState,
     WorkerStatus,
 )
+from daemons.state import check_job_id, new_job_id
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectRef
 from transport import ConnectionLost, CurveConfig, RpcClient, RpcServer, RpcTimeout, expose
@@ -64,6 +70,7 @@ class WorkerInfo:
     exit_reason: str = ""
     log_tail: str = ""
     ready: asyncio.Future | None = None
+    job: str = ""
 
 
 @dataclass
@@ -72,10 +79,26 @@ class ResourcePool:
 
     name: str
     placements: list[tuple[str, str]]  # (node_id, device), in rank order
+    job: str = ""  # the job that made it; its name is unique within that job
 
     @property
     def world_size(self) -> int:
         return len(self.placements)
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}/{self.name}" if self.job else self.name
+
+
+@dataclass
+class JobRecord:
+    """A job this coordinator runs; it owns the pools and workers made under its id."""
+
+    job_id: str
+    name: str
+    started_at: float = field(default_factory=time.time)
+    stop_reason: str = ""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set by `stop`: the job should end
 
 
 class Coordinator:
@@ -95,10 +118,11 @@ class Coordinator:
         self.nodes: dict[str, NodeInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.handles: dict[str, WorkerHandle] = {}
-        self.pools: dict[str, ResourcePool] = {}
+        self.pools: dict[str, ResourcePool] = {}  # by ResourcePool.key
+        self.jobs: dict[str, JobRecord] = {}
         self.objects: dict[str, tuple[str, str, int]] = {}  # object id -> (worker id, node id, nbytes)
         self.node_joined = asyncio.Condition()
-        self.stop_requested = asyncio.Event()
+        self.stop_requested = asyncio.Event()  # `shutdown`: the process should end
         self.stop_reason = ""
         self._ids = itertools.count()
         self._monitor: asyncio.Task | None = None
@@ -188,12 +212,13 @@ class Coordinator:
 
     # resource pools and placement ------------------------------------------------------------
     def create_pool(self, name: str, world_size: int | None = None,
-                    per_node: list[int] | None = None) -> ResourcePool:
-        """Pick devices for a pool: `per_node[k]` devices on node rank k, or `world_size` in order."""
+                    per_node: list[int] | None = None, *, job: str = "") -> ResourcePool:
+        """Pick devices for a pool of `job`: `per_node[k]` devices on node rank k, or `world_size`
+        in order. Devices held by any job's pools are not free."""
         nodes = self.live_nodes()
         if not nodes:
             raise PlacementError("no node has joined the cluster yet")
-        if name in self.pools:
+        if ResourcePool(name, [], job).key in self.pools:
             raise PlacementError(f"a pool named {name!r} exists already; pick another name")
         taken = {p for pool in self.pools.values() for p in pool.placements}
         placements: list[tuple[str, str]] = []
@@ -216,8 +241,8 @@ class Coordinator:
                                      f"{len(taken)} held by pools {sorted(self.pools)}); colocate "
                                      "roles on one pool instead of making another")
             placements = available[:want]
-        pool = ResourcePool(name, placements)
-        self.pools[name] = pool
+        pool = ResourcePool(name, placements, job)
+        self.pools[pool.key] = pool
         return pool
 
     async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
@@ -234,7 +259,7 @@ class Coordinator:
             local_counts[node_id] = local_rank + 1
             worker_id = f"{group}-{rank}-{next(self._ids)}"
             info = WorkerInfo(worker_id, node_id, rank, group, device,
-                              ready=asyncio.get_running_loop().create_future())
+                              ready=asyncio.get_running_loop().create_future(), job=pool.job)
             self.workers[worker_id] = info
             worker_env = {
                 "RANK": str(rank), "WORLD_SIZE": str(pool.world_size), "LOCAL_RANK": str(local_rank),
@@ -245,7 +270,8 @@ class Coordinator:
                 # the worker sees only its GPU, which it then calls cuda:0
                 worker_env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
                 worker_env["ASYNCRL_DEVICE"] = "cuda:0"
-            info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env), timeout=30)
+            info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env, pool.job),
+                                              timeout=30)
             infos.append(info)
         try:
             await asyncio.wait_for(asyncio.gather(*[i.ready for i in infos]), self.spawn_timeout)
@@ -309,17 +335,13 @@ class Coordinator:
         return WorkerDiedError(info.worker_id, info.node_id, info.rank, info.exit_reason, info.log_tail)
 
     async def shutdown_workers(self, grace_s: float = 5.0) -> None:
-        """Stop every worker: ask nicely, then let node daemons kill what is left. Frees all pools."""
+        """Stop every worker of every job: ask nicely, then let node daemons kill what is left.
+        Frees all pools."""
         self.pools.clear()
         for info in self.workers.values():
             if info.state is not WorkerState.DEAD:
                 info.exit_reason = "stopped"
-        for handle in self.handles.values():
-            if handle.info.state is WorkerState.READY:
-                try:
-                    await handle.client.call("shutdown", timeout=1)
-                except (ConnectionLost, RpcTimeout, Exception):
-                    pass
+        await self._ask_to_shut_down(list(self.handles.values()))
         for node in self.live_nodes():
             try:
                 await node.client.call("kill_all", grace_s, timeout=grace_s + 10)
@@ -329,6 +351,78 @@ class Coordinator:
             for info in self.workers.values():
                 if info.node_id == node.node_id and info.state is not WorkerState.DEAD:
                     self._mark_dead(info, "stopped", "")
+
+    async def _ask_to_shut_down(self, handles: list[WorkerHandle]) -> None:
+        async def ask(handle: WorkerHandle) -> None:
+            try:
+                await handle.client.call("shutdown", timeout=1)
+            except (ConnectionLost, RpcTimeout, Exception):
+                pass
+        await asyncio.gather(*(ask(h) for h in handles if h.info.state is WorkerState.READY))
+
+    # jobs ---------------------------------------------------------------------------------------
+    def begin_job(self, job_id: str | None = None, name: str = "job") -> JobRecord:
+        """Register a job; its pools and workers are made with `job=record.job_id`."""
+        job_id = check_job_id(job_id) if job_id else new_job_id(name)
+        if job_id in self.jobs:
+            raise JobError(f"a job with id {job_id!r} runs already on this coordinator; pick another id")
+        record = self.jobs[job_id] = JobRecord(job_id, name)
+        return record
+
+    def job_handles(self, job_id: str) -> list[WorkerHandle]:
+        return [h for h in self.handles.values() if h.info.job == job_id]
+
+    async def end_job(self, job_id: str, grace_s: float = 5.0) -> None:
+        """Stop the workers of `job_id` (not other jobs') and forget its pools, workers, handles
+        and objects."""
+        infos = [i for i in self.workers.values() if i.job == job_id]
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                info.exit_reason = info.exit_reason or "stopped"
+        handles = [self.handles[i.worker_id] for i in infos if i.worker_id in self.handles]
+        await self._ask_to_shut_down(handles)
+        by_node: dict[str, list[str]] = {}
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                by_node.setdefault(info.node_id, []).append(info.worker_id)
+
+        async def kill(node_id: str, ids: list[str]) -> None:
+            node = self.nodes.get(node_id)
+            if node is None or not node.alive:
+                return
+            try:
+                await node.client.call("kill_workers", ids, grace_s, timeout=grace_s + 10)
+            except Exception as e:  # its heartbeats decide whether the node is gone
+                log.warning("node %s did not confirm stopping job %s's workers: %s", node_id, job_id, e)
+        await asyncio.gather(*(kill(n, ids) for n, ids in by_node.items()))
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                self._mark_dead(info, "stopped", "")
+            self.workers.pop(info.worker_id, None)
+            handle = self.handles.pop(info.worker_id, None)
+            if handle is not None:
+                await handle.client.close()
+        ids = {i.worker_id for i in infos}
+        for oid in [o for o, (w, _, _) in self.objects.items() if w in ids]:
+            del self.objects[oid]
+        for key in [k for k, p in self.pools.items() if p.job == job_id]:
+            del self.pools[key]
+        self.jobs.pop(job_id, None)
+
+    def find_job(self, job_id: str | None) -> JobRecord:
+        """The job `job_id`, or the only one running when it is None; JobError says what runs."""
+        if job_id is not None:
+            record = self.jobs.get(job_id)
+            if record is None:
+                raise JobError(f"no job {job_id!r} runs on this coordinator; running: "
+                               f"{', '.join(self.jobs) or 'none'}")
+            return record
+        if len(self.jobs) == 1:
+            return next(iter(self.jobs.values()))
+        if not self.jobs:
+            raise JobError("no job runs on this coordinator (`asyncrl shutdown` stops a daemon)")
+        raise JobError(f"{len(self.jobs)} jobs run on this coordinator ({', '.join(self.jobs)}); "
+                       "name one with --job ID")
 
     async def shutdown_nodes(self) -> None:
         for node in self.live_nodes():
@@ -352,8 +446,13 @@ class Coordinator:
 
     # status -----------------------------------------------------------------------------------
     @expose
-    async def status(self) -> ClusterStatus:
+    async def status(self, job: str | None = None) -> ClusterStatus:
+        """Nodes, workers, pools, objects and store memory; with `job`, only that job's."""
         now = time.monotonic()
+        jobs = [self.find_job(job)] if job is not None else list(self.jobs.values())
+        mine = {j.job_id for j in jobs}
+        workers = [w for w in self.workers.values() if job is None or w.job in mine]
+        objects = [b for w, _, b in self.objects.values() if job is None or self.workers.get(w, _NO_WORKER).job in mine]
         return ClusterStatus(
             coordinator=self.endpoint,
             uptime_s=round(time.time() - self.started_at, 1),
@@ -361,18 +460,24 @@ class Coordinator:
                                    round(now - n.last_heartbeat, 2))
                         for n in sorted(self.nodes.values(), key=lambda n: n.rank)),
             workers=tuple(WorkerStatus(w.worker_id, w.group, w.rank, w.node_id, w.device, w.pid,
-                                       w.state, w.exit_reason)
-                          for w in self.workers.values()),
-            pools={p.name: [list(pl) for pl in p.placements] for p in self.pools.values()},
-            objects={"count": len(self.objects), "bytes": sum(b for _, _, b in self.objects.values())},
-            memory=await self.worker_memory(),
+                                       w.state, w.exit_reason, w.job)
+                          for w in workers),
+            pools={p.key: [list(pl) for pl in p.placements] for p in self.pools.values()
+                   if job is None or p.job in mine},
+            objects={"count": len(objects), "bytes": sum(objects)},
+            memory=await self.worker_memory(None if job is None else mine),
+            jobs=tuple(JobStatus(j.job_id, j.name, round(j.started_at, 3),
+                                 sum(1 for w in self.workers.values()
+                                     if w.job == j.job_id and w.state is not WorkerState.DEAD),
+                                 j.stop_reason)
+                       for j in jobs),
         )
 
-    async def worker_memory(self) -> dict[str, Any]:
-        """Per-worker object-store usage, asked of each live worker."""
+    async def worker_memory(self, jobs: set[str] | None = None) -> dict[str, Any]:
+        """Per-worker object-store usage, asked of each live worker (of `jobs` when given)."""
         out = {}
-        for wid, handle in self.handles.items():
-            if handle.info.state is WorkerState.READY:
+        for wid, handle in list(self.handles.items()):
+            if handle.info.state is WorkerState.READY and (jobs is None or handle.info.job in jobs):
                 try:
                     out[wid] = await handle.client.call("store_stats", timeout=2)
                 except Exception as e:  # status must work while things are failing
@@ -380,10 +485,24 @@ class Coordinator:
         return out
 
     @expose
-    def stop(self, reason: str = "asyncrl stop") -> bool:
+    def stop(self, reason: str = "asyncrl stop", job: str | None = None) -> str:
+        """Ask job `job` (or the only job running) to end; returns its id. Its driver is cancelled
+        and its workers stopped; other jobs and the coordinator keep running."""
+        record = self.find_job(job)
+        record.stop_reason = reason or "asyncrl stop"
+        record.stopped.set()
+        log.info("job %s: stop requested (%s)", record.job_id, record.stop_reason)
+        return record.job_id
+
+    @expose
+    def shutdown(self, reason: str = "asyncrl shutdown") -> bool:
+        """End this coordinator's process (a daemon: every job it runs, then the daemon)."""
         self.stop_reason = reason
         self.stop_requested.set()
         return True
 
 
-__all__ = ["Coordinator", "NodeDiedError", "ResourcePool", "WorkerInfo"]
+_NO_WORKER = WorkerInfo("", "", -1, "", "")
+
+
+__all__ = ["Coordinator", "JobRecord", "NodeDiedError", "ResourcePool", "WorkerInfo"]

@@ -29,5 +29,9 @@ class NodeDiedError(DaemonError):
     """A node daemon stopped heartbeating; its workers are gone."""
 
 
+class JobError(DaemonError):
+    """A job id names no running job, is taken, or several jobs run and none was named."""
+
+
 class PlacementError(DaemonError):
     """A resource pool cannot be placed on the devices the cluster has."""

@@ -2,7 +2,8 @@
 
 It heartbeats the coordinator; when the coordinator has been unreachable for
 `coordinator_timeout` seconds it kills its workers (no orphans) and keeps trying to register
-again, so a restarted coordinator gets the node back.
+again, so a restarted coordinator gets the node back. Worker logs go to
+`<log_dir>/<job id>/worker-<worker id>.log`: jobs sharing a node never share a log file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
+from daemons.state import check_job_id
 from objectstore.segments import remove_stale_segments
 from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
 
@@ -155,7 +157,11 @@ class NodeDaemon:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spawn_worker takes a WorkerSpec, got a {type(spec).__qualname__}")
         worker_id = spec.worker_id
-        log_path = str(self.log_dir / f"worker-{worker_id}.log")
+        if worker_id in self.children:
+            raise ValueError(f"worker {worker_id!r} runs already on node {self.node_id}")
+        folder = self.log_dir / check_job_id(spec.job_id) if spec.job_id else self.log_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        log_path = str(folder / f"worker-{worker_id}.log")
         full_env = {**os.environ, SHM_POOL_ENV: str(self.shm_pool_bytes),
                     **{k: str(v) for k, v in spec.env.items()},
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
@@ -188,8 +194,19 @@ class NodeDaemon:
         return True
 
     @expose(blocking=True)  # waits for the exits: keep the loop free
+    def kill_workers(self, worker_ids: list[str], grace_s: float = 5.0) -> int:
+        """Stop these workers (one job's), leaving the node's other workers running."""
+        wanted = set(worker_ids)
+        return self._kill([c for c in list(self.children.values()) if c.worker_id in wanted], grace_s)
+
+    @expose(blocking=True)  # waits for the exits: keep the loop free
     def kill_all(self, grace_s: float = 5.0) -> int:
-        alive = [c for c in self.children.values() if c.proc.poll() is None]
+        return self._kill(list(self.children.values()), grace_s)
+
+    @staticmethod
+    def _kill(children: list[_Child], grace_s: float) -> int:
+        """SIGTERM every child's process group at once, then reap each (SIGKILL after `grace_s`)."""
+        alive = [c for c in children if c.proc.poll() is None]
         for child in alive:
             try:
                 os.killpg(child.proc.pid, 15)
@@ -232,3 +249,6 @@ class NodeDaemon:
                         timeout=5)
                 except TransportError as e:
                     log.warning("could not report exit of %s: %s", child.worker_id, e)
+                # reported: forget it, so a daemon serving job after job does not grow
+                if self.children.get(child.worker_id) is child:
+                    del self.children[child.worker_id]
