@@ -452,7 +452,8 @@ class Coordinator:
         jobs = [self.find_job(job)] if job is not None else list(self.jobs.values())
         mine = {j.job_id for j in jobs}
         workers = [w for w in self.workers.values() if job is None or w.job in mine]
-        objects = [b for w, _, b in self.objects.values() if job is None or self.workers.get(w, _NO_WORKER).job in mine]
+        owners = {w.worker_id for w in workers}
+        objects = [b for w, _, b in self.objects.values() if job is None or w in owners]
         return ClusterStatus(
             coordinator=self.endpoint,
             uptime_s=round(time.time() - self.started_at, 1),
@@ -500,9 +501,6 @@ class Coordinator:
         self.stop_reason = reason
         self.stop_requested.set()
         return True
-
-
-_NO_WORKER = WorkerInfo("", "", -1, "", "")
 
 
 __all__ = ["Coordinator", "JobRecord", "NodeDiedError", "ResourcePool", "WorkerInfo"]

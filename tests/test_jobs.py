@@ -303,6 +303,7 @@ def test_systemd_units_verify(name, tmp_path):
 def test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart(tmp_path):
     """The coordinator unit's and the node unit's command lines, on this machine: jobs submitted
     to the daemon are isolated, `stop` ends a job, `shutdown` the daemon with status 75."""
+    from asyncrl.launch import SHUTDOWN_EXIT
     from transport.auth import generate_keys
 
     keys = tmp_path / "keys"
@@ -349,8 +350,9 @@ def test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart(tmp_path):
         assert idle.returncode == 1 and "asyncrl shutdown" in idle.stderr
         assert {p.name for p in (tmp_path / "logs").iterdir()} >= {"held-1"}
 
-        assert _cli(env, "shutdown").returncode == 0
-        assert daemon.finish(30) == 75, daemon.out
+        down = _cli(env, "shutdown")
+        assert down.returncode == 0 and f"exits with status {SHUTDOWN_EXIT}" in down.stdout, down.stderr
+        assert daemon.finish(30) == SHUTDOWN_EXIT, daemon.out
         assert node.proc.poll() is None  # a node outlives the coordinator and re-registers later
         node.proc.send_signal(signal.SIGTERM)
         assert node.finish(30) == 0, node.out
