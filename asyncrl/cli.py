@@ -219,7 +219,9 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"asyncrl: job {job_id} submitted (`asyncrl stop --job {job_id}` ends it)", file=sys.stderr)
     result = _rpc(args, target, "submit", args.entry, overrides, job_id, timeout=args.timeout,
                   full_errors=True)
-    print(json.dumps(result))
+    from asyncrl.metrics import json_line
+
+    print(json_line(result))
     return 0
 
 

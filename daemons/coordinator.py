@@ -266,10 +266,7 @@ class Coordinator:
                 "MASTER_ADDR": master_node.host, "MASTER_PORT": str(master_port),
                 "LOCAL_WORLD_SIZE": str(per_node[node_id]), "ASYNCRL_DEVICE": device, "ASYNCRL_GROUP": group, **(env or {}),
             }
-            if device.startswith("cuda:"):
-                # the worker sees only its GPU, which it then calls cuda:0
-                worker_env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
-                worker_env["ASYNCRL_DEVICE"] = "cuda:0"
+            # a GPU's physical id is known only to its node: the node daemon pins the worker to it
             info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env, pool.job),
                                               timeout=30)
             infos.append(info)

@@ -28,8 +28,9 @@ from typing import Any
 from daemons.errors import ConfigError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
-from daemons.node import SHM_POOL_ENV
+from daemons.node import SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
 from objectstore import ObjectRef, ObjectStore
+from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose
 from transport.loop import run
 
@@ -111,6 +112,8 @@ class WorkerProcess:
         self.insecure = env.get("ASYNCRL_INSECURE") == "1"
         self.curve = None if self.insecure else CurveConfig.from_env(env)
         self.shm_pool_bytes = int(env.get(SHM_POOL_ENV, "0"))
+        limit = env.get(STORE_MEMORY_LIMIT_ENV)  # set by the node daemon
+        self.store_memory_limit = resolve_memory_limit(int(limit) if limit else None, stores_on_node=1)
         self.stopped = asyncio.Event()
         self.store: ObjectStore | None = None
         self.runtime: WorkerRuntime | None = None
@@ -120,7 +123,7 @@ class WorkerProcess:
         store = self.store = ObjectStore(
             node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
             curve=self.curve, insecure=self.insecure, name=f"store-{self.worker_id}",
-            shm_pool_bytes=self.shm_pool_bytes)
+            shm_pool_bytes=self.shm_pool_bytes, memory_limit_bytes=self.store_memory_limit)
         await store.start()
         self.runtime = WorkerRuntime(
             worker_id=self.worker_id, node_id=self.node_id, rank=self.rank,
