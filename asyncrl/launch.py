@@ -37,9 +37,10 @@ from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError
 from daemons.logs import setup_logging
 from daemons.proc import route_ip
-from daemons.worker import resolve
+from daemons.worker import entry_package, resolve
 from transport import AuthenticationError, CurveConfig, TransportError
 from transport.loop import run
+from transport.peers import ServerLimits
 from transport.rpc import expose
 
 log = logging.getLogger("asyncrl.launch")
@@ -164,15 +165,36 @@ def cluster_spec(cfg: DictConfig, daemon: bool = False) -> ClusterSpec:
     c = cfg.cluster
     curve, insecure = security(cfg)
     if c.coordinator is None:  # node 0
-        multi = c.nnodes > 1 or daemon
-        host = c.host or ("127.0.0.1" if not multi else route_ip("192.0.2.1"))
-        bind = "0.0.0.0" if multi and not c.host else host
+        # never every interface by default: loopback for one node (embedded or daemon), the
+        # address the other nodes route to for several; cluster.host / cluster.bind override
+        host = c.host or (route_ip("192.0.2.1") if c.nnodes > 1 else "127.0.0.1")
+        bind = c.bind or host
     else:
         host, bind = c.host or route_ip(c.coordinator.rsplit(":", 1)[0]), None
+    allowed = [*c.allowed_packages, entry_package(OmegaConf.select(cfg, "job.entry"))]
     return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
                        node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
                        log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
-                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes, write_state=True)
+                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes, write_state=True,
+                       limits=ServerLimits(max_message_bytes=c.max_message_bytes,
+                                           max_connections_per_peer=c.max_connections_per_peer),
+                       allowed_packages=tuple(p for p in dict.fromkeys(allowed) if p))
+
+
+def explain_bind(spec: ClusterSpec, daemon: bool) -> tuple[int, str]:
+    """The log level and line that say where the coordinator listens and how to change it."""
+    bind = spec.bind or spec.host
+    if bind in ("0.0.0.0", "::", "*"):
+        return logging.WARNING, (f"the coordinator listens on every interface ({bind}:{spec.port or 'any port'}, "
+                                 "cluster.bind); only CurveZMQ keys keep strangers out: prefer the "
+                                 "address the other nodes use (cluster.host=ADDRESS)")
+    if bind.startswith("127.") or bind == "::1":
+        if daemon:
+            return logging.WARNING, (f"daemon mode: the coordinator listens on {bind} only (loopback), so "
+                                     "no other machine can join or submit; set cluster.host=ADDRESS (the "
+                                     "address other nodes reach) to serve a cluster")
+        return logging.INFO, f"the coordinator listens on {bind} (loopback)"
+    return logging.INFO, f"the coordinator listens on {bind} (cluster.bind / cluster.host)"
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -187,7 +209,9 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
     """Node 0: coordinator + node daemon + the driver (or, as a daemon, submitted jobs)."""
     stop = _stop_on_signals()
     # daemon nodes outlive a coordinator restart and re-register, so they are not released
-    async with HeadNode.start(cluster_spec(cfg, daemon), release_nodes=not daemon) as head:
+    spec = cluster_spec(cfg, daemon)
+    log.log(*explain_bind(spec, daemon))
+    async with HeadNode.start(spec, release_nodes=not daemon) as head:
         coordinator = head.coordinator
         if daemon:
             coordinator.server.register_object(JobService(coordinator, cfg))
@@ -225,7 +249,7 @@ class JobService:
         # a submitted job brings config sections of its own: merged as plain data, and a typed
         # job (the RL trainer) checks them against its schema when it starts
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
-                                  OmegaConf.create(overrides or {}))
+                                  OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
         fn = load_entry(entry)
         ctx = await JobContext(self.coordinator, job_cfg).open()
         try:

@@ -8,7 +8,8 @@
 
 `HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. The
 state file (`<state dir>/coordinator.json`, the dir from $ASYNCRL_STATE_DIR, else
-~/.asyncrl/state) records the head's endpoint and keys for `asyncrl status|stop|submit`.
+~/.asyncrl/state, mode 0600) records the head's endpoint and a client key pair that only this
+coordinator admits, for `asyncrl status|stop|submit`; never the cluster secret.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from daemons.coordinator import Coordinator
 from daemons.node import DEFAULT_SHM_POOL_BYTES, NodeDaemon
 from transport import CurveConfig
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class ClusterSpec:
 
     host: str = "127.0.0.1"  # address this node binds and advertises
     bind: str | None = None  # the coordinator's bind address (default: host; "0.0.0.0" for all)
+    limits: ServerLimits = ServerLimits()  # what every server of this node admits
+    allowed_packages: tuple[str, ...] = ()  # workers run code from these and asyncrl's packages
     port: int = 0  # the coordinator's port (0: any)
     coordinator: str | None = None  # NodeOnly: the head's "tcp://HOST:PORT"
     node_rank: int = 0
@@ -62,7 +66,7 @@ class ClusterSpec:
                           log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),
-                          shm_pool_bytes=self.shm_pool_bytes)
+                          shm_pool_bytes=self.shm_pool_bytes, limits=self.limits)
 
 
 # state file ------------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ class ClusterState:
     endpoint: str  # "tcp://HOST:PORT"
     pid: int
     insecure: bool
-    curve: dict[str, str] | None = None  # CurveConfig.to_env()
+    curve: dict[str, str] | None = None  # the CLI's client pair (Coordinator.cli_curve), to_env()
 
     def client_curve(self) -> CurveConfig | None:
         return None if self.insecure or self.curve is None else CurveConfig.from_env(self.curve)
@@ -87,11 +91,12 @@ def state_dir(directory: str | os.PathLike | None = None) -> Path:
 
 
 def write_state(state: ClusterState, directory: str | os.PathLike | None = None) -> Path:
-    """Write the state file (mode 0600: it holds the cluster's keys); returns its path."""
+    """Write the state file (mode 0600: it holds a client key pair); returns its path."""
     folder = state_dir(directory)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / STATE_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that exists already
     with os.fdopen(fd, "w") as f:
         json.dump({"endpoint": state.endpoint, "pid": state.pid, "insecure": state.insecure,
                    "curve": state.curve}, f)
@@ -128,7 +133,8 @@ class HeadNode:
         """Start the coordinator and the node daemon, wait for the node to register, and write
         the state file when `spec.write_state`."""
         coordinator = Coordinator(f"tcp://{spec.bind or spec.host}:{spec.port}", curve=spec.curve,
-                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s)
+                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s,
+                                  limits=spec.limits, allowed_packages=spec.allowed_packages)
         await coordinator.start()
         endpoint = f"tcp://{spec.host}:{coordinator.endpoint.rsplit(':', 1)[1]}"
         node = spec.node_daemon(endpoint)
@@ -138,7 +144,7 @@ class HeadNode:
             if spec.write_state:
                 head.state_path = write_state(ClusterState(
                     endpoint, os.getpid(), spec.curve is None,
-                    spec.curve.to_env() if spec.curve else None), spec.state_dir)
+                    coordinator.cli_curve.to_env() if coordinator.cli_curve else None), spec.state_dir)
             await node.wait_registered(spec.register_timeout_s)
         except BaseException:
             await head.stop()

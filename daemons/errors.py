@@ -29,5 +29,9 @@ class NodeDiedError(DaemonError):
     """A node daemon stopped heartbeating; its workers are gone."""
 
 
+class NotAllowedError(DaemonError, PermissionError):
+    """A worker was asked to run a function or class outside its allow-list."""
+
+
 class PlacementError(DaemonError):
     """A resource pool cannot be placed on the devices the cluster has."""
