@@ -125,6 +125,9 @@ class Coordinator:
 
     async def start(self) -> str:
         self.server.register_object(self)
+        if self.worker_curve is not None:
+            # workers run job code: their key may report readiness, not stop or submit jobs
+            self.server.restrict_client(self.worker_curve.public_key, {"worker_ready"})
         endpoint = await self.server.start()
         self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="coord-watch")
         return endpoint

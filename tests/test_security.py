@@ -12,7 +12,7 @@ import torch
 
 from daemons.cluster import ClusterSpec, HeadNode
 from daemons.worker import AllowList, NotAllowedError, entry_package, resolve_allowed
-from transport import CurveConfig, RemoteError
+from transport import CurveConfig, RemoteError, RpcClient
 from transport.peers import ServerLimits
 
 
@@ -75,6 +75,14 @@ async def test_worker_refuses_foreign_code_and_holds_no_cluster_secret(tmp_path)
         assert b"ASYNCRL_CURVE_SECRET" in environ  # its own (worker) key pair instead
         assert (state_path.stat().st_mode & 0o777) == 0o600
         assert json.loads(state)["curve"]["ASYNCRL_CURVE_SERVER"] == cluster.public_key.decode()
+        # the key a worker does hold (code in it can read /proc/self/environ) cannot stop or
+        # submit jobs at the coordinator: it may only report readiness
+        env = dict(kv.split(b"=", 1) for kv in environ.split(b"\0") if b"=" in kv)
+        stolen = CurveConfig(env[b"ASYNCRL_CURVE_PUBLIC"], env[b"ASYNCRL_CURVE_SECRET"], cluster.public_key)
+        async with RpcClient(head.coordinator.endpoint, curve=stolen) as c:
+            with pytest.raises(RemoteError, match="NotPermitted"):
+                await c.call("stop", "hijack", timeout=5)
+        assert not head.coordinator.stop_requested.is_set()
 
 
 # bind addresses and limits from the config ------------------------------------------------------
@@ -111,3 +119,24 @@ def test_server_limits_come_from_the_config_with_one_default():
     assert spec.allowed_packages == ("my_pkg", "asyncrl")  # and the smoke job's own package
     assert ServerLimits.from_env(spec.limits.to_env()) == spec.limits
     assert "ASYNCRL_NET_MAX_MESSAGE_BYTES" in spec.limits.to_env()
+
+
+async def test_a_restricted_client_key_calls_only_its_methods():
+    from transport import RpcServer
+
+    server_keys = CurveConfig.ephemeral()
+    worker = CurveConfig.identity(server_keys.public_key)
+    server = RpcServer("tcp://127.0.0.1:0", curve=server_keys.authorizing(worker.public_key), name="coord")
+    server.register("worker_ready", lambda: True)
+    server.register("submit", lambda: "ran a job")
+    server.restrict_client(worker.public_key, {"worker_ready"})
+    await server.start()
+    try:
+        async with RpcClient(server.endpoint, curve=worker) as c:
+            assert await c.call("worker_ready", timeout=5) is True
+            with pytest.raises(RemoteError, match="NotPermitted"):
+                await c.call("submit", timeout=5)
+        async with RpcClient(server.endpoint, curve=server_keys) as c:  # others are unaffected
+            assert await c.call("submit", timeout=5) == "ran a job"
+    finally:
+        await server.close()

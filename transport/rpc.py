@@ -122,6 +122,7 @@ class RpcServer:
         self._peer_monitor: MessageSocket | None = None
         self._ctx = context or shared_context()
         self._handlers: dict[str, _Handler] = {}
+        self._restricted: dict[str, frozenset[str]] = {}  # client key (z85) -> methods it may call
         self._inflight: dict[tuple[bytes, int], asyncio.Future] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"{name}-h")
         self._sock: MessageSocket | None = None
@@ -143,6 +144,11 @@ class RpcServer:
                 self.register(prefix + attr, getattr(obj, attr), blocking=meta["blocking"])
                 names.append(prefix + attr)
         return names
+
+    def restrict_client(self, public_key: bytes, methods: set[str] | frozenset[str]) -> None:
+        """Let the CurveZMQ client presenting `public_key` call only `methods` (a key shared
+        with less trusted processes, say); other clients are unaffected."""
+        self._restricted[public_key.decode()] = frozenset(methods)
 
     @property
     def methods(self) -> list[str]:
@@ -276,6 +282,12 @@ class RpcServer:
                 else:
                     self._drop_malformed("bad request")
                 return
+            if self._restricted and not self._permitted(frames[1], msg[2]):
+                self.stats["unknown_method"] += 1
+                if kind == REQUEST:
+                    self._reply_error(identity, msg[1], "transport.NotPermitted",
+                                      f"{self.name} does not let this client's key call {msg[2]!r}")
+                return
             self._handle_call(identity, kind, msg[1], msg[2], msg[3], msg[4])
         elif kind == PING:
             seq = msg[1] if len(msg) > 1 else 0
@@ -294,6 +306,14 @@ class RpcServer:
                 fut.cancel()
         else:
             self._drop_malformed("unknown kind")
+
+    def _permitted(self, frame: zmq.Frame, method: str) -> bool:
+        try:
+            key = frame.get("User-Id")  # set by the ZAP handler: the client's z85 public key
+        except zmq.ZMQError:
+            return True
+        allowed = self._restricted.get(key)
+        return allowed is None or method in allowed
 
     @staticmethod
     def _peek_request_id(body: list[zmq.Frame]) -> int | None:
