@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,40 @@ async def test_a_restricted_client_key_calls_only_its_methods():
             assert await c.call("submit", timeout=5) == "ran a job"
     finally:
         await server.close()
+
+
+async def test_a_joining_node_gives_its_workers_no_cluster_secret(tmp_path):
+    """Node 1 in its own process, with the cluster key directory: its workers get the
+    coordinator's worker key pair in their spawn request, never the node's cluster key."""
+    import signal
+    import subprocess
+    import sys
+
+    from daemons.coordinator import Coordinator
+    from transport import generate_keys
+
+    generate_keys(tmp_path / "keys")
+    cluster = CurveConfig.load(tmp_path / "keys")
+    coordinator = Coordinator(curve=cluster, node_timeout=5)
+    await coordinator.start()
+    port = coordinator.endpoint.rsplit(":", 1)[1]
+    node = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.launch", "--config-name", "smoke", f"cluster.coordinator=127.0.0.1:{port}",
+         "cluster.node_rank=1", "cluster.nnodes=2", f"cluster.key_dir={tmp_path / 'keys'}", "cluster.cpu_devices=1",
+         "cluster.heartbeat_interval_s=0.3", f"cluster.log_dir={tmp_path}/logs"],
+        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "st")}, start_new_session=True)
+    try:
+        await coordinator.wait_for_nodes(1, timeout=60)
+        (worker,) = await coordinator.spawn_workers(coordinator.create_pool("p", world_size=1))
+        assert (await worker.run("asyncrl.jobs.smoke:make_batch", 4, 2, 0, timeout=30)).nbytes > 0
+        environ = Path(f"/proc/{worker.info.pid}/environ").read_bytes()
+        assert cluster.secret_key not in environ and b"ASYNCRL_CURVE_SECRET" in environ
+        await coordinator.shutdown_workers(grace_s=2)
+        await coordinator.shutdown_nodes()
+        node.wait(timeout=30)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        await coordinator.close()
