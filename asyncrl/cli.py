@@ -86,8 +86,10 @@ def _stop(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace) -> int:
     import json
 
+    from asyncrl.metrics import json_line
+
     result = _rpc(args, "submit", args.entry, json.loads(args.overrides), timeout=args.timeout)
-    print(json.dumps(result))
+    print(json_line(result))
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -34,6 +35,7 @@ from daemons.node import DEFAULT_SHM_POOL_BYTES
 from transport.peers import ServerLimits
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
+CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.algorithms.registry agrees)
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
@@ -95,13 +97,33 @@ class ClusterConfig:
         _check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
                f"must be in [0, {at}nnodes={self.nnodes})")
         _check(0 <= self.port <= 65535, at + "port", self.port, "must be a TCP port (0 = any)")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            _check(bool(host) and port.isdigit() and 0 < int(port) <= 65535, at + "coordinator", self.coordinator,
+                   "must be HOST:PORT, node 0's cluster.host and cluster.port (null on node 0 itself)")
         _positive(at + "cpu_devices", self.cpu_devices)
         for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s"):
             _positive(at + name, getattr(self, name))
+        _check(not Path(self.log_dir).expanduser().exists() or Path(self.log_dir).expanduser().is_dir(),
+               at + "log_dir", self.log_dir, "is a file; it must be a directory (created when missing)")
         if self.nnodes > 1 and not self.key_dir and not self.insecure:
             raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
                               "copy DIR to every node and pass cluster.key_dir=DIR (or "
                               "cluster.insecure=true on a trusted test network)")
+
+
+@dataclass
+class ObjectStoreConfig:
+    # bytes of host memory each worker's (and the driver's) object store may hold; past it a put
+    # raises ObjectStoreFullError naming the biggest objects, instead of the kernel killing the
+    # worker. None: objectstore.memory.DEFAULT_MEMORY_FRACTION of the node's memory (RAM or its
+    # cgroup limit), shared equally by the node's stores
+    memory_limit: int | None = None
+
+    def check(self, at: str) -> None:
+        if self.memory_limit is not None:
+            _check(self.memory_limit > 0, at + "memory_limit", self.memory_limit,
+                   "must be a number of bytes > 0 (e.g. 8589934592 for 8 GiB), or null for the default")
 
 
 @dataclass
@@ -116,6 +138,7 @@ class LaunchConfig:
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    objectstore: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
     seed: int = 0
 
     def check(self, at: str) -> None:
@@ -147,6 +170,10 @@ class ModelConfig:
     path: str = "outputs/tiny-model"  # a local Hugging Face model directory (or a cached Hub name)
     build_tiny: TinyModelConfig | None = None  # build a toy model at `path` (the quickstart does)
 
+    def check(self, at: str) -> None:
+        _check(bool(self.path.strip()), at + "path", self.path,
+               "must name a local Hugging Face model directory (or a cached Hub name such as Qwen/Qwen2.5-0.5B)")
+
 
 @dataclass
 class SyntheticDataConfig:
@@ -174,6 +201,14 @@ class DataConfig:
     def check(self, at: str) -> None:
         _positive(at + "batch_size", self.batch_size)
         _positive(at + "max_prompt_len", self.max_prompt_len)
+        for name in ("train_files", "val_files"):
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), at + name, value,
+                   "must name a .parquet or .jsonl file (or be null for the built-in synthetic task)")
+        if self.val_files and not self.train_files:
+            raise ConfigError(f"bad configuration: {at}val_files={self.val_files!r} is set but {at}train_files "
+                              "is not, so training would use the built-in synthetic task and ignore it; set "
+                              f"{at}train_files too (or {at}val_files=null)")
 
 
 @dataclass
@@ -238,6 +273,9 @@ class OptimConfig:
         _positive(at + "total_steps", self.total_steps, allow_zero=True)
         _positive(at + "weight_decay", self.weight_decay, allow_zero=True)
         _positive(at + "warmup_steps", self.warmup_steps, allow_zero=True)
+        _check(not self.total_steps or self.warmup_steps <= self.total_steps, at + "warmup_steps", self.warmup_steps,
+               f"must be <= {at}total_steps={self.total_steps} (the schedule decays after warmup; "
+               "total_steps=0 keeps the lr constant)")
         _check(0 <= self.min_lr_ratio <= 1, at + "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
 
 
@@ -421,11 +459,25 @@ class RLConfig(LaunchConfig):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
+        self._check_mini_batches(at)
         if self.cost_model.enable and self.reward.cost_fn:
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
                               "cost model (or cost_model.enable=false for the rule)")
 
+    def _check_mini_batches(self, at: str) -> None:
+        """Every data-parallel rank must hold at least one row per mini-batch (fewer rows than
+        mini-batches would silently mean fewer optimizer steps than configured)."""
+        rows = self.data.batch_size * self.rollout.n
+        for role in ("actor", "critic") if self.algorithm.name in CRITIC_ALGORITHMS else ("actor",):
+            section = getattr(self, role)
+            par = section.parallel
+            dp = par.dp or max(1, self.trainer.n_workers // (par.tp * par.pp))
+            per_rank = rows // dp
+            _check(section.ppo_mini_batches <= per_rank, f"{at}{role}.ppo_mini_batches", section.ppo_mini_batches,
+                   f"each of the {dp} data-parallel ranks updates on {per_rank} rows per step "
+                   f"(data.batch_size={self.data.batch_size} x rollout.n={self.rollout.n} / {dp}), fewer than "
+                   f"its mini-batches; set {role}.ppo_mini_batches <= {max(1, per_rank)} or raise data.batch_size")
 
     def _check_layouts(self, at: str) -> None:
         """The actor/critic layouts fit trainer.n_workers; the generation layout fits the actor's."""

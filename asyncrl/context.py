@@ -24,6 +24,7 @@ from daemons.coordinator import Coordinator, ResourcePool
 from daemons.worker import ALLOWED_ENV, entry_package
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectStore
+from objectstore.memory import resolve_memory_limit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,9 +68,11 @@ class JobContext:
     async def open(self) -> JobContext:
         """Start the driver's object store on the head node and track the refs the driver holds."""
         node = self.coordinator.live_nodes()[0]
+        # the same share as the node's worker stores: one per device, and this one
+        limit = resolve_memory_limit(_memory_limit(self.cfg), stores_on_node=len(node.devices) + 1)
         self.store = ObjectStore(node_id=node.node_id, endpoint=f"tcp://{node.host}:0", bulk_host=node.host,
                                  curve=self.coordinator.worker_curve, insecure=self.coordinator.insecure,
-                                 limits=self.coordinator.limits, name="store-driver")
+                                 limits=self.coordinator.limits, name="store-driver", memory_limit_bytes=limit)
         await self.store.start()
         self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self
@@ -150,6 +153,14 @@ class JobContext:
 
     def status(self) -> Any:
         return self.coordinator.status()
+
+
+def _memory_limit(cfg: Any) -> int | None:
+    """`objectstore.memory_limit` of a job's config (a DictConfig, a dict or a typed config)."""
+    section = cfg.get("objectstore") if hasattr(cfg, "get") else getattr(cfg, "objectstore", None)
+    if section is None:
+        return None
+    return section.get("memory_limit") if hasattr(section, "get") else getattr(section, "memory_limit", None)
 
 
 @contextlib.asynccontextmanager

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -31,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
+from asyncrl.metrics import json_line
 from asyncrl.rundir import check_output_dir
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
@@ -84,11 +84,11 @@ def check_config(cfg: DictConfig) -> Any:
     """Types and ranges of every section (the schemas' `check` methods); the typed config.
 
     A config whose YAML names no schema is a user's job with sections of its own: only what
-    `asyncrl-launch` reads (cluster, job, seed) is checked."""
+    `asyncrl-launch` reads (cluster, job, seed, objectstore) is checked."""
     kind = OmegaConf.get_type(cfg)
     if isinstance(kind, type) and issubclass(kind, LaunchConfig) and kind is not LaunchConfig:
         return typed(kind, cfg)
-    return typed(LaunchConfig, {k: cfg[k] for k in ("cluster", "job", "seed") if k in cfg})
+    return typed(LaunchConfig, {k: cfg[k] for k in ("cluster", "job", "seed", "objectstore") if k in cfg})
 
 
 def load_config(config_name: str, overrides: list[str], config_dir: str | None = None) -> DictConfig:
@@ -175,7 +175,8 @@ def cluster_spec(cfg: DictConfig, daemon: bool = False) -> ClusterSpec:
     return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
                        node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
                        log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
-                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes, write_state=True,
+                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
+                       store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True,
                        limits=ServerLimits(max_message_bytes=c.max_message_bytes,
                                            max_connections_per_peer=c.max_connections_per_peer),
                        allowed_packages=tuple(p for p in dict.fromkeys(allowed) if p))
@@ -232,7 +233,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
             result = driver.result()  # raises the driver's exception
             log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
             if isinstance(result, dict):  # the job's summary is the last line on stdout
-                print(json.dumps(result), flush=True)
+                print(json_line(result), flush=True)
             return 0
         finally:
             await ctx.close()
@@ -314,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(config_name, overrides, args.config_dir)
             if not args.multirun and not args.cfg and OmegaConf.get_type(cfg) is RLConfig:
                 _check_run_dir(cfg, overrides)
+                if cfg.cluster.coordinator is None and not args.info:  # node 0 reads data, imports the reward
+                    from asyncrl.trainer import check_files
+
+                    check_files(typed(RLConfig, cfg))
     except ConfigError as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +13,22 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("asyncrl.metrics")
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float in it (nested in dicts, lists, tuples) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(value: Any) -> str:
+    """`value` as one line of strict JSON (non-finite numbers become null, never `NaN`)."""
+    return json.dumps(finite(value), allow_nan=False, default=str)
 
 
 def timed(phase: str) -> Callable:

@@ -28,9 +28,11 @@ from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.registry import ALGORITHMS
 from asyncrl.algorithms.roles import Roles
 from asyncrl.batch import Batch
-from asyncrl.config import RLConfig, rl_config, to_dict
+from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig, rl_config, to_dict
 from asyncrl.distbatch import DistBatch
+from asyncrl.group import WorkerCallError
 from asyncrl.models.resolve import resolve_model
+from asyncrl.rewards import NonFiniteRewardError
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.workers.actor import ActorRolloutRefWorker
@@ -80,20 +82,42 @@ class Trainer:
     def _load_tokenizer_and_data(self) -> None:
         from transformers import AutoTokenizer
 
-        from asyncrl.data.dataset import PromptDataset, PromptLoader, load_rows
+        from asyncrl.data.dataset import (
+            EXPECTED_COLUMNS,
+            DatasetError,
+            PromptDataset,
+            PromptLoader,
+            load_rows,
+        )
         from asyncrl.data.synthetic import disjoint_splits
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         dc = self.cfg.data
+
+        def tokenised(where: str, load: Callable[[], list[dict]]) -> PromptDataset | None:
+            """The prompts of `load()`'s rows (None for no rows); a bad file or row is a ConfigError."""
+            try:
+                rows = load()
+                return PromptDataset(rows, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template) if rows else None
+            except DatasetError as e:
+                raise ConfigError(f"{where}: {e}") from None
+
         if dc.train_files:
-            train, val = load_rows(dc.train_files), load_rows(dc.val_files) if dc.val_files else []
+            self.train_set = tokenised(f"data.train_files={dc.train_files}", lambda: load_rows(dc.train_files))
+            val_set = (tokenised(f"data.val_files={dc.val_files}", lambda: load_rows(dc.val_files))
+                       if dc.val_files else None)
         else:
             syn = dc.synthetic
             train, val = disjoint_splits(syn.task, syn.n_train, syn.n_val, syn.seed)
-        self.train_set = PromptDataset(train, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template)
-        val_set = PromptDataset(val, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template) if val else None
+            self.train_set, val_set = tokenised("data.synthetic", lambda: train), tokenised("data.synthetic", lambda: val)
+        if self.train_set is None:
+            raise ConfigError(f"data.train_files={dc.train_files} holds no rows; a prompt dataset needs "
+                              f"rows with {EXPECTED_COLUMNS}")
         self.val_prompts = val_set.collate(val_set.items) if val_set else None  # one batch, reused
-        self.loader = PromptLoader(self.train_set, dc.batch_size, shuffle=dc.shuffle, seed=self.cfg.seed)
+        try:
+            self.loader = PromptLoader(self.train_set, dc.batch_size, shuffle=dc.shuffle, seed=self.cfg.seed)
+        except DatasetError as e:
+            raise ConfigError(f"data.batch_size={dc.batch_size}: {e}") from None
 
     def _put(self, d: dict[str, Any], meta: dict[str, Any]) -> DistBatch:
         tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
@@ -238,19 +262,53 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
         await trainer.setup()
         if on_setup is not None:
             on_setup(trainer)
-        return await trainer.fit(start)
+        try:
+            return await trainer.fit(start)
+        except WorkerCallError as e:
+            fault = reward_fault(e, trainer.step)
+            if fault is None:
+                raise
+            raise fault from None
     finally:
         run.release()
 
 
+def reward_fault(e: WorkerCallError, step: int) -> NonFiniteRewardError | None:
+    """A worker's NaN-reward error as the driver's own, without the worker's traceback (the
+    reward function is at fault, not the framework); None for any other error."""
+    if e.remote_type.rpartition(".")[2] != NonFiniteRewardError.__name__:
+        return None
+    return NonFiniteRewardError(f"{e.remote_message} (after {step} training steps; {e.group}.{e.method} "
+                                f"on rank {e.rank})")
+
+
 def check_inputs(cfg: RLConfig) -> None:
-    """What the workers would otherwise fail on deep inside: data files and the reward function."""
+    """What the workers would otherwise fail on deep inside: data files, the reward function and
+    the parallel sizes against the model (`cfg.model.path` resolved)."""
+    check_files(cfg)
+    _check_tp_fits_model(cfg)
+
+
+def check_files(cfg: RLConfig) -> None:
+    """The model directory (unless the run builds it), the data files (present, parquet or
+    jsonl, with the prompt and ground-truth columns) and the reward functions (importable);
+    `asyncrl-launch` runs this before anything starts."""
+    from asyncrl.data.dataset import DatasetError, check_data_file
     from asyncrl.rewards import load_reward_fn
 
+    if cfg.model.build_tiny is None:
+        resolve_model(cfg.model)
+    if cfg.critic.model_path and cfg.algorithm.name in CRITIC_ALGORITHMS:
+        resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
+    if cfg.cost_model.path and cfg.cost_model.enable:
+        resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")
     for key in ("train_files", "val_files"):
         value = getattr(cfg.data, key)
-        if value and not Path(value).exists():
-            raise ConfigError(f"data.{key}={value} does not exist (parquet or jsonl in verl's layout)")
+        if value:
+            try:
+                check_data_file(value)
+            except DatasetError as e:
+                raise ConfigError(f"data.{key}={value}: {e}") from None
     for key in ("fn", "cost_fn"):
         spec = getattr(cfg.reward, key)
         if spec:
@@ -258,7 +316,6 @@ def check_inputs(cfg: RLConfig) -> None:
                 load_reward_fn(spec)
             except Exception as e:
                 raise ConfigError(f"reward.{key}={spec}: {e}") from None
-    _check_tp_fits_model(cfg)
 
 
 def _check_tp_fits_model(cfg: RLConfig) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import torch
+
 from asyncrl.batch import Batch
 from asyncrl.distbatch import DistBatch, Piece
 from asyncrl.refs import RefTracker
@@ -48,6 +50,15 @@ async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
     out = parts[0] if len(parts) == 1 else Batch.concat(parts)
     out.meta = meta
     return out
+
+
+def to_device(value: Any, device: str | torch.device) -> Any:
+    """`value` with every Batch in it (nested in lists, tuples, dicts) on `device`; on a CPU
+    device nothing moves (pulled rows arrive in host memory)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return value
+    return tree_map(lambda b: b.to(device), value, Batch)
 
 
 def publish(batch: Batch, store: ObjectStore, tracker: RefTracker | None = None) -> DistBatch:

@@ -10,7 +10,8 @@ process builds it with `Worker.create_hosted(runtime, *args, **kwargs)`, which b
 runtime before the subclass's `__init__` runs, so `super().__init__()` takes no arguments.
 
 Inside a rank, a `DistBatch` argument arrives as refs and is pulled (only this rank's rows,
-straight from their owners) through `self.store` into a `Batch` before the method runs; a
+straight from their owners) through `self.store` into a `Batch` on the worker's device (a GPU
+worker's rows move there once, in `Worker._run`) before the method runs; a
 `Batch` the method returns is published into `self.store` and travels back as a `DistBatch`.
 
 Each worker declares its parallel layouts (`register_mesh(layout)`); a changed layout rides
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 
 from asyncrl.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
 from asyncrl.protocols import ONE_TO_ALL, get_protocol
-from asyncrl.transfer import materialize_all, publish_all
+from asyncrl.transfer import materialize_all, publish_all, to_device
 from daemons.worker import WorkerRuntime, wants_runtime
 from objectstore import ObjectStore
 
@@ -151,8 +152,8 @@ class Worker:
         return {n: m.to_wire() for n, m in self.layouts.items()}
 
     async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict) -> list[Any]:
-        if pull:
-            args, kwargs = await materialize_all((args, kwargs), self.store)
+        if pull:  # the one place pulled rows move to this worker's device
+            args, kwargs = to_device(await materialize_all((args, kwargs), self.store), self.device)
         if inspect.iscoroutinefunction(fn):
             out = await fn(*args, **kwargs)
         else:

@@ -53,6 +53,7 @@ class ClusterSpec:
     coordinator_timeout_s: float | None = None  # a node stops its workers after this (default max(10, 2 x node_timeout_s))
     register_timeout_s: float = 30.0  # HeadNode: wait this long for its own node to register
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES  # per worker store; see daemons.node
+    store_memory_limit: int | None = None  # bytes per worker store; None: objectstore.memory's default
     write_state: bool = False  # HeadNode: write the state file (and remove it on stop)
     state_dir: str | os.PathLike | None = None  # None: $ASYNCRL_STATE_DIR or ~/.asyncrl/state
 
@@ -66,7 +67,8 @@ class ClusterSpec:
                           log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),
-                          shm_pool_bytes=self.shm_pool_bytes, limits=self.limits)
+                          shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
+                          limits=self.limits)
 
 
 # state file ------------------------------------------------------------------------------------

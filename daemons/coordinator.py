@@ -266,10 +266,7 @@ class Coordinator:
             allowed = [*self.allowed_packages, *(env or {}).get(ALLOWED_ENV, "").split(",")]
             worker_env[ALLOWED_ENV] = ",".join(p for p in dict.fromkeys(allowed) if p)
             worker_env.update(self.worker_env())
-            if device.startswith("cuda:"):
-                # the worker sees only its GPU, which it then calls cuda:0
-                worker_env["CUDA_VISIBLE_DEVICES"] = device.split(":")[1]
-                worker_env["ASYNCRL_DEVICE"] = "cuda:0"
+            # a GPU's physical id is known only to its node: the node daemon pins the worker to it
             info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env), timeout=30)
             infos.append(info)
         try:

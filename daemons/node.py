@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemons.errors import PlacementError
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
+from objectstore.memory import resolve_memory_limit
 from objectstore.segments import remove_stale_segments
 from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
 from transport.peers import ServerLimits
@@ -36,11 +38,24 @@ WORKER_CMD = [sys.executable, "-c", "from daemons.worker import main; main()"]
 # reads every byte, measured no gain beyond noise.
 DEFAULT_SHM_POOL_BYTES = 0
 SHM_POOL_ENV = "ASYNCRL_SHM_POOL_BYTES"
+# Each worker store's memory limit in bytes (see objectstore.memory).
+STORE_MEMORY_LIMIT_ENV = "ASYNCRL_STORE_MEMORY_LIMIT"
+# Besides after each abnormal worker exit, the node sweeps /dev/shm this often: a dead worker's
+# forked children can hold its segments' lock a little longer than the worker lives.
+SHM_SWEEP_INTERVAL_S = 30.0
 
 
 def _log_crash(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("node task %s crashed", task.get_name(), exc_info=task.exception())
+
+
+def _sweep_shm() -> None:
+    """Remove the shared memory of stores that are gone; a failure is logged, never fatal."""
+    try:
+        remove_stale_segments()
+    except OSError as e:
+        log.warning("could not sweep shared-memory segments of dead stores: %s", e)
 
 
 def discover_devices(cpu_devices: int) -> list[str]:
@@ -53,6 +68,25 @@ def discover_devices(cpu_devices: int) -> list[str]:
     except ImportError:
         pass
     return [f"cpu:{i}" for i in range(cpu_devices)]
+
+
+def gpu_env(device: str, visible: str | None) -> dict[str, str]:
+    """The environment that pins a worker to `device` ("cuda:i", the i-th GPU this node sees):
+    CUDA_VISIBLE_DEVICES names that GPU as the node itself was given it (entry i of the node's
+    own CUDA_VISIBLE_DEVICES, such as "5" of SLURM's "4,5,6,7" or a GPU UUID; i itself when
+    unset) and the worker calls it cuda:0. Empty for a CPU device."""
+    if not device.startswith("cuda:"):
+        return {}
+    index = int(device.split(":", 1)[1])
+    if visible is None:
+        physical = str(index)
+    else:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if index >= len(ids):
+            raise PlacementError(f"device {device} is not among this node's CUDA_VISIBLE_DEVICES={visible!r}; "
+                                 "restart the node daemon with the GPUs it may use")
+        physical = ids[index]
+    return {"CUDA_VISIBLE_DEVICES": physical, "ASYNCRL_DEVICE": "cuda:0"}
 
 
 @dataclass
@@ -78,6 +112,7 @@ class NodeDaemon:
         coordinator_timeout: float = 10.0,
         node_id: str | None = None,
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
+        store_memory_limit: int | None = None,
         limits: ServerLimits | None = None,
     ) -> None:
         self.coordinator_endpoint = coordinator
@@ -90,6 +125,8 @@ class NodeDaemon:
         self.heartbeat_interval = heartbeat_interval
         self.coordinator_timeout = coordinator_timeout
         self.shm_pool_bytes = shm_pool_bytes
+        # None: each store's share of the node's default (a worker per device, and a driver)
+        self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
                                 name=f"node-{node_rank}")
@@ -160,10 +197,12 @@ class NodeDaemon:
         worker_id = spec.worker_id
         log_path = str(self.log_dir / f"worker-{worker_id}.log")
         full_env = {**os.environ, SHM_POOL_ENV: str(self.shm_pool_bytes),
+                    STORE_MEMORY_LIMIT_ENV: str(self.store_memory_limit),
                     **{k: str(v) for k, v in spec.env.items()},
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
                     "ASYNCRL_HOST": self.host, "ASYNCRL_COORDINATOR": self.coordinator_endpoint,
                     "PYTHONUNBUFFERED": "1"}
+        full_env.update(gpu_env(str(spec.env.get("ASYNCRL_DEVICE", "")), os.environ.get("CUDA_VISIBLE_DEVICES")))
         # collectives (gloo/NCCL) must use the interface the cluster talks over, not whatever
         # the hostname resolves to (often 127.0.1.1); a user's own setting wins
         iface = interface_for(self.host)
@@ -220,9 +259,14 @@ class NodeDaemon:
                               for w, c in self.children.items()})
 
     async def _reap(self) -> None:
-        """Report each worker's exit (code or signal, and its log tail) to the coordinator."""
+        """Report each worker's exit (code or signal, and its log tail) to the coordinator, and
+        remove the shared memory of stores that died without closing."""
+        last_sweep = time.monotonic()
         while True:
             await asyncio.sleep(0.1)
+            if time.monotonic() - last_sweep > SHM_SWEEP_INTERVAL_S:
+                last_sweep = time.monotonic()
+                _sweep_shm()
             for child in list(self.children.values()):
                 code = child.proc.poll()
                 if code is None or child.reported:
@@ -231,7 +275,7 @@ class NodeDaemon:
                 reason = exit_reason(code)
                 log.info("worker %s %s", child.worker_id, reason)
                 if code != 0:  # a killed store cannot unlink its shared memory: do it for it
-                    remove_stale_segments()
+                    _sweep_shm()
                 try:
                     await self.coordinator.call(
                         "worker_exited", WorkerExit(child.worker_id, code, reason, tail(child.log_path)),

@@ -33,8 +33,9 @@ from typing import Any
 from daemons.errors import ConfigError, NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
-from daemons.node import SHM_POOL_ENV
+from daemons.node import SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
 from objectstore import ObjectRef, ObjectStore
+from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose
 from transport.loop import run
 from transport.peers import ServerLimits
@@ -196,6 +197,8 @@ class WorkerProcess:
                               "workers are started by a node daemon, not by hand")
         self.limits = ServerLimits.from_env(env)
         self.shm_pool_bytes = int(env.get(SHM_POOL_ENV, "0"))
+        limit = env.get(STORE_MEMORY_LIMIT_ENV)  # set by the node daemon
+        self.store_memory_limit = resolve_memory_limit(int(limit) if limit else None, stores_on_node=1)
         self.allowed = AllowList.from_env(env)
         self.stopped = asyncio.Event()
         self.store: ObjectStore | None = None
@@ -206,7 +209,7 @@ class WorkerProcess:
         store = self.store = ObjectStore(
             node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
             curve=self.curve, insecure=self.insecure, limits=self.limits, name=f"store-{self.worker_id}",
-            shm_pool_bytes=self.shm_pool_bytes)
+            shm_pool_bytes=self.shm_pool_bytes, memory_limit_bytes=self.store_memory_limit)
         await store.start()
         self.runtime = WorkerRuntime(
             worker_id=self.worker_id, node_id=self.node_id, rank=self.rank,

@@ -37,7 +37,12 @@ class ObjectLostError(ObjectStoreError):
 
 
 class ObjectStoreFullError(ObjectStoreError, MemoryError):
-    """A put would take the store over its memory limit."""
+    """A put would take the store over its memory limit; the message names the biggest objects
+    and who holds them."""
+
+
+class ShmFullError(ObjectStoreError, OSError):
+    """Shared memory (/dev/shm) has no room for a segment; same-node pulls then go over TCP."""
 
 
 class ShardRangeError(ObjectStoreError, IndexError):
@@ -51,7 +56,7 @@ class ObjectTypeError(ObjectStoreError, TypeError):
 _BY_NAME: dict[str, type[ObjectStoreError]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls
     for cls in (ObjectStoreError, ObjectNotFoundError, ObjectLostError, ObjectStoreFullError,
-                ShardRangeError, ObjectTypeError)
+                ShmFullError, ShardRangeError, ObjectTypeError)
 }
 
 

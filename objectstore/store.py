@@ -14,6 +14,13 @@ pulls straight from the owner, by the cheapest path its locality allows (`object
 The store composes an `ObjectTable` (objects, refcounts, memory), the paths, the RPC server
 that serves their owner halves, the bulk TCP server and the shared-memory `SegmentPool`.
 
+`memory_limit_bytes` bounds the host memory of the objects the store owns: a `put` past it raises
+`ObjectStoreFullError` naming the biggest objects and their holders (`objectstore.memory` decides
+the default that jobs get). The store's shared-memory segments belong to it through a lock file
+(`segments.SegmentOwner`), so a sweep by any process removes them once this one is gone, and
+never before. A same-node pull that /dev/shm has no room for goes over TCP (`ShmPath`);
+`shm_free_bytes` is how free shared memory is measured (tests simulate a small /dev/shm with it).
+
 `shm_pool_bytes` keeps one spare, pre-faulted shared-memory segment of that size ready, so the
 first same-node pull of an object up to that size copies into already-faulted pages instead of
 paying a page fault per 4 KiB. Its memory cost is `shm_pool_bytes` of /dev/shm (counted against
@@ -27,6 +34,7 @@ import asyncio
 import logging
 import socket
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,11 +86,12 @@ class ObjectStore:
         name: str = "store",
         shm_dir: str = segments.SHM_DIR,
         shm_pool_bytes: int = 0,
+        shm_free_bytes: Callable[[str], int] = segments.shm_free_bytes,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         self.node_id = node_id or default_node_id()
-        self.store_id = uuid.uuid4().hex
+        self.store_id = f"{name}-{uuid.uuid4().hex[:12]}"  # names this store as a holder of others' objects
         self.name = name
         self.curve, self.insecure = curve, insecure
         self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
@@ -92,7 +101,9 @@ class ObjectStore:
         self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"{name}-io")
         self.table = ObjectTable(name=name, node_id=self.node_id, memory_limit_bytes=memory_limit_bytes,
                                  on_drop=self._forget)
-        self.segment_pool = segments.SegmentPool(shm_pool_bytes, self.io, shm_dir)
+        self.shm_owner = segments.SegmentOwner(shm_dir)
+        self.segment_pool = segments.SegmentPool(shm_pool_bytes, self.io, shm_dir, owner=self.shm_owner,
+                                                 free_bytes=shm_free_bytes)
         limits = limits or ServerLimits()
         self.bulk = BulkServer(bulk_host, bulk_port, self.io, name=f"{name}-bulk",
                                max_connections_per_peer=limits.max_connections_per_peer)
@@ -123,11 +134,16 @@ class ObjectStore:
         for path in self.paths.values():
             if path.remote:
                 self._server.register_object(path, prefix=f"{path.kind.value}.")
-        self.endpoint = await self._server.start()
+        self.shm_owner.acquire()
         try:
-            self.bulk_addr = await self.bulk.start()
+            self.endpoint = await self._server.start()
+            try:
+                self.bulk_addr = await self.bulk.start()
+            except BaseException:
+                await self._server.close()
+                raise
         except BaseException:
-            await self._server.close()
+            self.shm_owner.release()
             raise
         self._started = True
         self.segment_pool.start()
@@ -148,6 +164,7 @@ class ObjectStore:
             self.table.drop_all()
             for path in self.paths.values():
                 await path.close()
+            self.shm_owner.release()  # after the segments: a sweep may then remove any straggler
             self.io.shutdown(wait=False, cancel_futures=True)
             self._started = False
 
@@ -207,7 +224,8 @@ class ObjectStore:
     def stats(self) -> dict[str, Any]:
         """Objects held, bytes used, the limit, shared memory and transfer counters."""
         out = {"objects": len(self.table), "bytes": self.table.bytes_used,
-               "limit": self.table.memory_limit_bytes, "shm_segments": 0, "shm_bytes": 0,
+               "host_bytes": self.table.host_bytes_used, "limit": self.table.memory_limit_bytes,
+               "shm_owner": self.shm_owner.token, "shm_segments": 0, "shm_bytes": 0,
                "shm_pool_bytes_ready": self.segment_pool.bytes_ready,
                "bulk_bytes_sent": self.bulk.stats["bytes_sent"],
                "bulk_rejected": self.bulk.stats["rejected"], **self.counters,

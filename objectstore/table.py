@@ -4,11 +4,13 @@ Reference counting: `add` gives the producer one local reference; other stores r
 holders (`incref`/`decref` over RPC, by store id) and the object is dropped when its local
 count and all holders reach zero. `free` drops it at once. A full table raises
 `ObjectStoreFullError` rather than spilling: RL objects are short-lived, so a full store means
-refs are leaking, and spilling would hide that behind slow disk I/O.
+refs are leaking, and spilling would hide that behind slow disk I/O. The limit counts host
+memory only: a GPU object is bounded by its device's allocator, which raises its own error.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +23,7 @@ from objectstore.errors import (
     ObjectTypeError,
     ShardRangeError,
 )
+from objectstore.memory import format_bytes
 from objectstore.ref import BATCH, TENSOR, VALUE, ObjectKind, ObjectRef, RowRange
 from transport import codec, expose
 from transport.dtypes import dtype_name, nbytes
@@ -34,6 +37,11 @@ class Entry:
     value: Any
     local_refs: int = 1
     holders: dict[str, int] = field(default_factory=dict)
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def on_host(self) -> bool:
+        return not self.ref.device.startswith("cuda")
 
     def tensors(self) -> dict[str | None, torch.Tensor]:
         """The object's tensors by column name (None for a lone tensor)."""
@@ -115,6 +123,7 @@ class ObjectTable:
         self.name, self.node_id = name, node_id
         self.memory_limit_bytes = memory_limit_bytes
         self.bytes_used = 0
+        self.host_bytes_used = 0  # what the limit counts
         self.frees = 0
         self._on_drop = on_drop
         self._entries: dict[str, Entry] = {}
@@ -130,16 +139,39 @@ class ObjectTable:
 
     def add(self, ref: ObjectRef, value: Any) -> Entry:
         """Own `value` under `ref` with one local reference; ObjectStoreFullError past the limit."""
+        entry = Entry(ref, value)
         limit = self.memory_limit_bytes
-        if limit is not None and self.bytes_used + ref.nbytes > limit:
-            raise ObjectStoreFullError(
-                f"store {self.name} on {self.node_id} cannot take {ref.nbytes} more bytes: "
-                f"{self.bytes_used} of its {limit}-byte memory limit are used by "
-                f"{len(self._entries)} objects; free refs you no longer need (free/decref) "
-                "or raise memory_limit_bytes")
+        if limit is not None and entry.on_host and self.host_bytes_used + ref.nbytes > limit:
+            raise ObjectStoreFullError(self._full_message(ref.nbytes, limit))
         self.bytes_used += ref.nbytes
-        entry = self._entries[ref.object_id] = Entry(ref, value)
+        if entry.on_host:
+            self.host_bytes_used += ref.nbytes
+        self._entries[ref.object_id] = entry
         return entry
+
+    def _full_message(self, wanted: int, limit: int, top: int = 5) -> str:
+        """What is full, the biggest objects with who holds them, and what to do."""
+        held = sorted((e for e in self._entries.values() if e.on_host), key=lambda e: -e.ref.nbytes)
+        now = time.monotonic()
+        lines = []
+        for e in held[:top]:
+            holders = [f"this store ({e.local_refs} local ref{'s' * (e.local_refs != 1)})"] if e.local_refs > 0 else []
+            holders += [f"{h} ({n})" for h, n in sorted(e.holders.items())]
+            lines.append(f"{e.ref.object_id} ({e.ref.kind}, {format_bytes(e.ref.nbytes)}, "
+                         f"{now - e.created:.0f}s old) held by {', '.join(holders) or 'nobody'}")
+        if wanted > limit:
+            return (f"store {self.name} on node {self.node_id} cannot take an object of "
+                    f"{format_bytes(wanted)}: that alone is over its {format_bytes(limit)} memory limit; "
+                    "raise objectstore.memory_limit (bytes per store; memory_limit_bytes= for an "
+                    "ObjectStore of your own) or split the object")
+        biggest = "; ".join(lines) if lines else "none"
+        more = f" and {len(held) - top} more" if len(held) > top else ""
+        return (f"store {self.name} on node {self.node_id} cannot take {format_bytes(wanted)} more: "
+                f"{format_bytes(self.host_bytes_used)} of its {format_bytes(limit)} memory limit are held by "
+                f"{len(held)} objects. Biggest first: {biggest}{more}. Free the objects you no longer "
+                "need (ObjectStore.free/decref; in a job, drop the batches that name them so their "
+                "objects are freed), or raise objectstore.memory_limit (bytes per store; "
+                "memory_limit_bytes= for an ObjectStore of your own)")
 
     def entry(self, object_id: Any) -> Entry:
         """The entry of `object_id`; ObjectNotFoundError when it is not here."""
@@ -156,6 +188,8 @@ class ObjectTable:
         if entry is None:
             return False
         self.bytes_used -= entry.ref.nbytes
+        if entry.on_host:
+            self.host_bytes_used -= entry.ref.nbytes
         self.frees += 1
         if self._on_drop is not None:
             self._on_drop(entry)

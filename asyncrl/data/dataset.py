@@ -34,38 +34,107 @@ def _from_arrow_value(value: Any) -> Any:
     return value
 
 
+EXPECTED_COLUMNS = ("prompt (a string or a list of {role, content} messages) and reward_model.ground_truth "
+                    "(or a flat ground_truth or answer column); data_source and extra_info are optional")
+SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
+_TRUTH_KEYS = ("ground_truth", "answer")
+
+
 def load_rows(path: str | Path | Sequence[str | Path]) -> list[dict]:
     """Rows of one or more .parquet / .jsonl / .json files (verl's layout or flat prompt rows)."""
     if isinstance(path, (list, tuple)):
         return [row for p in path for row in load_rows(p)]
+    p = _existing(path)
+    if p.suffix == ".parquet":
+        return [_from_arrow_value(r) for r in _read_parquet(p).to_pylist()]
+    if p.suffix in (".jsonl", ".ndjson"):
+        return list(_jsonl_rows(p))
+    return _json_rows(p)
+
+
+def check_data_file(path: str | Path) -> None:
+    """Refuse, before anything starts, a data file that is missing, of another format or
+    without the prompt and ground-truth columns (parquet: its schema only; jsonl/json: its
+    first row)."""
+    p = _existing(path)
+    if p.suffix == ".parquet":
+        import pyarrow as pa
+
+        schema = _read_parquet(p, schema_only=True)
+        columns = {name: _struct_fields(schema.field(name).type, pa) for name in schema.names}
+    else:
+        first = next(_jsonl_rows(p), None) if p.suffix in (".jsonl", ".ndjson") else next(iter(_json_rows(p)), None)
+        if first is None:
+            raise DatasetError(f"{p} holds no rows; a prompt dataset needs rows with {EXPECTED_COLUMNS}")
+        if not isinstance(first, dict):
+            raise DatasetError(f"{p}: its first row is a {type(first).__name__}, not an object with "
+                               f"{EXPECTED_COLUMNS}")
+        columns = {k: (sorted(v) if isinstance(v, dict) else None) for k, v in first.items()}
+    rm = columns.get("reward_model")
+    has_truth = any(k in columns for k in _TRUTH_KEYS) or (
+        "reward_model" in columns and (rm is None or "ground_truth" in rm))
+    if "prompt" not in columns or not has_truth:
+        raise DatasetError(f"{p} has columns {', '.join(sorted(columns)) or '(none)'}; a prompt dataset needs "
+                           f"{EXPECTED_COLUMNS}")
+
+
+def _existing(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise DatasetError(f"data file {p} does not exist (check the data.*_files setting)")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise DatasetError(f"data file {p} {what} (check the data.*_files setting)")
+    if p.suffix not in SUFFIXES:
+        raise DatasetError(f"{p}: unsupported data file type {p.suffix!r}; use .parquet or .jsonl with "
+                           f"{EXPECTED_COLUMNS}")
+    return p
 
-        return [_from_arrow_value(r) for r in pq.read_table(p).to_pylist()]
-    if p.suffix in (".jsonl", ".ndjson"):
-        rows = []
-        with p.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{p}:{lineno}: not valid JSON ({e})") from e
-        return rows
-    if p.suffix == ".json":
+
+def _read_parquet(p: Path, schema_only: bool = False) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(p) if schema_only else pq.read_table(p)
+    except (pa.ArrowException, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DatasetError(f"{p} is not a readable parquet file ({reason}); write it with "
+                           "pandas.DataFrame.to_parquet or pyarrow, or use .jsonl") from None
+
+
+def _struct_fields(arrow_type: Any, pa: Any) -> list[str] | None:
+    """A struct column's field names (None: not a struct, or a map whose keys only rows show)."""
+    if pa.types.is_struct(arrow_type):
+        return [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
+    return None
+
+
+def _jsonl_rows(p: Path) -> Iterator[Any]:
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{p}:{lineno}: not valid JSON ({e})") from None
+            except UnicodeDecodeError:
+                raise DatasetError(f"{p}:{lineno}: not UTF-8 text; is it a .jsonl file?") from None
+
+
+def _json_rows(p: Path) -> list:
+    try:
         rows = json.loads(p.read_text())
-        if not isinstance(rows, list):
-            raise DatasetError(f"{p}: a .json data file must hold a list of rows")
-        return rows
-    raise DatasetError(f"{p}: unsupported data file type {p.suffix!r}; use .parquet or .jsonl")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(rows, list):
+        raise DatasetError(f"{p}: a .json data file must hold a list of rows")
+    return rows
 
 
 def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
     """The row's prompt as chat messages (a plain string becomes one user message)."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"row is a {type(row).__name__}, not an object of named fields")
     if prompt_key not in row:
         raise DatasetError(f"row has no {prompt_key!r} field (fields: {sorted(row)})")
     prompt = row[prompt_key]
@@ -126,8 +195,13 @@ class PromptDataset:
             raise DatasetError("the tokenizer has no pad token; set tokenizer.pad_token first")
         self.items: list[PromptItem] = []
         dropped = 0
-        for row in rows:
-            messages = prompt_messages(row, prompt_key)
+        for index, row in enumerate(rows):
+            try:
+                messages = prompt_messages(row, prompt_key)
+                ground_truth = ground_truth_of(row)
+            except DatasetError as e:
+                raise DatasetError(f"row {index} {str(e).removeprefix('row ')}; a prompt dataset needs "
+                                   f"{EXPECTED_COLUMNS}") from None
             if apply_chat_template:
                 text = tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=False
@@ -143,7 +217,7 @@ class PromptDataset:
                 PromptItem(
                     input_ids=list(ids),
                     raw_prompt=text,
-                    ground_truth=ground_truth_of(row),
+                    ground_truth=ground_truth,
                     data_source=str(row.get("data_source", "unknown")),
                     extra_info=dict(row.get("extra_info") or {}),
                     uid=prompt_uid(text),

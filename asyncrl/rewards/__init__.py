@@ -1,8 +1,10 @@
 """Rule-based reward functions and loading of user reward functions."""
 
 from asyncrl.rewards.rules import (
+    NonFiniteRewardError,
     RewardFn,
     RewardFnError,
+    checked_score,
     default_reward,
     exact_match,
     gsm8k,
@@ -12,7 +14,9 @@ from asyncrl.rewards.rules import (
 
 __all__ = [
     "RewardFn",
+    "NonFiniteRewardError",
     "RewardFnError",
+    "checked_score",
     "default_reward",
     "exact_match",
     "gsm8k",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
 import re
 import string
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import score_answer
+from daemons.errors import DaemonError
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +23,33 @@ RewardFn = Callable[[str, str, Any, "dict | None"], float]
 
 class RewardFnError(ValueError):
     """A reward function spec that cannot be resolved (the message says what to fix)."""
+
+
+class NonFiniteRewardError(DaemonError, ValueError):
+    """A reward (or cost) function returned NaN, an infinity or no number at all; the message
+    names the function and the row, so the run stops instead of training on NaN."""
+
+
+def checked_score(value: Any, fn_name: str, row: dict[str, Any]) -> float:
+    """`value` (what reward function `fn_name` returned for `row`) as a finite float, or a
+    `NonFiniteRewardError` that names the function and the row (its fields, long ones cut)."""
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        score, what = None, f"{value!r} (a {type(value).__name__}, not a number)"
+    else:
+        what = repr(value) if math.isfinite(score) else str(score)
+    if score is not None and math.isfinite(score):
+        return score
+    fields = ", ".join(f"{k}={_short(v)}" for k, v in row.items())
+    raise NonFiniteRewardError(f"{fn_name} returned {what} for {fields}; a reward must be a finite number, "
+                               "so the run stopped instead of training on it: fix the function (e.g. return "
+                               "0.0 for a response it cannot score)")
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
 
 
 # ---- GSM8K --------------------------------------------------------------------------------------

@@ -223,7 +223,7 @@ class ActorRolloutRefWorker(Worker):
             else:
                 outs = [forward(engine.model, mb) for mb in mbs]
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
-        logp = torch.cat(logps) if logps else torch.zeros(0)
+        logp = torch.cat(logps) if logps else torch.zeros(0, device=engine.device)
         return logp, (torch.cat(ents) if with_entropy and ents else None)
 
     @register(THREE_D_PROTO)
@@ -341,5 +341,6 @@ def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dic
     out["attention_mask"] = pad(out["attention_mask"], 0)
     out["position_ids"] = pad(out["position_ids"], 0) + 0
     last = out["position_ids"][:, -extra - 1:-extra]
-    out["position_ids"][:, -extra:] = last + torch.arange(1, extra + 1)  # keep positions increasing
+    steps = torch.arange(1, extra + 1, dtype=last.dtype, device=last.device)
+    out["position_ids"][:, -extra:] = last + steps  # keep positions increasing
     return out

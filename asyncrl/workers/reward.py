@@ -17,7 +17,7 @@ from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelConfig, ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
-from asyncrl.rewards import load_reward_fn
+from asyncrl.rewards import RewardFn, checked_score, load_reward_fn
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import decode_responses
 from asyncrl.workers.process import same_init_on_every_rank, setup_process
@@ -42,16 +42,30 @@ class RuleRewardWorker(Worker):
     @timed("reward")
     def compute_reward(self, batch: Batch) -> Batch:
         texts = decode_responses(self.tokenizer, batch)
-        n = len(texts)
-        sources = batch["data_source"] if "data_source" in batch else [""] * n
-        truths = batch["ground_truth"] if "ground_truth" in batch else [None] * n
-        extras = batch["extra_info"] if "extra_info" in batch else [None] * n
-        scores = torch.tensor([float(self.fn(s, t, g, e)) for s, t, g, e in zip(sources, texts, truths, extras, strict=True)])
-        out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, batch["response_mask"])}
+        mask = batch["response_mask"]
+        scores = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else
+                             "the built-in reward (reward.fn=null: by data_source)", texts, batch)
+        out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask)}
         if self.cost_fn is not None:
-            costs = torch.tensor([float(self.cost_fn(s, t, g, e)) for s, t, g, e in zip(sources, texts, truths, extras, strict=True)])
-            out.update(costs=costs, token_level_costs=scores_to_tokens(costs, batch["response_mask"]))
+            costs = self._score(self.cost_fn, f"reward.cost_fn={self.cfg.reward.cost_fn}", texts, batch)
+            out.update(costs=costs, token_level_costs=scores_to_tokens(costs, mask))
         return Batch(out)
+
+    @staticmethod
+    def _score(fn: RewardFn, name: str, texts: list[str], batch: Batch) -> torch.Tensor:
+        """One checked score per row, on the device of the batch (a Batch's tensors share one)."""
+        n = len(texts)
+        column = {k: batch[k] if k in batch else [None] * n for k in ("data_source", "ground_truth", "extra_info",
+                                                                       "raw_prompt")}
+        values = []
+        for i, text in enumerate(texts):
+            source, truth, extra = column["data_source"][i] or "", column["ground_truth"][i], column["extra_info"][i]
+            row = {"row": i, "data_source": source, "ground_truth": truth, "prompt": column["raw_prompt"][i],
+                   "response": text}
+            if row["prompt"] is None:
+                del row["prompt"]
+            values.append(checked_score(fn(source, text, truth, extra), name, row))
+        return torch.tensor(values, dtype=torch.float32, device=batch["response_mask"].device)
 
 
 class RewardModelWorker(Worker):
@@ -75,7 +89,8 @@ class RewardModelWorker(Worker):
         self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.model.eval()
+        self.model.to(self.device).eval()  # pulled batches arrive on self.device (Worker._run)
+        self.name = f"the {'reward' if output == 'scores' else 'cost'} model {path}"
 
     @register(DP_PROTO)
     @timed("reward_model")
@@ -87,6 +102,11 @@ class RewardModelWorker(Worker):
                                     position_ids=mb["position_ids"]).logits
                 outs.append(logits[:, 0].float())
         scores = torch.cat(outs)
+        bad = (~torch.isfinite(scores)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            checked_score(float(scores[i]), self.name, {"row": i, "response": decode_responses(
+                self.tokenizer, batch.slice(i, i + 1))[0]})
         token_col = "token_level_scores" if self.output == "scores" else "token_level_costs"
         return Batch({self.output: scores, token_col: scores_to_tokens(scores, batch["response_mask"])})
 

@@ -15,7 +15,7 @@ MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    return batch.split(max(1, size)) if len(batch) else []
+    return batch.split(size) if len(batch) else []  # size >= 1: the config checks it
 
 
 def mini_batches(batch: Batch, n: int, shuffle: bool, generator: torch.Generator | None) -> Iterator[Batch]:

@@ -4,11 +4,16 @@ On the first same-node pull the owner copies the object once into a /dev/shm seg
 pre-faulted one from the store's `SegmentPool` when it fits) and from then on the object lives
 there, held once. The reply names the segment and each tensor's page-aligned byte range of the
 requested rows; the consumer maps just those pages copy-on-write (zero-copy reads).
+
+When /dev/shm has no room for the segment (Docker's default is 64 MiB) the owner answers with the
+TCP path's reply instead and the consumer streams the rows from the owner's bulk port: slower,
+but the pull completes, and the owner warns once with what to change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +21,15 @@ from typing import Any
 import torch
 
 from objectstore import segments
-from objectstore.errors import ObjectNotFoundError, ObjectTypeError
+from objectstore.errors import ObjectNotFoundError, ObjectTypeError, ShmFullError
 from objectstore.paths.base import PullKind, PullPath, PullRequest, TensorRegion, Tensors
+from objectstore.paths.tcp import TcpReply
 from objectstore.ref import TENSOR, ObjectRef, RowRange
 from objectstore.table import Entry
 from transport.dtypes import dtype_name, nbytes, row_bytes
 from transport.wire import Ext, message
+
+log = logging.getLogger(__name__)
 
 # mmap is a syscall of a few microseconds; a thread hop costs more for small regions.
 _THREAD_MAP_BYTES = 64 << 20
@@ -47,10 +55,13 @@ class ShmPath(PullPath):
         super().__init__(store)
         self._placed: dict[str, _Placed] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.fallbacks = 0  # pulls served over TCP because /dev/shm had no room
 
     # consumer half --------------------------------------------------------------------------
     async def fetch(self, ref: ObjectRef, rows: RowRange | None) -> Tensors:
-        reply: ShmReply = await self.request(ref, rows)
+        reply: ShmReply | TcpReply = await self.request(ref, rows)
+        if isinstance(reply, TcpReply):  # the owner's /dev/shm is full
+            return await self.store.paths[PullKind.TCP].receive(ref, reply)
         path = f"{self.store.shm_dir}/{reply.segment}"
         out = {}
         for region in reply.regions:
@@ -62,14 +73,17 @@ class ShmPath(PullPath):
         return out
 
     # owner half -----------------------------------------------------------------------------
-    async def serve(self, entry: Entry, rows: RowRange | None, request: PullRequest) -> ShmReply:
+    async def serve(self, entry: Entry, rows: RowRange | None, request: PullRequest) -> ShmReply | TcpReply:
         object_id = entry.ref.object_id
         if entry.ref.device != "cpu":
             raise ObjectTypeError(f"object {object_id} lives on {entry.ref.device}; pull it with CUDA IPC")
         lock = self._locks.setdefault(object_id, asyncio.Lock())
         async with lock:
             if object_id not in self._placed:
-                await self._place(entry)
+                try:
+                    await self._place(entry)
+                except ShmFullError as e:
+                    return self._over_tcp(entry, rows, request, e)
         placed = self._placed.get(object_id)
         if placed is None or object_id not in self.store.table:
             raise ObjectNotFoundError(f"object {object_id} was freed during the pull")
@@ -82,6 +96,18 @@ class ShmPath(PullPath):
                                         offset=placed.offsets[name] + start * rb,
                                         nbytes=count * rb if t.dim() else t.element_size()))
         return ShmReply(placed.segment.name, tuple(regions))
+
+    def _over_tcp(self, entry: Entry, rows: RowRange | None, request: PullRequest, why: ShmFullError) -> TcpReply:
+        self.fallbacks += 1
+        if self.fallbacks == 1:
+            log.warning(
+                "%s: %s, so same-node pulls of objects this large go over TCP (slower). Give "
+                "shared memory more room: `docker run --shm-size=16g` (or --ipc=host), or "
+                "`mount -o remount,size=16G /dev/shm`; this warning is shown once per store",
+                self.store.name, why.strerror)
+        else:
+            log.debug("%s: object %s over TCP: %s", self.store.name, entry.ref.object_id, why.strerror)
+        return self.store.paths[PullKind.TCP].serve(entry, rows, request)
 
     async def _place(self, entry: Entry) -> None:
         """Copy the object into a new segment once; its tensors then live there."""
@@ -127,7 +153,8 @@ class ShmPath(PullPath):
 
     def stats(self) -> dict[str, int]:
         return {"shm_segments": len(self._placed),
-                "shm_bytes": sum(p.segment.size for p in self._placed.values())}
+                "shm_bytes": sum(p.segment.size for p in self._placed.values()),
+                "shm_fallbacks": self.fallbacks}
 
 
 async def _maybe_thread(executor: Executor, size: int, fn: Any, *args: Any) -> Any:

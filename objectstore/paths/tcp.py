@@ -200,7 +200,10 @@ class TcpPath(PullPath):
     kind = PullKind.TCP
 
     async def fetch(self, ref: ObjectRef, rows: RowRange | None) -> Tensors:
-        reply: TcpReply = await self.request(ref, rows)
+        return await self.receive(ref, await self.request(ref, rows))
+
+    async def receive(self, ref: ObjectRef, reply: TcpReply) -> Tensors:
+        """Stream the offer `reply` names from the owner of `ref` into new tensors."""
         out = {r.name: torch.empty(r.shape, dtype=torch_dtype(r.dtype)) for r in reply.regions}
         dests = [writable_bytes(t) for t in out.values()]
         loop = asyncio.get_running_loop()
