@@ -28,7 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
+from asyncrl.config import ClusterConfig, LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
 from asyncrl.metrics import json_line
 from asyncrl.rundir import check_output_dir
@@ -161,8 +161,9 @@ def load_entry(entry: str | None) -> Any:
 
 # roles --------------------------------------------------------------------------------------------
 def cluster_spec(cfg: DictConfig, daemon: bool = False) -> ClusterSpec:
-    """This node's daemons as the `cluster` section describes them."""
-    c = cfg.cluster
+    """This node's daemons as the `cluster` section describes them (keys it lacks: the schema's
+    defaults)."""
+    c = OmegaConf.merge(OmegaConf.structured(ClusterConfig), cfg.cluster)
     curve, insecure = security(cfg)
     if c.coordinator is None:  # node 0
         # never every interface by default: loopback for one node (embedded or daemon), the
