@@ -15,9 +15,9 @@ holds no key, in three rounds, while its resident memory is sampled every 10 ms:
 
 Then an authorized client must still get an answer. The limit it is measured against is the
 issue's 64 MiB above the server's baseline. The last line printed is one JSON object:
-`preauth_peak_mib` (peak RSS growth), `frames_sent`, `daemon_crashes` (0/1), `limit_mib`,
-`peak_over_limit` (the ratio), the server's `refused_connections` and the seconds each round
-took. Measured on a 2-core VM: 512.7 MiB before the frame limit, ~40 MiB after.
+`preauth_peak_mib` (peak RSS growth), `frames_sent`, `daemon_crashes` (0/1), and with a `net_`
+prefix: `limit_mib`, `peak_over_limit` (the ratio), the server's `refused_connections`, its
+baseline RSS, the frame limit and the seconds each round took. Measured on a 2-core VM: 512.7 MiB before the frame limit, ~40 MiB after.
 """
 
 from __future__ import annotations
@@ -227,22 +227,22 @@ def run(big_conns: int = 32, big_mib: int = 16, held_conns: int = 512, garbage_c
         with RssSampler(proc.pid) as sampler:
             t0 = time.monotonic()
             frames = big_frames(addr, big_conns, big_mib, min(deadline, t0 + time_budget_s / 2))
-            timings["big_s"] = round(time.monotonic() - t0, 2)
+            timings["net_big_s"] = round(time.monotonic() - t0, 2)
             t0 = time.monotonic()
             frames += held_frames(addr, held_conns, FRAME_BYTES, deadline)
-            timings["held_s"] = round(time.monotonic() - t0, 2)
+            timings["net_held_s"] = round(time.monotonic() - t0, 2)
             t0 = time.monotonic()
             frames += garbage(addr, garbage_conns)
-            timings["garbage_s"] = round(time.monotonic() - t0, 2)
+            timings["net_garbage_s"] = round(time.monotonic() - t0, 2)
         alive = proc.poll() is None and run_loop(_alive(endpoint, keys))
         peak_mib = max(0, sampler.peak - baseline) / 2**20
         server_stats = _server_stats(proc) if alive else {}
         return {"preauth_peak_mib": round(peak_mib, 1), "frames_sent": frames,
-                "daemon_crashes": 0 if alive else 1, "limit_mib": LIMIT_MIB,
-                "refused_connections": server_stats.get("refused_connections"),
-                "peak_over_limit": round(peak_mib / LIMIT_MIB, 3),
-                "baseline_rss_mib": round(baseline / 2**20, 1), "frame_limit_bytes": FRAME_BYTES,
-                "wall_s": round(time.monotonic() - t_start, 2), **timings}
+                "daemon_crashes": 0 if alive else 1, "net_limit_mib": LIMIT_MIB,
+                "net_peak_over_limit": round(peak_mib / LIMIT_MIB, 3),
+                "net_refused_connections": server_stats.get("refused_connections"),
+                "net_baseline_rss_mib": round(baseline / 2**20, 1), "net_frame_limit_bytes": FRAME_BYTES,
+                "net_wall_s": round(time.monotonic() - t_start, 2), **timings}
     finally:
         if proc.stdin is not None and not proc.stdin.closed:
             proc.stdin.close()
