@@ -282,11 +282,13 @@ class RpcServer:
                 else:
                     self._drop_malformed("bad request")
                 return
-            if self._restricted and not self._permitted(frames[1], msg[2]):
+            allowed = self._allowed_methods(frames[1]) if self._restricted else None
+            if allowed is not None and msg[2] not in allowed:
                 self.stats["unknown_method"] += 1
                 if kind == REQUEST:
                     self._reply_error(identity, msg[1], "transport.NotPermitted",
-                                      f"{self.name} does not let this client's key call {msg[2]!r}")
+                                      f"{self.name} does not let this client's key call {msg[2]!r}, only "
+                                      f"{', '.join(sorted(allowed))}; use a key with more rights")
                 return
             self._handle_call(identity, kind, msg[1], msg[2], msg[3], msg[4])
         elif kind == PING:
@@ -307,13 +309,13 @@ class RpcServer:
         else:
             self._drop_malformed("unknown kind")
 
-    def _permitted(self, frame: zmq.Frame, method: str) -> bool:
+    def _allowed_methods(self, frame: zmq.Frame) -> frozenset[str] | None:
+        """The methods the client that sent `frame` is limited to; None: no limit."""
         try:
             key = frame.get("User-Id")  # set by the ZAP handler: the client's z85 public key
         except zmq.ZMQError:
-            return True
-        allowed = self._restricted.get(key)
-        return allowed is None or method in allowed
+            return None
+        return self._restricted.get(key)
 
     @staticmethod
     def _peek_request_id(body: list[zmq.Frame]) -> int | None:
