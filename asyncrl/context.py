@@ -23,11 +23,21 @@ from asyncrl.refs import RefTracker
 from asyncrl.transfer import publish
 from daemons.cluster import ClusterSpec, HeadNode
 from daemons.coordinator import Coordinator, JobRecord, ResourcePool
+from daemons.worker import ALLOWED_ENV, entry_package
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectStore
 from objectstore.memory import resolve_memory_limit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _select(cfg: Any, dotted: str) -> Any:
+    """`cfg.a.b` of a DictConfig, dict or dataclass config; None where a part is missing."""
+    for part in dotted.split("."):
+        if cfg is None:
+            return None
+        cfg = cfg.get(part) if hasattr(cfg, "get") else getattr(cfg, part, None)
+    return cfg
 
 
 class Groups(dict):
@@ -43,9 +53,14 @@ class Groups(dict):
 class JobContext:
     """The cluster as a driver script sees it."""
 
-    def __init__(self, coordinator: Coordinator, cfg: Any, job_id: str | None = None) -> None:
+    def __init__(self, coordinator: Coordinator, cfg: Any, job_id: str | None = None,
+                 allowed_packages: tuple[str, ...] = ()) -> None:
         self.coordinator = coordinator
         self.cfg = cfg
+        # what this job's workers may run besides asyncrl: its entry's package, the config's list
+        entry, listed = _select(cfg, "job.entry"), _select(cfg, "cluster.allowed_packages")
+        self.allowed_packages = tuple(p for p in dict.fromkeys(
+            [*allowed_packages, entry_package(entry), *(listed or [])]) if p)
         self.name = cfg.job.name if cfg is not None and "job" in cfg else "job"
         self.log = logging.getLogger(f"asyncrl.job.{self.name}")
         self.job: JobRecord = coordinator.begin_job(job_id, self.name)
@@ -60,8 +75,8 @@ class JobContext:
         # the same share as the node's worker stores: one per device, and this one
         limit = resolve_memory_limit(_memory_limit(self.cfg), stores_on_node=len(node.devices) + 1)
         self.store = ObjectStore(node_id=node.node_id, endpoint=f"tcp://{node.host}:0", bulk_host=node.host,
-                                 curve=self.coordinator.curve, insecure=self.coordinator.insecure,
-                                 name="store-driver", memory_limit_bytes=limit)
+                                 curve=self.coordinator.worker_curve, insecure=self.coordinator.insecure,
+                                 limits=self.coordinator.limits, name="store-driver", memory_limit_bytes=limit)
         await self.store.start()
         self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self
@@ -123,7 +138,8 @@ class JobContext:
         own = [p for p in sys.path if p and Path(p).is_dir() and not p.startswith(installed)]
         paths = [str(REPO_ROOT), os.getcwd(), *own]
         paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p)}
+        return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p),
+                ALLOWED_ENV: ",".join(self.allowed_packages)}
 
     # data ---------------------------------------------------------------------------------------
     def put(self, batch: Batch | dict) -> DistBatch:
@@ -161,16 +177,17 @@ def _memory_limit(cfg: Any) -> int | None:
 
 @contextlib.asynccontextmanager
 async def local_cluster(cpu_devices: int = 2, log_dir: str | Path = "outputs/logs", cfg: Any = None,
-                        insecure: bool = False) -> AsyncIterator[JobContext]:
+                        insecure: bool = False, allowed_packages: tuple[str, ...] = ()) -> AsyncIterator[JobContext]:
     """A coordinator, one node daemon and a driver context in this process (tests, benchmarks,
-    notebooks). Workers are stopped and the store closed on exit."""
+    notebooks). Workers are stopped and the store closed on exit. Workers run functions and
+    Worker classes of asyncrl and of `allowed_packages` (e.g. ("my_pkg",)) only."""
     from transport import CurveConfig
 
     curve = None if insecure else CurveConfig.ephemeral()
     spec = ClusterSpec(cpu_devices=cpu_devices, curve=curve, insecure=insecure, log_dir=Path(log_dir),
                        heartbeat_interval_s=0.5)
     async with HeadNode.start(spec) as head:
-        ctx = await JobContext(head.coordinator, cfg).open()
+        ctx = await JobContext(head.coordinator, cfg, allowed_packages=allowed_packages).open()
         try:
             yield ctx
         finally:

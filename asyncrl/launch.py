@@ -33,7 +33,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
+from asyncrl.config import ClusterConfig, LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
 from asyncrl.metrics import json_line
 from asyncrl.rundir import check_output_dir
@@ -43,9 +43,10 @@ from daemons.errors import ConfigError, DaemonError, JobError
 from daemons.logs import setup_logging
 from daemons.proc import route_ip
 from daemons.state import StateKind, new_job_id, remove_state, state_for_this_process, write_state
-from daemons.worker import resolve
+from daemons.worker import entry_package, resolve
 from transport import AuthenticationError, CurveConfig, TransportError
 from transport.loop import run
+from transport.peers import ServerLimits
 from transport.rpc import expose
 
 log = logging.getLogger("asyncrl.launch")
@@ -183,22 +184,43 @@ def load_entry(entry: str | None) -> Any:
 
 # roles --------------------------------------------------------------------------------------------
 def cluster_spec(cfg: DictConfig, daemon: bool = False, job_id: str | None = None) -> ClusterSpec:
-    """This node's daemons as the `cluster` section describes them; the head writes its state file
-    under `job_id` (the job's id, or the daemon's)."""
-    c = cfg.cluster
+    """This node's daemons as the `cluster` section describes them (keys it lacks: the schema's
+    defaults); the head writes its state file under `job_id` (the job's id, or the daemon's)."""
+    c = OmegaConf.merge(OmegaConf.structured(ClusterConfig), cfg.cluster)
     curve, insecure = security(cfg)
     if c.coordinator is None:  # node 0
-        multi = c.nnodes > 1 or daemon
-        host = c.host or ("127.0.0.1" if not multi else route_ip("192.0.2.1"))
-        bind = "0.0.0.0" if multi and not c.host else host
+        # never every interface by default: loopback for one node (embedded or daemon), the
+        # address the other nodes route to for several; cluster.host / cluster.bind override
+        host = c.host or (route_ip("192.0.2.1") if c.nnodes > 1 else "127.0.0.1")
+        bind = c.bind or host
     else:
         host, bind = c.host or route_ip(c.coordinator.rsplit(":", 1)[0]), None
+    allowed = [*c.allowed_packages, entry_package(OmegaConf.select(cfg, "job.entry"))]
     return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
                        node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
                        log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
                        node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
                        store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True,
-                       job_id=job_id, job_name=str(cfg.job.name), daemon=daemon)
+                       job_id=job_id, job_name=str(cfg.job.name), daemon=daemon,
+                       limits=ServerLimits(max_message_bytes=c.max_message_bytes,
+                                           max_connections_per_peer=c.max_connections_per_peer),
+                       allowed_packages=tuple(p for p in dict.fromkeys(allowed) if p))
+
+
+def explain_bind(spec: ClusterSpec, daemon: bool) -> tuple[int, str]:
+    """The log level and line that say where the coordinator listens and how to change it."""
+    bind = spec.bind or spec.host
+    if bind in ("0.0.0.0", "::", "*"):
+        return logging.WARNING, (f"the coordinator listens on every interface ({bind}:{spec.port or 'any port'}, "
+                                 "cluster.bind); only CurveZMQ keys keep strangers out: prefer the "
+                                 "address the other nodes use (cluster.host=ADDRESS)")
+    if bind.startswith("127.") or bind == "::1":
+        if daemon:
+            return logging.WARNING, (f"daemon mode: the coordinator listens on {bind} only (loopback), so "
+                                     "no other machine can join or submit; set cluster.host=ADDRESS (the "
+                                     "address other nodes reach) to serve a cluster")
+        return logging.INFO, f"the coordinator listens on {bind} (loopback)"
+    return logging.INFO, f"the coordinator listens on {bind} (cluster.bind / cluster.host)"
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -214,7 +236,9 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
     stop = _stop_on_signals()
     job_id = new_job_id(cfg.job.name)
     # daemon nodes outlive a coordinator restart and re-register, so they are not released
-    async with HeadNode.start(cluster_spec(cfg, daemon, job_id), release_nodes=not daemon) as head:
+    spec = cluster_spec(cfg, daemon, job_id)
+    log.log(*explain_bind(spec, daemon))
+    async with HeadNode.start(spec, release_nodes=not daemon) as head:
         coordinator = head.coordinator
         if daemon:
             service = JobService(coordinator, cfg, head)
@@ -268,7 +292,7 @@ class JobService:
         # a submitted job brings config sections of its own: merged as plain data, and a typed
         # job (the RL trainer) checks them against its schema when it starts
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
-                                  OmegaConf.create(overrides or {}))
+                                  OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
         fn = load_entry(entry)
         ctx = JobContext(self.coordinator, job_cfg, job_id)
         spec = self.head.spec

@@ -7,8 +7,10 @@
         await node.daemon.stopped.wait()           # serve until the coordinator releases us
 
 `HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. With
-`spec.write_state` the head records its endpoint and keys in its own state file,
-`<state dir>/<spec.job_id>.json` (see `daemons.state`), for `asyncrl status|stop|shutdown|submit`.
+`spec.write_state` the head records its endpoint and a client key pair that only this
+coordinator admits (never the cluster secret) in its own state file,
+`<state dir>/<spec.job_id>.json` (mode 0600, see `daemons.state`), for
+`asyncrl status|stop|shutdown|submit`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from daemons.state import (
     write_state,
 )
 from transport import CurveConfig
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class ClusterSpec:
 
     host: str = "127.0.0.1"  # address this node binds and advertises
     bind: str | None = None  # the coordinator's bind address (default: host; "0.0.0.0" for all)
+    limits: ServerLimits = ServerLimits()  # what every server of this node admits
+    allowed_packages: tuple[str, ...] = ()  # workers run code from these and asyncrl's packages
     port: int = 0  # the coordinator's port (0: any)
     coordinator: str | None = None  # NodeOnly: the head's "tcp://HOST:PORT"
     node_rank: int = 0
@@ -72,7 +77,8 @@ class ClusterSpec:
                           log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),
-                          shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit)
+                          shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
+                          limits=self.limits)
 
 
 # daemons ---------------------------------------------------------------------------------------
@@ -92,7 +98,8 @@ class HeadNode:
         """Start the coordinator and the node daemon, wait for the node to register, and write
         the state file when `spec.write_state`."""
         coordinator = Coordinator(f"tcp://{spec.bind or spec.host}:{spec.port}", curve=spec.curve,
-                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s)
+                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s,
+                                  limits=spec.limits, allowed_packages=spec.allowed_packages)
         await coordinator.start()
         endpoint = f"tcp://{spec.host}:{coordinator.endpoint.rsplit(':', 1)[1]}"
         node = spec.node_daemon(endpoint)
@@ -101,7 +108,7 @@ class HeadNode:
             await node.start()
             if spec.write_state:
                 head.state_path = write_state(state_for_this_process(
-                    endpoint, spec.curve is None, spec.curve.to_env() if spec.curve else None,
+                    endpoint, spec.curve is None, coordinator.cli_curve.to_env() if coordinator.cli_curve else None,
                     head.state_id, spec.job_name, StateKind.DAEMON if spec.daemon else StateKind.JOB),
                     spec.state_dir)
             await node.wait_registered(spec.register_timeout_s)

@@ -8,6 +8,11 @@ metadata — where workers and objects are — never bulk data. Its RPC endpoint
 Every pool and worker belongs to a job (`begin_job`); `end_job` stops that job's workers only
 and forgets its pools, handles and objects, so a daemon running job after job (or several at
 once) neither kills other jobs' workers nor grows.
+
+Keys: the coordinator serves with the cluster key. Workers never see it: the coordinator makes
+a worker key pair (`worker_curve`) that every worker and object store of its jobs serves and
+connects with, hands it to workers in their spawn request, and admits it as a client; local
+tools get a client pair of their own (`cli_curve`, written to the state file).
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from daemons.messages import (
     WorkerStatus,
 )
 from daemons.state import check_job_id, new_job_id
+from daemons.worker import ALLOWED_ENV, COORDINATOR_KEY_ENV
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectRef
 from transport import ConnectionLost, CurveConfig, RpcClient, RpcServer, RpcTimeout, expose
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +117,23 @@ class Coordinator:
         insecure: bool = False,
         node_timeout: float = 5.0,
         spawn_timeout: float = 120.0,
+        limits: ServerLimits | None = None,
+        allowed_packages: tuple[str, ...] = (),
     ) -> None:
-        self.curve, self.insecure = curve, insecure
+        self.insecure = insecure
+        # the worker pair talks to worker and store servers (which present it) and, as a
+        # client, to this coordinator; the CLI pair only to this coordinator
+        self.worker_curve = None if curve is None else CurveConfig.ephemeral()
+        self.cli_curve = None if curve is None else CurveConfig.identity(curve.public_key)
+        if curve is not None:
+            curve = curve.authorizing(self.worker_curve.public_key, self.cli_curve.public_key)
+        self.curve = curve
+        self.limits = limits or ServerLimits()
+        self.allowed_packages = tuple(allowed_packages)  # besides asyncrl's; see daemons.worker
         self.node_timeout = node_timeout
         self.spawn_timeout = spawn_timeout
-        self.server = RpcServer(endpoint, curve=curve, insecure=insecure, name="coordinator")
+        self.server = RpcServer(endpoint, curve=curve, insecure=insecure, limits=self.limits,
+                                name="coordinator")
         self.nodes: dict[str, NodeInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.handles: dict[str, WorkerHandle] = {}
@@ -130,6 +149,9 @@ class Coordinator:
 
     async def start(self) -> str:
         self.server.register_object(self)
+        if self.worker_curve is not None:
+            # workers run job code: their key may report readiness, not stop or submit jobs
+            self.server.restrict_client(self.worker_curve.public_key, {"worker_ready"})
         endpoint = await self.server.start()
         self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="coord-watch")
         return endpoint
@@ -266,6 +288,9 @@ class Coordinator:
                 "MASTER_ADDR": master_node.host, "MASTER_PORT": str(master_port),
                 "LOCAL_WORLD_SIZE": str(per_node[node_id]), "ASYNCRL_DEVICE": device, "ASYNCRL_GROUP": group, **(env or {}),
             }
+            allowed = [*self.allowed_packages, *(env or {}).get(ALLOWED_ENV, "").split(",")]
+            worker_env[ALLOWED_ENV] = ",".join(p for p in dict.fromkeys(allowed) if p)
+            worker_env.update(self.worker_env())
             # a GPU's physical id is known only to its node: the node daemon pins the worker to it
             info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env, pool.job),
                                               timeout=30)
@@ -278,12 +303,20 @@ class Coordinator:
                                  "see their logs in the node's log_dir") from None
         handles = []
         for info in infos:
-            client = RpcClient(info.endpoint, curve=self.curve, insecure=self.insecure,
+            client = RpcClient(info.endpoint, curve=self.worker_curve, insecure=self.insecure,
                                name=f"driver->{info.worker_id}")
             handle = WorkerHandle(self, info, client)
             self.handles[info.worker_id] = handle
             handles.append(handle)
         return handles
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker needs to authenticate: the worker key pair and this coordinator's public
+        key (never the cluster secret), or the insecure flag; limits for its servers."""
+        env = self.limits.to_env()
+        if self.worker_curve is None:
+            return {**env, "ASYNCRL_INSECURE": "1"}
+        return {**env, **self.worker_curve.to_env(), COORDINATOR_KEY_ENV: self.curve.public_key.decode()}
 
     @expose
     def worker_ready(self, msg: WorkerReady) -> bool:

@@ -26,6 +26,7 @@ from daemons.state import check_job_id
 from objectstore.memory import resolve_memory_limit
 from objectstore.segments import remove_stale_segments
 from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class NodeDaemon:
         node_id: str | None = None,
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
         store_memory_limit: int | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.coordinator_endpoint = coordinator
         self.node_rank = node_rank
@@ -128,7 +130,8 @@ class NodeDaemon:
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
-        self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, name=f"node-{node_rank}")
+        self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
+                                name=f"node-{node_rank}")
         self.coordinator = RpcClient(coordinator, curve=curve, insecure=insecure, name="node->coordinator",
                                      heartbeat_interval=heartbeat_interval,
                                      heartbeat_timeout=max(2.0, coordinator_timeout / 2))
@@ -212,10 +215,13 @@ class NodeDaemon:
         if iface is not None:
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 full_env.setdefault(var, iface)
+        # keys come from the coordinator in spec.env (its worker key pair): this node's own
+        # cluster key never reaches a worker, and an inherited one is dropped
+        for key in [k for k in full_env if k.startswith("ASYNCRL_CURVE_")]:
+            if key not in spec.env:
+                del full_env[key]
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
-        elif self.curve is not None:
-            full_env.update(self.curve.to_env())
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(WORKER_CMD, env=full_env,
                                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -73,7 +73,8 @@ def test_smoke_job_embedded(tmp_path):
 # faults ----------------------------------------------------------------------------------------
 @pytest.fixture
 async def cluster(tmp_path):
-    coordinator = Coordinator(insecure=True, node_timeout=2.0)
+    # workers run only allowed packages: these tests call time.sleep, os.getpid (posix), json.loads
+    coordinator = Coordinator(insecure=True, node_timeout=2.0, allowed_packages=("time", "os", "posix", "json"))
     await coordinator.start()
     node = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=3, log_dir=tmp_path / "logs",
                       heartbeat_interval=0.3)
@@ -116,7 +117,7 @@ async def test_worker_exception_surfaces_with_remote_traceback(cluster):
         await worker.run("json:loads", "{not json")
     assert info.value.remote_type == "json.decoder.JSONDecodeError"
     with pytest.raises(RemoteError, match="cannot import"):
-        await worker.run("no_such_module:fn")
+        await worker.run("json.no_such_module:fn")
 
 
 async def test_killed_node_daemon_is_marked_dead(tmp_path):
