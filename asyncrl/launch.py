@@ -201,7 +201,7 @@ def cluster_spec(cfg: DictConfig, daemon: bool = False, job_id: str | None = Non
                        log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
                        node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
                        store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True,
-                       job_id=job_id, job_name=str(cfg.job.name), daemon=daemon,
+                       job_id=job_id, job_name=str(OmegaConf.select(cfg, "job.name", default="job")), daemon=daemon,
                        limits=ServerLimits(max_message_bytes=c.max_message_bytes,
                                            max_connections_per_peer=c.max_connections_per_peer),
                        allowed_packages=tuple(p for p in dict.fromkeys(allowed) if p))

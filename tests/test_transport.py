@@ -463,11 +463,11 @@ def test_typed_message_roundtrip_and_unknown_enum_value():
     assert back == msg and back.state is WorkerState.READY
     # a peer that sends a state this version does not know gets a typed error, not a string
     body = msgpack.packb(msgpack.ExtType(int(Ext.WORKER_STATUS), msgpack.packb(
-        ["w-0", "g", 0, "n", "cpu:0", 42, "zombie", ""])))
+        ["w-0", "g", 0, "n", "cpu:0", 42, "zombie", "", ""])))
     with pytest.raises(CodecError, match="zombie.*WorkerState"):
         codec.decode([body])
     short = msgpack.packb(msgpack.ExtType(int(Ext.WORKER_STATUS), msgpack.packb(["w-0"])))
-    with pytest.raises(CodecError, match="WorkerStatus has 8 fields"):
+    with pytest.raises(CodecError, match="WorkerStatus has 9 fields"):
         codec.decode([short])
 
 
