@@ -1,9 +1,34 @@
-"""`asyncrl` command line: keys, status, stop, submit."""
+"""`asyncrl` command line: keys, status, stop, shutdown, submit.
+
+Every job and daemon on this machine has a state file (see `daemons.state`), so
+
+    asyncrl status                 # the only job (or daemon) here in detail, or a list of them
+    asyncrl status --job ID        # one of them
+    asyncrl stop [--job ID]        # end a job (one run by asyncrl-launch, or one submitted to a daemon)
+    asyncrl shutdown [--daemon ID] # end a daemon and every job it runs
+    asyncrl submit ENTRY           # run a job on the daemon here
+
+`--coordinator HOST:PORT --key-dir DIR` talks to a coordinator elsewhere instead. Without an
+id, a command picks the only candidate; with several it lists them and exits 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from typing import Any, NoReturn
+
+from daemons.state import ClusterState, StateKind, new_job_id, read_states, state_dir
+
+USAGE_ERROR = 2
+CONNECT_TIMEOUT_S = 3.0  # a live process that does not answer a ping within this is stuck
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    print(f"asyncrl: {message}", file=sys.stderr)
+    raise SystemExit(code)
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
@@ -19,53 +44,83 @@ def _keys_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connect(args: argparse.Namespace):
-    """A client for the coordinator named on the command line, or the one this machine runs."""
-    from daemons.cluster import STATE_FILE, read_state, state_dir
+# finding a target ------------------------------------------------------------------------------
+def _listing(states: list[ClusterState]) -> str:
+    now = time.time()
+    rows = [("ID", "KIND", "NAME", "PID", "UP", "ENDPOINT")]
+    rows += [(s.job_id, s.kind.value, s.name, str(s.pid), f"{now - s.started_at:.0f}s", s.endpoint)
+             for s in states]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _find(states: list[ClusterState], wanted: str) -> ClusterState:
+    for s in states:
+        if s.job_id == wanted:
+            return s
+    known = ", ".join(s.job_id for s in states) or "none"
+    _fail(f"no job or daemon {wanted!r} runs on this machine (state files in {state_dir()}); "
+          f"running: {known}", USAGE_ERROR)
+
+
+def _only(states: list[ClusterState], what: str, option: str) -> ClusterState:
+    """The only state in `states`, or an error that lists them and asks for `option`."""
+    if len(states) == 1:
+        return states[0]
+    if not states:
+        _fail(f"no {what} runs on this machine (no state file in {state_dir()}); pass "
+              "--coordinator HOST:PORT --key-dir DIR to reach one elsewhere")
+    print(_listing(states), file=sys.stderr)
+    _fail(f"{len(states)} {what}s run on this machine: choose one with {option} ID", USAGE_ERROR)
+
+
+# RPC ------------------------------------------------------------------------------------------
+def _client(args: argparse.Namespace, target: ClusterState | None) -> Any:
+    import daemons.messages  # noqa: F401  (registers the reply types)
     from transport import CurveConfig, RpcClient
 
-    if args.coordinator:
-        endpoint = args.coordinator if "://" in args.coordinator else f"tcp://{args.coordinator}"
-        if args.insecure:
-            return RpcClient(endpoint, insecure=True, name="cli")
-        if not args.key_dir:
-            raise SystemExit("asyncrl: give --key-dir DIR (the cluster's keys) or --insecure")
-        return RpcClient(endpoint, curve=CurveConfig.load(args.key_dir), name="cli")
-    state = read_state()
-    if state is None:
-        raise SystemExit(f"asyncrl: no coordinator runs on this machine ({state_dir() / STATE_FILE} "
-                         "is absent); pass --coordinator HOST:PORT --key-dir DIR")
-    if state.insecure:
-        return RpcClient(state.endpoint, insecure=True, name="cli")
-    return RpcClient(state.endpoint, curve=state.client_curve(), name="cli")
+    if target is not None:
+        if target.insecure:
+            return RpcClient(target.endpoint, insecure=True, name="cli")
+        return RpcClient(target.endpoint, curve=target.client_curve(), name="cli")
+    endpoint = args.coordinator if "://" in args.coordinator else f"tcp://{args.coordinator}"
+    if args.insecure:
+        return RpcClient(endpoint, insecure=True, name="cli")
+    if not args.key_dir:
+        _fail("give --key-dir DIR (the cluster's keys) or --insecure", USAGE_ERROR)
+    return RpcClient(endpoint, curve=CurveConfig.load(args.key_dir), name="cli")
 
 
-def _rpc(args: argparse.Namespace, method: str, *call_args, timeout: float = 10.0):
-    from transport import TransportError
+def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *call_args: Any,
+         timeout: float = 10.0, full_errors: bool = False) -> Any:
+    """Call `method` on `target`'s coordinator (or --coordinator's) and return the result."""
+    from transport import RemoteError, TransportError
     from transport.loop import run
 
-    async def go():
-        client = _connect(args)
+    async def go() -> Any:
+        client = _client(args, target)
         try:
+            await client.connect(timeout=min(CONNECT_TIMEOUT_S, timeout))
             return await client.call(method, *call_args, timeout=timeout)
         finally:
             await client.close()
 
     try:
         return run(go())
+    except RemoteError as e:
+        _fail(f"{method} failed: {e if full_errors else f'{e.remote_type}: {e.remote_message}'}")
     except TransportError as e:
-        raise SystemExit(f"asyncrl: {method} failed: {e}") from None
+        _fail(f"{method} failed: {e}")
 
 
-def _status(args: argparse.Namespace) -> int:
-    import json
-
-    st = _rpc(args, "status").to_dict()  # a daemons.messages.ClusterStatus
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
+# commands -------------------------------------------------------------------------------------
+def _print_status(st: dict[str, Any]) -> None:
     print(f"coordinator {st['coordinator']}  up {st['uptime_s']}s  "
           f"objects {st['objects']['count']} ({st['objects']['bytes'] / 2**20:.1f} MiB)")
+    for j in st.get("jobs", []):
+        stopping = f"  stopping: {j['stopping']}" if j["stopping"] else ""
+        print(f"  job {j['job_id']} ({j['name']}) up {time.time() - j['started_at']:.0f}s "
+              f"workers={j['workers']}{stopping}")
     for n in st["nodes"]:
         print(f"  node {n['rank']} {n['node_id']} {n['host']} {'alive' if n['alive'] else 'DEAD'} "
               f"devices={len(n['devices'])} heartbeat {n['last_heartbeat_s']}s ago")
@@ -74,21 +129,98 @@ def _status(args: argparse.Namespace) -> int:
         used = mem.get("bytes_used", mem.get("bytes", 0)) or 0
         print(f"  worker {w['worker_id']} rank {w['rank']} {w['device']} pid {w['pid']} {w['state']}"
               f"{' (' + w['exit'] + ')' if w['exit'] else ''} store {used / 2**20:.1f} MiB")
+
+
+def _status(args: argparse.Namespace) -> int:
+    if args.coordinator:
+        target, job = None, args.job
+    else:
+        states = read_states()
+        if args.job:
+            target = _find(states, args.job)
+        elif len(states) > 1:  # several: the list is the status
+            if args.json:
+                print(json.dumps({"jobs": [_state_dict(s) for s in states]}, indent=2))
+            else:
+                print(_listing(states))
+                print("(asyncrl status --job ID shows one of them)", file=sys.stderr)
+            return 0
+        else:
+            target = _only(states, "job or daemon", "--job")
+        job = target.job_id if target.kind is StateKind.DAEMON_JOB else None
+    st = _rpc(args, target, "status", job).to_dict()  # a daemons.messages.ClusterStatus
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        _print_status(st)
     return 0
 
 
+def _state_dict(s: ClusterState) -> dict[str, Any]:
+    return {"job_id": s.job_id, "kind": s.kind.value, "name": s.name, "pid": s.pid,
+            "endpoint": s.endpoint, "started_at": s.started_at}
+
+
 def _stop(args: argparse.Namespace) -> int:
-    _rpc(args, "stop", args.reason)
-    print("stop requested")
+    if args.coordinator:
+        target, job = None, args.job
+    else:
+        states = read_states()
+        if args.job:
+            target = _find(states, args.job)
+            if target.kind is StateKind.DAEMON:
+                _fail(f"{args.job} is a daemon: `asyncrl shutdown --daemon {args.job}` stops it, "
+                      "`asyncrl stop --job ID` one of its jobs", USAGE_ERROR)
+        else:
+            jobs = [s for s in states if s.kind is not StateKind.DAEMON]
+            if not jobs and states:
+                _fail(f"no job runs on this machine; daemon(s) {', '.join(s.job_id for s in states)} "
+                      "idle (`asyncrl shutdown` stops a daemon)")
+            target = _only(jobs, "job", "--job")
+        job = target.job_id if target.kind is StateKind.DAEMON_JOB else None
+    stopped = _rpc(args, target, "stop", args.reason, job)
+    print(f"stop requested for job {stopped}")
+    return 0
+
+
+def _shutdown(args: argparse.Namespace) -> int:
+    if args.coordinator:
+        target = None
+    else:
+        states = read_states()
+        if args.daemon:
+            target = _find(states, args.daemon)
+            if target.kind is not StateKind.DAEMON:
+                _fail(f"{args.daemon} is a job, not a daemon: `asyncrl stop --job {args.daemon}` "
+                      "stops it", USAGE_ERROR)
+        else:
+            target = _only([s for s in states if s.kind is StateKind.DAEMON], "daemon", "--daemon")
+    _rpc(args, target, "shutdown", args.reason)
+    print("shutdown requested: the daemon stops its jobs and exits with status 75, which systemd's "
+          "Restart=on-failure restarts (`systemctl stop` keeps it down)")
     return 0
 
 
 def _submit(args: argparse.Namespace) -> int:
-    import json
-
+    try:
+        overrides = json.loads(args.overrides)
+    except json.JSONDecodeError as e:
+        _fail(f"--overrides is not JSON: {e}", USAGE_ERROR)
+    if not isinstance(overrides, dict):
+        _fail("--overrides must be a JSON object, e.g. '{\"smoke\": {\"rows\": 64}}'", USAGE_ERROR)
+    name = (overrides.get("job") or {}).get("name") or args.entry.rpartition(":")[0].rpartition(".")[2]
+    job_id = args.job or new_job_id(name or "job")
+    if args.coordinator:
+        target = None
+    else:
+        states = read_states()
+        target = (_find(states, args.daemon) if args.daemon else
+                  _only([s for s in states if s.kind is StateKind.DAEMON], "daemon", "--daemon"))
+    print(f"asyncrl: job {job_id} submitted (`asyncrl stop --job {job_id}` ends it)", file=sys.stderr)
+    result = _rpc(args, target, "submit", args.entry, overrides, job_id, timeout=args.timeout,
+                  full_errors=True)
     from asyncrl.metrics import json_line
 
-    result = _rpc(args, "submit", args.entry, json.loads(args.overrides), timeout=args.timeout)
     print(json_line(result))
     return 0
 
@@ -100,7 +232,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
+    ap = argparse.ArgumentParser(prog="asyncrl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     keys = sub.add_parser("keys", help="CurveZMQ key management")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
@@ -109,18 +242,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--name", default="cluster",
                      help="identity name; 'cluster' (default) is the key every daemon presents")
     gen.set_defaults(func=_keys_generate)
-    st = sub.add_parser("status", help="nodes, devices, workers, objects, memory")
+    st = sub.add_parser("status", help="the jobs and daemons here; nodes, workers, objects, memory of one")
+    st.add_argument("--job", help="a job's (or daemon's) id, as `asyncrl status` lists them")
     st.add_argument("--json", action="store_true")
     _add_target(st)
     st.set_defaults(func=_status)
-    stop = sub.add_parser("stop", help="stop the running job")
+    stop = sub.add_parser("stop", help="stop a job (not the daemon that runs it: see shutdown)")
+    stop.add_argument("--job", help="the job's id (default: the only job running)")
     stop.add_argument("--reason", default="asyncrl stop")
     _add_target(stop)
     stop.set_defaults(func=_stop)
+    down = sub.add_parser("shutdown", help="stop a daemon and every job it runs (exit status 75)")
+    down.add_argument("--daemon", help="the daemon's id (default: the only daemon running)")
+    down.add_argument("--reason", default="asyncrl shutdown")
+    _add_target(down)
+    down.set_defaults(func=_shutdown)
     submit = sub.add_parser("submit", help="run a job on a daemon cluster (asyncrl-launch ... daemon)")
     submit.add_argument("entry", help="the driver, package.module:main")
     submit.add_argument("--overrides", default="{}", help='config overrides as JSON, e.g. \'{"smoke": {"rows": 64}}\'')
     submit.add_argument("--timeout", type=float, default=24 * 3600)
+    submit.add_argument("--job", help="the job's id (default: its job.name and a random suffix)")
+    submit.add_argument("--daemon", help="the daemon's id (default: the only daemon running)")
     _add_target(submit)
     submit.set_defaults(func=_submit)
     return ap

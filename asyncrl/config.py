@@ -32,6 +32,7 @@ from asyncrl.parallel import (
 )
 from daemons.errors import ConfigError
 from daemons.node import DEFAULT_SHM_POOL_BYTES
+from transport.peers import ServerLimits
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
 CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.algorithms.registry agrees)
@@ -63,6 +64,9 @@ class ClusterConfig:
     node_rank: int = 0
     nnodes: int = 1
     host: str | None = None  # address this node binds and advertises; None = auto
+    # node 0's coordinator listens here: None = cluster.host, or loopback for a one-node daemon
+    # and the address other nodes route to for nnodes > 1; "0.0.0.0" = every interface
+    bind: str | None = None
     cpu_devices: int = 2  # CPU "devices" per node when there is no GPU
     key_dir: str | None = None  # CurveZMQ key dir (`asyncrl keys generate DIR`); None = ephemeral, one node only
     insecure: bool = False  # unauthenticated sockets: local tests only
@@ -75,9 +79,22 @@ class ClusterConfig:
     # a pre-faulted /dev/shm block per worker store for same-node pulls (costs that much shared
     # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
+    # what every RPC server admits (transport.peers.ServerLimits): an RPC message above this
+    # gets an error (bulk data goes through the object store), and one peer address may hold
+    # this many connections to one server
+    max_message_bytes: int = ServerLimits.max_message_bytes
+    max_connections_per_peer: int = ServerLimits.max_connections_per_peer
+    # workers run only functions and classes from these packages (`run`, hosted Worker
+    # classes), besides asyncrl's own and the job entry's package; e.g. ["my_rewards"]
+    allowed_packages: list[str] = field(default_factory=list)
 
     def check(self, at: str) -> None:
         _positive(at + "shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
+        _positive(at + "max_message_bytes", self.max_message_bytes)
+        _positive(at + "max_connections_per_peer", self.max_connections_per_peer)
+        for pkg in self.allowed_packages:
+            _check(isinstance(pkg, str) and re.fullmatch(r"[A-Za-z_][\w.]*", pkg) is not None,
+                   at + "allowed_packages", pkg, "must be importable package names like my_pkg.rewards")
         _check(self.nnodes >= 1, at + "nnodes", self.nnodes, "must be >= 1")
         _check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
                f"must be in [0, {at}nnodes={self.nnodes})")

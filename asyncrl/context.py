@@ -1,7 +1,9 @@
 """`JobContext`: what an algorithm script's `async def main(ctx)` gets — the cluster, the config,
 resource pools, worker groups, and the driver's own small object store for data it produces
 (prompts from a dataloader). A context owns its store and its `RefTracker`; the DistBatches
-it and its groups hand out carry that tracker, so two contexts in one process never share one."""
+it and its groups hand out carry that tracker, so two contexts in one process never share one.
+A context is one job on the coordinator (`job_id`): its pools and workers are that job's, and
+closing the context stops them, leaving other jobs on the same cluster alone."""
 
 from __future__ import annotations
 
@@ -21,12 +23,22 @@ from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
 from asyncrl.refs import RefTracker
 from asyncrl.transfer import publish
 from daemons.cluster import ClusterSpec, HeadNode
-from daemons.coordinator import Coordinator, ResourcePool
+from daemons.coordinator import Coordinator, JobRecord, ResourcePool
+from daemons.worker import ALLOWED_ENV, entry_package
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectStore
 from objectstore.memory import resolve_memory_limit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _select(cfg: Any, dotted: str) -> Any:
+    """`cfg.a.b` of a DictConfig, dict or dataclass config; None where a part is missing."""
+    for part in dotted.split("."):
+        if cfg is None:
+            return None
+        cfg = cfg.get(part) if hasattr(cfg, "get") else getattr(cfg, part, None)
+    return cfg
 
 
 class Groups(dict):
@@ -42,11 +54,17 @@ class Groups(dict):
 class JobContext:
     """The cluster as a driver script sees it."""
 
-    def __init__(self, coordinator: Coordinator, cfg: Any) -> None:
+    def __init__(self, coordinator: Coordinator, cfg: Any, job_id: str | None = None,
+                 allowed_packages: tuple[str, ...] = ()) -> None:
         self.coordinator = coordinator
         self.cfg = cfg
-        name = cfg.job.name if cfg is not None and "job" in cfg else "job"
-        self.log = logging.getLogger(f"asyncrl.job.{name}")
+        # what this job's workers may run besides asyncrl: its entry's package, the config's list
+        entry, listed = _select(cfg, "job.entry"), _select(cfg, "cluster.allowed_packages")
+        self.allowed_packages = tuple(p for p in dict.fromkeys(
+            [*allowed_packages, entry_package(entry), *(listed or [])]) if p)
+        self.name = cfg.job.name if cfg is not None and "job" in cfg else "job"
+        self.log = logging.getLogger(f"asyncrl.job.{self.name}")
+        self.job: JobRecord = coordinator.begin_job(job_id, self.name)
         self.store: ObjectStore | None = None
         self.tracker: RefTracker | None = None
         self.process_sets: dict[str, ProcessSet] = {}
@@ -59,24 +77,32 @@ class JobContext:
         # the same share as the node's worker stores: one per device, and this one
         limit = resolve_memory_limit(_memory_limit(self.cfg), stores_on_node=len(node.devices) + 1)
         self.store = ObjectStore(node_id=node.node_id, endpoint=f"tcp://{node.host}:0", bulk_host=node.host,
-                                 curve=self.coordinator.curve, insecure=self.coordinator.insecure,
-                                 name="store-driver", memory_limit_bytes=limit)
+                                 curve=self.coordinator.worker_curve, insecure=self.coordinator.insecure,
+                                 limits=self.coordinator.limits, name="store-driver", memory_limit_bytes=limit)
         await self.store.start()
         self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self
 
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
     async def close(self) -> None:
-        if self.tracker is not None:
-            self.tracker.close()
-        if self.store is not None:
-            await self.store.close()
-            self.store = None
+        """Stop this job's workers (only this job's) and close the driver's store."""
+        try:
+            await self.coordinator.end_job(self.job_id)
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
+            if self.store is not None:
+                await self.store.close()
+                self.store = None
 
     # pools and groups ---------------------------------------------------------------------------
     def create_pool(self, name: str, world_size: int | None = None,
                     per_node: list[int] | None = None) -> ResourcePool:
         """A named set of devices: `world_size` in node order, or `per_node[k]` on node rank k."""
-        return self.coordinator.create_pool(name, world_size, per_node)
+        return self.coordinator.create_pool(name, world_size, per_node, job=self.job_id)
 
 
     async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
@@ -116,6 +142,7 @@ class JobContext:
         paths = [str(REPO_ROOT), os.getcwd(), *own]
         paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
         return {"PYTHONPATH": os.pathsep.join(p for p in dict.fromkeys(paths) if p),
+                ALLOWED_ENV: ",".join(self.allowed_packages),
                 COLLECTIVE_TIMEOUT_ENV: str(self.worker_cfg.collective_timeout_s)}
 
     # data ---------------------------------------------------------------------------------------
@@ -132,7 +159,7 @@ class JobContext:
         back, its store's own RPC, and the bytes its store serves to pulling workers (RPC
         replies, bulk TCP, shared memory written for same-node readers)."""
         total = 0
-        for handle in self.coordinator.handles.values():
+        for handle in self.coordinator.job_handles(self.job_id):
             sent, received = handle.client.bytes_transferred
             total += sent + received
         if self.store is not None:
@@ -141,7 +168,7 @@ class JobContext:
         return total
 
     def status(self) -> Any:
-        return self.coordinator.status()
+        return self.coordinator.status(self.job_id)
 
 
 def _memory_limit(cfg: Any) -> int | None:
@@ -154,16 +181,17 @@ def _memory_limit(cfg: Any) -> int | None:
 
 @contextlib.asynccontextmanager
 async def local_cluster(cpu_devices: int = 2, log_dir: str | Path = "outputs/logs", cfg: Any = None,
-                        insecure: bool = False) -> AsyncIterator[JobContext]:
+                        insecure: bool = False, allowed_packages: tuple[str, ...] = ()) -> AsyncIterator[JobContext]:
     """A coordinator, one node daemon and a driver context in this process (tests, benchmarks,
-    notebooks). Workers are stopped and the store closed on exit."""
+    notebooks). Workers are stopped and the store closed on exit. Workers run functions and
+    Worker classes of asyncrl and of `allowed_packages` (e.g. ("my_pkg",)) only."""
     from transport import CurveConfig
 
     curve = None if insecure else CurveConfig.ephemeral()
     spec = ClusterSpec(cpu_devices=cpu_devices, curve=curve, insecure=insecure, log_dir=Path(log_dir),
                        heartbeat_interval_s=0.5)
     async with HeadNode.start(spec) as head:
-        ctx = await JobContext(head.coordinator, cfg).open()
+        ctx = await JobContext(head.coordinator, cfg, allowed_packages=allowed_packages).open()
         try:
             yield ctx
         finally:

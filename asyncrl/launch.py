@@ -8,6 +8,11 @@
 Node 0 (no `cluster.coordinator`) hosts the coordinator, waits for `cluster.nnodes` nodes,
 runs the job's `async def main(ctx)` and tears everything down; other nodes run a node daemon
 until the coordinator releases them. Exit status is non-zero when the job fails.
+
+Each job gets an id (`smoke-3fa2c1`): its state file (`asyncrl status|stop --job ID`) and its
+worker logs (`<cluster.log_dir>/<id>/`) are its own, so jobs on one machine never share either.
+A daemon runs submitted jobs side by side; `asyncrl stop` ends one of them, `asyncrl shutdown`
+the daemon (exit status `SHUTDOWN_EXIT`, so systemd's `Restart=on-failure` brings it back).
 """
 
 from __future__ import annotations
@@ -28,22 +33,27 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config import LaunchConfig, RLConfig, explain, register_schemas, typed
+from asyncrl.config import ClusterConfig, LaunchConfig, RLConfig, explain, register_schemas, typed
 from asyncrl.context import JobContext
 from asyncrl.metrics import json_line
 from asyncrl.rundir import check_output_dir
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
-from daemons.errors import ConfigError, DaemonError
+from daemons.errors import ConfigError, DaemonError, JobError
 from daemons.logs import setup_logging
 from daemons.proc import route_ip
-from daemons.worker import resolve
+from daemons.state import StateKind, new_job_id, remove_state, state_for_this_process, write_state
+from daemons.worker import entry_package, resolve
 from transport import AuthenticationError, CurveConfig, TransportError
 from transport.loop import run
+from transport.peers import ServerLimits
 from transport.rpc import expose
 
 log = logging.getLogger("asyncrl.launch")
 
+# `asyncrl shutdown` ends a daemon with this status (EX_TEMPFAIL): not a crash, but not 0 either, so
+# a service manager's restart-on-failure policy restarts it (`systemctl stop` is how it stays down)
+SHUTDOWN_EXIT = 75
 
 
 # configuration -----------------------------------------------------------------------------------
@@ -90,8 +100,10 @@ def check_config(cfg: DictConfig) -> Any:
     return typed(LaunchConfig, {k: cfg[k] for k in ("cluster", "worker", "job", "seed", "objectstore") if k in cfg})
 
 
-def load_config(config_name: str, overrides: list[str], config_dir: str | None = None) -> DictConfig:
-    """Compose a config as `asyncrl-launch` does and check it against its schema.
+def load_config(config_name: str, overrides: list[str], config_dir: str | None = None,
+                daemon: bool = False) -> DictConfig:
+    """Compose a config as `asyncrl-launch` does (with `daemon`: as `asyncrl-launch ... daemon`
+    does) and check it against its schema.
 
     Raises `ConfigError` naming the bad key, where it was set and the closest valid key.
     """
@@ -107,8 +119,20 @@ def load_config(config_name: str, overrides: list[str], config_dir: str | None =
             cfg = compose(config_name=config_name, overrides=_hydra_overrides(dirs, overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(explain(e, None, files)) from None
+    if daemon:
+        _daemon_size(cfg)
     check_config(cfg)
     return cfg
+
+
+def _daemon_size(cfg: DictConfig) -> None:
+    """A daemon cluster has no fixed size: nodes join whenever they start and nothing waits for
+    `cluster.nnodes` of them, so any `cluster.node_rank` is a valid one (systemd's node units run
+    `cluster.node_rank=K` with the shipped `nnodes: 1`)."""
+    c = cfg.get("cluster")
+    if c is not None and isinstance(c.get("node_rank"), int) and isinstance(c.get("nnodes"), int):
+        with open_dict(cfg):
+            c.nnodes = max(c.nnodes, c.node_rank + 1)
 
 
 def _check_run_dir(cfg: DictConfig, overrides: list[str]) -> None:
@@ -159,22 +183,45 @@ def load_entry(entry: str | None) -> Any:
 
 
 # roles --------------------------------------------------------------------------------------------
-def cluster_spec(cfg: DictConfig, daemon: bool = False) -> ClusterSpec:
-    """This node's daemons as the `cluster` section describes them."""
-    c = cfg.cluster
+def cluster_spec(cfg: DictConfig, daemon: bool = False, job_id: str | None = None) -> ClusterSpec:
+    """This node's daemons as the `cluster` section describes them (keys it lacks: the schema's
+    defaults); the head writes its state file under `job_id` (the job's id, or the daemon's)."""
+    c = OmegaConf.merge(OmegaConf.structured(ClusterConfig), cfg.cluster)
     curve, insecure = security(cfg)
     if c.coordinator is None:  # node 0
-        multi = c.nnodes > 1 or daemon
-        host = c.host or ("127.0.0.1" if not multi else route_ip("192.0.2.1"))
-        bind = "0.0.0.0" if multi and not c.host else host
+        # never every interface by default: loopback for one node (embedded or daemon), the
+        # address the other nodes route to for several; cluster.host / cluster.bind override
+        host = c.host or (route_ip("192.0.2.1") if c.nnodes > 1 else "127.0.0.1")
+        bind = c.bind or host
     else:
         host, bind = c.host or route_ip(c.coordinator.rsplit(":", 1)[0]), None
+    allowed = [*c.allowed_packages, entry_package(OmegaConf.select(cfg, "job.entry"))]
     return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
                        node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
                        log_dir=c.log_dir, heartbeat_interval_s=c.heartbeat_interval_s,
                        node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
                        store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True,
-                       head_loss_timeout_s=None if daemon else c.head_loss_timeout_s)
+                       head_loss_timeout_s=None if daemon else c.head_loss_timeout_s,
+                       job_id=job_id, job_name=str(OmegaConf.select(cfg, "job.name", default="job")), daemon=daemon,
+                       limits=ServerLimits(max_message_bytes=c.max_message_bytes,
+                                           max_connections_per_peer=c.max_connections_per_peer),
+                       allowed_packages=tuple(p for p in dict.fromkeys(allowed) if p))
+
+
+def explain_bind(spec: ClusterSpec, daemon: bool) -> tuple[int, str]:
+    """The log level and line that say where the coordinator listens and how to change it."""
+    bind = spec.bind or spec.host
+    if bind in ("0.0.0.0", "::", "*"):
+        return logging.WARNING, (f"the coordinator listens on every interface ({bind}:{spec.port or 'any port'}, "
+                                 "cluster.bind); only CurveZMQ keys keep strangers out: prefer the "
+                                 "address the other nodes use (cluster.host=ADDRESS)")
+    if bind.startswith("127.") or bind == "::1":
+        if daemon:
+            return logging.WARNING, (f"daemon mode: the coordinator listens on {bind} only (loopback), so "
+                                     "no other machine can join or submit; set cluster.host=ADDRESS (the "
+                                     "address other nodes reach) to serve a cluster")
+        return logging.INFO, f"the coordinator listens on {bind} (loopback)"
+    return logging.INFO, f"the coordinator listens on {bind} (cluster.bind / cluster.host)"
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -188,53 +235,108 @@ def _stop_on_signals() -> asyncio.Event:
 async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
     """Node 0: coordinator + node daemon + the driver (or, as a daemon, submitted jobs)."""
     stop = _stop_on_signals()
+    job_id = new_job_id(cfg.job.name)
     # daemon nodes outlive a coordinator restart and re-register, so they are not released
-    async with HeadNode.start(cluster_spec(cfg, daemon), release_nodes=not daemon) as head:
+    spec = cluster_spec(cfg, daemon, job_id)
+    log.log(*explain_bind(spec, daemon))
+    async with HeadNode.start(spec, release_nodes=not daemon) as head:
         coordinator = head.coordinator
         if daemon:
-            coordinator.server.register_object(JobService(coordinator, cfg))
+            service = JobService(coordinator, cfg, head)
+            coordinator.server.register_object(service)
+            log.info("daemon %s: jobs are submitted with `asyncrl submit`", job_id)
             await _wait_any(stop.wait(), coordinator.stop_requested.wait())
+            await service.stop_all("the daemon is shutting down")
+            if coordinator.stop_requested.is_set():
+                log.warning("daemon stopped: %s; exit status %d", coordinator.stop_reason, SHUTDOWN_EXIT)
+                return SHUTDOWN_EXIT
             return 0
-        await coordinator.wait_for_nodes(cfg.cluster.nnodes, cfg.cluster.join_timeout_s)
-        entry = load_entry(cfg.job.entry)
-        ctx = await JobContext(coordinator, cfg).open()
+        ctx = JobContext(coordinator, cfg, job_id)
+        log.info("job %s: worker logs in %s", job_id, Path(cfg.cluster.log_dir) / job_id)
+        stops = [stop, ctx.job.stopped, coordinator.stop_requested]
         try:
             t0 = time.monotonic()
-            driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
-            await _wait_any(driver, stop.wait(), coordinator.stop_requested.wait())
-            if not driver.done():
-                driver.cancel()
-                await asyncio.gather(driver, return_exceptions=True)
-                log.error("job stopped: %s", coordinator.stop_reason or "signal")
-                return 1
-            result = driver.result()  # raises the driver's exception
-            log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
-            if isinstance(result, dict):  # the job's summary is the last line on stdout
-                print(json_line(result), flush=True)
-            return 0
+            nodes = asyncio.ensure_future(coordinator.wait_for_nodes(cfg.cluster.nnodes, cfg.cluster.join_timeout_s))
+            if await _unless_stopped(nodes, stops):
+                nodes.result()
+                entry = load_entry(cfg.job.entry)
+                await ctx.open()
+                driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
+                if await _unless_stopped(driver, stops):
+                    result = driver.result()  # raises the driver's exception
+                    log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
+                    if isinstance(result, dict):  # the job's summary is the last line on stdout
+                        print(json_line(result), flush=True)
+                    return 0
+            log.error("job stopped: %s (job %s)", ctx.job.stop_reason or coordinator.stop_reason or "signal",
+                      job_id)
+            return 1
         finally:
             await ctx.close()
 
 
 class JobService:
-    """The daemon's job endpoint: `asyncrl submit ENTRY` runs a job on the running cluster."""
+    """The daemon's job endpoint: `asyncrl submit ENTRY` runs a job on the running cluster.
 
-    def __init__(self, coordinator: Coordinator, cfg: DictConfig) -> None:
-        self.coordinator, self.cfg = coordinator, cfg
+    Jobs run side by side, each with its own id, state file, log directory and workers; a job's
+    end (or `asyncrl stop --job ID`) stops its workers only."""
+
+    def __init__(self, coordinator: Coordinator, cfg: DictConfig, head: HeadNode) -> None:
+        self.coordinator, self.cfg, self.head = coordinator, cfg, head
 
     @expose
-    async def submit(self, entry: str, overrides: dict | None) -> Any:
+    async def submit(self, entry: str, overrides: dict | None, job_id: str | None = None) -> Any:
+        """Run `entry` with `overrides` merged over the daemon's config as job `job_id` (default:
+        a new id); returns the driver's result. JobError when the job was stopped."""
+        if self.coordinator.stop_requested.is_set():
+            raise JobError("the daemon is shutting down; submit again once it is back")
         # a submitted job brings config sections of its own: merged as plain data, and a typed
         # job (the RL trainer) checks them against its schema when it starts
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
-                                  OmegaConf.create(overrides or {}))
+                                  OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
         fn = load_entry(entry)
-        ctx = await JobContext(self.coordinator, job_cfg).open()
+        ctx = JobContext(self.coordinator, job_cfg, job_id)
+        spec = self.head.spec
         try:
-            return await fn(ctx)
+            write_state(state_for_this_process(self.head.endpoint, spec.curve is None,
+                                               spec.curve.to_env() if spec.curve else None, ctx.job_id,
+                                               ctx.name, StateKind.DAEMON_JOB), spec.state_dir)
+            log.info("job %s (%s) started: worker logs in %s", ctx.job_id, entry,
+                     Path(spec.log_dir) / ctx.job_id)
+            await ctx.open()
+            driver = asyncio.get_running_loop().create_task(fn(ctx), name=f"driver-{ctx.job_id}")
+            if not await _unless_stopped(driver, [ctx.job.stopped]):
+                raise JobError(f"job {ctx.job_id} stopped: {ctx.job.stop_reason}")
+            result = driver.result()
+            log.info("job %s finished", ctx.job_id)
+            return result
         finally:
             await ctx.close()
-            await self.coordinator.shutdown_workers()
+            remove_state(ctx.job_id, spec.state_dir)
+
+    async def stop_all(self, reason: str, timeout_s: float = 20.0) -> None:
+        """Stop every running job and wait (up to `timeout_s`) until each has cleaned up."""
+        for record in list(self.coordinator.jobs.values()):
+            record.stop_reason = record.stop_reason or reason
+            record.stopped.set()
+        deadline = time.monotonic() + timeout_s
+        while self.coordinator.jobs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+async def _unless_stopped(task: asyncio.Future, stops: list[asyncio.Event]) -> bool:
+    """Wait for `task` unless one of `stops` is set first, which cancels it. Whether it ended."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in stops]
+    try:
+        await asyncio.wait([task, *waiters], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return False
 
 
 async def run_node(cfg: DictConfig, daemon: bool = False) -> int:
@@ -267,7 +369,7 @@ async def _wait_any(*aws: Any) -> None:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in tasks:
-            if not t.done() and t.get_name() != "driver":
+            if not t.done():
                 t.cancel()
 
 
@@ -292,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--config-dir {args.config_dir}: no such directory")
         jobs = _sweep(args.overrides) if args.multirun else [args.overrides]
         for overrides in jobs:
-            cfg = load_config(config_name, overrides, args.config_dir)
+            cfg = load_config(config_name, overrides, args.config_dir, daemon)
             if not args.multirun and not args.cfg and OmegaConf.get_type(cfg) is RLConfig:
                 _check_run_dir(cfg, overrides)
                 if cfg.cluster.coordinator is None and not args.info:  # node 0 reads data, imports the reward

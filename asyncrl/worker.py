@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from asyncrl.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
 from asyncrl.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.transfer import materialize_all, publish_all, to_device
-from daemons.worker import WorkerRuntime, resolve, wants_runtime
+from daemons.worker import WorkerRuntime, wants_runtime
 from objectstore import ObjectStore
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -140,7 +140,9 @@ class Worker:
     async def asyncrl_apply(self, fn_path: str, args: list, kwargs: dict) -> list[Any]:
         """Run the importable function `fn_path` here, on this rank's pulled data (a `runtime`
         parameter gets this process's runtime)."""
-        fn = resolve(fn_path)
+        if self.runtime is None:
+            raise RuntimeError("apply() runs inside a worker process; this Worker has no runtime")
+        fn = self.runtime.resolve(fn_path)
         if wants_runtime(fn):
             kwargs = {**kwargs, "runtime": self.runtime}
         return await self._run(fn, True, args, kwargs)

@@ -34,7 +34,11 @@ def main() -> None:
     for part in parts:
         t0 = time.perf_counter()
         try:
-            result.update(importlib.import_module(f"benchmarks.chaos_{part}").run())
+            part_result = importlib.import_module(f"benchmarks.chaos_{part}").run()
+            for key in ("seconds", "errors"):  # this report's own keys
+                if key in part_result:
+                    part_result[f"{part}_{key}"] = part_result.pop(key)
+            result.update(part_result)
         except Exception as e:  # a failed part is reported, the others still run
             result["errors"][part] = f"{type(e).__name__}: {e}"
         result["seconds"][part] = round(time.perf_counter() - t0, 1)

@@ -152,7 +152,7 @@ async def _wait_gone(shm_dir: str, tokens: set[str], timeout: float) -> None:
 async def store_full(tokens: set[str], log_dir: str) -> dict:
     """A worker fills its limited store; then it is SIGKILLed with a segment out."""
     spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=log_dir, heartbeat_interval_s=0.5,
-                       store_memory_limit=STORE_LIMIT)
+                       store_memory_limit=STORE_LIMIT, allowed_packages=("benchmarks",))
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("chaos"))
         tokens.add((await worker.call("store_stats", timeout=10))["shm_owner"])

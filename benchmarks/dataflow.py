@@ -82,7 +82,7 @@ async def chain_bytes(ctx, producers, consumers, nbytes: int, rows: int = 1024) 
 
 async def main_async(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as logs:
-        async with local_cluster(cpu_devices=8, log_dir=logs) as ctx:
+        async with local_cluster(cpu_devices=8, log_dir=logs, allowed_packages=("benchmarks",)) as ctx:
             producers = await ctx.spawn_group(ctx.create_pool("producers", world_size=2), Producer)
             consumers = await ctx.spawn_group(ctx.create_pool("consumers", world_size=4), Consumer)
             await chain_bytes(ctx, producers, consumers, MIB)  # warm up connections

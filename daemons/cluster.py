@@ -6,30 +6,39 @@
     async with NodeOnly.start(spec.joining("tcp://10.0.0.1:29400", node_rank=1)) as node:
         await node.daemon.stopped.wait()           # serve until the coordinator releases us
 
-`HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. The
-state file (`<state dir>/coordinator.json`, the dir from $ASYNCRL_STATE_DIR, else
-~/.asyncrl/state) records the head's endpoint and keys for `asyncrl status|stop|submit`.
+`HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. With
+`spec.write_state` the head records its endpoint and a client key pair that only this
+coordinator admits (never the cluster secret) in its own state file,
+`<state dir>/<spec.job_id>.json` (mode 0600, see `daemons.state`), for
+`asyncrl status|stop|shutdown|submit`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from daemons.coordinator import Coordinator
 from daemons.node import DEFAULT_SHM_POOL_BYTES, NodeDaemon
+from daemons.state import (
+    ClusterState,
+    StateKind,
+    new_job_id,
+    read_states,
+    remove_state,
+    state_dir,
+    state_for_this_process,
+    write_state,
+)
 from transport import CurveConfig
 from transport.loop import LoopLagMonitor
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = "coordinator.json"
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,8 @@ class ClusterSpec:
 
     host: str = "127.0.0.1"  # address this node binds and advertises
     bind: str | None = None  # the coordinator's bind address (default: host; "0.0.0.0" for all)
+    limits: ServerLimits = ServerLimits()  # what every server of this node admits
+    allowed_packages: tuple[str, ...] = ()  # workers run code from these and asyncrl's packages
     port: int = 0  # the coordinator's port (0: any)
     coordinator: str | None = None  # NodeOnly: the head's "tcp://HOST:PORT"
     node_rank: int = 0
@@ -54,6 +65,9 @@ class ClusterSpec:
     store_memory_limit: int | None = None  # bytes per worker store; None: objectstore.memory's default
     write_state: bool = False  # HeadNode: write the state file (and remove it on stop)
     state_dir: str | os.PathLike | None = None  # None: $ASYNCRL_STATE_DIR or ~/.asyncrl/state
+    job_id: str | None = None  # HeadNode: the state file's id (None: a new one from job_name)
+    job_name: str = "job"
+    daemon: bool = False  # HeadNode: the state file names a daemon (`asyncrl shutdown`), not a job
 
     def joining(self, coordinator: str, node_rank: int) -> ClusterSpec:
         """This spec for a node that joins the head at `coordinator`."""
@@ -66,54 +80,8 @@ class ClusterSpec:
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),
                           shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
-                          head_loss_timeout=None if self.node_rank == 0 else self.head_loss_timeout_s)
-
-
-# state file ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ClusterState:
-    """What `asyncrl status|stop|submit` need to reach the coordinator on this machine."""
-
-    endpoint: str  # "tcp://HOST:PORT"
-    pid: int
-    insecure: bool
-    curve: dict[str, str] | None = None  # CurveConfig.to_env()
-
-    def client_curve(self) -> CurveConfig | None:
-        return None if self.insecure or self.curve is None else CurveConfig.from_env(self.curve)
-
-
-def state_dir(directory: str | os.PathLike | None = None) -> Path:
-    """`directory`, else $ASYNCRL_STATE_DIR, else ~/.asyncrl/state."""
-    if directory is not None:
-        return Path(directory)
-    return Path(os.environ.get("ASYNCRL_STATE_DIR", Path.home() / ".asyncrl" / "state"))
-
-
-def write_state(state: ClusterState, directory: str | os.PathLike | None = None) -> Path:
-    """Write the state file (mode 0600: it holds the cluster's keys); returns its path."""
-    folder = state_dir(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / STATE_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"endpoint": state.endpoint, "pid": state.pid, "insecure": state.insecure,
-                   "curve": state.curve}, f)
-    return path
-
-
-def read_state(directory: str | os.PathLike | None = None) -> ClusterState | None:
-    """The state file's contents, or None when no coordinator runs on this machine."""
-    path = state_dir(directory) / STATE_FILE
-    try:
-        raw: dict[str, Any] = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    return ClusterState(raw["endpoint"], int(raw.get("pid", 0)), bool(raw["insecure"]), raw.get("curve"))
-
-
-def remove_state(directory: str | os.PathLike | None = None) -> None:
-    (state_dir(directory) / STATE_FILE).unlink(missing_ok=True)
+                          head_loss_timeout=None if self.node_rank == 0 else self.head_loss_timeout_s,
+                          limits=self.limits)
 
 
 # daemons ---------------------------------------------------------------------------------------
@@ -125,6 +93,7 @@ class HeadNode:
         self.coordinator = coordinator
         self.node = node
         self.endpoint = endpoint  # advertised "tcp://HOST:PORT"
+        self.state_id = spec.job_id or new_job_id(spec.job_name)
         self.state_path: Path | None = None
         # the driver shares this loop: a warning names any stall its code causes (heartbeats
         # are unaffected, see daemons.liveness)
@@ -135,7 +104,8 @@ class HeadNode:
         """Start the coordinator and the node daemon, wait for the node to register, and write
         the state file when `spec.write_state`."""
         coordinator = Coordinator(f"tcp://{spec.bind or spec.host}:{spec.port}", curve=spec.curve,
-                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s)
+                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s,
+                                  limits=spec.limits, allowed_packages=spec.allowed_packages)
         await coordinator.start()
         endpoint = f"tcp://{spec.host}:{coordinator.endpoint.rsplit(':', 1)[1]}"
         node = spec.node_daemon(endpoint)
@@ -144,9 +114,10 @@ class HeadNode:
         try:
             await node.start()
             if spec.write_state:
-                head.state_path = write_state(ClusterState(
-                    endpoint, os.getpid(), spec.curve is None,
-                    spec.curve.to_env() if spec.curve else None), spec.state_dir)
+                head.state_path = write_state(state_for_this_process(
+                    endpoint, spec.curve is None, coordinator.cli_curve.to_env() if coordinator.cli_curve else None,
+                    head.state_id, spec.job_name, StateKind.DAEMON if spec.daemon else StateKind.JOB),
+                    spec.state_dir)
             await node.wait_registered(spec.register_timeout_s)
         except BaseException:
             await head.stop()
@@ -177,7 +148,7 @@ class HeadNode:
             await self.coordinator.close()
         finally:
             if self.state_path is not None:
-                self.state_path.unlink(missing_ok=True)
+                remove_state(self.state_id, self.spec.state_dir)
                 self.state_path = None
 
 
@@ -216,3 +187,8 @@ class NodeOnly:
     async def stop(self) -> None:
         """Kill this node's workers and close the daemon."""
         await self.daemon.close()
+
+
+# the state file API lives in daemons.state; re-exported for callers of this module
+__all__ = ["ClusterSpec", "ClusterState", "HeadNode", "NodeOnly", "read_states", "remove_state", "state_dir",
+           "write_state"]

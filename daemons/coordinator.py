@@ -5,6 +5,15 @@ that blocks the loop delays the coordinator's answers but never gets a healthy n
 to workers through `WorkerHandle`s (`daemons.worker_client`); the coordinator holds only
 metadata — where workers and objects are — never bulk data. Its RPC endpoints are its
 `@expose` methods; what nodes and workers send it are the typed messages of `daemons.messages`.
+
+Every pool and worker belongs to a job (`begin_job`); `end_job` stops that job's workers only
+and forgets its pools, handles and objects, so a daemon running job after job (or several at
+once) neither kills other jobs' workers nor grows.
+
+Keys: the coordinator serves with the cluster key. Workers never see it: the coordinator makes
+a worker key pair (`worker_curve`) that every worker and object store of its jobs serves and
+connects with, hands it to workers in their spawn request, and admits it as a client; local
+tools get a client pair of their own (`cli_curve`, written to the state file).
 """
 
 from __future__ import annotations
@@ -13,13 +22,14 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from daemons.errors import NodeDiedError, PlacementError, WorkerDiedError
+from daemons.errors import JobError, NodeDiedError, PlacementError, WorkerDiedError
 from daemons.liveness import HeartbeatServer
 from daemons.messages import (
     ClusterStatus,
+    JobStatus,
     NodeLiveness,
     NodeRegistration,
     NodeStatus,
@@ -29,6 +39,8 @@ from daemons.messages import (
     WorkerState,
     WorkerStatus,
 )
+from daemons.state import check_job_id, new_job_id
+from daemons.worker import ALLOWED_ENV, COORDINATOR_KEY_ENV
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectRef
 from transport import (
@@ -40,6 +52,7 @@ from transport import (
     TransportError,
     expose,
 )
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +86,7 @@ class WorkerInfo:
     exit_reason: str = ""
     log_tail: str = ""
     ready: asyncio.Future | None = None
+    job: str = ""
 
 
 @dataclass
@@ -81,10 +95,26 @@ class ResourcePool:
 
     name: str
     placements: list[tuple[str, str]]  # (node_id, device), in rank order
+    job: str = ""  # the job that made it; its name is unique within that job
 
     @property
     def world_size(self) -> int:
         return len(self.placements)
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}/{self.name}" if self.job else self.name
+
+
+@dataclass
+class JobRecord:
+    """A job this coordinator runs; it owns the pools and workers made under its id."""
+
+    job_id: str
+    name: str
+    started_at: float = field(default_factory=time.time)
+    stop_reason: str = ""
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set by `stop`: the job should end
 
 
 class Coordinator:
@@ -96,27 +126,46 @@ class Coordinator:
         insecure: bool = False,
         node_timeout: float = 5.0,
         spawn_timeout: float = 120.0,
+        limits: ServerLimits | None = None,
+        allowed_packages: tuple[str, ...] = (),
     ) -> None:
-        self.curve, self.insecure = curve, insecure
+        self.insecure = insecure
+        # the worker pair talks to worker and store servers (which present it) and, as a
+        # client, to this coordinator; the CLI pair only to this coordinator
+        self.worker_curve = None if curve is None else CurveConfig.ephemeral()
+        self.cli_curve = None if curve is None else CurveConfig.identity(curve.public_key)
+        if curve is not None:
+            curve = curve.authorizing(self.worker_curve.public_key, self.cli_curve.public_key)
+        self.curve = curve
+        self.limits = limits or ServerLimits()
+        self.allowed_packages = tuple(allowed_packages)  # besides asyncrl's; see daemons.worker
         self.node_timeout = node_timeout
         self.spawn_timeout = spawn_timeout
-        self.server = RpcServer(endpoint, curve=curve, insecure=insecure, name="coordinator")
+        self.server = RpcServer(endpoint, curve=curve, insecure=insecure, limits=self.limits,
+                                name="coordinator")
         self.nodes: dict[str, NodeInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.handles: dict[str, WorkerHandle] = {}
-        self.pools: dict[str, ResourcePool] = {}
+        self.pools: dict[str, ResourcePool] = {}  # by ResourcePool.key
+        self.jobs: dict[str, JobRecord] = {}
         self.objects: dict[str, tuple[str, str, int]] = {}  # object id -> (worker id, node id, nbytes)
         self.node_joined = asyncio.Condition()
-        self.stop_requested = asyncio.Event()
+        self.stop_requested = asyncio.Event()  # `shutdown`: the process should end
         self.stop_reason = ""
         self._ids = itertools.count()
         self.liveness = HeartbeatServer(endpoint.removeprefix("tcp://").rsplit(":", 1)[0], curve=curve,
                                         insecure=insecure, node_timeout=node_timeout,
-                                        on_silent=self._node_silent)
+                                        on_silent=self._node_silent, limits=self.limits,
+                                        # only node daemons (the cluster key) send heartbeats
+                                        restricted=[k.public_key for k in (self.worker_curve, self.cli_curve)
+                                                    if k is not None])
         self.started_at = time.time()
 
     async def start(self) -> str:
         self.server.register_object(self)
+        if self.worker_curve is not None:
+            # workers run job code: their key may report readiness, not stop or submit jobs
+            self.server.restrict_client(self.worker_curve.public_key, {"worker_ready"})
         endpoint = await self.server.start()
         await self.liveness.start()
         return endpoint
@@ -192,12 +241,13 @@ class Coordinator:
 
     # resource pools and placement ------------------------------------------------------------
     def create_pool(self, name: str, world_size: int | None = None,
-                    per_node: list[int] | None = None) -> ResourcePool:
-        """Pick devices for a pool: `per_node[k]` devices on node rank k, or `world_size` in order."""
+                    per_node: list[int] | None = None, *, job: str = "") -> ResourcePool:
+        """Pick devices for a pool of `job`: `per_node[k]` devices on node rank k, or `world_size`
+        in order. Devices held by any job's pools are not free."""
         nodes = self.live_nodes()
         if not nodes:
             raise PlacementError("no node has joined the cluster yet")
-        if name in self.pools:
+        if ResourcePool(name, [], job).key in self.pools:
             raise PlacementError(f"a pool named {name!r} exists already; pick another name")
         taken = {p for pool in self.pools.values() for p in pool.placements}
         placements: list[tuple[str, str]] = []
@@ -220,8 +270,8 @@ class Coordinator:
                                      f"{len(taken)} held by pools {sorted(self.pools)}); colocate "
                                      "roles on one pool instead of making another")
             placements = available[:want]
-        pool = ResourcePool(name, placements)
-        self.pools[name] = pool
+        pool = ResourcePool(name, placements, job)
+        self.pools[pool.key] = pool
         return pool
 
     async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
@@ -238,15 +288,19 @@ class Coordinator:
             local_counts[node_id] = local_rank + 1
             worker_id = f"{group}-{rank}-{next(self._ids)}"
             info = WorkerInfo(worker_id, node_id, rank, group, device,
-                              ready=asyncio.get_running_loop().create_future())
+                              ready=asyncio.get_running_loop().create_future(), job=pool.job)
             self.workers[worker_id] = info
             worker_env = {
                 "RANK": str(rank), "WORLD_SIZE": str(pool.world_size), "LOCAL_RANK": str(local_rank),
                 "MASTER_ADDR": master_node.host, "MASTER_PORT": str(master_port),
                 "LOCAL_WORLD_SIZE": str(per_node[node_id]), "ASYNCRL_DEVICE": device, "ASYNCRL_GROUP": group, **(env or {}),
             }
+            allowed = [*self.allowed_packages, *(env or {}).get(ALLOWED_ENV, "").split(",")]
+            worker_env[ALLOWED_ENV] = ",".join(p for p in dict.fromkeys(allowed) if p)
+            worker_env.update(self.worker_env())
             # a GPU's physical id is known only to its node: the node daemon pins the worker to it
-            info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env), timeout=30)
+            info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env, pool.job),
+                                              timeout=30)
             infos.append(info)
         try:
             await asyncio.wait_for(asyncio.gather(*[i.ready for i in infos]), self.spawn_timeout)
@@ -256,12 +310,20 @@ class Coordinator:
                                  "see their logs in the node's log_dir") from None
         handles = []
         for info in infos:
-            client = RpcClient(info.endpoint, curve=self.curve, insecure=self.insecure,
+            client = RpcClient(info.endpoint, curve=self.worker_curve, insecure=self.insecure,
                                name=f"driver->{info.worker_id}")
             handle = WorkerHandle(self, info, client)
             self.handles[info.worker_id] = handle
             handles.append(handle)
         return handles
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker needs to authenticate: the worker key pair and this coordinator's public
+        key (never the cluster secret), or the insecure flag; limits for its servers."""
+        env = self.limits.to_env()
+        if self.worker_curve is None:
+            return {**env, "ASYNCRL_INSECURE": "1"}
+        return {**env, **self.worker_curve.to_env(), COORDINATOR_KEY_ENV: self.curve.public_key.decode()}
 
     @expose
     def worker_ready(self, msg: WorkerReady) -> bool:
@@ -343,18 +405,13 @@ class Coordinator:
         return [i for i in infos if i.state is WorkerState.DEAD]
 
     async def shutdown_workers(self, grace_s: float = 5.0) -> None:
-        """Stop every worker: ask nicely, then let node daemons kill what is left. Frees all pools."""
+        """Stop every worker of every job: ask nicely, then let node daemons kill what is left.
+        Frees all pools."""
         self.pools.clear()
         for info in self.workers.values():
             if info.state is not WorkerState.DEAD:
                 info.exit_reason = "stopped"
-        async def ask(handle: WorkerHandle) -> None:
-            try:
-                await handle.client.call("shutdown", timeout=1)
-            except Exception:  # it is stopped below either way
-                pass
-
-        await asyncio.gather(*(ask(h) for h in self.handles.values() if h.info.state is WorkerState.READY))
+        await self._ask_to_shut_down(list(self.handles.values()))
 
         async def kill(node: NodeInfo) -> None:
             try:
@@ -369,6 +426,78 @@ class Coordinator:
         # nodes whose workers are all dead have nothing to stop (and may be dead themselves)
         busy = {i.node_id for i in self.workers.values() if i.state is not WorkerState.DEAD}
         await asyncio.gather(*(kill(n) for n in self.live_nodes() if n.node_id in busy))
+
+    async def _ask_to_shut_down(self, handles: list[WorkerHandle]) -> None:
+        async def ask(handle: WorkerHandle) -> None:
+            try:
+                await handle.client.call("shutdown", timeout=1)
+            except (ConnectionLost, RpcTimeout, Exception):
+                pass
+        await asyncio.gather(*(ask(h) for h in handles if h.info.state is WorkerState.READY))
+
+    # jobs ---------------------------------------------------------------------------------------
+    def begin_job(self, job_id: str | None = None, name: str = "job") -> JobRecord:
+        """Register a job; its pools and workers are made with `job=record.job_id`."""
+        job_id = check_job_id(job_id) if job_id else new_job_id(name)
+        if job_id in self.jobs:
+            raise JobError(f"a job with id {job_id!r} runs already on this coordinator; pick another id")
+        record = self.jobs[job_id] = JobRecord(job_id, name)
+        return record
+
+    def job_handles(self, job_id: str) -> list[WorkerHandle]:
+        return [h for h in self.handles.values() if h.info.job == job_id]
+
+    async def end_job(self, job_id: str, grace_s: float = 5.0) -> None:
+        """Stop the workers of `job_id` (not other jobs') and forget its pools, workers, handles
+        and objects."""
+        infos = [i for i in self.workers.values() if i.job == job_id]
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                info.exit_reason = info.exit_reason or "stopped"
+        handles = [self.handles[i.worker_id] for i in infos if i.worker_id in self.handles]
+        await self._ask_to_shut_down(handles)
+        by_node: dict[str, list[str]] = {}
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                by_node.setdefault(info.node_id, []).append(info.worker_id)
+
+        async def kill(node_id: str, ids: list[str]) -> None:
+            node = self.nodes.get(node_id)
+            if node is None or not node.alive:
+                return
+            try:
+                await node.client.call("kill_workers", ids, grace_s, timeout=grace_s + 10)
+            except Exception as e:  # its heartbeats decide whether the node is gone
+                log.warning("node %s did not confirm stopping job %s's workers: %s", node_id, job_id, e)
+        await asyncio.gather(*(kill(n, ids) for n, ids in by_node.items()))
+        for info in infos:
+            if info.state is not WorkerState.DEAD:
+                self._mark_dead(info, "stopped", "")
+            self.workers.pop(info.worker_id, None)
+            handle = self.handles.pop(info.worker_id, None)
+            if handle is not None:
+                await handle.client.close()
+        ids = {i.worker_id for i in infos}
+        for oid in [o for o, (w, _, _) in self.objects.items() if w in ids]:
+            del self.objects[oid]
+        for key in [k for k, p in self.pools.items() if p.job == job_id]:
+            del self.pools[key]
+        self.jobs.pop(job_id, None)
+
+    def find_job(self, job_id: str | None) -> JobRecord:
+        """The job `job_id`, or the only one running when it is None; JobError says what runs."""
+        if job_id is not None:
+            record = self.jobs.get(job_id)
+            if record is None:
+                raise JobError(f"no job {job_id!r} runs on this coordinator; running: "
+                               f"{', '.join(self.jobs) or 'none'}")
+            return record
+        if len(self.jobs) == 1:
+            return next(iter(self.jobs.values()))
+        if not self.jobs:
+            raise JobError("no job runs on this coordinator (`asyncrl shutdown` stops a daemon)")
+        raise JobError(f"{len(self.jobs)} jobs run on this coordinator ({', '.join(self.jobs)}); "
+                       "name one with --job ID")
 
     async def shutdown_nodes(self) -> None:
         async def release(node: NodeInfo) -> None:
@@ -395,7 +524,13 @@ class Coordinator:
 
     # status -----------------------------------------------------------------------------------
     @expose
-    async def status(self) -> ClusterStatus:
+    async def status(self, job: str | None = None) -> ClusterStatus:
+        """Nodes, workers, pools, objects and store memory; with `job`, only that job's."""
+        jobs = [self.find_job(job)] if job is not None else list(self.jobs.values())
+        mine = {j.job_id for j in jobs}
+        workers = [w for w in self.workers.values() if job is None or w.job in mine]
+        owners = {w.worker_id for w in workers}
+        objects = [b for w, _, b in self.objects.values() if job is None or w in owners]
         return ClusterStatus(
             coordinator=self.endpoint,
             uptime_s=round(time.time() - self.started_at, 1),
@@ -403,18 +538,24 @@ class Coordinator:
                                    round(self.liveness.silence(n.node_id) or 0.0, 2))
                         for n in sorted(self.nodes.values(), key=lambda n: n.rank)),
             workers=tuple(WorkerStatus(w.worker_id, w.group, w.rank, w.node_id, w.device, w.pid,
-                                       w.state, w.exit_reason)
-                          for w in self.workers.values()),
-            pools={p.name: [list(pl) for pl in p.placements] for p in self.pools.values()},
-            objects={"count": len(self.objects), "bytes": sum(b for _, _, b in self.objects.values())},
-            memory=await self.worker_memory(),
+                                       w.state, w.exit_reason, w.job)
+                          for w in workers),
+            pools={p.key: [list(pl) for pl in p.placements] for p in self.pools.values()
+                   if job is None or p.job in mine},
+            objects={"count": len(objects), "bytes": sum(objects)},
+            memory=await self.worker_memory(None if job is None else mine),
+            jobs=tuple(JobStatus(j.job_id, j.name, round(j.started_at, 3),
+                                 sum(1 for w in self.workers.values()
+                                     if w.job == j.job_id and w.state is not WorkerState.DEAD),
+                                 j.stop_reason)
+                       for j in jobs),
         )
 
-    async def worker_memory(self) -> dict[str, Any]:
-        """Per-worker object-store usage, asked of each live worker."""
+    async def worker_memory(self, jobs: set[str] | None = None) -> dict[str, Any]:
+        """Per-worker object-store usage, asked of each live worker (of `jobs` when given)."""
         out = {}
-        for wid, handle in self.handles.items():
-            if handle.info.state is WorkerState.READY:
+        for wid, handle in list(self.handles.items()):
+            if handle.info.state is WorkerState.READY and (jobs is None or handle.info.job in jobs):
                 try:
                     out[wid] = await handle.client.call("store_stats", timeout=2)
                 except Exception as e:  # status must work while things are failing
@@ -422,10 +563,21 @@ class Coordinator:
         return out
 
     @expose
-    def stop(self, reason: str = "asyncrl stop") -> bool:
+    def stop(self, reason: str = "asyncrl stop", job: str | None = None) -> str:
+        """Ask job `job` (or the only job running) to end; returns its id. Its driver is cancelled
+        and its workers stopped; other jobs and the coordinator keep running."""
+        record = self.find_job(job)
+        record.stop_reason = reason or "asyncrl stop"
+        record.stopped.set()
+        log.info("job %s: stop requested (%s)", record.job_id, record.stop_reason)
+        return record.job_id
+
+    @expose
+    def shutdown(self, reason: str = "asyncrl shutdown") -> bool:
+        """End this coordinator's process (a daemon: every job it runs, then the daemon)."""
         self.stop_reason = reason
         self.stop_requested.set()
         return True
 
 
-__all__ = ["Coordinator", "NodeDiedError", "ResourcePool", "WorkerInfo"]
+__all__ = ["Coordinator", "JobRecord", "NodeDiedError", "ResourcePool", "WorkerInfo"]

@@ -34,6 +34,14 @@ class NodeDiedError(DaemonError):
     """A node daemon stopped heartbeating; its workers are gone."""
 
 
+class JobError(DaemonError):
+    """A job id names no running job, is taken, or several jobs run and none was named."""
+
+
+class NotAllowedError(DaemonError, PermissionError):
+    """A worker was asked to run a function or class outside its allow-list."""
+
+
 class PlacementError(DaemonError):
     """A resource pool cannot be placed on the devices the cluster has."""
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from transport import CurveConfig, RpcClient, RpcServer, TransportError
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ class HeartbeatServer:
     """
 
     def __init__(self, bind_host: str, *, curve: CurveConfig | None, insecure: bool, node_timeout: float,
-                 on_silent: Callable[[str, float], None]) -> None:
+                 on_silent: Callable[[str, float], None], limits: ServerLimits | None = None,
+                 restricted: list[bytes] | None = None) -> None:
         self.bind_host, self.curve, self.insecure = bind_host, curve, insecure
+        self.limits = limits
+        self.restricted = list(restricted or [])  # client keys that may call nothing here
         self.node_timeout = node_timeout
         self.on_silent = on_silent
         self._seen: dict[str, float] = {}  # node id -> monotonic time of its last heartbeat
@@ -89,8 +93,10 @@ class HeartbeatServer:
 
     async def _serve(self) -> int:
         self._server = RpcServer(f"tcp://{self.bind_host}:0", curve=self.curve, insecure=self.insecure,
-                                 name="liveness")
+                                 limits=self.limits, name="liveness")
         self._server.register("heartbeat", self._heartbeat)
+        for key in self.restricted:
+            self._server.restrict_client(key, frozenset())
         endpoint = await self._server.start()
         self._watch = asyncio.get_running_loop().create_task(self._watch_nodes(), name="liveness-watch")
         return int(endpoint.rsplit(":", 1)[1])

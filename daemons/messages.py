@@ -41,10 +41,12 @@ class NodeRegistration:
 @message(Ext.WORKER_SPEC)
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """Coordinator -> node: start one worker process with `env` added to the node's environment."""
+    """Coordinator -> node: start one worker process with `env` added to the node's environment;
+    its log goes to `<log_dir>/<job_id>/`."""
 
     worker_id: str
     env: dict[str, str] = field(default_factory=dict)
+    job_id: str = ""
 
 
 @message(Ext.WORKER_READY)
@@ -112,6 +114,19 @@ class WorkerStatus:
     pid: int
     state: WorkerState
     exit: str
+    job: str = ""  # the id of the job that spawned it
+
+
+@message(Ext.JOB_STATUS)
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    """One job a coordinator runs (embedded: its own; a daemon: each submitted one)."""
+
+    job_id: str
+    name: str
+    started_at: float  # time.time()
+    workers: int  # its live worker processes
+    stopping: str = ""  # why it is being stopped, once it is
 
 
 @message(Ext.CLUSTER_STATUS)
@@ -126,6 +141,7 @@ class ClusterStatus:
     pools: dict[str, list[list[str]]]  # pool name -> [(node id, device)] in rank order
     objects: dict[str, int]  # {"count": n, "bytes": n}
     memory: dict[str, Any]  # worker id -> its store's stats (or {"error": ...})
+    jobs: tuple[JobStatus, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (`asyncrl status --json`)."""
@@ -137,7 +153,9 @@ class ClusterStatus:
                       for n in self.nodes],
             "workers": [{"worker_id": w.worker_id, "group": w.group, "rank": w.rank,
                          "node_id": w.node_id, "device": w.device, "pid": w.pid,
-                         "state": w.state.value, "exit": w.exit} for w in self.workers],
+                         "state": w.state.value, "exit": w.exit, "job": w.job} for w in self.workers],
             "pools": {k: [list(p) for p in v] for k, v in self.pools.items()},
             "objects": dict(self.objects), "memory": dict(self.memory),
+            "jobs": [{"job_id": j.job_id, "name": j.name, "started_at": j.started_at,
+                      "workers": j.workers, "stopping": j.stopping} for j in self.jobs],
         }

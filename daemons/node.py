@@ -5,6 +5,8 @@ coordinator has been unreachable for `coordinator_timeout` seconds it kills its 
 orphans) and keeps trying to register again, so a restarted coordinator gets the node back —
 unless `head_loss_timeout` is set (a job's non-head node): after that long without the head the
 daemon stops (`stopped` is set, `stop_reason` says why).
+Worker logs go to `<log_dir>/<job id>/worker-<worker id>.log`: jobs sharing a node never share
+a log file.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from daemons.liveness import HeartbeatSender
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
+from daemons.state import check_job_id
 from objectstore.memory import resolve_memory_limit
 from objectstore.segments import remove_stale_segments
 from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,7 @@ class NodeDaemon:
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
         head_loss_timeout: float | None = None,
         store_memory_limit: int | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.coordinator_endpoint = coordinator
         self.node_rank = node_rank
@@ -131,7 +136,8 @@ class NodeDaemon:
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
-        self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, name=f"node-{node_rank}")
+        self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
+                                name=f"node-{node_rank}")
         self.coordinator = RpcClient(coordinator, curve=curve, insecure=insecure, name="node->coordinator",
                                      heartbeat_interval=heartbeat_interval,
                                      heartbeat_timeout=max(2.0, coordinator_timeout / 2))
@@ -236,7 +242,11 @@ class NodeDaemon:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spawn_worker takes a WorkerSpec, got a {type(spec).__qualname__}")
         worker_id = spec.worker_id
-        log_path = str(self.log_dir / f"worker-{worker_id}.log")
+        if worker_id in self.children:
+            raise ValueError(f"worker {worker_id!r} runs already on node {self.node_id}")
+        folder = self.log_dir / check_job_id(spec.job_id) if spec.job_id else self.log_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        log_path = str(folder / f"worker-{worker_id}.log")
         full_env = {**os.environ, SHM_POOL_ENV: str(self.shm_pool_bytes),
                     STORE_MEMORY_LIMIT_ENV: str(self.store_memory_limit),
                     **{k: str(v) for k, v in spec.env.items()},
@@ -250,10 +260,13 @@ class NodeDaemon:
         if iface is not None:
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 full_env.setdefault(var, iface)
+        # keys come from the coordinator in spec.env (its worker key pair): this node's own
+        # cluster key never reaches a worker, and an inherited one is dropped
+        for key in [k for k in full_env if k.startswith("ASYNCRL_CURVE_")]:
+            if key not in spec.env:
+                del full_env[key]
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
-        elif self.curve is not None:
-            full_env.update(self.curve.to_env())
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(WORKER_CMD, env=full_env,
                                     stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -271,8 +284,19 @@ class NodeDaemon:
         return True
 
     @expose(blocking=True)  # waits for the exits: keep the loop free
+    def kill_workers(self, worker_ids: list[str], grace_s: float = 5.0) -> int:
+        """Stop these workers (one job's), leaving the node's other workers running."""
+        wanted = set(worker_ids)
+        return self._kill([c for c in list(self.children.values()) if c.worker_id in wanted], grace_s)
+
+    @expose(blocking=True)  # waits for the exits: keep the loop free
     def kill_all(self, grace_s: float = 5.0) -> int:
-        alive = [c for c in self.children.values() if c.proc.poll() is None]
+        return self._kill(list(self.children.values()), grace_s)
+
+    @staticmethod
+    def _kill(children: list[_Child], grace_s: float) -> int:
+        """SIGTERM every child's process group at once, then reap each (SIGKILL after `grace_s`)."""
+        alive = [c for c in children if c.proc.poll() is None]
         for child in alive:
             try:
                 os.killpg(child.proc.pid, 15)
@@ -331,3 +355,6 @@ class NodeDaemon:
                         timeout=5)
                 except TransportError as e:
                     log.warning("could not report exit of %s: %s", child.worker_id, e)
+                # reported: forget it, so a daemon serving job after job does not grow
+                if self.children.get(child.worker_id) is child:
+                    del self.children[child.worker_id]

@@ -7,6 +7,11 @@ asyncrl's own (ASYNCRL_WORKER_ID, ASYNCRL_COORDINATOR, ASYNCRL_HOST, keys). The 
 by its dotted path (code never travels over the wire), and hosted objects (the programming
 model's Worker classes) are created and called by name.
 
+Only functions and classes of allowed packages can be named (`AllowList`): asyncrl's own, the
+job's package and `cluster.allowed_packages`, handed over in ASYNCRL_ALLOWED_PACKAGES. The check
+happens before anything is imported (importing runs code), and the object found must itself be
+defined in an allowed module, so `asyncrl.launch:os.system` is refused like `os:system`.
+
 The process's `WorkerRuntime` is handed to code explicitly, never through a global: a function
 run by `run` that has a `runtime` parameter gets it as that keyword, and a hosted class that
 defines `create_hosted(runtime, *args, **kwargs)` is built through it (asyncrl's `Worker` does).
@@ -25,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemons.errors import ConfigError
+from daemons.errors import ConfigError, NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
 from daemons.node import SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
@@ -33,17 +38,83 @@ from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose
 from transport.loop import run
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
 
-def resolve(path: str) -> Any:
-    """Import `package.module:attr` (or `package.module.attr`)."""
+ALLOWED_ENV = "ASYNCRL_ALLOWED_PACKAGES"
+COORDINATOR_KEY_ENV = "ASYNCRL_CURVE_COORDINATOR"  # the coordinator's public key
+# asyncrl's own packages a worker may always run from (its Worker classes, jobs, rewards)
+BUILTIN_ALLOWED = ("asyncrl",)
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """The packages whose functions and classes a worker runs; anything else is refused."""
+
+    packages: tuple[str, ...] = BUILTIN_ALLOWED
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> AllowList:
+        extra = [p.strip() for p in env.get(ALLOWED_ENV, "").split(",") if p.strip()]
+        return cls(tuple(dict.fromkeys([*BUILTIN_ALLOWED, *extra])))
+
+    def allows(self, module: str) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in self.packages)
+
+    def check(self, module: str, path: str) -> None:
+        if not self.allows(module):
+            raise NotAllowedError(
+                f"this worker runs only code from {', '.join(self.packages)}; {path!r} is in "
+                f"{module!r}. Add its package to cluster.allowed_packages (or define the function "
+                "in the job's own package)")
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """`package.module:attr` (or `package.module.attr`) as (module, attr)."""
+    if not isinstance(path, str):
+        raise ConfigError(f"{path!r} is not an importable 'module:name' path")
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"{path!r} is not an importable 'module:name' path")
+    return module_name, attr
+
+
+def entry_package(entry: str | None) -> str | None:
+    """The package a job entry lives in: `pkg` for "pkg.mod:main", the script's module name for
+    "path/to/script.py:main" (workers import it from the script's directory)."""
+    if not entry:
+        return None
+    path, sep, _ = entry.rpartition(":")
+    path = path if sep else entry
+    if path.endswith(".py"):
+        return path.rsplit("/", 1)[-1][:-3] or None
+    return path.split(".", 1)[0] or None
+
+
+def resolve_allowed(path: str, allowed: AllowList) -> Any:
+    """`resolve(path)` for a path a peer sent: its module, and the module defining the object it
+    names, must be in `allowed`; no private attributes on the way."""
+    module_name, attr = split_path(path)
+    allowed.check(module_name, path)
+    if any(part.startswith("_") for part in attr.split(".")):
+        raise NotAllowedError(f"{path!r} names a private attribute; workers run only public "
+                              "functions and classes")
+    obj = resolve(path)
+    defined_in = getattr(obj, "__module__", None)
+    if not callable(obj) or not isinstance(defined_in, str):
+        raise NotAllowedError(f"{path!r} is not a function or class defined in {module_name!r}")
+    allowed.check(defined_in, path)
+    return obj
+
+
+def resolve(path: str) -> Any:
+    """Import `package.module:attr` (or `package.module.attr`). Trusted callers only (the
+    launcher resolving its own job entry); a path from the network goes through `resolve_allowed`."""
+    module_name, attr = split_path(path)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
@@ -70,6 +141,11 @@ class WorkerRuntime:
     store: ObjectStore
     loop: asyncio.AbstractEventLoop
     instances: dict[str, Any] = field(default_factory=dict)
+    allowed: AllowList = field(default_factory=AllowList)
+
+    def resolve(self, path: str) -> Any:
+        """The function or class `path` names, if this worker's allow-list admits it."""
+        return resolve_allowed(path, self.allowed)
 
     def _in_loop(self) -> bool:
         try:
@@ -110,10 +186,20 @@ class WorkerProcess:
         self.rank = int(env.get("RANK", "0"))
         self.host = env.get("ASYNCRL_HOST", "127.0.0.1")
         self.insecure = env.get("ASYNCRL_INSECURE") == "1"
+        # the worker key pair (servers here present it); the coordinator presents its own key
         self.curve = None if self.insecure else CurveConfig.from_env(env)
+        self.coordinator_curve = None
+        if self.curve is not None:
+            self.coordinator_curve = CurveConfig(self.curve.public_key, self.curve.secret_key,
+                                                 env[COORDINATOR_KEY_ENV].encode())
+        elif not self.insecure:
+            raise ConfigError("this worker got no keys (ASYNCRL_CURVE_*) and is not insecure; "
+                              "workers are started by a node daemon, not by hand")
+        self.limits = ServerLimits.from_env(env)
         self.shm_pool_bytes = int(env.get(SHM_POOL_ENV, "0"))
         limit = env.get(STORE_MEMORY_LIMIT_ENV)  # set by the node daemon
         self.store_memory_limit = resolve_memory_limit(int(limit) if limit else None, stores_on_node=1)
+        self.allowed = AllowList.from_env(env)
         self.stopped = asyncio.Event()
         self.store: ObjectStore | None = None
         self.runtime: WorkerRuntime | None = None
@@ -122,21 +208,21 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         store = self.store = ObjectStore(
             node_id=self.node_id, endpoint=f"tcp://{self.host}:0", bulk_host=self.host,
-            curve=self.curve, insecure=self.insecure, name=f"store-{self.worker_id}",
+            curve=self.curve, insecure=self.insecure, limits=self.limits, name=f"store-{self.worker_id}",
             shm_pool_bytes=self.shm_pool_bytes, memory_limit_bytes=self.store_memory_limit)
         await store.start()
         self.runtime = WorkerRuntime(
             worker_id=self.worker_id, node_id=self.node_id, rank=self.rank,
             world_size=int(self.env.get("WORLD_SIZE", "1")), local_rank=int(self.env.get("LOCAL_RANK", "0")),
             device=self.env.get("ASYNCRL_DEVICE", "cpu"), group=self.env.get("ASYNCRL_GROUP", ""),
-            store=store, loop=loop)
+            store=store, loop=loop, allowed=self.allowed)
         server = RpcServer(f"tcp://{self.host}:0", curve=self.curve, insecure=self.insecure,
-                           name=f"worker-{self.worker_id}")
+                           limits=self.limits, name=f"worker-{self.worker_id}")
         server.register_object(self)
         await server.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopped.set)
-        coordinator = RpcClient(self.env["ASYNCRL_COORDINATOR"], curve=self.curve, insecure=self.insecure,
+        coordinator = RpcClient(self.env["ASYNCRL_COORDINATOR"], curve=self.coordinator_curve, insecure=self.insecure,
                                 name="worker->coordinator")
         await coordinator.call("worker_ready", WorkerReady(self.worker_id, server.endpoint,
                                                            store.endpoint, os.getpid()), timeout=30)
@@ -150,8 +236,8 @@ class WorkerProcess:
     # endpoints ------------------------------------------------------------------------------
     @expose
     async def run(self, fn_path: str, args: list, kwargs: dict) -> Any:
-        """Run the importable function `fn_path` ("module:name")."""
-        fn = resolve(fn_path)
+        """Run the importable function `fn_path` ("module:name") of an allowed package."""
+        fn = resolve_allowed(fn_path, self.allowed)
         if wants_runtime(fn):
             kwargs = {**kwargs, "runtime": self.runtime}
         return await _invoke(fn, args, kwargs)
@@ -172,7 +258,7 @@ class WorkerProcess:
 
     @expose
     async def create_instance(self, name: str, cls_path: str, args: list, kwargs: dict) -> str:
-        cls = resolve(cls_path)
+        cls = resolve_allowed(cls_path, self.allowed)
         create = getattr(cls, "create_hosted", None)
         if create is not None:  # the class takes this process's runtime
             instance = await asyncio.to_thread(create, self.runtime, *args, **kwargs)
@@ -206,6 +292,8 @@ async def _invoke(fn: Callable, args: list, kwargs: dict) -> Any:
 
 def main() -> None:
     env = dict(os.environ)
+    for key in [k for k in os.environ if k.startswith("ASYNCRL_CURVE_")]:
+        del os.environ[key]  # the code this worker runs, and its children, need no keys
     setup_logging("worker", env.get("RANK"))
     run(WorkerProcess(env).serve())
 

@@ -49,6 +49,7 @@ from objectstore.ref import TENSOR, VALUE, ObjectRef, RowRange
 from objectstore.table import Entry, ObjectTable, check_rows, describe
 from transport import ConnectionLost, CurveConfig, RemoteError, RpcClient, RpcServer, RpcTimeout
 from transport.dtypes import dtype_name
+from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ObjectStore:
         bulk_port: int = 0,
         curve: CurveConfig | None = None,
         insecure: bool = False,
+        limits: ServerLimits | None = None,
         memory_limit_bytes: int | None = None,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
@@ -102,9 +104,11 @@ class ObjectStore:
         self.shm_owner = segments.SegmentOwner(shm_dir)
         self.segment_pool = segments.SegmentPool(shm_pool_bytes, self.io, shm_dir, owner=self.shm_owner,
                                                  free_bytes=shm_free_bytes)
-        self.bulk = BulkServer(bulk_host, bulk_port, self.io, name=f"{name}-bulk")
+        limits = limits or ServerLimits()
+        self.bulk = BulkServer(bulk_host, bulk_port, self.io, name=f"{name}-bulk",
+                               max_connections_per_peer=limits.max_connections_per_peer)
         self.paths: dict[PullKind, PullPath] = {cls.kind: cls(self) for cls in PATHS}
-        self._server = RpcServer(endpoint, curve=curve, insecure=insecure, name=name)
+        self._server = RpcServer(endpoint, curve=curve, insecure=insecure, limits=limits, name=name)
         self.endpoint = ""
         self.bulk_addr = ""
         self._clients: dict[str, RpcClient] = {}

@@ -65,7 +65,7 @@ def test_smoke_job_embedded(tmp_path):
     # the driver only moved refs: a few hundred bytes for a 2 MiB shard
     driver_bytes = int(res.stdout.split("the driver moved ")[1].split()[0])
     assert driver_bytes < 4096
-    logs = list((tmp_path / "logs").glob("worker-*.log"))
+    logs = list((tmp_path / "logs").glob("smoke-*/worker-*.log"))  # <log_dir>/<job id>/
     assert len(logs) == 2
     assert not any(p.name.startswith("asyncrl-") for p in Path("/dev/shm").iterdir())
 
@@ -73,7 +73,8 @@ def test_smoke_job_embedded(tmp_path):
 # faults ----------------------------------------------------------------------------------------
 @pytest.fixture
 async def cluster(tmp_path):
-    coordinator = Coordinator(insecure=True, node_timeout=2.0)
+    # workers run only allowed packages: these tests call time.sleep, os.getpid (posix), json.loads
+    coordinator = Coordinator(insecure=True, node_timeout=2.0, allowed_packages=("time", "os", "posix", "json"))
     await coordinator.start()
     node = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=3, log_dir=tmp_path / "logs",
                       heartbeat_interval=0.3)
@@ -116,7 +117,7 @@ async def test_worker_exception_surfaces_with_remote_traceback(cluster):
         await worker.run("json:loads", "{not json")
     assert info.value.remote_type == "json.decoder.JSONDecodeError"
     with pytest.raises(RemoteError, match="cannot import"):
-        await worker.run("no_such_module:fn")
+        await worker.run("json.no_such_module:fn")
 
 
 async def test_killed_node_daemon_is_marked_dead(tmp_path):
@@ -178,12 +179,13 @@ def test_status_and_stop(tmp_path):
         assert "worker hold-0" in human.stdout
         stop = subprocess.run(cli + ["stop"], env=env, capture_output=True, text=True, timeout=30)
         assert stop.returncode == 0, stop.stderr
+        assert "stop requested for job smoke-" in stop.stdout
         rest, _ = proc.communicate(timeout=30)
         assert proc.returncode == 1
         assert "job stopped: asyncrl stop" in rest
         pids = [w["pid"] for w in status["workers"]]
         assert _pids_alive(pids) == []
-        assert not (tmp_path / "state" / "coordinator.json").exists()
+        assert list((tmp_path / "state").glob("*.json")) == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -216,15 +218,17 @@ def test_bad_config_gets_one_paragraph(tmp_path, args, message):
 
 # cluster module ------------------------------------------------------------------------------
 def test_state_file_roundtrip(tmp_path, monkeypatch):
-    from daemons.cluster import ClusterState, read_state, remove_state, write_state
+    from daemons.cluster import read_states, remove_state, write_state
+    from daemons.state import StateKind, state_for_this_process
 
     monkeypatch.setenv("ASYNCRL_STATE_DIR", str(tmp_path / "st"))
-    assert read_state() is None
-    path = write_state(ClusterState("tcp://127.0.0.1:5", 7, True))
-    assert path == tmp_path / "st" / "coordinator.json" and (path.stat().st_mode & 0o777) == 0o600
-    assert read_state() == ClusterState("tcp://127.0.0.1:5", 7, True)
-    remove_state()
-    assert read_state() is None
+    assert read_states() == []
+    state = state_for_this_process("tcp://127.0.0.1:5", True, None, "smoke-1", "smoke", StateKind.JOB)
+    path = write_state(state)
+    assert path == tmp_path / "st" / "smoke-1.json" and (path.stat().st_mode & 0o777) == 0o600
+    assert read_states() == [state]
+    remove_state("smoke-1")
+    assert read_states() == []
 
 
 async def test_head_node_passes_shm_pool_to_worker_stores(tmp_path):
@@ -234,7 +238,7 @@ async def test_head_node_passes_shm_pool_to_worker_stores(tmp_path):
     spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
                        shm_pool_bytes=1 << 20, write_state=True, state_dir=tmp_path / "st")
     async with HeadNode.start(spec) as head:
-        assert (tmp_path / "st" / "coordinator.json").exists()
+        assert [p.name for p in (tmp_path / "st").iterdir()] == [f"{head.state_id}.json"]
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
         assert worker.info.state is WorkerState.READY
         for _ in range(100):
@@ -246,5 +250,5 @@ async def test_head_node_passes_shm_pool_to_worker_stores(tmp_path):
         status = await head.coordinator.status()
         assert [w.state for w in status.workers] == [WorkerState.READY]
         pid = worker.info.pid
-    assert not (tmp_path / "st" / "coordinator.json").exists()
+    assert list((tmp_path / "st").iterdir()) == []
     assert _pids_alive([pid]) == []

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from daemons.state import read_states
 from transport.auth import generate_keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -226,7 +227,7 @@ def test_smoke_job_across_two_namespaces(netpair, tmp_path):
         # two distinct nodes, node 1 reached over the veth: its worker's store is on SUBNET.2
         assert f"(rank 1, {SUBNET}.2) joined with 1 devices" in text_a, report
         assert f"node 1 joined {SUBNET}.1:{PORT}" in text_b, report
-        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
         print(f"two-node smoke job took {time.monotonic() - t0:.1f}s")
 
@@ -270,7 +271,7 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
             assert time.monotonic() < deadline, f"daemon did not start within 30s:\n{out.read_text()}"
             time.sleep(0.1)
         assert "coordinator tcp://127.0.0.1:" in out.read_text()
-        assert (state / "coordinator.json").exists()
+        assert [s.kind.value for s in read_states(state)] == ["daemon"]
         # two jobs submitted in a row to the running daemon, each bringing its own config section
         for rows in (64, 128):
             sub = subprocess.run(
@@ -285,7 +286,7 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
         rc = _wait(daemon, 10, out)
         took = time.monotonic() - t0
         assert rc == 0, f"daemon exited {rc} on SIGTERM:\n{out.read_text()}"
-        assert not (state / "coordinator.json").exists(), "state file left behind"
+        assert list(state.glob("*.json")) == [], "state file left behind"
         print(f"daemon stopped {took:.2f}s after SIGTERM")
 
 
@@ -307,7 +308,7 @@ def test_grpo_across_two_namespaces(netpair, tmp_path):
             _node1(ns_b, keys, tmp, config="quickstart"), timeout0=150)
         assert rc0 == 0 and rc1 == 0, report
         assert '"steps": 2' in text_a, report
-        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("worker-*.log"))
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
 
 

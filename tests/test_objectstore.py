@@ -271,6 +271,23 @@ async def test_bulk_port_rejects_unknown_tokens(stores):
     assert torch.equal(await consumer.get(ref), matrix())  # still serving
 
 
+async def test_bulk_port_refusals_are_logged_once_per_interval(stores, caplog):
+    owner = await stores(node_id="a")
+    host, port = owner.bulk_addr.rsplit(":", 1)
+
+    def knock_many(n: int) -> None:
+        for _ in range(n):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(os.urandom(16))
+                s.recv(1)
+
+    with caplog.at_level("WARNING"):
+        await asyncio.to_thread(knock_many, 300)
+    assert owner.stats()["bulk_rejected"] == 300
+    lines = [r.getMessage() for r in caplog.records if "bulk" in r.getMessage()]
+    assert len(lines) == 1 and "token" in lines[0], lines  # was one WARNING per connection
+
+
 async def test_curve_authenticated_stores(stores):
     curve = CurveConfig.ephemeral()
     owner = await stores(node_id="a", curve=curve)

@@ -212,7 +212,7 @@ async def test_worker_and_driver_stores_have_limits(tmp_path):
     from asyncrl.context import JobContext
 
     spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
-                       store_memory_limit=4 << 20)
+                       store_memory_limit=4 << 20, allowed_packages=("tests",))
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
         assert (await worker.call("store_stats", timeout=5))["limit"] == 4 << 20
@@ -384,7 +384,8 @@ async def test_closed_store_leaves_no_lock_file(stores):
 
 
 async def test_node_daemon_removes_a_killed_workers_segments(tmp_path, stores):
-    spec = ClusterSpec(cpu_devices=2, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5)
+    spec = ClusterSpec(cpu_devices=2, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
+                       allowed_packages=("tests",))
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=1))
         stats = await worker.call("store_stats", timeout=5)

@@ -33,7 +33,8 @@ from transport import (
     generate_keys,
     register_type,
 )
-from transport.rpc import REQUEST
+from transport.peers import ServerLimits
+from transport.rpc import CANCEL, PING, REQUEST
 
 
 # codec ------------------------------------------------------------------------------------
@@ -140,7 +141,8 @@ class Calc:
 @pytest.fixture
 async def calc_server():
     calc = Calc()
-    server = RpcServer("tcp://127.0.0.1:0", insecure=True, max_message_bytes=1 << 20, name="calc")
+    server = RpcServer("tcp://127.0.0.1:0", insecure=True, limits=ServerLimits(max_message_bytes=1 << 20),
+                       name="calc")
     server.register_object(calc)
     await server.start()
     server.calc = calc
@@ -212,17 +214,45 @@ async def test_notifications(client, calc_server):
 
 
 async def test_oversized_message_gets_error_and_server_survives(client, calc_server):
-    big = torch.zeros(375_000)  # two 1.5 MB frames: above the 1 MiB limit
+    big = torch.zeros(375_000)  # two 1.5 MB tensors: above the 1 MiB limit
     with pytest.raises(RemoteError, match="exceeds") as info:
         await client.call("add", big, big)
     assert info.value.remote_type == "transport.MessageTooLarge"
+    assert "cluster.max_message_bytes" in info.value.remote_message
     assert calc_server.stats["too_large"] >= 1
     assert await client.call("add", 1, 1) == 2
-    # one frame above twice the limit is refused by libzmq itself: the connection drops
-    huge = torch.zeros(1_000_000)
-    with pytest.raises(ConnectionLost, match="size limit"):
-        await client.call("add", huge, 1, timeout=10)
-    assert await client.call("add", 2, 2, timeout=10) == 4
+    # below the message limit, a tensor above the frame limit travels in chunks
+    mid = torch.arange(200_000, dtype=torch.float32)  # 800 kB > codec.FRAME_BYTES
+    assert torch.equal(await client.call("add", mid, 1, timeout=10), mid + 1)
+
+
+def test_large_frames_are_cut_into_chunks_and_joined():
+    t = torch.arange(3 * codec.FRAME_BYTES // 4 + 5, dtype=torch.float32)
+    body = {"t": t, "xs": list(range(100_000))}  # the body itself is above FRAME_BYTES too
+    frames = codec.encode(body)
+    assert max(len(f) for f in frames) <= codec.FRAME_BYTES
+    out = codec.decode([bytes(f) for f in frames])
+    assert torch.equal(out["t"], t) and out["xs"] == body["xs"]
+    with pytest.raises(CodecError, match="chunk header"):
+        codec.decode(frames[:-1])  # a chunk missing
+
+
+async def test_malformed_cancel_and_ping_log_one_line_without_traceback(calc_server, client, caplog):
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(calc_server.endpoint)
+    with caplog.at_level("WARNING"):
+        for _ in range(50):
+            raw.send_multipart([msgpack.packb([CANCEL, [1, 2]])])
+            raw.send_multipart([msgpack.packb([PING, {"a": 1}])])
+            raw.send_multipart([msgpack.packb([CANCEL])])
+        assert await client.call("add", 1, 2) == 3  # ordered after the garbage
+        await asyncio.sleep(0.1)
+    raw.close(0)
+    assert calc_server.stats["malformed"] >= 150 and calc_server.stats["dropped"] == 0
+    lines = [r for r in caplog.records if "calc" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # rate-limited: one line, not 150
+    assert lines[0].exc_info is None and "malformed" in lines[0].getMessage()
 
 
 async def test_garbage_from_raw_sockets_is_survived(calc_server, client):
@@ -433,11 +463,11 @@ def test_typed_message_roundtrip_and_unknown_enum_value():
     assert back == msg and back.state is WorkerState.READY
     # a peer that sends a state this version does not know gets a typed error, not a string
     body = msgpack.packb(msgpack.ExtType(int(Ext.WORKER_STATUS), msgpack.packb(
-        ["w-0", "g", 0, "n", "cpu:0", 42, "zombie", ""])))
+        ["w-0", "g", 0, "n", "cpu:0", 42, "zombie", "", ""])))
     with pytest.raises(CodecError, match="zombie.*WorkerState"):
         codec.decode([body])
     short = msgpack.packb(msgpack.ExtType(int(Ext.WORKER_STATUS), msgpack.packb(["w-0"])))
-    with pytest.raises(CodecError, match="WorkerStatus has 8 fields"):
+    with pytest.raises(CodecError, match="WorkerStatus has 9 fields"):
         codec.decode([short])
 
 
@@ -460,3 +490,51 @@ def test_dtype_names_are_one_table():
     assert torch_dtype(dtype_name(torch.bfloat16)) is torch.bfloat16 and element_size("int16") == 2
     with pytest.raises(CodecError, match="unknown tensor dtype"):
         torch_dtype("Tensor")  # a torch attribute, but not a dtype: refused
+
+
+# hostile peers before authentication ---------------------------------------------------------
+def test_keyless_flood_leaves_server_memory_bounded():
+    from benchmarks.chaos_net import run
+
+    # before the frame limit, 8 connections x 16 MiB of one declared 1 GiB frame held 128 MiB
+    out = run(big_conns=8, big_mib=16, held_conns=300, garbage_conns=50, time_budget_s=10)
+    assert out["daemon_crashes"] == 0
+    assert out["preauth_peak_mib"] < 64, out
+
+
+async def test_connections_above_the_per_peer_cap_are_closed_and_logged_once(caplog):
+    keys = CurveConfig.ephemeral()
+    server = RpcServer("tcp://127.0.0.1:0", curve=keys, limits=ServerLimits(max_connections_per_peer=4),
+                       name="capped")
+    server.register("ping", lambda: "pong")
+    await server.start()
+    host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    socks = []
+    try:
+        with caplog.at_level("WARNING"):
+            socks = [socket.create_connection((host, int(port))) for _ in range(30)]
+            deadline = time.monotonic() + 5
+            while server.refused_connections < 26 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        assert server.refused_connections == 26
+        closed = 0
+        for s in socks:
+            s.settimeout(0.3)
+            try:
+                while s.recv(4096):  # libzmq's greeting, then the hang-up
+                    pass
+                closed += 1
+            except (TimeoutError, OSError):
+                pass
+        assert closed >= 26
+        lines = [r.getMessage() for r in caplog.records if "capped: refused" in r.getMessage()]
+        assert len(lines) == 1 and "max_connections_per_peer" in lines[0]
+    finally:
+        for s in socks:
+            s.close()
+    try:
+        await asyncio.sleep(0.2)  # the held ones are gone: a keyed client gets in again
+        async with RpcClient(server.endpoint, curve=keys) as c:
+            assert await c.call("ping", timeout=5) == "pong"
+    finally:
+        await server.close()

@@ -7,6 +7,10 @@ Extra client identities (a user submitting jobs from a laptop, say) get their ow
 `generate_keys(dir, name="alice")`; their public key lands in `authorized/` too.
 
 Copy the directory to every node (mode 0700). Keys are z85 text, as ZeroMQ expects.
+
+The cluster secret stays in the processes that load it (the launcher, node daemons). Processes
+that must not hold it get an identity of their own (`CurveConfig.identity`): workers share a
+per-coordinator worker key pair, local tools (`asyncrl status|stop`) a per-run client pair.
 """
 
 from __future__ import annotations
@@ -57,6 +61,18 @@ class CurveConfig:
                 authorized.add(key)
         authorized.add(server_key)
         return cls(public, secret, server_key, frozenset(authorized))
+
+    @classmethod
+    def identity(cls, server_key: bytes, authorized: frozenset[bytes] = frozenset()) -> CurveConfig:
+        """A fresh key pair that talks to servers presenting `server_key` and, as a server,
+        admits `authorized`."""
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret, server_key, frozenset(authorized))
+
+    def authorizing(self, *keys: bytes) -> CurveConfig:
+        """These keys, admitting `keys` as clients too."""
+        return CurveConfig(self.public_key, self.secret_key, self.server_key,
+                           self.authorized_keys | frozenset(keys))
 
     @classmethod
     def ephemeral(cls) -> CurveConfig:

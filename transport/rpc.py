@@ -13,6 +13,12 @@ whose first item is the message kind:
 Many requests share one connection and are matched by id. A server keeps serving whatever a
 single peer sends: garbage is counted and, where a request id can be read, answered with an
 error. Sockets are CurveZMQ-authenticated unless the caller passes `insecure=True`.
+
+What a server admits is bounded before anything is allocated for it (`transport.peers`): no
+frame above `codec.FRAME_BYTES` (libzmq drops the connection on the frame header, also during
+the handshake, so a peer without a key makes a server hold at most that per connection), at
+most `max_connections_per_peer` connections per peer address, a handshake timeout, and
+messages above `max_message_bytes` answered with an error.
 """
 
 from __future__ import annotations
@@ -42,13 +48,17 @@ from transport.errors import (
     RpcTimeout,
     TransportError,
 )
+from transport.peers import PeerLimiter, RateLimitedLog, ServerLimits
 from transport.socket import MessageSocket
 
 log = logging.getLogger(__name__)
 
 REQUEST, NOTIFY, REPLY, ERROR, PING, PONG, CANCEL = range(7)
 
-DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+DEFAULT_MAX_MESSAGE_BYTES = ServerLimits.max_message_bytes
+# ZMQ_MAXMSGSIZE counts a frame as it arrives: under CurveZMQ that is the encrypted frame, a
+# chunk of FRAME_BYTES plus the MESSAGE command's nonce, flags and MAC
+_FRAME_SLACK = 1024
 _SECURITY_HINT = (
     "pass curve=CurveConfig.load(KEY_DIR) (keys from `asyncrl keys generate KEY_DIR`), or "
     "insecure=True for a local-only test setup"
@@ -95,7 +105,7 @@ class RpcServer:
         *,
         curve: CurveConfig | None = None,
         insecure: bool = False,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        limits: ServerLimits | None = None,
         max_threads: int = 4,
         name: str = "rpc",
         context: zmq.Context | None = None,
@@ -106,15 +116,20 @@ class RpcServer:
         self.endpoint = endpoint
         self.name = name
         self.curve = curve
-        self.max_message_bytes = max_message_bytes
+        self.limits = limits or ServerLimits()
+        self.max_message_bytes = self.limits.max_message_bytes
+        self._peers: PeerLimiter | None = None
+        self._peer_monitor: MessageSocket | None = None
         self._ctx = context or shared_context()
         self._handlers: dict[str, _Handler] = {}
+        self._restricted: dict[str, frozenset[str]] = {}  # client key (z85) -> methods it may call
         self._inflight: dict[tuple[bytes, int], asyncio.Future] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix=f"{name}-h")
         self._sock: MessageSocket | None = None
         self.stats: dict[str, int] = dict.fromkeys(
             ("requests", "notifications", "pings", "cancels", "handler_errors", "malformed",
              "unknown_method", "too_large", "dropped"), 0)
+        self._malformed = RateLimitedLog(log, f"{name}: malformed messages dropped")
 
     # registration -----------------------------------------------------------------------
     def register(self, name: str, fn: Callable, *, blocking: bool = False) -> None:
@@ -129,6 +144,11 @@ class RpcServer:
                 self.register(prefix + attr, getattr(obj, attr), blocking=meta["blocking"])
                 names.append(prefix + attr)
         return names
+
+    def restrict_client(self, public_key: bytes, methods: set[str] | frozenset[str]) -> None:
+        """Let the CurveZMQ client presenting `public_key` call only `methods` (a key shared
+        with less trusted processes, say); other clients are unaffected."""
+        self._restricted[public_key.decode()] = frozenset(methods)
 
     @property
     def methods(self) -> list[str]:
@@ -147,27 +167,46 @@ class RpcServer:
         sock.router_mandatory = False
         sock.rcvhwm = 0
         sock.sndhwm = 0
-        # Messages above the limit get an error reply; a single frame above twice the limit is
-        # never even allocated: libzmq drops the connection and the caller sees ConnectionLost.
-        sock.maxmsgsize = min(2 * self.max_message_bytes, 2**63 - 1)
+        # No frame above FRAME_BYTES is ever allocated (senders cut larger ones into chunks), so
+        # a peer without a key holds at most that per connection; see the module docstring.
+        sock.maxmsgsize = codec.FRAME_BYTES + _FRAME_SLACK
+        sock.handshake_ivl = int(self.limits.handshake_timeout_s * 1000)
+        self._peers = PeerLimiter(sock, self.limits.max_connections_per_peer, self.name)
         if self.curve is not None:
             secure_server_socket(sock, self.curve, domain=f"asyncrl-{self.name}-{os.getpid()}-{id(self)}")
         try:
             sock.bind(self.requested_endpoint)
         except zmq.ZMQError as e:
+            self._peers.monitor.close(0)
             sock.close(0)
             raise TransportError(f"cannot bind {self.requested_endpoint}: {e}") from e
         self.endpoint = sock.get_string(zmq.LAST_ENDPOINT)
+        self._peers.bound(self.endpoint)
+        self._peer_monitor = MessageSocket(self._peers.monitor, self._peers.on_event,
+                                           name=f"{self.name}-peers")
         self._sock = MessageSocket(sock, self._on_message, name=self.name)
         return self.endpoint
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections closed for exceeding the per-peer cap."""
+        return self._peers.refused if self._peers is not None else 0
 
     async def close(self) -> None:
         for fut in list(self._inflight.values()):
             fut.cancel()
         self._inflight.clear()
         if self._sock is not None:
+            try:
+                self._sock.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
             self._sock.close()
             self._sock = None
+        if self._peer_monitor is not None:
+            self._peer_monitor.close()
+            self._peer_monitor = None
+            self._peers.refusals.flush()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.endpoint.startswith("ipc://"):
             try:
@@ -202,54 +241,88 @@ class RpcServer:
     def _reply_error(self, identity: bytes, req_id: int, etype: str, message: str, tb: str = "") -> None:
         self._send(identity, codec.encode([ERROR, req_id, [etype, message, tb]]))
 
+    def _drop_malformed(self, why: str) -> None:
+        self.stats["malformed"] += 1
+        self._malformed.note(why, "a peer sent messages that are not asyncrl RPC (wrong version or "
+                                  "a stray client?); nothing was answered")
+
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         if len(frames) < 2:
-            self.stats["malformed"] += 1
+            self._drop_malformed("no body")
             return
         size = sum(len(f) for f in frames[1:])
         if size > self.max_message_bytes:
             self.stats["too_large"] += 1
-            req_id = self._peek_request_id(frames[1])
+            req_id = self._peek_request_id(frames[1:])
             if req_id is not None:
                 self._reply_error(identity, req_id, "transport.MessageTooLarge",
                                   f"message of {size} bytes exceeds this server's limit of "
-                                  f"{self.max_message_bytes}; send bulk data through the object store")
+                                  f"{self.max_message_bytes} (cluster.max_message_bytes); send bulk "
+                                  "data through the object store")
             return
         try:
             msg = codec.decode([f.buffer for f in frames[1:]])
-            kind = msg[0]
-        except (CodecError, TypeError, IndexError, KeyError) as e:
-            self.stats["malformed"] += 1
-            req_id = self._peek_request_id(frames[1])
-            if req_id is not None:
+            kind = msg[0] if isinstance(msg, list) and msg else None
+        except CodecError as e:
+            req_id = self._peek_request_id(frames[1:])
+            if req_id is None:
+                self._drop_malformed("undecodable")
+            else:
+                self.stats["malformed"] += 1
                 self._reply_error(identity, req_id, "transport.MalformedMessage", str(e))
             return
         if kind == REQUEST or kind == NOTIFY:
-            if not (isinstance(msg, list) and len(msg) == 5 and isinstance(msg[1], int)
-                    and isinstance(msg[2], str) and isinstance(msg[3], list) and isinstance(msg[4], dict)):
-                self.stats["malformed"] += 1
+            if not (len(msg) == 5 and isinstance(msg[1], int) and isinstance(msg[2], str)
+                    and isinstance(msg[3], list) and isinstance(msg[4], dict)):
                 if kind == REQUEST and len(msg) > 1 and isinstance(msg[1], int):
+                    self.stats["malformed"] += 1
                     self._reply_error(identity, msg[1], "transport.MalformedMessage",
                                       "a request must be [0, id, method, args, kwargs]")
+                else:
+                    self._drop_malformed("bad request")
+                return
+            allowed = self._allowed_methods(frames[1]) if self._restricted else None
+            if allowed is not None and msg[2] not in allowed:
+                self.stats["unknown_method"] += 1
+                if kind == REQUEST:
+                    self._reply_error(identity, msg[1], "transport.NotPermitted",
+                                      f"{self.name} does not let this client's key call {msg[2]!r}, only "
+                                      f"{', '.join(sorted(allowed))}; use a key with more rights")
                 return
             self._handle_call(identity, kind, msg[1], msg[2], msg[3], msg[4])
         elif kind == PING:
+            seq = msg[1] if len(msg) > 1 else 0
+            if not isinstance(seq, int):
+                self._drop_malformed("bad ping")
+                return
             self.stats["pings"] += 1
-            self._send(identity, codec.encode([PONG, msg[1] if len(msg) > 1 else 0]))
+            self._send(identity, codec.encode([PONG, seq]))
         elif kind == CANCEL:
+            if len(msg) != 2 or not isinstance(msg[1], int):
+                self._drop_malformed("bad cancel")
+                return
             self.stats["cancels"] += 1
-            fut = self._inflight.pop((identity, msg[1]), None) if len(msg) > 1 else None
+            fut = self._inflight.pop((identity, msg[1]), None)
             if fut is not None:
                 fut.cancel()
         else:
-            self.stats["malformed"] += 1
+            self._drop_malformed("unknown kind")
+
+    def _allowed_methods(self, frame: zmq.Frame) -> frozenset[str] | None:
+        """The methods the client that sent `frame` is limited to; None: no limit."""
+        try:
+            key = frame.get("User-Id")  # set by the ZAP handler: the client's z85 public key
+        except zmq.ZMQError:
+            return None
+        return self._restricted.get(key)
 
     @staticmethod
-    def _peek_request_id(body: zmq.Frame) -> int | None:
+    def _peek_request_id(body: list[zmq.Frame]) -> int | None:
         """Best effort: the request id of a body that failed to decode, so the caller hears back."""
         try:
-            msg = msgpack.unpackb(body.buffer, ext_hook=lambda code, data: None, raw=False,
+            (first,) = codec.join_frames([f.buffer for f in body], first=1)
+            msg = msgpack.unpackb(first, ext_hook=lambda code, data: None, raw=False,
                                   strict_map_key=False)
         except Exception:
             return None
@@ -388,6 +461,7 @@ class RpcClient:
         sock.linger = 0
         sock.sndhwm = 0
         sock.rcvhwm = 0
+        sock.maxmsgsize = codec.FRAME_BYTES + _FRAME_SLACK  # a hostile server is bounded too
         if self.curve is not None:
             secure_client_socket(sock, self.curve)
         # A dropped connection loses whatever was in flight on it, so pending calls must fail

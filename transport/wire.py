@@ -47,6 +47,7 @@ class Ext(enum.IntEnum):
     CLUSTER_STATUS = 38
     NODE_INFO = 39
     CHILD_STATUS = 40
+    JOB_STATUS = 41
 
 
 FIRST_USER_CODE = 16

@@ -55,17 +55,25 @@ class Collective(Worker):
         return self.rank
 
 
+def pid() -> int:
+    return os.getpid()
+
+
+def nap(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 async def stall(ctx) -> dict:
     """Spawn two workers, then block the driver's event loop (a user's `time.sleep` in async
     code) while a call is in flight; the job must still succeed."""
     seconds = float(os.environ.get(STALL_ENV, "8"))
     pool = ctx.create_pool("stall", world_size=2)
     workers = await ctx.spawn_workers(pool, group="stall")
-    before = [await w.run("os:getpid") for w in workers]
-    pending = asyncio.ensure_future(workers[0].run("time:sleep", 0.5))
+    before = [await w.run("asyncrl.jobs.faults:pid") for w in workers]
+    pending = asyncio.ensure_future(workers[0].run("asyncrl.jobs.faults:nap", 0.5))
     t0 = time.monotonic()
     time.sleep(seconds)  # noqa: ASYNC251 - the fault under test
     stalled = time.monotonic() - t0
     await pending
-    after = [await w.run("os:getpid") for w in workers]
+    after = [await w.run("asyncrl.jobs.faults:pid") for w in workers]
     return {"stalled_s": round(stalled, 1), "same_workers": before == after}

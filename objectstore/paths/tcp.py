@@ -5,6 +5,8 @@ token and `offer`s the bytes (GPU objects are staged through host memory). The c
 plain TCP stream to the owner's bulk port, presents the token, and receives the bytes straight
 into preallocated tensors (`recv_into`). A connection with an unknown, used or expired token
 gets one NAK byte and is closed. The stream itself is not encrypted: run it on a trusted network.
+Refusals are logged at most once per interval with a count (a scan of the port makes one line,
+not one per connection), and a peer address holds at most `max_connections_per_peer`.
 
 Socket I/O runs in threads (it releases the GIL), so the event loop stays responsive.
 """
@@ -27,6 +29,7 @@ from objectstore.paths.base import PullKind, PullPath, PullRequest, TensorRegion
 from objectstore.ref import VALUE, ObjectRef, RowRange
 from objectstore.table import Entry
 from transport.dtypes import dtype_name, tensor_bytes, torch_dtype, writable_bytes
+from transport.peers import RateLimitedLog, ServerLimits
 from transport.wire import Ext, message
 
 log = logging.getLogger(__name__)
@@ -43,7 +46,8 @@ class BulkServer:
     """The owner side: serves offered byte buffers to token holders."""
 
     def __init__(self, host: str, port: int, executor: Executor, *, token_ttl: float = 60.0,
-                 name: str = "bulk") -> None:
+                 name: str = "bulk",
+                 max_connections_per_peer: int = ServerLimits.max_connections_per_peer) -> None:
         self.host, self.port = host, port
         self.name = name
         self.token_ttl = token_ttl
@@ -52,6 +56,9 @@ class BulkServer:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
+        self.max_connections_per_peer = max_connections_per_peer
+        self._per_peer: dict[str, int] = {}
+        self.refusals = RateLimitedLog(log, f"{name}: refused bulk connections")
         self.stats = {"bytes_sent": 0, "transfers": 0, "rejected": 0}
 
     async def start(self) -> str:
@@ -79,18 +86,25 @@ class BulkServer:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _addr = await loop.sock_accept(self._listener)
+                conn, addr = await loop.sock_accept(self._listener)
             except asyncio.CancelledError:
                 raise
             except OSError as e:
                 log.warning("%s: accept failed: %s", self.name, e)
                 await asyncio.sleep(0.05)
                 continue
-            task = loop.create_task(self._serve(conn))
+            peer = str(addr[0])
+            if self._per_peer.get(peer, 0) >= self.max_connections_per_peer:
+                self.stats["rejected"] += 1
+                self.refusals.note(peer, f"over the cap of {self.max_connections_per_peer} connections per peer")
+                conn.close()
+                continue
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            task = loop.create_task(self._serve(conn, peer))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, peer: str) -> None:
         loop = asyncio.get_running_loop()
         try:
             conn.setblocking(False)
@@ -104,17 +118,23 @@ class BulkServer:
             offer = self._offers.pop(token, None)
             if offer is None or offer[0] < time.monotonic():
                 self.stats["rejected"] += 1
-                log.warning("%s: rejected a bulk connection with an unknown or used token", self.name)
+                self.refusals.note(peer, "unknown, used or expired token")
                 await loop.sock_sendall(conn, NAK)
                 return
             conn.setblocking(True)
             sent = await loop.run_in_executor(self._executor, _send_views, conn, offer[1])
             self.stats["bytes_sent"] += sent
             self.stats["transfers"] += 1
-        except (OSError, TimeoutError) as e:
-            log.warning("%s: bulk transfer aborted: %s", self.name, e)
+        except TimeoutError:
+            self.stats["rejected"] += 1
+            self.refusals.note(peer, "no token within 10 s")
+        except OSError as e:
+            log.warning("%s: bulk transfer to %s aborted: %s", self.name, peer, e)
         finally:
             conn.close()
+            left = self._per_peer.pop(peer, 1) - 1
+            if left > 0:
+                self._per_peer[peer] = left
 
     async def close(self) -> None:
         for task in [self._accept_task, *self._conns]:
@@ -127,6 +147,7 @@ class BulkServer:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._accept_task = None
+        self.refusals.flush()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
