@@ -186,7 +186,7 @@ def load_entry(entry: str | None) -> Any:
 def cluster_spec(cfg: DictConfig, daemon: bool = False, job_id: str | None = None) -> ClusterSpec:
     """This node's daemons as the `cluster` section describes them (keys it lacks: the schema's
     defaults); the head writes its state file under `job_id` (the job's id, or the daemon's)."""
-    c = OmegaConf.merge(OmegaConf.structured(ClusterConfig), cfg.cluster)
+    c = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.to_container(cfg.cluster, resolve=True))
     curve, insecure = security(cfg)
     if c.coordinator is None:  # node 0
         # never every interface by default: loopback for one node (embedded or daemon), the
