@@ -9,6 +9,7 @@ skipped with the reason otherwise. The daemon-mode test needs no privilege.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -53,6 +54,30 @@ def _shm_segments() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith("asyncrl-")}
     except OSError:
         return set()
+
+
+def _orphaned(name: str) -> bool:
+    """Whether the store that made /dev/shm/`name` is gone (its owner file's lock is free): a
+    live store's files belong to whoever runs it, maybe a test beside this one."""
+    from objectstore.segments import OWNER_PREFIX, SEGMENT_PREFIX
+
+    if name.startswith(OWNER_PREFIX):
+        token = name[len(OWNER_PREFIX):]
+    elif name.startswith(SEGMENT_PREFIX):
+        token = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+    else:
+        return True
+    try:
+        fd = os.open(os.path.join("/dev/shm", OWNER_PREFIX + token), os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its store lives
+    finally:
+        os.close(fd)
+    return True
 
 
 def _marked_pids(marker: str) -> list[int]:
@@ -188,7 +213,7 @@ def _cleaned_up(procs: _Procs, check_shm: bool = True) -> Iterator[None]:
     finally:
         procs.kill_all()
         left = procs.leftovers()
-        new_shm = _shm_segments() - shm_before if check_shm else set()
+        new_shm = {n for n in _shm_segments() - shm_before if _orphaned(n)} if check_shm else set()
         for name in new_shm:
             Path("/dev/shm", name).unlink(missing_ok=True)
     assert not left, f"processes left behind: {left}"
