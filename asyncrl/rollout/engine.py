@@ -274,19 +274,24 @@ class RolloutEngine:
             self.model.train(was_training)
 
         # trimmed copies, not views: callers may edit one output without touching another
-        prompts = input_ids.repeat_interleave(n, dim=0)
-        responses = responses[:, :steps].contiguous()
         full_mask = full_mask[:, : prompt_len + steps].contiguous()
-        response_mask = full_mask[:, prompt_len:].clone()
-        return {
-            "prompts": prompts,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": full_mask,
-            "position_ids": positions_from_mask(full_mask),
-            "rollout_log_probs": log_probs[:, :steps].contiguous(),
-        }
+        return rollout_outputs(input_ids.repeat_interleave(n, dim=0), full_mask,
+                               responses[:, :steps].contiguous(), log_probs[:, :steps].contiguous())
+
+
+def rollout_outputs(prompts: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor,
+                    log_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The dict every rollout engine returns, from the B*n prompt rows, the full (prompt +
+    response) attention mask, the right-padded responses and their log-probs."""
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": attention_mask[:, prompts.shape[1]:].clone(),
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": positions_from_mask(attention_mask),
+        "rollout_log_probs": log_probs,
+    }
 
 
 def _new_cache(model: torch.nn.Module) -> DynamicCache:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.rollout.engine import SamplingParams, WeightLoadError, positions_from_mask
+from asyncrl.rollout.engine import SamplingParams, WeightLoadError, rollout_outputs
 
 log = logging.getLogger(__name__)
 
@@ -290,17 +290,8 @@ class VLLMRolloutEngine:
             responses[r, :k] = torch.tensor(c.token_ids, dtype=input_ids.dtype)
             response_mask[r, :k] = 1
             log_probs[r, :k] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)])
-        prompts_t = ids.repeat_interleave(n, dim=0)
         full_mask = torch.cat([attention_mask.cpu().long().repeat_interleave(n, dim=0), response_mask], dim=1)
-        out = {
-            "prompts": prompts_t,
-            "responses": responses,
-            "response_mask": response_mask.clone(),
-            "input_ids": torch.cat([prompts_t, responses], dim=1),
-            "attention_mask": full_mask,
-            "position_ids": positions_from_mask(full_mask),
-            "rollout_log_probs": log_probs,
-        }
+        out = rollout_outputs(ids.repeat_interleave(n, dim=0), full_mask, responses, log_probs)
         return {k: v.to(self.device) for k, v in out.items()}
 
     def shutdown(self) -> None:
