@@ -13,6 +13,7 @@ A run directory (`trainer.output_dir`) holds what this program wrote and nothing
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -43,7 +44,7 @@ from daemons.errors import ConfigError, PlacementError
 log = logging.getLogger("asyncrl.trainer")
 
 # the worker-side phases of a step; on one colocated pool they run one after another
-PHASES = ("gen", "sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values",
+PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values",
           "update_actor", "update_critic", "update_pretrain")
 
 class Trainer:
@@ -64,20 +65,54 @@ class Trainer:
         cfg = self.cfg
         # tokenizer and tokenization block: keep them off the event loop (heartbeats)
         await asyncio.to_thread(self._load_tokenizer_and_data)
-        try:
-            pool = self.ctx.create_pool("actor_rollout_ref", world_size=cfg.trainer.n_workers)
-        except PlacementError as e:
-            raise ConfigError(f"trainer.n_workers={cfg.trainer.n_workers} does not fit this cluster: {e}. Lower "
-                              "trainer.n_workers or add devices (cluster.cpu_devices on CPU nodes, or nodes)") from None
+        split = cfg.trainer.placement == "split"
+        pool = self._pool("actor_ref" if split else "actor_rollout_ref", "trainer.n_workers", cfg.trainer.n_workers)
         wire = to_dict(cfg)  # workers rebuild the typed config from this plain dict
-        roles: dict[str, Any] = {"actor": (ActorRolloutRefWorker, wire), "reward": (RuleRewardWorker, wire)}
+        actor = (ActorRolloutRefWorker, (wire, ("actor", "ref")), {}) if split else (ActorRolloutRefWorker, wire)
+        roles: dict[str, Any] = {"actor": actor, "reward": (RuleRewardWorker, wire)}
         if self.algorithm.needs_critic:
             roles["critic"] = (CriticWorker, wire)
         if cfg.cost_model.enable:
             roles["cost"] = (RewardModelWorker, (wire, "costs", cfg.cost_model.path), {})
         groups = await self.ctx.spawn(pool, **roles)
-        self.roles = Roles(actor=groups.actor, reward=groups.reward, critic=groups.get("critic"),
-                           cost=groups.get("cost"))
+        self.rollout = groups.actor  # the group that generates
+        if split:
+            rollout_pool = self._pool("rollout", "rollout.n_workers", cfg.rollout.n_workers)
+            self.rollout = await self.ctx.spawn_group(rollout_pool, ActorRolloutRefWorker, wire, ("rollout",),
+                                                      role="rollout")
+            await self._open_bridge(groups.actor)
+        self.generations = Generations(self.rollout, self.loader)
+        actor = groups.actor if not split and cfg.rollout.max_staleness == 0 else RoutedActor(groups.actor, self.generations)
+        self.roles = Roles(actor=actor, reward=groups.reward, critic=groups.get("critic"), cost=groups.get("cost"))
+        self.train_actor = groups.actor
+
+    def _pool(self, name: str, key: str, size: int) -> Any:
+        try:
+            return self.ctx.create_pool(name, world_size=size)
+        except PlacementError as e:
+            raise ConfigError(f"{key}={size} does not fit this cluster: {e}. Lower {key} or add devices "
+                              "(cluster.cpu_devices on CPU nodes, or nodes)") from None
+
+    async def _open_bridge(self, actor: Any) -> None:
+        """The process group the training pool broadcasts weights to the rollout pool over."""
+        train, rollout = await asyncio.gather(actor.weight_sync_digest(), self.rollout.weight_sync_digest())
+        if len(set(train) | set(rollout)) != 1:
+            raise ConfigError(f"the training and rollout pools hold different models ({set(train)} vs "
+                              f"{set(rollout)}); both load model.path={self.cfg.model.path}")
+        size = 1 + self.cfg.rollout.n_workers
+        host, port = (await actor.bridge_listen(size))[0]
+        await asyncio.gather(actor.bridge_join(host, port, size), self.rollout.bridge_join(host, port, size))
+
+    async def sync_weights(self) -> float:
+        """Split placement: broadcast the actor's weights (version = its update count) to the
+        rollout pool, which stages them beside a running generate; returns the seconds taken."""
+        if self.rollout is self.train_actor:
+            return 0.0
+        mb = self.cfg.rollout.sync_bucket_mb
+        push = self.train_actor.push_weights(mb)
+        receive = self.rollout.receive_weights(self.step, mb)
+        pushed, _ = await asyncio.gather(push, receive)
+        return max(r["timing/weight_sync_s"] for r in pushed)
 
     def _load_tokenizer_and_data(self) -> None:
         from transformers import AutoTokenizer
@@ -124,6 +159,9 @@ class Trainer:
         rest = {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)}
         return self.ctx.put(Batch(tensors, rest, meta))
 
+    def _next_prompts(self, step: int) -> DistBatch:
+        return self._put(self.loader.next_batch(), {"seed": self.cfg.seed * 100003 + step})
+
     def pretrain_batch(self) -> DistBatch:
         """Prompt + ground-truth answer sequences for the Safe-RLHF pretrain (SFT) loss term."""
         bs = self.cfg.data.batch_size
@@ -161,7 +199,7 @@ class Trainer:
         hf = (await self.roles.actor.save_checkpoint(str(path)))[0]
         if self.roles.critic is not None:
             await self.roles.critic.save_checkpoint(str(path))
-        state = {"step": self.step, "loader": self.loader.state_dict(), "history": self.history,
+        state = {"step": self.step, "loader": self.generations.loader_state(self.step), "history": self.history,
                  "controllers": self.ctl.state_dict(), "val": self.val_log, "hf": hf}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / DONE_MARKER).write_text("")  # last: a checkpoint without it is incomplete
@@ -190,6 +228,7 @@ class Trainer:
         t_start = time.monotonic()
         if start is not None:
             await self.load(start)
+        await self.sync_weights()  # a separate rollout pool starts from the actor's weights
         resumed = self.step > 0
         writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.tensorboard,
                                          self.step if resumed else None)
@@ -203,15 +242,25 @@ class Trainer:
             log.info("step %d: held-out reward %.3f", self.step, self.val_log[-1][1])
         tokens, step_time = 0.0, 0.0
         bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name)
+        k = self.cfg.rollout.max_staleness
+        t0 = time.monotonic()
         while self.step < tc.total_steps:
-            t0 = time.monotonic()
-            prompts = self._put(self.loader.next_batch(), {"seed": self.cfg.seed * 100003 + self.step})
+            if isinstance(self.roles.actor, RoutedActor):
+                # batches step .. step + k may be generated by the current version (this one's)
+                for i in range(self.step, min(tc.total_steps, self.step + k + 1)):
+                    self.generations.launch(i, self._next_prompts, self.step)
+                prompts = self.generations.prompts(self.step)
+            else:
+                prompts = self._next_prompts(self.step)
             data = {}
             if self.algorithm.needs_pretrain and self.cfg.actor.pretrain_coef > 0:
                 data["pretrain"] = self.pretrain_batch()
             metrics = await self.algorithm.step(self.roles, self.cfg, self.ctl, prompts, **data)
+            metrics.update(self.generations.done(self.step))
             self.step += 1
-            dt = time.monotonic() - t0
+            metrics["timing/weight_sync_s"] = await self.sync_weights()
+            t1 = time.monotonic()
+            dt, t0 = t1 - t0, t1
             metrics.update(self.ctl.update(metrics, self.cfg.data.batch_size))
             tokens += metrics.get("response/tokens", 0.0)
             step_time += dt
@@ -229,6 +278,7 @@ class Trainer:
             bar.update(metrics)
             if self.step % tc.save_every == 0 and self.step < tc.total_steps:
                 await self.save()
+            t0 = time.monotonic()  # evaluation and checkpoints are not part of a step
         bar.close()
         hf = await self.save()
         await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png")
@@ -238,6 +288,62 @@ class Trainer:
                 "wall_s": round(time.monotonic() - t_start, 1),
                 "tokens_per_s": round(tokens / step_time, 1) if step_time else 0.0,
                 "checkpoint": str(hf), "metrics": str(self.out_dir / "metrics.jsonl")}
+
+
+class Generations:
+    """Generation launched ahead of training (rollout.max_staleness = k > 0, or a separate
+    rollout pool): batch i starts once the policy version it may use (>= i - k) is on the
+    generating workers, and runs there while earlier batches train."""
+
+    def __init__(self, group: Any, loader: Any) -> None:
+        self.group, self.loader = group, loader
+        self.ahead: dict[int, tuple[DistBatch, Any, int, dict]] = {}  # step -> prompts, future, version, loader state
+
+    def launch(self, step: int, next_prompts: Callable[[int], DistBatch], version: int) -> None:
+        if step in self.ahead:
+            return
+        loader_state = copy.deepcopy(self.loader.state_dict())
+        prompts = next_prompts(step)
+        self.ahead[step] = (prompts, self.group.generate_sequences(prompts), version, loader_state)
+
+    def prompts(self, step: int) -> DistBatch:
+        return self.ahead[step][0]
+
+    def generated(self, prompts: DistBatch) -> Any | None:
+        """The running generation of these prompts, if launched ahead."""
+        for p, future, _, _ in self.ahead.values():
+            if p is prompts:
+                return future
+        return None
+
+    def done(self, step: int) -> dict[str, float]:
+        """Forget batch `step` (trained by version `step`); its staleness as metrics."""
+        entry = self.ahead.pop(step, None)
+        if entry is None:
+            return {"async/staleness": 0.0}
+        return {"async/staleness": float(step - entry[2]), "async/in_flight": float(len(self.ahead))}
+
+    def loader_state(self, step: int) -> dict:
+        """The loader's state before the first batch not yet trained (batches drawn ahead are
+        drawn again after a resume)."""
+        ahead = sorted(s for s in self.ahead if s >= step)
+        return self.ahead[ahead[0]][3] if ahead else self.loader.state_dict()
+
+
+class RoutedActor:
+    """The actor group as an algorithm step sees it when generation runs ahead or elsewhere:
+    `generate_sequences` returns the launched generation of those prompts (or generates on the
+    rollout group), everything else goes to the training group."""
+
+    def __init__(self, train: Any, generations: Generations) -> None:
+        self.train, self.generations = train, generations
+
+    def generate_sequences(self, prompts: Any) -> Any:
+        launched = self.generations.generated(prompts)
+        return launched if launched is not None else self.generations.group.generate_sequences(prompts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.train, name)
 
 
 async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ shapes what is sampled but not the reported log-prob, so a trainer recomputing
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -215,8 +215,12 @@ class RolloutEngine:
         attention_mask: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        before_step: Callable[[int], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Sample `params.n` responses per left-padded prompt; rows come out as B*n, interleaved.
+
+        `before_step(t)` runs before the forward that produces response token t + 1 (e.g. to
+        load newer weights mid-generation: the KV cache of earlier tokens is kept).
 
         Returns prompts, responses (right-padded to the longest response in this call),
         response_mask (1 up to and including the stop token), input_ids, attention_mask,
@@ -266,6 +270,8 @@ class RolloutEngine:
                 # one sync per step to stop early; cheap next to a forward
                 if steps == max_tokens or bool(finished.all()):
                     break
+                if before_step is not None:
+                    before_step(t)
                 logits = self._forward(
                     tokens.unsqueeze(-1), full_mask[:, : prompt_len + t + 1], next_pos, cache
                 )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,9 @@ from asyncrl.engine import (
 )
 from asyncrl.engine.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.engine.reshard import Resharder
+from asyncrl.engine.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
 from asyncrl.metrics import timed
-from asyncrl.parallel import ParallelLayout, generation_layout
+from asyncrl.parallel import ParallelLayout, generation_layout, pure_dp
 from asyncrl.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.rollout.tp import GenerationModel
@@ -64,7 +66,10 @@ class ActorRolloutRefWorker(Worker):
         self.rollout: RolloutEngine | VLLMRolloutEngine | None = None
         self.rollout_current = False  # the vLLM engine holds the actor's current weights
         base = load_causal_lm(cfg.model.path)
-        layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size))
+        self.sync_specs = specs_of(base)  # what a weight sync between pools carries, in order
+        # a rollout-only pool (trainer.placement=split) is data parallel over its own ranks
+        layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size)
+                                    if "actor" in self.roles else pure_dp(self.world_size))
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
         if "rollout" in self.roles and "actor" not in self.roles:  # a generation-only copy of the weights
             if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
@@ -104,6 +109,14 @@ class ActorRolloutRefWorker(Worker):
         self.sample_gen = torch.Generator(device=self.device).manual_seed(
             cfg.seed * 1000 + self.gen_layout.data_index(self.rank))
         self.update_steps = 0
+        # trainer.placement=split: weights from the training pool (`WeightBridge`); a rollout-only
+        # worker receives a version into `_staged` while it may be generating, and applies it
+        # before its next generate (or between decode steps with rollout.interrupt_on_update)
+        self.bridge: WeightBridge | None = None
+        self.weights_version = 0
+        self._staged: list[torch.Tensor] | None = None
+        self._staged_version: int | None = None
+        self._weights_lock = threading.Lock()
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
 
@@ -180,6 +193,7 @@ class ActorRolloutRefWorker(Worker):
         """
         t0 = time.perf_counter()
         self._bind_generation_weights()
+        self._apply_staged_weights()
         t1 = time.perf_counter()
         rc = self.cfg.rollout
         over = {k: v for k, v in prompts.meta.items() if k in SAMPLING_KEYS}
@@ -191,8 +205,18 @@ class ActorRolloutRefWorker(Worker):
         shard = self.gen_layout.data_index(self.rank)
         gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + shard)
                if seed is not None else self.sample_gen)
-        out = _pad_responses(self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params,
-                                                   generator=gen), params.max_tokens, self.tokenizer.pad_token_id)
+        versions = [self._policy_version()]  # of token 0; one more per decode step
+
+        def before_step(step: int) -> None:
+            if self.cfg.rollout.interrupt_on_update:
+                self._apply_staged_weights()
+            versions.append(self._policy_version())
+
+        hook = before_step if isinstance(self.rollout, RolloutEngine) else None
+        out = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen,
+                                    **({"before_step": hook} if hook else {}))
+        out["behav_versions"] = _token_versions(versions, out["responses"].shape)
+        out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
         timing = {"timing/sync_s": t1 - t0, "timing/gen_s": time.perf_counter() - t1}
@@ -300,6 +324,68 @@ class ActorRolloutRefWorker(Worker):
         mask = batch["response_mask"].float()
         return {"sft_loss": float(-core.masked_mean(logp, mask)), "tokens": float(mask.sum())}
 
+    # weights between pools (trainer.placement=split) --------------------------------------------
+    def _policy_version(self) -> int:
+        """The policy version generating now: the updates this worker's actor has made, or the
+        version a rollout-only worker last applied."""
+        return self.update_steps if self.actor is not None else self.weights_version
+
+    @register(ONE_TO_ALL)
+    def weight_sync_digest(self) -> str:
+        """A fingerprint of the tensors a sync carries (both pools must agree)."""
+        return digest(self.sync_specs)
+
+    @register(ONE_TO_ALL)
+    def bridge_listen(self, size: int) -> list | None:
+        """Training rank 0: open the bridge's rendezvous; returns [host, port]."""
+        if self.rank != 0:
+            return None
+        self._bridge_store = WeightBridge.listen(size, self.cfg.worker.collective_timeout_s)
+        return [bridge_host(), self._bridge_store.port]
+
+    @register(ONE_TO_ALL)
+    def bridge_join(self, host: str, port: int, size: int) -> None:
+        """Build the bridge group: training rank 0 as bridge rank 0, rollout rank r as r + 1
+        (the other training ranks only take part in the gathers of `push_weights`)."""
+        timeout = self.cfg.worker.collective_timeout_s
+        if self.actor is not None:
+            if self.rank == 0:
+                self.bridge = WeightBridge(self._bridge_store, 0, size, self.device, timeout)
+            return
+        store = WeightBridge.connect(host, port, size, timeout)
+        self.bridge = WeightBridge(store, self.rank + 1, size, self.device, timeout)
+
+    @register(ONE_TO_ALL)
+    def push_weights(self, bucket_mb: int) -> dict[str, float]:
+        """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
+        rank 0 to the rollout pool; returns the version sent and the time taken."""
+        t0 = time.perf_counter()
+        tensors = full_tensors(self.actor.model)
+        if self.bridge is not None:
+            self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
+        else:
+            for _ in tensors:  # the gathers are collectives: every rank walks the list
+                pass
+        return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0}
+
+    @register(ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int, bucket_mb: int) -> None:
+        """Rollout pool, beside a running generate: receive a version into the staging copy; it
+        is applied before the next generate (or decode step, with rollout.interrupt_on_update)."""
+        specs = self.sync_specs
+        with self._weights_lock:
+            if self._staged is None:
+                self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+            self.bridge.receive(specs, self._staged, bucket_mb << 20)
+            self._staged_version = version
+
+    def _apply_staged_weights(self) -> None:
+        if self._staged_version is None:
+            return
+        with self._weights_lock:
+            self.rollout.load_weights([(s.name, t) for s, t in zip(self.sync_specs, self._staged, strict=True)])
+            self.weights_version, self._staged_version = self._staged_version, None
+
     # checkpoints -----------------------------------------------------------------------------------
     @register(ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
@@ -322,6 +408,13 @@ class ActorRolloutRefWorker(Worker):
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
 
 
+def _token_versions(versions: list[int], shape: torch.Size) -> torch.Tensor:
+    """The policy version that produced each response token [rows, T], from the version of
+    token 0 followed by one per decode step."""
+    steps = torch.tensor(versions[:shape[1]], dtype=torch.long)
+    return steps.expand(shape[0], -1).clone()
+
+
 def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad the response columns to the generation budget, so every rank's output has the
     same width and rows from different ranks concatenate (masked, so nothing else changes)."""
@@ -337,6 +430,8 @@ def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dic
     out["responses"] = pad(out["responses"], pad_id)
     out["response_mask"] = pad(out["response_mask"], 0)
     out["rollout_log_probs"] = pad(out["rollout_log_probs"], 0.0)
+    if "behav_versions" in out:
+        out["behav_versions"] = pad(out["behav_versions"], 0)
     out["input_ids"] = pad(out["input_ids"], pad_id)
     out["attention_mask"] = pad(out["attention_mask"], 0)
     out["position_ids"] = pad(out["position_ids"], 0) + 0
