@@ -30,6 +30,7 @@ from asyncrl.parallel import (
     ParallelLayout,
     generation_layout,
 )
+from asyncrl.data.synthetic import TASKS
 from daemons.errors import ConfigError
 from daemons.node import DEFAULT_SHM_POOL_BYTES
 from transport.peers import ServerLimits
@@ -39,7 +40,7 @@ CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.a
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
-SYNTHETIC_TASKS = ("sum", "max", "sort", "copy", "reverse")
+SYNTHETIC_TASKS = tuple(TASKS)  # asyncrl.data.synthetic's tasks
 
 
 def _check(ok: bool, key: str, value: Any, want: str) -> None:

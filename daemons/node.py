@@ -46,6 +46,7 @@ DEFAULT_SHM_POOL_BYTES = 0
 SHM_POOL_ENV = "ASYNCRL_SHM_POOL_BYTES"
 # Each worker store's memory limit in bytes (see objectstore.memory).
 STORE_MEMORY_LIMIT_ENV = "ASYNCRL_STORE_MEMORY_LIMIT"
+NODE_DEVICES_ENV = "ASYNCRL_NODE_DEVICES"  # a worker's share of the node's cores is one device's
 # Besides after each abnormal worker exit, the node sweeps /dev/shm this often: a dead worker's
 # forked children can hold its segments' lock a little longer than the worker lives.
 SHM_SWEEP_INTERVAL_S = 30.0
@@ -252,7 +253,7 @@ class NodeDaemon:
                     **{k: str(v) for k, v in spec.env.items()},
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
                     "ASYNCRL_HOST": self.host, "ASYNCRL_COORDINATOR": self.coordinator_endpoint,
-                    "PYTHONUNBUFFERED": "1"}
+                    NODE_DEVICES_ENV: str(len(self.devices)), "PYTHONUNBUFFERED": "1"}
         full_env.update(gpu_env(str(spec.env.get("ASYNCRL_DEVICE", "")), os.environ.get("CUDA_VISIBLE_DEVICES")))
         # collectives (gloo/NCCL) must use the interface the cluster talks over, not whatever
         # the hostname resolves to (often 127.0.1.1); a user's own setting wins

@@ -64,6 +64,14 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return " ".join(["reverse", *xs]), " ".join(reversed(xs))
 
 
+def _copy_tail(rng: random.Random) -> tuple[str, str]:
+    # long-tailed answer lengths (most 1-4 symbols, one in seven 5-16): a batch's generation
+    # waits for its longest answer, which is what asynchronous RL hides
+    k = rng.randint(1, 4) if rng.random() < 6 / 7 else rng.randint(5, 16)
+    xs = [rng.choice(LETTERS) for _ in range(k)]
+    return " ".join(["copy", *xs]), " ".join(xs)
+
+
 TASKS: dict[str, SyntheticTask] = {
     t.name: t
     for t in (
@@ -72,6 +80,7 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("sort", (*DIGITS, "sort"), _sort, 4, DIGITS),
         SyntheticTask("copy", (*LETTERS, "copy"), _copy, 4, LETTERS),
         SyntheticTask("reverse", (*LETTERS, "reverse"), _reverse, 4, LETTERS),
+        SyntheticTask("copy_tail", (*LETTERS, "copy"), _copy_tail, 16, LETTERS),
     )
 }
 

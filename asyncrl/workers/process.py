@@ -10,11 +10,13 @@ import torch
 
 from asyncrl.config import RLConfig
 from asyncrl.engine import init_distributed
+from daemons.node import NODE_DEVICES_ENV
 
 
 def setup_process(cfg: RLConfig, rank: int) -> None:
-    """torch threads per worker (cores are shared by the node's workers), distributed init, seeds."""
-    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """torch threads per worker (cores are shared by the node's devices: a pool of one worker
+    beside another pool gets its device's share, not the node's), distributed init, seeds."""
+    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get(NODE_DEVICES_ENV, "1")))
     torch.set_num_threads(cfg.trainer.torch_threads or max(1, (os.cpu_count() or 1) // per_node))
     init_distributed()
     seed = cfg.seed + rank
