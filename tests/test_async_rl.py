@@ -1,0 +1,159 @@
+"""Asynchronous RL: the weight bridge between pools, generation ahead of training with bounded
+staleness, split placement end to end (and its resume after a killed rollout worker)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.engine.weight_sync import TensorSpec, WeightBridge, buckets, digest
+from asyncrl.rollout import RolloutEngine, SamplingParams
+from daemons.proc import kill_group
+from tests.test_rl import LAUNCH, REPO, SMALL, _env, _launch, tiny_model  # noqa: F401 - a fixture
+
+SPECS = [TensorSpec("a", (3, 4), torch.float32), TensorSpec("b", (5,), torch.float32),
+         TensorSpec("c", (2,), torch.int64), TensorSpec("d", (40,), torch.float32)]
+
+
+def test_buckets_close_on_size_and_dtype():
+    # 48 B, 20 B (bucket closes at >= 64 B), then an int64 tensor, then a big one alone
+    assert buckets(SPECS, 64) == [[0, 1], [2], [3]]
+    assert buckets(SPECS, 10) == [[0], [1], [2], [3]]
+    assert buckets(SPECS, 1 << 20) == [[0, 1], [2], [3]]
+    assert digest(SPECS) != digest(SPECS[:3]) and digest(SPECS) == digest(list(SPECS))
+
+
+def _member(rank: int, port: int, size: int, q) -> None:
+    bridge = WeightBridge(WeightBridge.connect("127.0.0.1", port, size, 30), rank, size, "cpu", 30)
+    into = [torch.zeros(s.shape, dtype=s.dtype) for s in SPECS]
+    for _ in range(2):  # two versions over the same group
+        bridge.receive(SPECS, into, 64)
+        q.put([t.tolist() for t in into])
+    bridge.close()
+
+
+def test_bridge_broadcasts_every_tensor_to_every_rollout_rank():
+    size = 3
+    store = WeightBridge.listen(size, 30)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_member, args=(r, store.port, size, q), daemon=True) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        bridge = WeightBridge(store, 0, size, "cpu", 30)
+        sent = []
+        for version in range(2):
+            tensors = [torch.randn(3, 4) + version, torch.randn(5), torch.tensor([7, version]), torch.randn(40)]
+            bridge.send(SPECS, iter(tensors), 64)
+            sent.append([t.tolist() for t in tensors])
+        got = [q.get(timeout=60) for _ in range(4)]
+        assert sorted(map(str, got)) == sorted(map(str, sent + sent))
+        bridge.close()
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_before_step_loads_new_weights_mid_generation(tiny_model):
+    """rollout.interrupt_on_update: weights swapped between decode steps change the rest of the
+    response (and only the rest), and the hook runs once per decode step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    engine = RolloutEngine(model, eos_token_id=-1, pad_token_id=0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.ones_like(ids)
+    params = SamplingParams(greedy=True, max_tokens=6)
+    plain = engine.generate(ids, mask, params)["responses"]
+    steps = []
+
+    def swap(t: int) -> None:
+        steps.append(t)
+        if t == 1:
+            engine.load_weights(other.named_parameters())
+
+    swapped = engine.generate(ids, mask, params, before_step=swap)["responses"]
+    assert steps == [0, 1, 2, 3, 4]
+    assert torch.equal(swapped[:, :2], plain[:, :2]) and not torch.equal(swapped, plain)
+
+
+def test_split_placement_runs_ahead_within_the_staleness_bound(tiny_model, tmp_path):
+    out = tmp_path / "async"
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1",
+                                            "rollout.max_staleness=2", "rollout.interrupt_on_update=true",
+                                            "trainer.total_steps=5", "trainer.eval_every=5",
+                                            "trainer.tensorboard=false", "job.entry=tests/rl_probe.py:main"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 5 and sum(summary["policy_gain"]) > 0, summary
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    stale = [r["async/staleness"] for r in steps]
+    assert max(stale) == 2 and all(0 <= s <= 2 for s in stale), stale
+    assert all(r["timing/weight_sync_s"] > 0 for r in steps)
+
+
+def test_config_refuses_what_split_placement_cannot_do(tiny_model, tmp_path):
+    for extra, key in ((["rollout.interrupt_on_update=true"], "rollout.interrupt_on_update"),
+                       (["trainer.placement=split", "actor.parallel.pp=2"], "actor.parallel.pp"),
+                       (["trainer.placement=split", "rollout.n_workers=0"], "rollout.n_workers"),
+                       (["rollout.max_staleness=-1"], "rollout.max_staleness")):
+        res = _launch("grpo", tmp_path / "bad", tiny_model, extra, timeout=60)
+        assert res.returncode == 2 and key in res.stderr, (extra, res.stderr[-2000:])
+
+
+def test_killed_rollout_worker_is_named_and_the_run_resumes(tiny_model, tmp_path):
+    out = tmp_path / "kill"
+    args = [*LAUNCH, "--config-name", "grpo", f"trainer.output_dir={out}", f"model.path={tiny_model}",
+            "model.build_tiny=null", *SMALL, "trainer.placement=split", "trainer.n_workers=1",
+            "rollout.max_staleness=1", "trainer.total_steps=6", "trainer.save_every=2", "trainer.eval_every=6",
+            "trainer.tensorboard=false"]
+    proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        marker = out / "checkpoints" / "step_2" / "COMPLETE"
+        deadline = time.monotonic() + 180
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "no checkpoint at step 2"
+        rollout = _rollout_pids(_env(out)["ASYNCRL_STATE_DIR"])
+        assert rollout, "no rollout worker found"
+        os.kill(rollout[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc, grace_s=5)
+    assert proc.returncode not in (0, None)
+    assert "rollout" in err and ("died" in err or "killed" in err), err[-3000:]
+    assert "Traceback" not in err.split("died")[-1][:200]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 6
+
+
+def _rollout_pids(state_dir: str) -> list[int]:
+    """The rollout pool's worker processes of the launch using `state_dir` (by their environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if b"ASYNCRL_GROUP=rollout" in env and f"ASYNCRL_STATE_DIR={state_dir}".encode() in env:
+            found.append(int(entry.name))
+    return found
