@@ -279,12 +279,16 @@ class RolloutConfig:
     n_workers: int = 1  # the rollout pool's workers (devices) with trainer.placement=split
     interrupt_on_update: bool = False  # split: load new weights between decode steps, not only between batches
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
+    # split, native engine: rows one rollout worker decodes together (continuous batching);
+    # 0 = the rows of one batch on one rollout worker
+    decode_slots: int = 0
 
     def check(self, at: str) -> None:
         _one_of(at + "engine", self.engine, ROLLOUT_ENGINES)
         _positive(at + "max_staleness", self.max_staleness, allow_zero=True)
         _positive(at + "n_workers", self.n_workers)
         _positive(at + "sync_bucket_mb", self.sync_bucket_mb)
+        _positive(at + "decode_slots", self.decode_slots, allow_zero=True)
         _positive(at + "n", self.n)
         _positive(at + "temperature", self.temperature, allow_zero=True)
         _check(0 < self.top_p <= 1, at + "top_p", self.top_p, "must be in (0, 1]")

@@ -81,7 +81,7 @@ class Trainer:
             self.rollout = await self.ctx.spawn_group(rollout_pool, ActorRolloutRefWorker, wire, ("rollout",),
                                                       role="rollout")
             await self._open_bridge(groups.actor)
-        self.generations = Generations(self.rollout, self.loader)
+        self.generations = Generations(self.rollout, self.loader, stream=split and cfg.rollout.engine == "native")
         self.pipelined = split or cfg.rollout.max_staleness > 0  # generation launched ahead by the loop
         actor = RoutedActor(groups.actor, self.generations) if self.pipelined else groups.actor
         self.roles = Roles(actor=actor, reward=groups.reward, critic=groups.get("critic"), cost=groups.get("cost"))
@@ -296,8 +296,10 @@ class Generations:
     rollout pool): batch i starts once the policy version it may use (>= i - k) is on the
     generating workers, and runs there while earlier batches train."""
 
-    def __init__(self, group: Any, loader: Any) -> None:
+    def __init__(self, group: Any, loader: Any, stream: bool) -> None:
         self.group, self.loader = group, loader
+        # a rollout pool of its own takes overlapping calls into one continuous batch
+        self.generate = group.generate_stream if stream else group.generate_sequences
         self.ahead: dict[int, tuple[DistBatch, Any, int, dict]] = {}  # step -> prompts, future, version, loader state
 
     def launch(self, step: int, next_prompts: Callable[[int], DistBatch], version: int) -> None:
@@ -305,7 +307,7 @@ class Generations:
             return
         loader_state = copy.deepcopy(self.loader.state_dict())
         prompts = next_prompts(step)
-        self.ahead[step] = (prompts, self.group.generate_sequences(prompts), version, loader_state)
+        self.ahead[step] = (prompts, self.generate(prompts), version, loader_state)
 
     def prompts(self, step: int) -> DistBatch:
         return self.ahead[step][0]
@@ -341,7 +343,7 @@ class RoutedActor:
 
     def generate_sequences(self, prompts: Any) -> Any:
         launched = self.generations.generated(prompts)
-        return launched if launched is not None else self.generations.group.generate_sequences(prompts)
+        return launched if launched is not None else self.generations.generate(prompts)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.train, name)

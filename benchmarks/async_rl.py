@@ -47,6 +47,8 @@ def recipe(workdir: Path, steps: int, seed: int, hidden: int, layers: int, extra
     """The overrides every run shares: the model, the task and the number of samples."""
     return [f"seed={seed}", f"model.path={workdir / 'model'}", f"model.build_tiny.task={TASK}",
             f"model.build_tiny.hidden={hidden}", f"model.build_tiny.layers={layers}",
+            # a format warm start: answers of the prompt's length, so response lengths are long-tailed
+            "model.build_tiny.sft_steps=300",
             f"data.synthetic.task={TASK}", "rollout.max_tokens=17", f"trainer.total_steps={steps}",
             f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.tensorboard=false", *extra]
 
@@ -55,7 +57,7 @@ def runs(devices: int, ks: list[int]) -> dict[str, list[str]]:
     split = ["trainer.placement=split", f"trainer.n_workers={devices - 1}", "rollout.n_workers=1"]
     out = {"sync": [f"trainer.n_workers={devices}"], "split_k0": split}
     for k in ks:
-        out[f"async_k{k}"] = [*split, f"rollout.max_staleness={k}"]
+        out[f"async_k{k}"] = [*split, f"rollout.max_staleness={k}", "rollout.interrupt_on_update=true"]
     return out
 
 

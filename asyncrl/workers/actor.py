@@ -38,6 +38,7 @@ from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelLayout, generation_layout, pure_dp
 from asyncrl.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
 from asyncrl.rollout import RolloutEngine, SamplingParams
+from asyncrl.rollout.continuous import ContinuousBatcher
 from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.worker import Worker, register
@@ -117,6 +118,10 @@ class ActorRolloutRefWorker(Worker):
         self._staged: list[torch.Tensor] | None = None
         self._staged_version: int | None = None
         self._weights_lock = threading.Lock()
+        # a rollout-only worker's native engine serves every call from one continuous batch
+        self.batcher: ContinuousBatcher | None = None
+        if isinstance(self.rollout, RolloutEngine) and self.actor is None and cfg.trainer.placement == "split":
+            self.batcher = ContinuousBatcher(self.rollout, self._slots(), _StagedWeights(self))
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
 
@@ -191,9 +196,22 @@ class ActorRolloutRefWorker(Worker):
         group; the outputs of generation-TP rank 0 are kept. prompts.meta may override
         sampling: n, temperature, top_p, top_k, max_tokens, greedy, seed.
         """
+        return self._generate(prompts)
+
+    @register(THREE_D_ALL_MICRO_DP, blocking=False)
+    def generate_stream(self, prompts: Batch) -> Batch:
+        """`generate_sequences` on a rollout pool of its own, where calls overlap: every call's
+        prompts join the worker's one continuous-batching decode loop."""
+        if self.batcher is None:
+            raise RuntimeError("generate_stream runs on a rollout-only worker with the native engine "
+                               "(trainer.placement=split); call generate_sequences")
+        return self._generate(prompts)
+
+    def _generate(self, prompts: Batch) -> Batch:
         t0 = time.perf_counter()
         self._bind_generation_weights()
-        self._apply_staged_weights()
+        if self.batcher is None:  # the batcher's loop loads staged weights itself, between steps
+            self._apply_staged_weights()
         t1 = time.perf_counter()
         rc = self.cfg.rollout
         over = {k: v for k, v in prompts.meta.items() if k in SAMPLING_KEYS}
@@ -205,17 +223,19 @@ class ActorRolloutRefWorker(Worker):
         shard = self.gen_layout.data_index(self.rank)
         gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + shard)
                if seed is not None else self.sample_gen)
-        versions = [self._policy_version()]  # of token 0; one more per decode step
+        if self.batcher is not None:
+            out = self.batcher.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
+        else:
+            versions = [self._policy_version()]  # of token 0; one more per decode step
 
-        def before_step(step: int) -> None:
-            if self.cfg.rollout.interrupt_on_update:
-                self._apply_staged_weights()
-            versions.append(self._policy_version())
+            def before_step(step: int) -> None:
+                if self.cfg.rollout.interrupt_on_update:
+                    self._apply_staged_weights()
+                versions.append(self._policy_version())
 
-        hook = before_step if isinstance(self.rollout, RolloutEngine) else None
-        out = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen,
-                                    **({"before_step": hook} if hook else {}))
-        out["behav_versions"] = _token_versions(versions, out["responses"].shape)
+            hook = {"before_step": before_step} if isinstance(self.rollout, RolloutEngine) else {}
+            out = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen, **hook)
+            out["behav_versions"] = _token_versions(versions, out["responses"].shape)
         out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
@@ -330,10 +350,27 @@ class ActorRolloutRefWorker(Worker):
         version a rollout-only worker last applied."""
         return self.update_steps if self.actor is not None else self.weights_version
 
+    def _slots(self) -> int:
+        """rollout.decode_slots, or (0) the rows of one batch on one rollout rank."""
+        rc = self.cfg.rollout
+        return rc.decode_slots or -(-self.cfg.data.batch_size // self.world_size) * rc.n
+
     @register(ONE_TO_ALL)
     def weight_sync_digest(self) -> str:
         """A fingerprint of the tensors a sync carries (both pools must agree)."""
         return digest(self.sync_specs)
+
+    @register(ONE_TO_ALL)
+    def weights_checksum(self) -> list[float]:
+        """Per synced tensor, the sum of its values in float64: the generating weights of a
+        rollout-only worker (after loading any staged version), the full training weights
+        otherwise (a collective over the training pool). Both pools agree after a sync."""
+        if self.actor is None:
+            if self.batcher is None:
+                self._apply_staged_weights()
+            named = dict(self.rollout.model.named_parameters())
+            return [float(named[s.name].double().sum()) for s in self.sync_specs]
+        return [float(t.double().sum()) for t in full_tensors(self.actor.model)]
 
     @register(ONE_TO_ALL)
     def bridge_listen(self, size: int) -> list | None:
@@ -406,6 +443,24 @@ class ActorRolloutRefWorker(Worker):
             self.sample_gen.set_state(extra["sample_gen"])
         self.update_steps = int(extra.get("update_steps", 0))
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
+
+
+class _StagedWeights:
+    """A rollout-only worker's weights as its continuous batcher sees them."""
+
+    def __init__(self, worker: ActorRolloutRefWorker) -> None:
+        self.worker = worker
+        self.interrupt = worker.cfg.rollout.interrupt_on_update
+
+    @property
+    def version(self) -> int:
+        return self.worker.weights_version
+
+    def pending(self) -> bool:
+        return self.worker._staged_version is not None
+
+    def apply(self) -> None:
+        self.worker._apply_staged_weights()
 
 
 def _token_versions(versions: list[int], shape: torch.Size) -> torch.Tensor:

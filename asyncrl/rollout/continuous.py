@@ -1,0 +1,262 @@
+"""Continuous batching for a rollout pool of its own (`trainer.placement=split`).
+
+`RolloutEngine.generate` decodes one batch until its longest response ends: with long-tailed
+response lengths most rows sit finished while a few run on. Here one decode loop (a thread) runs
+a fixed number of slots; every `generate` call (several at once: batches launched ahead of
+training) queues its prompts, a prompt's n samples take n free slots as soon as there are n,
+and a finished row frees its slot for the next prompt at once. Rows of different prompts,
+calls and sampling settings share each forward.
+
+The slots share one KV cache: a row that joins at cache length L gets its prompt's keys and
+values (one prefill of that prompt) written into columns L-P .. L-1 and everything before masked
+out; columns masked for every live row are dropped now and then. Positions are per row.
+
+Weights change only between decode steps (`Weights`): with interrupts allowed a new version is
+loaded at the next step (rows keep their KV cache from the old one, as in AReaL's interruptible
+rollouts); otherwise no new prompt is admitted until the live rows end, then it is loaded. Each
+response token records the version that produced it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from asyncrl.rollout.engine import (
+    RolloutEngine,
+    SamplingParams,
+    positions_from_mask,
+    rollout_outputs,
+    sample_tokens,
+)
+
+COMPACT_EVERY = 16  # drop fully masked leading cache columns once this many have piled up
+
+
+class Weights(Protocol):
+    """What the decode loop asks of the worker's weights between steps."""
+
+    version: int
+    interrupt: bool
+
+    def pending(self) -> bool: ...
+
+    def apply(self) -> None: ...
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    future: Future
+    slots: list[int] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    live: int = 0
+
+
+class ContinuousBatcher:
+    """`generate` with the same inputs and outputs as `RolloutEngine.generate` (plus
+    `behav_versions`), served by one decode loop shared by every caller."""
+
+    def __init__(self, engine: RolloutEngine, slots: int, weights: Weights) -> None:
+        self.engine, self.model, self.slots, self.weights = engine, engine.model, slots, weights
+        self.stop_ids = engine.eos_token_ids
+        self._queue: deque[_Request] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._owner: list[_Request | None] = []
+        self.steps = 0  # decode steps run (forwards over all slots)
+
+    # the callers' side ----------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        if params.n > self.slots:
+            raise ValueError(f"rollout.n={params.n} samples of a prompt need as many slots; the continuous "
+                             f"batcher has {self.slots} (raise rollout.decode_slots)")
+        requests = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            prompt = [t for t, m in zip(ids, mask, strict=True) if m]
+            requests.append(_Request(prompt, params, generator, Future()))
+        with self._cv:
+            self._queue.extend(requests)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="continuous-batcher", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        for r in requests:
+            r.future.result()
+        return self._outputs(input_ids, attention_mask, requests)
+
+    def _outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 requests: list[_Request]) -> dict[str, torch.Tensor]:
+        n = requests[0].params.n if requests else 1
+        rows = [(r, i) for r in requests for i in range(n)]
+        width = max((len(r.tokens[i]) for r, i in rows), default=1) or 1
+        pad = self.engine.pad_token_id
+        responses = torch.full((len(rows), width), pad, dtype=torch.long)
+        log_probs = torch.zeros((len(rows), width), dtype=torch.float32)
+        versions = torch.zeros((len(rows), width), dtype=torch.long)
+        resp_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, (r, i) in enumerate(rows):
+            k = len(r.tokens[i])
+            responses[j, :k] = torch.tensor(r.tokens[i])
+            log_probs[j, :k] = torch.tensor(r.logprobs[i])
+            versions[j, :k] = torch.tensor(r.versions[i])
+            resp_mask[j, :k] = 1
+        prompts = input_ids.repeat_interleave(n, dim=0)
+        mask = torch.cat([attention_mask.long().repeat_interleave(n, dim=0), resp_mask], dim=1)
+        out = rollout_outputs(prompts, mask, responses, log_probs)
+        out["behav_versions"] = versions
+        return out
+
+    # the decode loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            with torch.no_grad():
+                self._run()
+        except BaseException as e:  # noqa: BLE001 - every waiting caller gets the error
+            with self._cv:
+                waiting = [*self._queue, *(o for o in self._owner if o is not None)]
+                self._queue.clear()
+            for r in waiting:
+                if not r.future.done():
+                    r.future.set_exception(e)
+
+    def _reset(self) -> None:
+        """No live rows: drop the cache (the next prompt starts a new one)."""
+        S = self.slots
+        self._owner: list[_Request | None] = [None] * S
+        self._row = [0] * S  # which of its request's n samples a slot holds
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((S, 0), dtype=torch.long)
+        self.start = [0] * S  # first cache column of each slot's row
+        self.pos = torch.zeros((S, 1), dtype=torch.long)
+        self.logits = torch.zeros((S, 0))
+        self.logit_version = [0] * S  # the weights version each slot's next-token logits came from
+
+    def _run(self) -> None:
+        self._reset()
+        self.model.eval()
+        w = self.weights
+        while True:
+            live = any(o is not None for o in self._owner)
+            if w.pending() and (w.interrupt or not live):
+                w.apply()
+            if w.interrupt or not w.pending():  # otherwise the live rows end first
+                self._admit()
+            if any(o is not None for o in self._owner):
+                self._step()
+                continue
+            with self._cv:
+                if not self._queue:
+                    self._reset()
+                    self._cv.wait(timeout=1.0)
+
+    def _admit(self) -> None:
+        """Give queued prompts free slots (n each, in queue order) and prefill them together."""
+        free = [s for s in range(self.slots) if self._owner[s] is None]
+        joining: list[tuple[_Request, list[int]]] = []
+        with self._cv:
+            while self._queue and len(free) >= self._queue[0].params.n:
+                req = self._queue.popleft()
+                joining.append((req, free[:req.params.n]))
+                free = free[req.params.n:]
+        if joining:
+            self._join(joining)
+
+    def _join(self, joining: list[tuple[_Request, list[int]]]) -> None:
+        """One left-padded prefill of the joining prompts; their keys and values go into their
+        slots at the cache's right edge."""
+        P = max(len(req.prompt) for req, _ in joining)
+        ids = torch.full((len(joining), P), self.engine.pad_token_id, dtype=torch.long)
+        pmask = torch.zeros_like(ids)
+        for j, (req, _) in enumerate(joining):
+            ids[j, P - len(req.prompt):] = torch.tensor(req.prompt)
+            pmask[j, P - len(req.prompt):] = 1
+        small = DynamicCache(config=getattr(self.model, "config", None))
+        out = self.model(input_ids=ids, attention_mask=pmask, position_ids=positions_from_mask(pmask),
+                         past_key_values=small, use_cache=True, logits_to_keep=1)
+        L = self.mask.shape[1]
+        if self.cache is None:
+            self.cache = DynamicCache(config=getattr(self.model, "config", None))
+            for i, layer in enumerate(small.layers):
+                shape = (self.slots, layer.keys.shape[1], P, layer.keys.shape[-1])
+                self.cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), i)
+            self.mask = torch.zeros((self.slots, P), dtype=torch.long)
+            self.logits = out.logits.new_zeros((self.slots, out.logits.shape[-1])).float()
+            L = P
+        elif P > L:  # widen on the left
+            for layer in self.cache.layers:
+                extra = (self.slots, layer.keys.shape[1], P - L, layer.keys.shape[-1])
+                layer.keys = torch.cat([layer.keys.new_zeros(extra), layer.keys], dim=2)
+                layer.values = torch.cat([layer.values.new_zeros(extra), layer.values], dim=2)
+            self.mask = torch.cat([self.mask.new_zeros((self.slots, P - L)), self.mask], dim=1)
+            self.start = [s + P - L for s in self.start]
+            L = P
+        slots = torch.tensor([s for _, ss in joining for s in ss])
+        source = torch.tensor([j for j, (_, ss) in enumerate(joining) for _ in ss])
+        for big, layer in zip(self.cache.layers, small.layers, strict=True):
+            big.keys[slots, :, L - P:] = layer.keys[source]
+            big.values[slots, :, L - P:] = layer.values[source]
+        self.mask[slots] = 0
+        self.mask[slots, L - P:] = pmask[source]
+        self.pos[slots] = pmask[source].sum(-1, keepdim=True)
+        self.logits[slots] = out.logits[source, -1].float()
+        for req, ss in joining:
+            req.slots = list(ss)
+            req.tokens, req.logprobs, req.versions = [[] for _ in ss], [[] for _ in ss], [[] for _ in ss]
+            req.live = len(ss)
+            for i, s in enumerate(ss):
+                self._owner[s], self._row[s] = req, i
+                self.start[s] = L - len(req.prompt)
+                self.logit_version[s] = self.weights.version
+
+    def _step(self) -> None:
+        """Sample one token for every live row, retire finished rows, run one forward."""
+        S = self.slots
+        tokens = torch.full((S,), self.engine.pad_token_id, dtype=torch.long)
+        for req in {id(o): o for o in self._owner if o is not None}.values():
+            rows = [s for s in req.slots if self._owner[s] is req]
+            toks, lps = sample_tokens(self.logits[rows], req.params, req.generator)
+            for s, t, lp in zip(rows, toks.tolist(), lps.tolist(), strict=True):
+                i = self._row[s]
+                req.tokens[i].append(t)
+                req.logprobs[i].append(lp)
+                req.versions[i].append(self.logit_version[s])
+                tokens[s] = t
+                if t in self.stop_ids or t in req.params.stop_token_ids or len(req.tokens[i]) >= req.params.max_tokens:
+                    self._owner[s] = None
+                    req.live -= 1
+                    if req.live == 0:
+                        req.future.set_result(None)
+        live = [s for s in range(S) if self._owner[s] is not None]
+        if not live:
+            return
+        # every slot attends to its newest column (idle ones too: never a fully masked row)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((S, 1))], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.logits = out.logits[:, -1].float()
+        self.logit_version = [self.weights.version] * S
+        self.pos = self.pos + 1
+        self.steps += 1
+        self._compact(live)
+
+    def _compact(self, live: list[int]) -> None:
+        drop = min(self.start[s] for s in live)
+        if drop < COMPACT_EVERY:
+            return
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, drop:].contiguous()
+            layer.values = layer.values[:, :, drop:].contiguous()
+        self.mask = self.mask[:, drop:].contiguous()
+        self.start = [max(0, s - drop) for s in self.start]

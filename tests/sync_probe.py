@@ -1,0 +1,17 @@
+"""A trainer job for tests: the real trainer, then the training pool's weights compared with
+what every rollout worker generates with (trainer.placement=split)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.trainer import main as trainer_main
+
+
+async def main(ctx: Any) -> dict[str, Any]:
+    trainers: list[Any] = []
+    summary = await trainer_main(ctx, on_setup=trainers.append)
+    t = trainers[0]
+    train = (await t.train_actor.weights_checksum())[0]
+    rollout = await t.rollout.weights_checksum()
+    return {**summary, "train_checksum": train, "rollout_checksums": rollout}
