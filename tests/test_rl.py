@@ -276,3 +276,43 @@ def test_resume_in_another_parallel_layout(tiny_model, tmp_path):
     assert all(math.isfinite(r["actor/pg_loss"]) for r in rows if r["step"] > 2)
     res = _launch("grpo", out, tiny_model, ["trainer.total_steps=6", *common])
     assert res.returncode != 0 and "trained the token embedding and the LM head as two weights" in res.stderr
+
+
+def test_trimmed_micro_batches_give_the_same_loss_and_gradients(tiny_model):
+    """Dropping the columns that are padding in every row of a micro-batch changes nothing a
+    masked loss sees: same per-token log-probs on real tokens, same loss, same gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.algorithms import core
+    from asyncrl.rollout.engine import positions_from_mask
+    from asyncrl.workers.forward import response_forward
+    from asyncrl.workers.update import trim_padding
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    rows, prompt, width = 4, 6, 8
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 20, (rows, prompt + width), generator=gen)
+    mask = torch.zeros_like(ids)
+    starts, lengths = [2, 3, 2, 4], [3, 1, 5, 2]  # every prompt left-padded by >= 2, responses <= 5 of 8
+    for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+        mask[i, s:prompt + n] = 1
+    resp_mask = mask[:, prompt:].clone()
+    mb = Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
+                "responses": ids[:, prompt:], "response_mask": resp_mask,
+                "advantages": torch.randn(rows, width, generator=gen) * resp_mask,
+                "old_log_probs": torch.randn(rows, width, generator=gen) * 0.1 - 3, "prompts": ids[:, :prompt]})
+    small = trim_padding(mb)
+    assert small["input_ids"].shape == (rows, prompt - 2 + 5) and small["responses"].shape == (rows, 5)
+    assert small["prompts"].shape == (rows, prompt)
+
+    def loss_and_grads(b: Batch) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logp, _ = response_forward(model, b)
+        loss, _ = core.ppo_policy_loss(b["old_log_probs"], logp, b["advantages"], b["response_mask"].float())
+        loss.backward()
+        return loss.detach(), logp.detach() * b["response_mask"], [p.grad.clone() for p in model.parameters()]
+
+    full, trimmed = loss_and_grads(mb), loss_and_grads(small)
+    assert torch.allclose(full[0], trimmed[0], atol=1e-6)
+    assert torch.allclose(full[1][:, :5], trimmed[1], atol=1e-5) and full[1][:, 5:].eq(0).all()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full[2], trimmed[2], strict=True))

@@ -14,8 +14,37 @@ from asyncrl.metrics import mean_metrics
 MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]
 
 
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    return batch.split(size) if len(batch) else []  # size >= 1: the config checks it
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")  # prompt + response wide
+
+
+def micro_batches(batch: Batch, size: int, trim: bool = False) -> list[Batch]:
+    """`batch` in micro-batches of `size` rows; `trim` drops each one's padding columns."""
+    mbs = batch.split(size) if len(batch) else []  # size >= 1: the config checks it
+    return [trim_padding(mb) for mb in mbs] if trim else mbs
+
+
+def trim_padding(mb: Batch) -> Batch:
+    """The micro-batch without columns that are padding in every row: prompt columns before its
+    earliest prompt start and response columns after its longest response. Exact for losses
+    over masked tokens (a causal model's earlier positions never see later columns); responses
+    are right-padded to the generation budget, so long-tailed lengths waste most of a forward."""
+    if "responses" not in mb or "response_mask" not in mb or "attention_mask" not in mb:
+        return mb
+    width = mb["responses"].shape[1]
+    prompt = mb["attention_mask"].shape[1] - width
+    keep = max(1, int(mb["response_mask"].sum(-1).max()))
+    used = mb["attention_mask"][:, :prompt].any(0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    if keep == width and first == 0:
+        return mb
+    tensors = {}
+    for name, t in mb.tensors.items():
+        if name in SEQUENCE_COLUMNS and t.dim() >= 2:
+            t = t[:, first:prompt + keep]
+        elif name != "prompts" and t.dim() >= 2 and t.shape[1] == width:
+            t = t[:, :keep]
+        tensors[name] = t
+    return Batch._make(tensors, mb.non_tensors, mb.meta)
 
 
 def mini_batches(batch: Batch, n: int, shuffle: bool, generator: torch.Generator | None) -> Iterator[Batch]:
@@ -41,7 +70,9 @@ def ppo_update(engine, batch: Batch, cfg: PPOUpdateConfig, loss: MicroLoss,
                 value, metrics = loss(model, mb)
                 return value * (len(mb) / rows), metrics
 
-            history.append(engine.train_step(micro_batches(mini, cfg.micro_batch_size), weighted))
+            # pipeline stages exchange activations of one shape: keep the padding there
+            mbs = micro_batches(mini, cfg.micro_batch_size, trim=not getattr(engine, "pipelined", False))
+            history.append(engine.train_step(mbs, weighted))
     out = mean_metrics(history)
     out.pop("loss", None)
     return out
