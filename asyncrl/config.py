@@ -260,6 +260,7 @@ class VLLMConfig:
 
 ROLLOUT_ENGINES = ("native", "vllm")
 PLACEMENTS = ("colocated", "split")
+POLICY_LOSSES = ("ppo", "decoupled", "tis")
 
 
 @dataclass
@@ -355,10 +356,21 @@ class ActorConfig(PPOUpdateConfig):
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     pretrain_coef: float = 0.0  # weight of the SFT loss step (Safe-RLHF's ptx term)
+    # ppo: PPO against the old policy; decoupled: AReaL's decoupled PPO (clip around the
+    # proximal policy, importance weight to the behaviour policy that sampled); tis: PPO with
+    # truncated importance sampling to the behaviour policy. For rollout.max_staleness > 0.
+    policy_loss: str = "ppo"
+    behav_imp_weight_cap: float = 5.0  # decoupled: tokens above it are dropped; tis: weights clipped to it
 
     def check(self, at: str) -> None:
         super().check(at)
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
+        _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
+        _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
+               "must be > 1 (the largest pi_old / pi_behaviour ratio a token may carry)")
+        _check(self.policy_loss == "ppo" or self.recompute_log_prob != "never", at + "recompute_log_prob",
+               self.recompute_log_prob, f"must not be never with {at}policy_loss={self.policy_loss}: it needs "
+               "the current policy's log-probs before the update (the proximal/old policy)")
         _one_of(at + "kl_loss_type", self.kl_loss_type, KL_TYPES)
         _positive(at + "log_prob_micro_batch_size", self.log_prob_micro_batch_size)
         _positive(at + "clip_ratio", self.clip_ratio)
@@ -379,9 +391,10 @@ class ActorConfig(PPOUpdateConfig):
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
     def recompute_old_log_probs(self) -> bool:
-        """Whether old log-probs need a forward pass of their own (only when off-policy)."""
+        """Whether old log-probs need a forward pass of their own (only when off-policy, or for
+        a loss that compares them with the behaviour policy's)."""
         if self.recompute_log_prob == "auto":
-            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1
+            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1 or self.policy_loss != "ppo"
         return self.recompute_log_prob == "always"
 
 

@@ -47,8 +47,6 @@ def recipe(workdir: Path, steps: int, seed: int, hidden: int, layers: int, extra
     """The overrides every run shares: the model, the task and the number of samples."""
     return [f"seed={seed}", f"model.path={workdir / 'model'}", f"model.build_tiny.task={TASK}",
             f"model.build_tiny.hidden={hidden}", f"model.build_tiny.layers={layers}",
-            # a format warm start: answers of the prompt's length, so response lengths are long-tailed
-            "model.build_tiny.sft_steps=300",
             f"data.synthetic.task={TASK}", "rollout.max_tokens=17", f"trainer.total_steps={steps}",
             f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.tensorboard=false", *extra]
 
@@ -117,11 +115,11 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60, help="training steps of every run (default 60)")
+    p.add_argument("--steps", type=int, default=300, help="training steps of every run (default: the quickstart's 300)")
     p.add_argument("--ks", default="1,2,4", help="max_staleness values of the async runs")
     p.add_argument("--devices", type=int, default=2, help="CPU workers every run uses in all (default 2)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64, help="tiny model width (default: the quickstart's)")
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="limit on one run")
     p.add_argument("extra", nargs="*", help="more overrides for every run (key=value)")

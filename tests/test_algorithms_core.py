@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from asyncrl.algorithms import core
 from asyncrl.algorithms.controllers import (
     AdaptiveKLController,
     FixedKLController,
@@ -348,3 +349,53 @@ def test_safe_rlhf_advantage():
     reward_adv, cost_adv = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
     close(safe_rlhf_advantage(reward_adv, cost_adv, 0.5), [(1 - 1.5) / 1.5, 2.5 / 1.5])
     close(safe_rlhf_advantage(reward_adv, cost_adv, torch.tensor(0.0)), [1.0, 2.0])
+
+
+# ---- objectives for stale samples (rollout.max_staleness > 0) ---------------------------------
+def _stale_example():
+    """One row, three tokens, the last masked: pi_prox, pi_behav, pi_theta and A by hand."""
+    prox = torch.log(torch.tensor([[0.5, 0.2, 0.3]]))
+    behav = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))  # w = pi_prox / pi_behav = [2.0, 0.5, 1.0]
+    logp = torch.log(torch.tensor([[0.6, 0.2, 0.3]]))  # r = pi_theta / pi_prox = [1.2, 1.0, 1.0]
+    adv = torch.tensor([[1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    return prox, behav, logp, adv, mask
+
+
+def test_decoupled_ppo_by_hand():
+    prox, behav, logp, adv, mask = _stale_example()
+    clip = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.1}
+    # token 0: r = 1.2 clipped to 1.1, loss -1.1, times w = 2 -> -2.2; token 1: r = 1, loss 1.0,
+    # times w = 0.5 -> 0.5; token-mean over the 2 real tokens: -0.85
+    loss, m = core.decoupled_ppo_loss(prox, logp, behav, adv, mask, imp_weight_cap=5.0, **clip)
+    assert loss.item() == pytest.approx(-0.85, abs=1e-5)
+    assert m["behav_imp_weight"].item() == pytest.approx(1.25, abs=1e-5)
+    assert m["behav_capped_frac"].item() == 0.0 and m["clipfrac"].item() == pytest.approx(0.5)
+    # cap 1.5: token 0 (w = 2) leaves the loss, which is token 1's alone
+    loss, m = core.decoupled_ppo_loss(prox, logp, behav, adv, mask, imp_weight_cap=1.5, **clip)
+    assert loss.item() == pytest.approx(0.5, abs=1e-5) and m["behav_capped_frac"].item() == pytest.approx(0.5)
+
+
+def test_tis_ppo_by_hand():
+    prox, behav, logp, adv, mask = _stale_example()
+    clip = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.1}
+    # weights min(w, 1.5) = [1.5, 0.5]: (-1.1 * 1.5 + 1.0 * 0.5) / 2 = -0.575
+    loss, m = core.tis_ppo_loss(prox, logp, behav, adv, mask, imp_weight_cap=1.5, **clip)
+    assert loss.item() == pytest.approx(-0.575, abs=1e-5)
+    # under the cap it is PPO weighted by the ratio: (-1.1 * 2 + 1.0 * 0.5) / 2
+    loss, _ = core.tis_ppo_loss(prox, logp, behav, adv, mask, imp_weight_cap=5.0, **clip)
+    assert loss.item() == pytest.approx(-0.85, abs=1e-5)
+
+
+def test_stale_objectives_are_ppo_on_policy_and_weights_carry_no_gradient():
+    prox, _, logp, adv, mask = _stale_example()
+    ppo, _ = core.ppo_policy_loss(prox, logp, adv, mask)
+    for fn in (core.decoupled_ppo_loss, core.tis_ppo_loss):
+        same, m = fn(prox, logp, prox.clone(), adv, mask)
+        assert same.item() == pytest.approx(ppo.item(), abs=1e-6) and m["behav_imp_weight"].item() == pytest.approx(1.0)
+        theta = logp.clone().requires_grad_(True)
+        behav = (prox - 0.3).requires_grad_(True)
+        fn(prox, theta, behav, adv, mask)[0].backward()
+        assert behav.grad is None and theta.grad is not None and theta.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="cap must be > 1"):
+        core.decoupled_ppo_loss(prox, logp, prox, adv, mask, imp_weight_cap=1.0)

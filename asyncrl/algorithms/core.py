@@ -289,22 +289,12 @@ def agg_loss(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def ppo_policy_loss(
-    old_logprob: Tensor,
-    logprob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: LossAggMode = "token-mean",
-    norm_len: int | None = None,
+def _clipped_token_losses(
+    old_logprob: Tensor, logprob: Tensor, advantages: Tensor, response_mask: Tensor,
+    clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with dual-clip (Ye et al. 2020) bounding the loss at -A*c for A<0.
-
-    Metrics: clipfrac (share of tokens where the ratio clip was active), approx_kl (mean of
-    old - new log-prob, the k1 estimate), clipfrac_lower (share hitting the dual clip).
-    """
+    """Per-token dual-clip PPO losses [B, T] of ratio = exp(logprob - old_logprob), and the
+    clip statistics over `response_mask`."""
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
     log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
@@ -323,14 +313,93 @@ def ppo_policy_loss(
     clipfrac_lower = masked_mean(
         ((clip_loss > dual_bound) & negative).to(logprob.dtype), response_mask
     )
+    return losses, {"clipfrac": clipfrac.detach(), "approx_kl": approx_kl.detach(),
+                    "clipfrac_lower": clipfrac_lower.detach()}
 
-    loss = agg_loss(losses, response_mask, loss_agg_mode, norm_len)
-    metrics = {
-        "clipfrac": clipfrac.detach(),
-        "approx_kl": approx_kl.detach(),
-        "clipfrac_lower": clipfrac_lower.detach(),
-    }
-    return loss, metrics
+
+def ppo_policy_loss(
+    old_logprob: Tensor,
+    logprob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: LossAggMode = "token-mean",
+    norm_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with dual-clip (Ye et al. 2020) bounding the loss at -A*c for A<0.
+
+    Metrics: clipfrac (share of tokens where the ratio clip was active), approx_kl (mean of
+    old - new log-prob, the k1 estimate), clipfrac_lower (share hitting the dual clip).
+    """
+    losses, metrics = _clipped_token_losses(old_logprob, logprob, advantages, response_mask,
+                                            clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return agg_loss(losses, response_mask, loss_agg_mode, norm_len), metrics
+
+
+def behaviour_importance_weights(prox_logprob: Tensor, behav_logprob: Tensor, response_mask: Tensor,
+                                 cap: float) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """w = pi_prox / pi_behav per token (detached), the tokens with w <= cap (a mask), and the
+    mean weight and share of capped tokens over `response_mask`."""
+    if cap <= 1.0:
+        raise ValueError(f"the behaviour importance-weight cap must be > 1, got {cap}")
+    log_w = (prox_logprob - behav_logprob).detach().clamp(-20.0, 20.0)
+    w = torch.exp(log_w)
+    capped = (w > cap) & response_mask.bool()
+    return w, capped, {"behav_imp_weight": masked_mean(w, response_mask).detach(),
+                       "behav_capped_frac": masked_mean(capped.to(w.dtype), response_mask).detach()}
+
+
+def decoupled_ppo_loss(
+    prox_logprob: Tensor,
+    logprob: Tensor,
+    behav_logprob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: LossAggMode = "token-mean",
+    norm_len: int | None = None,
+    imp_weight_cap: float = 5.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO (AReaL, for samples from an older behaviour policy): the clip is taken
+    around the proximal policy (the current one before this update) and the importance weight
+    pi_prox / pi_behav (detached) corrects for the behaviour policy that sampled the tokens:
+
+        loss_t = w_t * dualclip(pi_theta / pi_prox, A_t),   w_t = pi_prox / pi_behav
+
+    Tokens whose weight exceeds `imp_weight_cap` are left out of the loss (masked, as AReaL
+    does), so a few far-off-policy tokens cannot dominate. With pi_behav == pi_prox it is PPO.
+    """
+    w, capped, wm = behaviour_importance_weights(prox_logprob, behav_logprob, response_mask, imp_weight_cap)
+    losses, metrics = _clipped_token_losses(prox_logprob, logprob, advantages, response_mask,
+                                            clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    keep = response_mask * (~capped).to(response_mask.dtype)
+    return agg_loss(losses * w, keep, loss_agg_mode, norm_len), {**metrics, **wm}
+
+
+def tis_ppo_loss(
+    old_logprob: Tensor,
+    logprob: Tensor,
+    behav_logprob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: LossAggMode = "token-mean",
+    norm_len: int | None = None,
+    imp_weight_cap: float = 5.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO against the recomputed old policy with truncated importance sampling for the
+    behaviour policy (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): each token's loss times min(pi_old / pi_behav, cap), detached."""
+    w, _, wm = behaviour_importance_weights(old_logprob, behav_logprob, response_mask, imp_weight_cap)
+    losses, metrics = _clipped_token_losses(old_logprob, logprob, advantages, response_mask,
+                                            clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return agg_loss(losses * w.clamp(max=imp_weight_cap), response_mask, loss_agg_mode, norm_len), {**metrics, **wm}
 
 
 def value_loss(

@@ -292,6 +292,11 @@ class ActorRolloutRefWorker(Worker):
         temp = self._temperature(batch)
         norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
         use_kl_loss = ac.use_kl_loss and "ref_log_prob" in batch
+        if ac.policy_loss != "ppo" and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
+            raise ValueError(f"actor.policy_loss={ac.policy_loss} needs the behaviour policy's log-probs "
+                             "(rollout_log_probs, from generate_sequences) and the current policy's "
+                             "(old_log_probs, from compute_log_prob) in the batch; an algorithm that builds "
+                             "its own batch must keep both, or set actor.policy_loss=ppo")
 
         def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
             logp, ent = response_forward(model, mb, temp, with_entropy=ac.entropy_coeff != 0)
@@ -299,9 +304,14 @@ class ActorRolloutRefWorker(Worker):
             # without recomputed old log-probs the update is on-policy (one epoch, one
             # mini-batch): the ratio is 1 and the gradient that of the clipped objective
             old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
-            loss, m = core.ppo_policy_loss(old, logp, mb["advantages"], mask, clip_ratio_low=ac.clip_low,
-                                           clip_ratio_high=ac.clip_high, clip_ratio_c=ac.clip_ratio_c,
-                                           loss_agg_mode=ac.loss_agg_mode, norm_len=norm_len)
+            clip = {"clip_ratio_low": ac.clip_low, "clip_ratio_high": ac.clip_high, "clip_ratio_c": ac.clip_ratio_c,
+                    "loss_agg_mode": ac.loss_agg_mode, "norm_len": norm_len}
+            if ac.policy_loss == "ppo":
+                loss, m = core.ppo_policy_loss(old, logp, mb["advantages"], mask, **clip)
+            else:
+                behav_loss = core.decoupled_ppo_loss if ac.policy_loss == "decoupled" else core.tis_ppo_loss
+                loss, m = behav_loss(old, logp, mb["rollout_log_probs"], mb["advantages"], mask,
+                                     imp_weight_cap=ac.behav_imp_weight_cap, **clip)
             metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
             if ent is not None:
                 e = core.agg_loss(ent, mask, ac.loss_agg_mode)
