@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.data.synthetic import TASKS
 from asyncrl.parallel import (
     GenerationParallelConfig,
     LayoutError,
@@ -30,7 +31,6 @@ from asyncrl.parallel import (
     ParallelLayout,
     generation_layout,
 )
-from asyncrl.data.synthetic import TASKS
 from daemons.errors import ConfigError
 from daemons.node import DEFAULT_SHM_POOL_BYTES
 from transport.peers import ServerLimits

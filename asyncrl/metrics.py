@@ -80,7 +80,9 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any], tensorboard: bool = True) -> None:
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
-        self.file.write(json.dumps({"step": step, **numbers}) + "\n")
+        # strict JSON: a non-finite value is written as null (json.dumps would write NaN)
+        row = {k: v if math.isfinite(v) else None for k, v in numbers.items()}
+        self.file.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None and tensorboard:
             for k, v in numbers.items():

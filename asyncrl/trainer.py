@@ -39,9 +39,14 @@ from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.workers.actor import ActorRolloutRefWorker
 from asyncrl.workers.critic import CriticWorker
 from asyncrl.workers.reward import RewardModelWorker, RuleRewardWorker
-from daemons.errors import ConfigError, PlacementError
+from daemons.errors import ConfigError, DaemonError, PlacementError
 
 log = logging.getLogger("asyncrl.trainer")
+
+
+class NonFiniteLossError(DaemonError, ValueError):
+    """A training loss or gradient norm became NaN or infinite: the run stops instead of
+    training (and checkpointing) non-finite weights."""
 
 # the worker-side phases of a step; on one colocated pool they run one after another
 PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values",
@@ -276,6 +281,16 @@ class Trainer:
                 log.warning("step %d: non-finite metrics %s", self.step, bad)
             self.history.append({"step": self.step, **metrics})
             writer.write(self.step, metrics)
+            diverged = [k for k in bad if "loss" in k or "grad_norm" in k]
+            if diverged:  # the weights are no longer finite: stop before a checkpoint keeps them
+                writer.close()
+                raise NonFiniteLossError(
+                    f"training diverged at step {self.step}: {', '.join(sorted(diverged))} not finite, so the "
+                    f"weights are no longer usable and nothing was saved after step "
+                    f"{self.step - self.step % tc.save_every}. Try a lower actor.optim.lr (now "
+                    f"{self.cfg.actor.optim.lr:g}), actor.optim.grad_clip > 0 (now {self.cfg.actor.optim.grad_clip:g}), "
+                    f"and check the rewards' scale in {self.out_dir / 'metrics.jsonl'}; the run resumes from its "
+                    "last checkpoint")
             bar.update(metrics)
             if self.step % tc.save_every == 0 and self.step < tc.total_steps:
                 await self.save()

@@ -6,10 +6,14 @@ whose answers have long-tailed lengths (`copy_tail`: most 1-4 symbols, one in se
 
 - `sync`: today's default, every role colocated on `--devices` workers, generation → scoring →
   update in order (`rollout.max_staleness=0`);
+- `sync_reseeded`: the same with seed + 1, for how much held-out rewards differ by chance
+  (`reward_noise`);
 - `split_k0`: training on `--devices - 1` workers, generation on 1 (`trainer.placement=split`),
   still synchronous: the same pools, nothing overlapped;
 - `async_kK` for K in `--ks`: the split pools with generation running up to K policy versions
-  ahead of training, the weights broadcast from the training pool after each update.
+  ahead of training, the weights broadcast from the training pool after each update and loaded
+  between decode steps (`rollout.interrupt_on_update`), the decoupled PPO objective
+  (`actor.policy_loss=decoupled`), continuous batching on the rollout worker.
 
 Every run trains the same `--steps` steps of the same batch (the same number of samples) from the
 same initial model. Reported per run: the training loop's seconds (the sum of `timing/step_s`,
@@ -51,11 +55,14 @@ def recipe(workdir: Path, steps: int, seed: int, hidden: int, layers: int, extra
             f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.tensorboard=false", *extra]
 
 
-def runs(devices: int, ks: list[int]) -> dict[str, list[str]]:
+def runs(devices: int, ks: list[int], seed: int) -> dict[str, list[str]]:
     split = ["trainer.placement=split", f"trainer.n_workers={devices - 1}", "rollout.n_workers=1"]
-    out = {"sync": [f"trainer.n_workers={devices}"], "split_k0": split}
-    for k in ks:
-        out[f"async_k{k}"] = [*split, f"rollout.max_staleness={k}", "rollout.interrupt_on_update=true"]
+    # the same synchronous run with another seed: how far held-out rewards differ by chance
+    out = {"sync": [f"trainer.n_workers={devices}"], "sync_reseeded": [f"trainer.n_workers={devices}", f"seed={seed + 1}"],
+           "split_k0": split}
+    for k in ks:  # interruptible rollouts, and the objective for stale samples
+        out[f"async_k{k}"] = [*split, f"rollout.max_staleness={k}", "rollout.interrupt_on_update=true",
+                              "actor.policy_loss=decoupled"]
     return out
 
 
@@ -105,6 +112,7 @@ def summarize(results: dict[str, dict], ks: list[int]) -> dict[str, Any]:
     out.update({"speedup_best": round(speed[best], 3), "best_k": best,
                 "speedup_split_k0": round(sync["loop_s"] / results["split_k0"]["loop_s"], 3),
                 "reward_sync": sync["reward_end"], "reward_async_best": results[f"async_k{best}"]["reward_end"],
+                "reward_noise": round(abs(sync["reward_end"] - results["sync_reseeded"]["reward_end"]), 4),
                 "runs": results})
     return out
 
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             workdir = Path(tmp)
             shared = recipe(workdir, a.steps, a.seed, a.hidden, a.layers, a.extra)
             results = {}
-            for name, overrides in runs(a.devices, ks).items():
+            for name, overrides in runs(a.devices, ks, a.seed).items():
                 print(f"[{name}] python -m asyncrl.launch --config-name quickstart {' '.join(shared + overrides)}",
                       flush=True)
                 results[name] = launch(name, shared + overrides, workdir, a.timeout_s)

@@ -53,10 +53,14 @@ class ObjectTypeError(ObjectStoreError, TypeError):
     """An object's kind, dtype or shape differs from what the caller expected."""
 
 
+class TransferTimeoutError(ObjectStoreError, TimeoutError):
+    """A GPU transfer with a peer store did not finish in time (the peer is stuck or gone)."""
+
+
 _BY_NAME: dict[str, type[ObjectStoreError]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls
     for cls in (ObjectStoreError, ObjectNotFoundError, ObjectLostError, ObjectStoreFullError,
-                ShmFullError, ShardRangeError, ObjectTypeError)
+                ShmFullError, ShardRangeError, ObjectTypeError, TransferTimeoutError)
 }
 
 

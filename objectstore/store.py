@@ -44,6 +44,7 @@ from objectstore import segments
 from objectstore.errors import ObjectLostError, ObjectStoreError, ObjectTypeError, from_remote
 from objectstore.paths import PATHS, PullKind, PullPath
 from objectstore.paths import nccl as nccl_path
+from objectstore.paths.cuda_ipc import CudaIpcUnavailable
 from objectstore.paths.tcp import BulkServer
 from objectstore.ref import TENSOR, VALUE, ObjectRef, RowRange
 from objectstore.table import Entry, ObjectTable, check_rows, describe
@@ -244,26 +245,40 @@ class ObjectStore:
         transport: str | None = None,
         dtype: torch.dtype | str | None = None,
         shape: tuple[int, ...] | list[int] | None = None,
+        view: bool = False,
     ) -> Any:
         """The object `ref` names, or only its rows [start, stop) when `rows` is given.
 
         `dtype`/`shape` state what the caller expects (a tensor's full shape; a batch's dtype
         applies to every column) and raise ObjectTypeError on a mismatch before any transfer.
-        `transport` forces a path ("shm", "tcp", …); by default locality picks it.
+        `transport` forces a path ("shm", "tcp", …); by default locality picks it. A GPU
+        object from the same node is a copy on this process's device unless `view=True`, which
+        maps the owner's memory (read it only: a write would change the owner's object).
         """
         if not isinstance(ref, ObjectRef):
             raise ObjectTypeError(f"get() takes an ObjectRef, got a {type(ref).__qualname__}")
         rng = check_rows(ref, rows)
         _check_expectations(ref, dtype, shape)
-        path = self.paths[self.choose_path(ref, transport or self.default_transport)]
+        kind = self.choose_path(ref, transport or self.default_transport)
+        path = self.paths[kind]
         try:
-            pulled = await path.fetch(ref, rng)
+            if kind == PullKind.CUDA_IPC:
+                try:
+                    pulled = await path.fetch(ref, rng, view=view)
+                except CudaIpcUnavailable as e:
+                    log.warning("%s: CUDA IPC from %s failed (%s); this store pulls GPU objects of its node "
+                                "over TCP from now on", self.name, ref.endpoint, e)
+                    kind, pulled = PullKind.TCP, await self.paths[PullKind.TCP].fetch(ref, rng)
+            else:
+                pulled = await path.fetch(ref, rng)
         except (OSError, EOFError) as e:
             self._forget_client(ref.endpoint)
             raise ObjectLostError.for_owner(ref.object_id, ref.node_id, ref.endpoint, e) from e
         if ref.kind == VALUE:
             return pulled
         value = pulled[None] if ref.kind == TENSOR else pulled
+        if device is None and kind == PullKind.TCP and ref.device.startswith("cuda") and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # a GPU object stays on a GPU
         return _to_device(value, device)
 
     def choose_path(self, ref: ObjectRef, transport: str = "auto") -> PullKind:
@@ -278,7 +293,9 @@ class ObjectStore:
             return _FORCED[transport]
         is_cuda = ref.device.startswith("cuda")
         if ref.node_id == self.node_id:
-            return PullKind.CUDA_IPC if is_cuda else PullKind.SHM
+            if is_cuda:  # no peer access (or IPC failed before): through host memory
+                return PullKind.CUDA_IPC if self.paths[PullKind.CUDA_IPC].usable(ref) else PullKind.TCP
+            return PullKind.SHM
         if is_cuda and nccl_path.available():
             return PullKind.NCCL
         return PullKind.TCP

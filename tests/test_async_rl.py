@@ -17,7 +17,16 @@ import torch
 from asyncrl.engine.weight_sync import TensorSpec, WeightBridge, buckets, digest
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from daemons.proc import kill_group
-from tests.test_rl import LAUNCH, REPO, SMALL, _env, _launch, tiny_model  # noqa: F401 - a fixture
+from tests.test_rl import LAUNCH, REPO, SMALL, _env, _launch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", task="sort", hidden=64,
+                             layers=2, heads=2, sft_steps=0)
+
 
 SPECS = [TensorSpec("a", (3, 4), torch.float32), TensorSpec("b", (5,), torch.float32),
          TensorSpec("c", (2,), torch.int64), TensorSpec("d", (40,), torch.float32)]
@@ -189,9 +198,14 @@ def test_continuous_batcher_matches_the_engine_alone_and_across_concurrent_calls
     # 6 slots: rows wait for free slots; 16: both calls' 14 rows decode side by side
     for slots in (6, 16):
         batcher = ContinuousBatcher(engine, slots=slots, weights=Fixed())
-        got = {}
-        calls = [threading.Thread(target=lambda: got.__setitem__("a", batcher.generate(a, a_mask, params))),
-                 threading.Thread(target=lambda: got.__setitem__("b", batcher.generate(b, torch.ones_like(b), params)))]
+        got: dict[str, dict] = {}
+
+        def call(name: str, ids: torch.Tensor, mask: torch.Tensor, batcher: ContinuousBatcher = batcher,
+                 got: dict = got) -> None:
+            got[name] = batcher.generate(ids, mask, params)
+
+        calls = [threading.Thread(target=call, args=("a", a, a_mask)),
+                 threading.Thread(target=call, args=("b", b, torch.ones_like(b)))]
         for t in calls:
             t.start()
         for t in calls:

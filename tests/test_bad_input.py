@@ -309,3 +309,28 @@ def test_the_node_daemon_spawns_a_gpu_worker_on_its_physical_gpu(tmp_path, monke
 
     assert asyncio.run(spawn()) == 4242
     assert seen["CUDA_VISIBLE_DEVICES"] == "5" and seen["ASYNCRL_DEVICE"] == "cuda:0" and seen["RANK"] == "1"
+
+
+def test_a_non_finite_loss_stops_the_run_and_metrics_stay_strict_json(tmp_path):
+    """A NaN training loss ends the run with one paragraph (step, metric, what to try), no
+    checkpoint after it, and metrics.jsonl parses with a strict JSON parser (null, not NaN)."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from tests.test_rl import REPO, SMALL, _env
+
+    model = ensure_tiny_model(tmp_path / "tiny", task="sort", hidden=64, layers=2, heads=2, sft_steps=0)
+    out = tmp_path / "nan"
+    res = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
+                          f"model.path={model}", "model.build_tiny=null", *SMALL, "trainer.total_steps=4",
+                          "trainer.save_every=1", "trainer.eval_every=4", "trainer.tensorboard=false",
+                          "job.entry=tests/nan_probe.py:main"],
+                         capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
+    assert res.returncode != 0
+    assert "training diverged at step 2: actor/pg_loss not finite" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    rows = [json.loads(line, parse_constant=strict) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["actor/pg_loss"] is None
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]

@@ -360,3 +360,15 @@ def test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart(tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+def test_status_starts_without_importing_torch(tmp_path):
+    """`asyncrl status` answers in well under a second: the CLI path imports no torch."""
+    code = ("import sys, time\nt = time.perf_counter()\nfrom asyncrl.cli import main\n"
+            "try:\n    rc = main(['status'])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print(rc, 'torch' in sys.modules, round(time.perf_counter() - t, 3))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(REPO)})
+    rc, torch_loaded, seconds = res.stdout.split()
+    assert torch_loaded == "False", res.stderr
+    assert float(seconds) < 1.0, res.stdout

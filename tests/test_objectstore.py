@@ -31,6 +31,9 @@ from objectstore import (
     shard_rows,
 )
 from objectstore.errors import from_remote
+from objectstore.paths import PullKind, cuda_ipc
+from objectstore.paths.base import PullRequest
+from objectstore.ref import TENSOR
 from transport import CurveConfig, RemoteError, RpcClient, codec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +58,13 @@ async def main(node_id):
                           "y": torch.arange(rows, dtype=torch.int64)})
     async def get(ref, rows=None, transport=None):
         return await store.get(ref, rows, transport=transport)
+    def put_cuda(rows, cols):
+        return store.put(torch.arange(rows * cols, dtype=torch.float32, device="cuda").reshape(rows, cols))
+    async def local_sum(ref):
+        return float((await store.get(ref)).sum())
     ctl.register("put", put)
+    ctl.register("put_cuda", put_cuda)
+    ctl.register("local_sum", local_sum)
     ctl.register("put_batch", put_batch)
     ctl.register("get", get)
     ctl.register("stats", store.stats)
@@ -407,7 +416,24 @@ async def test_cuda_ipc_pull(stores, child):
     # in one process CUDA IPC cannot open its own handle; the path is checked across stores via
     # a host copy fallback when IPC is refused
     got = await consumer.get(ref, (0, 32), transport="tcp")
-    assert torch.equal(got, t[:32].cpu())
+    assert got.is_cuda and torch.equal(got, t[:32])  # a GPU object stays on a GPU
+
+
+@pytest.mark.gpu
+@gpu
+async def test_cuda_ipc_pull_copies_unless_a_view_is_asked_for(stores, child):
+    """Two processes on one GPU: a consumer's in-place write to a pulled GPU tensor leaves the
+    owner's object as it was; `view=True` maps the owner's memory itself."""
+    c = await child("n")
+    consumer = await stores(node_id="n")
+    ref = await c.call("put_cuda", 64, 64)
+    got = await consumer.get(ref)
+    assert got.is_cuda and consumer.stats()["pulls_cuda_ipc"] == 1
+    before = await c.call("local_sum", ref)
+    got.add_(1.0)
+    assert await c.call("local_sum", ref) == before
+    view = await consumer.get(ref, view=True)
+    assert torch.equal(view, got - 1.0)
 
 
 @pytest.mark.gpu
@@ -478,3 +504,78 @@ def test_unknown_object_kind_on_the_wire_is_a_codec_error():
         ["id", "n", "tcp://x:1", "x:2", "blob", "cpu", 0, None, None, None, None])))
     with pytest.raises(CodecError, match="not an ObjectKind"):
         codec.decode([body])
+
+
+# GPU paths' decisions, checked on CPU with the CUDA calls stood in for -------------------------
+def _cuda_ref(store: ObjectStore, node_id: str) -> ObjectRef:
+    return ObjectRef("obj-gpu", node_id, "tcp://127.0.0.1:1", "127.0.0.1:2", TENSOR, device="cuda:0",
+                     nbytes=64, dtype="float32", shape=(4, 4))
+
+
+async def test_same_node_gpu_pull_falls_back_to_tcp_without_peer_access(stores, monkeypatch):
+    store = await stores(node_id="n")
+    ipc = store.paths[PullKind.CUDA_IPC]
+    ref = _cuda_ref(store, "n")
+    monkeypatch.setattr(ipc, "usable", lambda ref: True)
+    assert store.choose_path(ref) == PullKind.CUDA_IPC
+    monkeypatch.setattr(ipc, "usable", lambda ref: False)
+    assert store.choose_path(ref) == PullKind.TCP
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_ipc, "peer_access", lambda consumer, owner: False)
+    assert not cuda_ipc.CudaIpcPath(store).usable(ref)
+    monkeypatch.setattr(cuda_ipc, "peer_access", lambda consumer, owner: True)
+    assert cuda_ipc.CudaIpcPath(store).usable(ref)
+
+
+async def test_cuda_ipc_fetch_copies_by_default_and_falls_back_when_a_handle_fails(stores, monkeypatch):
+    store = await stores(node_id="n")
+    ipc = cuda_ipc.CudaIpcPath(store)
+    owners = torch.arange(6.0)
+
+    async def reply(ref, rows):
+        return cuda_ipc.CudaIpcReply((None,), ([],))
+
+    monkeypatch.setattr(ipc, "request", reply)
+    monkeypatch.setattr(cuda_ipc, "open_handle", lambda h: owners)
+    copy = (await ipc.fetch(_cuda_ref(store, "n"), None))[None]
+    copy.add_(1.0)
+    assert torch.equal(owners, torch.arange(6.0))  # the owner's memory is untouched
+    assert (await ipc.fetch(_cuda_ref(store, "n"), None, view=True))[None] is owners
+
+    def refused(h):
+        raise RuntimeError("invalid resource handle")
+
+    monkeypatch.setattr(cuda_ipc, "open_handle", refused)
+    with pytest.raises(cuda_ipc.CudaIpcUnavailable, match="invalid resource handle"):
+        await ipc.fetch(_cuda_ref(store, "n"), None)
+    assert ipc.broken and not ipc.usable(_cuda_ref(store, "n"))
+
+
+async def test_nccl_channels_are_cached_per_peer_and_time_out(monkeypatch):
+    """One communicator per consumer id on the owner's side, reused; a stuck transfer aborts
+    and drops it with a TransferTimeoutError naming the peer."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from objectstore.errors import TransferTimeoutError
+    from objectstore.paths import nccl
+
+    io = ThreadPoolExecutor(2)
+    path = nccl.NcclPath(SimpleNamespace(name="s", io=io, counters={}))
+    calls, aborted = [], []
+    monkeypatch.setattr(nccl.Channel, "transfer", lambda self, tensors: calls.append(id(self)) or 12)
+    monkeypatch.setattr(nccl.Channel, "abort", lambda self: aborted.append(id(self)))
+    entry = SimpleNamespace(ref=SimpleNamespace(object_id="o"), rows=lambda rows: {None: torch.zeros(3)})
+    request = PullRequest("o", None, nccl_uid=(1, 2, 3))
+    assert await path.serve(entry, None, request) == 12
+    assert await path.serve(entry, None, request) == 12
+    assert len(path.serving) == 1 and len(set(calls)) == 1 and len(calls) == 2
+    await path.serve(entry, None, PullRequest("o", None, nccl_uid=(4, 5, 6)))
+    assert len(path.serving) == 2
+    monkeypatch.setattr(nccl.Channel, "transfer", lambda self, tensors: time.sleep(1.0))
+    path.timeout_s = 0.1
+    with pytest.raises(TransferTimeoutError, match="did not finish"):
+        await path.serve(entry, None, request)
+    assert (1, 2, 3) not in path.serving and aborted
+    io.shutdown(wait=True)

@@ -1,4 +1,8 @@
-"""Same node, GPU: CUDA IPC. The consumer opens the owner's device memory (no copy).
+"""Same node, GPU: CUDA IPC. The consumer opens the owner's device memory and copies it into
+memory of its own (a consumer's in-place op must never change the owner's object); a caller
+that promises not to write may ask for the shared memory itself (`ObjectStore.get(view=True)`).
+Where the consumer's device cannot reach the owner's (no peer access, or the handle does not
+open: another container, MIG), `usable` says so and the store pulls over TCP instead.
 
 Needs a CUDA build of torch; not exercised on a CPU-only machine (its tests are marked `gpu`
 and skipped with a reason). torch's IPC machinery is imported only when the path is used.
@@ -50,14 +54,41 @@ def open_handle(h: list[Any]) -> torch.Tensor:
         event_sync)
 
 
+def peer_access(consumer: int, owner: int) -> bool:
+    """Whether device `consumer` can map memory of device `owner` (always for the same one)."""
+    return consumer == owner or torch.cuda.can_device_access_peer(consumer, owner)
+
+
+class CudaIpcUnavailable(RuntimeError):
+    """This pull cannot use CUDA IPC (the store falls back to another path)."""
+
+
 class CudaIpcPath(PullPath):
     kind = PullKind.CUDA_IPC
 
-    async def fetch(self, ref: ObjectRef, rows: RowRange | None) -> Tensors:
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.broken: str | None = None  # why IPC failed here once: later pulls skip it
+
+    def usable(self, ref: ObjectRef) -> bool:
+        """Whether a pull of `ref` can use IPC from this process (else: TCP)."""
+        if self.broken is not None or not torch.cuda.is_available():
+            return False
+        owner = torch.device(ref.device).index or 0
+        return peer_access(torch.cuda.current_device(), owner)
+
+    async def fetch(self, ref: ObjectRef, rows: RowRange | None, view: bool = False) -> Tensors:
         reply: CudaIpcReply = await self.request(ref, rows)
-        out = {name: open_handle(h) for name, h in zip(reply.names, reply.handles, strict=True)}
+        try:
+            shared = {name: open_handle(h) for name, h in zip(reply.names, reply.handles, strict=True)}
+        except RuntimeError as e:  # e.g. "invalid resource handle": another container, MIG
+            self.broken = f"{type(e).__name__}: {e}"
+            raise CudaIpcUnavailable(self.broken) from e
         self.store.counters["pulls_cuda_ipc"] += 1
-        return out
+        if view:
+            return shared
+        # copy on the consumer's device; the owner's memory is released with `shared`
+        return {name: t.clone(memory_format=torch.preserve_format) for name, t in shared.items()}
 
     def serve(self, entry: Entry, rows: RowRange | None, request: PullRequest) -> CudaIpcReply:
         if not entry.ref.device.startswith("cuda"):

@@ -1,22 +1,36 @@
-"""Other node, GPU: NCCL point-to-point through a two-rank cupy communicator per pull.
+"""Other node, GPU: NCCL point-to-point over one cached two-rank cupy communicator per pair of
+stores.
 
-The consumer allocates the destination tensors, makes a NCCL unique id and sends it in the
-request; both sides then join the communicator (owner rank 0 sends, consumer rank 1 receives)
-in a thread. Needs CUDA and cupy (the `gpu` extra); both are imported only when used.
+The consumer makes a NCCL unique id the first time it pulls from an owner and sends it with
+each request; both sides build the communicator on that first pull (owner rank 0 sends,
+consumer rank 1 receives) and keep it, keyed by the owner's endpoint (consumer) or the id
+(owner). Transfers of a pair take turns (one lock per channel on each side, so a consumer's
+pulls reach the owner in the order it receives them), run on a CUDA stream of the channel's own
+(never the training stream; it waits for the device's default stream before sending), and
+have a deadline: a transfer that has not finished in `NCCL_TIMEOUT_S` aborts the communicator,
+drops it (the next pull builds a new one) and raises `TransferTimeoutError` naming the peer.
+Needs CUDA and cupy (the `gpu` extra); both are imported only when used.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+from typing import Any
 
 import torch
 
+from objectstore.errors import TransferTimeoutError
 from objectstore.paths.base import PullKind, PullPath, PullRequest, Tensors
 from objectstore.ref import ObjectRef, RowRange
 from objectstore.table import Entry
 from transport.dtypes import nbytes, torch_dtype
 
 SENDER, RECEIVER = 0, 1
+NCCL_TIMEOUT_S = 120.0
+
+log = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -36,42 +50,85 @@ def unique_id() -> tuple[int, ...]:
     return tuple(nccl.get_unique_id())
 
 
-def transfer(uid: tuple[int, ...], tensors: list[torch.Tensor], rank: int) -> int:
-    """Blocking: as `rank` SENDER send `tensors` to the peer, as RECEIVER fill them; returns bytes."""
-    from cupy.cuda import nccl
+class Channel:
+    """One pair of stores: a two-rank communicator (built on first use), a CUDA stream of its
+    own and a lock that makes the pair's transfers take turns."""
 
-    if not tensors:
-        return 0
-    device = tensors[0].device
-    with torch.cuda.device(device):
-        comm = nccl.NcclCommunicator(2, tuple(uid), rank)
-    try:
-        stream = torch.cuda.current_stream(device)
-        op, peer = (comm.send, RECEIVER) if rank == SENDER else (comm.recv, SENDER)
-        total = 0
-        for t in tensors:
-            if t.numel():
-                op(t.data_ptr(), nbytes(t), nccl.NCCL_UINT8, peer, stream.cuda_stream)
-                total += nbytes(t)
-        stream.synchronize()
-        return total
-    finally:
-        comm.destroy()
+    def __init__(self, uid: tuple[int, ...], rank: int, peer: str) -> None:
+        self.uid, self.rank, self.peer = uid, rank, peer
+        self.comm: Any = None
+        self.stream: torch.cuda.Stream | None = None
+        self.lock = asyncio.Lock()
+        self._guard = threading.Lock()  # the communicator is touched by one thread at a time
+
+    def transfer(self, tensors: list[torch.Tensor]) -> int:
+        """Blocking: as SENDER send `tensors` to the peer, as RECEIVER fill them; returns bytes."""
+        from cupy.cuda import nccl
+
+        if not tensors:
+            return 0
+        device = tensors[0].device
+        with self._guard, torch.cuda.device(device):
+            if self.comm is None:
+                self.comm = nccl.NcclCommunicator(2, tuple(self.uid), self.rank)
+                self.stream = torch.cuda.Stream(device)
+            stream = self.stream
+            stream.wait_stream(torch.cuda.default_stream(device))  # the tensors' producers are done
+            op, peer = (self.comm.send, RECEIVER) if self.rank == SENDER else (self.comm.recv, SENDER)
+            total = 0
+            with torch.cuda.stream(stream):
+                for t in tensors:
+                    if t.numel():
+                        op(t.data_ptr(), nbytes(t), nccl.NCCL_UINT8, peer, stream.cuda_stream)
+                        t.record_stream(stream)
+                        total += nbytes(t)
+            stream.synchronize()
+            return total
+
+    def abort(self) -> None:
+        """Unblock a stuck transfer and drop the communicator (called from the event loop)."""
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as e:  # noqa: BLE001 - the channel is dropped either way
+                log.warning("aborting the NCCL communicator with %s failed: %s", self.peer, e)
 
 
 class NcclPath(PullPath):
     kind = PullKind.NCCL
 
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.pulling: dict[str, Channel] = {}  # consumer side: by the owner's endpoint
+        self.serving: dict[tuple[int, ...], Channel] = {}  # owner side: by the consumer's id
+        self.timeout_s = NCCL_TIMEOUT_S
+
+    async def _run(self, channel: Channel, tensors: list[torch.Tensor], drop: Any, *also: Any) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        moving = loop.run_in_executor(self.store.io, channel.transfer, tensors)
+        try:
+            return await asyncio.wait_for(asyncio.gather(moving, *also), self.timeout_s)
+        except TimeoutError:
+            channel.abort()
+            drop()
+            raise TransferTimeoutError(
+                f"{self.store.name}: an NCCL transfer with {channel.peer} did not finish in {self.timeout_s:.0f}s; "
+                "the communicator was dropped (the next pull builds a new one). Check that the peer's "
+                "process is alive and its GPU not stuck in a collective") from None
+
     async def fetch(self, ref: ObjectRef, rows: RowRange | None) -> Tensors:
         device = torch.device("cuda", torch.cuda.current_device())
+        channel = self.pulling.get(ref.endpoint)
+        if channel is None:
+            channel = self.pulling[ref.endpoint] = Channel(unique_id(), RECEIVER, ref.endpoint)
         out = {}
         for name, (dt, shape) in ref.tensor_specs().items():
             shape = (rows.num_rows, *shape[1:]) if rows is not None else shape
             out[name] = torch.empty(tuple(shape), dtype=torch_dtype(dt), device=device)
-        uid = unique_id()
-        loop = asyncio.get_running_loop()
-        recv = loop.run_in_executor(self.store.io, transfer, uid, list(out.values()), RECEIVER)
-        await asyncio.gather(self.request(ref, rows, nccl_uid=uid), recv)
+        async with channel.lock:
+            await self._run(channel, list(out.values()), lambda: self.pulling.pop(ref.endpoint, None),
+                            self.request(ref, rows, nccl_uid=channel.uid))
         self.store.counters["bytes_received_gpu"] += ref.row_bytes(rows)
         self.store.counters["pulls_nccl"] += 1
         return out
@@ -79,6 +136,17 @@ class NcclPath(PullPath):
     async def serve(self, entry: Entry, rows: RowRange | None, request: PullRequest) -> int:
         if request.nccl_uid is None:
             raise ValueError("an NCCL pull request needs the consumer's nccl_uid")
+        uid = tuple(request.nccl_uid)
+        channel = self.serving.get(uid)
+        if channel is None:
+            channel = self.serving[uid] = Channel(uid, SENDER, f"a consumer of {entry.ref.object_id}")
         tensors = [t.contiguous() for t in entry.rows(rows).values()]
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.store.io, transfer, request.nccl_uid, tensors, SENDER)
+        async with channel.lock:
+            (sent,) = await self._run(channel, tensors, lambda: self.serving.pop(uid, None))
+        return sent
+
+    async def close(self) -> None:
+        for channel in [*self.pulling.values(), *self.serving.values()]:
+            channel.abort()
+        self.pulling.clear()
+        self.serving.clear()
