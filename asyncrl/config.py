@@ -32,7 +32,7 @@ from asyncrl.parallel import (
     generation_layout,
 )
 from daemons.errors import ConfigError
-from daemons.node import DEFAULT_SHM_POOL_BYTES
+from daemons.node import DEFAULT_SHM_POOL_BYTES, KEEP_JOB_LOGS
 from transport.peers import ServerLimits
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
@@ -77,6 +77,7 @@ class ClusterConfig:
     # a job's non-head node exits after this long without the head (daemon nodes wait for it)
     head_loss_timeout_s: float = 20.0
     log_dir: str = "outputs/logs"
+    keep_job_logs: int = KEEP_JOB_LOGS  # each node keeps its newest job log folders, removes older ones it made
     # a pre-faulted /dev/shm block per worker store for same-node pulls (costs that much shared
     # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
@@ -105,6 +106,7 @@ class ClusterConfig:
             _check(bool(host) and port.isdigit() and 0 < int(port) <= 65535, at + "coordinator", self.coordinator,
                    "must be HOST:PORT, node 0's cluster.host and cluster.port (null on node 0 itself)")
         _positive(at + "cpu_devices", self.cpu_devices)
+        _positive(at + "keep_job_logs", self.keep_job_logs)
         for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s", "head_loss_timeout_s"):
             _positive(at + name, getattr(self, name))
         _check(not Path(self.log_dir).expanduser().exists() or Path(self.log_dir).expanduser().is_dir(),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from daemons.coordinator import Coordinator
-from daemons.node import DEFAULT_SHM_POOL_BYTES, NodeDaemon
+from daemons.node import DEFAULT_SHM_POOL_BYTES, KEEP_JOB_LOGS, NodeDaemon
 from daemons.state import (
     ClusterState,
     StateKind,
@@ -56,6 +56,7 @@ class ClusterSpec:
     curve: CurveConfig | None = None
     insecure: bool = False
     log_dir: str | os.PathLike = "outputs/logs"
+    keep_job_logs: int = KEEP_JOB_LOGS  # a node's newest job log folders kept; older ones go
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0  # the coordinator marks a silent node dead after this
     coordinator_timeout_s: float | None = None  # a node stops its workers after this (default max(10, 2 x node_timeout_s))
@@ -81,7 +82,7 @@ class ClusterSpec:
                                                or max(10.0, 2 * self.node_timeout_s)),
                           shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
                           head_loss_timeout=None if self.node_rank == 0 else self.head_loss_timeout_s,
-                          limits=self.limits)
+                          limits=self.limits, keep_job_logs=self.keep_job_logs)
 
 
 # daemons ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ a log file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -96,6 +97,20 @@ def gpu_env(device: str, visible: str | None) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": physical, "ASYNCRL_DEVICE": "cuda:0"}
 
 
+JOB_LOGS_MARKER = ".asyncrl-job-logs"  # in each job log folder this daemon made
+KEEP_JOB_LOGS = 20  # job log folders a node keeps (cluster.keep_job_logs)
+
+
+def _remove_job_logs(folder: Path) -> None:
+    """Delete what a node daemon wrote in a job's log folder (worker logs, the marker), and the
+    folder once empty; anything else in it stays, and so does the folder."""
+    for f in [*folder.glob("worker-*.log"), folder / JOB_LOGS_MARKER]:
+        with contextlib.suppress(OSError):
+            f.unlink()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
 @dataclass
 class _Child:
     worker_id: str
@@ -122,8 +137,10 @@ class NodeDaemon:
         head_loss_timeout: float | None = None,
         store_memory_limit: int | None = None,
         limits: ServerLimits | None = None,
+        keep_job_logs: int = KEEP_JOB_LOGS,
     ) -> None:
         self.coordinator_endpoint = coordinator
+        self.keep_job_logs = keep_job_logs
         self.node_rank = node_rank
         self.host = host
         self.node_id = node_id or f"{socket.gethostname()}-{node_rank}"
@@ -237,6 +254,25 @@ class NodeDaemon:
                 await asyncio.to_thread(self.kill_all)
 
     # workers ------------------------------------------------------------------------------
+    def _job_log_dir(self, job_id: str) -> Path:
+        """`<log_dir>/<job id>`; a new one is marked as ours, and the oldest marked job
+        folders beyond `keep_job_logs` go (those of running workers never)."""
+        folder = self.log_dir / job_id
+        if folder.is_dir():
+            return folder
+        folder.mkdir(parents=True)
+        (folder / JOB_LOGS_MARKER).write_text(job_id + "\n")
+        live = {folder.name, *(Path(c.log_path).parent.name for c in self.children.values())}
+        try:
+            ours = sorted((d for d in self.log_dir.iterdir()
+                           if d.is_dir() and d.name not in live and (d / JOB_LOGS_MARKER).is_file()),
+                          key=lambda d: d.stat().st_mtime)
+        except OSError:
+            return folder
+        for old in ours[:max(0, len(ours) + len(live) - self.keep_job_logs)]:
+            _remove_job_logs(old)
+        return folder
+
     @expose
     def spawn_worker(self, spec: WorkerSpec) -> int:
         """Start a worker process with `spec.env` added to this daemon's environment; returns its pid."""
@@ -245,7 +281,7 @@ class NodeDaemon:
         worker_id = spec.worker_id
         if worker_id in self.children:
             raise ValueError(f"worker {worker_id!r} runs already on node {self.node_id}")
-        folder = self.log_dir / check_job_id(spec.job_id) if spec.job_id else self.log_dir
+        folder = self._job_log_dir(check_job_id(spec.job_id)) if spec.job_id else self.log_dir
         folder.mkdir(parents=True, exist_ok=True)
         log_path = str(folder / f"worker-{worker_id}.log")
         full_env = {**os.environ, SHM_POOL_ENV: str(self.shm_pool_bytes),

@@ -372,3 +372,27 @@ def test_status_starts_without_importing_torch(tmp_path):
     rc, torch_loaded, seconds = res.stdout.split()
     assert torch_loaded == "False", res.stderr
     assert float(seconds) < 1.0, res.stdout
+
+
+def test_node_keeps_its_newest_job_log_folders_and_nothing_else_goes(tmp_path):
+    """Job log folders rotate (cluster.keep_job_logs): the oldest ones the node made go, a
+    running job's stays, and what the node did not make stays untouched."""
+    from daemons.node import JOB_LOGS_MARKER, NodeDaemon
+
+    logs = tmp_path / "logs"
+    node = NodeDaemon("tcp://127.0.0.1:1", log_dir=logs, keep_job_logs=3, insecure=True)
+    (logs / "mine").mkdir(parents=True)
+    (logs / "mine" / "notes.txt").write_text("a user's folder, no marker")
+    (logs / "README").write_text("a user's file")
+    made = []
+    for i in range(5):
+        folder = node._job_log_dir(f"job-{i}")
+        (folder / "worker-a.log").write_text("log")
+        made.append(folder)
+        if i == 1:  # a user's file inside one of ours: only our files go, the folder stays
+            (folder / "keep.txt").write_text("mine")
+        os.utime(folder, (1000 + i, 1000 + i))
+    left = sorted(p.name for p in logs.iterdir())
+    assert left == ["README", "job-1", "job-2", "job-3", "job-4", "mine"], left
+    assert sorted(p.name for p in (logs / "job-1").iterdir()) == ["keep.txt"]
+    assert (logs / "mine" / "notes.txt").exists() and (made[4] / JOB_LOGS_MARKER).exists()
