@@ -107,8 +107,13 @@ class JobContext:
 
     async def spawn_workers(self, pool: ResourcePool, group: str = "workers",
                             env: dict[str, str] | None = None) -> list[WorkerHandle]:
-        """Raw worker processes (no Worker classes): for jobs that call functions directly."""
-        return await self.coordinator.spawn_workers(pool, group, {**self._worker_env(), **(env or {})})
+        """Raw worker processes (no Worker classes): for jobs that call functions directly.
+        Their calls (`handle.run`, `handle.call`) get worker.call_timeout_s unless they pass a
+        timeout of their own."""
+        handles = await self.coordinator.spawn_workers(pool, group, {**self._worker_env(), **(env or {})})
+        for handle in handles:
+            handle.default_timeout_s = self.worker_cfg.call_timeout_s
+        return handles
 
     async def spawn(self, pool: ResourcePool, **roles: Any) -> Groups:
         """Colocate Worker classes on every device of `pool`, one process per device.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from daemons.errors import WorkerDiedError
+from daemons.errors import CallTimeoutError, WorkerDiedError
 from daemons.messages import WorkerState
-from transport import ConnectionLost, RpcClient
+from transport import ConnectionLost, RpcClient, RpcTimeout
 
 if TYPE_CHECKING:
     from daemons.coordinator import Coordinator, WorkerInfo
@@ -24,6 +24,8 @@ class WorkerHandle:
         self.coordinator = coordinator
         self.info = info
         self.client = client
+        # a call's deadline when it gives none: the job's worker.call_timeout_s (0 = none)
+        self.default_timeout_s = 0.0
 
     @property
     def rank(self) -> int:
@@ -36,10 +38,15 @@ class WorkerHandle:
             await self.coordinator.check_workers([self.info])
             if self.info.state is WorkerState.DEAD:
                 raise self.death_error()
+        deadline = timeout if timeout is not None else (self.default_timeout_s or None)
         try:
-            result = await self.client.call_with(method, args, kwargs, timeout=timeout)
+            result = await self.client.call_with(method, args, kwargs, timeout=deadline)
         except (ConnectionLost, WorkerDiedError) as e:
             raise await self.coordinator.explain_loss(self.info, e) from None
+        except RpcTimeout:
+            if timeout is not None:  # the caller's own deadline: its own error
+                raise
+            raise CallTimeoutError(f"{method} on worker {self.info.worker_id}", [self.rank], deadline, []) from None
         self.coordinator.note_refs(result, self.info)
         return result
 

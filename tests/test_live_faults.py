@@ -149,6 +149,19 @@ async def test_hung_call_ends_at_its_deadline(tmp_path):
         assert "worker.call_timeout_s" in str(err) and "p.sleep_on" in str(err), str(err)
 
 
+async def test_raw_worker_calls_get_the_call_deadline_by_default(tmp_path):
+    """`spawn_workers` handles: a `run` with no timeout of its own ends at worker.call_timeout_s
+    with the typed error naming the worker; an explicit timeout stays the caller's."""
+    cfg = OmegaConf.create({"worker": {"call_timeout_s": 1.0}})
+    async with local_cluster(cpu_devices=1, log_dir=tmp_path / "logs", insecure=True, cfg=cfg) as ctx:
+        (handle,) = await ctx.spawn_workers(ctx.create_pool("raw", world_size=1))
+        t0 = time.monotonic()
+        with pytest.raises(CallTimeoutError, match="worker.call_timeout_s") as info:
+            await handle.run("asyncrl.jobs.faults:nap", 30)
+        assert 0.9 < time.monotonic() - t0 < 5 and handle.info.worker_id in str(info.value)
+        assert await handle.run("asyncrl.jobs.faults:pid", timeout=30) > 0
+
+
 async def test_hung_collective_ends_at_the_process_group_timeout(tmp_path):
     cfg = OmegaConf.create({"worker": {"collective_timeout_s": 2}})
     async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True, cfg=cfg) as ctx:
