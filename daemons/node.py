@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -47,6 +48,7 @@ DEFAULT_SHM_POOL_BYTES = 0
 SHM_POOL_ENV = "ASYNCRL_SHM_POOL_BYTES"
 # Each worker store's memory limit in bytes (see objectstore.memory).
 STORE_MEMORY_LIMIT_ENV = "ASYNCRL_STORE_MEMORY_LIMIT"
+KEYS_ON_STDIN_ENV = "ASYNCRL_KEYS_ON_STDIN"  # a worker reads its key pair (JSON) from stdin
 NODE_DEVICES_ENV = "ASYNCRL_NODE_DEVICES"  # a worker's share of the node's cores is one device's
 # Besides after each abnormal worker exit, the node sweeps /dev/shm this often: a dead worker's
 # forked children can hold its segments' lock a little longer than the worker lives.
@@ -302,12 +304,21 @@ class NodeDaemon:
         for key in [k for k in full_env if k.startswith("ASYNCRL_CURVE_")]:
             if key not in spec.env:
                 del full_env[key]
+        # the worker's keys go through a pipe on its stdin, never its environment (which any
+        # process of the same user reads in /proc/PID/environ)
+        keys = {k: full_env.pop(k) for k in [k for k in full_env if k.startswith("ASYNCRL_CURVE_")]}
+        if keys:
+            full_env[KEYS_ON_STDIN_ENV] = "1"
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(WORKER_CMD, env=full_env,
-                                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    stdout=logf, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.PIPE if keys else subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=die_with_parent)
+        if keys:
+            with proc.stdin:  # a few hundred bytes: the pipe buffers them until the worker reads
+                proc.stdin.write(json.dumps(keys).encode() + b"\n")
         self.children[worker_id] = _Child(worker_id, proc, log_path)
         log.info("spawned worker %s pid %d (log %s)", worker_id, proc.pid, log_path)
         return proc.pid

@@ -22,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ from typing import Any
 from daemons.errors import ConfigError, NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
-from daemons.node import SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
+from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose
@@ -292,6 +294,9 @@ async def _invoke(fn: Callable, args: list, kwargs: dict) -> Any:
 
 def main() -> None:
     env = dict(os.environ)
+    if env.pop(KEYS_ON_STDIN_ENV, None) == "1":  # the node daemon's pipe: keys never in the environment
+        env.update(json.loads(sys.stdin.readline()))
+        sys.stdin.close()
     for key in [k for k in os.environ if k.startswith("ASYNCRL_CURVE_")]:
         del os.environ[key]  # the code this worker runs, and its children, need no keys
     setup_logging("worker", env.get("RANK"))

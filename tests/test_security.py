@@ -73,13 +73,14 @@ async def test_worker_refuses_foreign_code_and_holds_no_cluster_secret(tmp_path)
         state = state_path.read_text()
         assert cluster.secret_key not in environ
         assert cluster.secret_key.decode() not in state
-        assert b"ASYNCRL_CURVE_SECRET" in environ  # its own (worker) key pair instead
+        # nor its own (worker) key pair: that came through a pipe on its stdin
+        assert b"ASYNCRL_CURVE" not in environ and head.coordinator.worker_curve.secret_key not in environ
         assert (state_path.stat().st_mode & 0o777) == 0o600
         assert json.loads(state)["curve"]["ASYNCRL_CURVE_SERVER"] == cluster.public_key.decode()
-        # the key a worker does hold (code in it can read /proc/self/environ) cannot stop or
-        # submit jobs at the coordinator: it may only report readiness
-        env = dict(kv.split(b"=", 1) for kv in environ.split(b"\0") if b"=" in kv)
-        stolen = CurveConfig(env[b"ASYNCRL_CURVE_PUBLIC"], env[b"ASYNCRL_CURVE_SECRET"], cluster.public_key)
+        # the key a worker does hold (code running in it can read it from its memory) cannot
+        # stop or submit jobs at the coordinator: it may only report readiness
+        own = head.coordinator.worker_curve
+        stolen = CurveConfig(own.public_key, own.secret_key, cluster.public_key)
         async with RpcClient(head.coordinator.endpoint, curve=stolen) as c:
             with pytest.raises(RemoteError, match="NotPermitted"):
                 await c.call("stop", "hijack", timeout=5)
@@ -169,7 +170,7 @@ async def test_a_joining_node_gives_its_workers_no_cluster_secret(tmp_path):
         (worker,) = await coordinator.spawn_workers(coordinator.create_pool("p", world_size=1))
         assert (await worker.run("asyncrl.jobs.smoke:make_batch", 4, 2, 0, timeout=30)).nbytes > 0
         environ = Path(f"/proc/{worker.info.pid}/environ").read_bytes()
-        assert cluster.secret_key not in environ and b"ASYNCRL_CURVE_SECRET" in environ
+        assert cluster.secret_key not in environ and b"ASYNCRL_CURVE" not in environ
         await coordinator.shutdown_workers(grace_s=2)
         await coordinator.shutdown_nodes()
         node.wait(timeout=30)
