@@ -69,6 +69,7 @@ class ClusterConfig:
     # and the address other nodes route to for nnodes > 1; "0.0.0.0" = every interface
     bind: str | None = None
     cpu_devices: int = 2  # CPU "devices" per node when there is no GPU
+    gpus_per_node: int = 0  # GPUs each node's daemon uses: 0 = every visible GPU, N = the first N
     key_dir: str | None = None  # CurveZMQ key dir (`asyncrl keys generate DIR`); None = ephemeral, one node only
     insecure: bool = False  # unauthenticated sockets: local tests only
     join_timeout_s: float = 60.0
@@ -106,6 +107,7 @@ class ClusterConfig:
             _check(bool(host) and port.isdigit() and 0 < int(port) <= 65535, at + "coordinator", self.coordinator,
                    "must be HOST:PORT, node 0's cluster.host and cluster.port (null on node 0 itself)")
         _positive(at + "cpu_devices", self.cpu_devices)
+        _positive(at + "gpus_per_node", self.gpus_per_node, allow_zero=True)
         _positive(at + "keep_job_logs", self.keep_job_logs)
         for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s", "head_loss_timeout_s"):
             _positive(at + name, getattr(self, name))
@@ -475,6 +477,27 @@ class AlgorithmConfig:
         _check(0 <= self.lam <= 1, at + "lam", self.lam, "must be in [0, 1]")
 
 
+PLAN_SEARCHES = ("auto", "hybridflow", "mcmc", "exhaustive")
+
+
+@dataclass
+class PlanConfig:
+    """`asyncrl-plan` only (`asyncrl-launch` ignores it): the devices a plan is for and how to search."""
+
+    # h100 | h200 | a100 | cpu (measured by `asyncrl-plan profile`) | a profile JSON file;
+    # auto: this machine's GPU, h100 for a cluster.gpus_per_node plan made without one, else cpu
+    device: str = "auto"
+    search: str = "auto"  # auto: exhaustive on small spaces, else hybridflow refined by mcmc
+    time_limit_s: float = 10.0
+    runners_up: int = 3
+    seed: int = 0
+
+    def check(self, at: str) -> None:
+        _one_of(at + "search", self.search, PLAN_SEARCHES)
+        _positive(at + "time_limit_s", self.time_limit_s)
+        _positive(at + "runners_up", self.runners_up, allow_zero=True)
+
+
 @dataclass
 class TrainerConfig:
     n_workers: int = 2  # worker processes (devices) for the colocated actor/rollout/ref/critic/reward
@@ -511,6 +534,7 @@ class RLConfig(LaunchConfig):
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def check(self, at: str) -> None:
         super().check(at)

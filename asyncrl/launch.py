@@ -197,7 +197,7 @@ def cluster_spec(cfg: DictConfig, daemon: bool = False, job_id: str | None = Non
         host, bind = c.host or route_ip(c.coordinator.rsplit(":", 1)[0]), None
     allowed = [*c.allowed_packages, entry_package(OmegaConf.select(cfg, "job.entry"))]
     return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
-                       node_rank=c.node_rank, cpu_devices=c.cpu_devices, curve=curve, insecure=insecure,
+                       node_rank=c.node_rank, cpu_devices=c.cpu_devices, gpus_per_node=c.gpus_per_node, curve=curve, insecure=insecure,
                        log_dir=c.log_dir, keep_job_logs=c.keep_job_logs, heartbeat_interval_s=c.heartbeat_interval_s,
                        node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
                        store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True,

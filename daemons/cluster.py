@@ -53,6 +53,7 @@ class ClusterSpec:
     coordinator: str | None = None  # NodeOnly: the head's "tcp://HOST:PORT"
     node_rank: int = 0
     cpu_devices: int = 2  # CPU "devices" when the node has no GPU
+    gpus_per_node: int = 0  # GPUs a node's daemon uses: 0 = every visible one
     curve: CurveConfig | None = None
     insecure: bool = False
     log_dir: str | os.PathLike = "outputs/logs"
@@ -76,7 +77,7 @@ class ClusterSpec:
 
     def node_daemon(self, coordinator: str) -> NodeDaemon:
         return NodeDaemon(coordinator, node_rank=self.node_rank, host=self.host,
-                          cpu_devices=self.cpu_devices, curve=self.curve, insecure=self.insecure,
+                          cpu_devices=self.cpu_devices, gpus_per_node=self.gpus_per_node, curve=self.curve, insecure=self.insecure,
                           log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
                           coordinator_timeout=(self.coordinator_timeout_s
                                                or max(10.0, 2 * self.node_timeout_s)),

@@ -68,15 +68,20 @@ def _sweep_shm() -> None:
         log.warning("could not sweep shared-memory segments of dead stores: %s", e)
 
 
-def discover_devices(cpu_devices: int) -> list[str]:
-    """CUDA GPUs when present, else `cpu_devices` CPU "devices" so everything runs here."""
+def discover_devices(cpu_devices: int, gpus_per_node: int = 0) -> list[str]:
+    """CUDA GPUs when present (the first `gpus_per_node` of them; 0 = all), else `cpu_devices`
+    CPU "devices" so everything runs here."""
     try:
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
-        pass
+        visible = 0
+    if visible:
+        if gpus_per_node > visible:
+            raise PlacementError(f"cluster.gpus_per_node={gpus_per_node} but this node sees {visible} GPUs; lower it "
+                                 "or make more visible (CUDA_VISIBLE_DEVICES)")
+        return [f"cuda:{i}" for i in range(gpus_per_node or visible)]
     return [f"cpu:{i}" for i in range(cpu_devices)]
 
 
@@ -129,6 +134,7 @@ class NodeDaemon:
         node_rank: int = 0,
         host: str = "127.0.0.1",
         cpu_devices: int = 2,
+        gpus_per_node: int = 0,
         curve: CurveConfig | None = None,
         insecure: bool = False,
         log_dir: str | os.PathLike = "/tmp/asyncrl-logs",
@@ -146,7 +152,7 @@ class NodeDaemon:
         self.node_rank = node_rank
         self.host = host
         self.node_id = node_id or f"{socket.gethostname()}-{node_rank}"
-        self.devices = discover_devices(cpu_devices)
+        self.devices = discover_devices(cpu_devices, gpus_per_node)
         self.curve, self.insecure = curve, insecure
         self.log_dir = Path(log_dir)
         self.heartbeat_interval = heartbeat_interval

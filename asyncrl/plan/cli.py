@@ -1,0 +1,230 @@
+"""`asyncrl-plan`: the best execution plan for an RL config, as a table and as the overrides
+`asyncrl-launch` runs.
+
+    asyncrl-plan --config-name ppo cluster.nnodes=16 cluster.gpus_per_node=8 model.path=meta-llama/Llama-2-7b-hf
+    asyncrl-plan --config-name quickstart --explain      # on this machine (its measured CPU profile)
+    asyncrl-plan profile                                  # measure this machine's CPU profile
+
+Overrides are Hydra's, checked like `asyncrl-launch`'s (a typo is an error); `plan.*` keys pick
+the device profile and the search (see asyncrl/config.py, PlanConfig).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Any
+
+from asyncrl.config import ConfigError
+from asyncrl.plan.hardware import DeviceProfile, load_profile
+from asyncrl.plan.search import (
+    ROLLOUT,
+    Plan,
+    PlanCost,
+    SearchResult,
+    SearchSpace,
+    exhaustive,
+    hybridflow,
+    mcmc,
+)
+from asyncrl.plan.workload import ModelSpec, Workload, model_spec, workload_from_config
+
+USAGE_ERROR = 2
+EXHAUSTIVE_LIMIT = 200_000  # plans; above this `plan.search=auto` uses hybridflow + mcmc
+
+
+def _spec_of(cfg: Any) -> ModelSpec:
+    """The model's shape without building or downloading it."""
+    from pathlib import Path
+
+    if cfg.model.build_tiny is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        from asyncrl.models.tiny import build_config, build_tokenizer
+
+        tiny = cfg.model.build_tiny
+        hf = build_config(build_tokenizer(), hidden=tiny.hidden, layers=tiny.layers, heads=tiny.heads)
+        return ModelSpec.from_hf_config(cfg.model.path, hf.to_dict())
+    return model_spec(cfg.model.path)
+
+
+def _local_gpus() -> tuple[int, str]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return 0, ""
+
+
+def device_setup(cfg: Any) -> tuple[DeviceProfile, int, int]:
+    """(profile, nodes, devices per node) the plan is for."""
+    gpus, gpu_name = _local_gpus()
+    name = cfg.plan.device
+    if name == "auto":
+        known = next((k for k in ("h200", "h100", "a100") if k in gpu_name.lower()), None)
+        if gpus:
+            if known is None:
+                raise ConfigError(f"this machine's GPU ({gpu_name}) has no shipped profile; pass plan.device=h100|h200|"
+                                  "a100 or a profile JSON file")
+            name = known
+        else:
+            name = "h100" if cfg.cluster.gpus_per_node > 0 else "cpu"
+    profile = load_profile(name)
+    if profile.kind == "cpu":
+        per_node = cfg.cluster.cpu_devices
+    else:
+        per_node = cfg.cluster.gpus_per_node or gpus or profile.devices_per_node
+    return profile, cfg.cluster.nnodes, per_node
+
+
+def search(space: SearchSpace, how: str, seconds: float, seed: int, keep: int) -> SearchResult:
+    size = sum(len(space.allocations(p)) for p in space.placements())
+    if how == "exhaustive" or (how == "auto" and size * 400 < EXHAUSTIVE_LIMIT):
+        try:
+            return exhaustive(space, keep=keep, limit=EXHAUSTIVE_LIMIT if how == "auto" else 50_000_000)
+        except ValueError:
+            if how == "exhaustive":
+                raise
+    if how == "mcmc":
+        return mcmc(space, seconds=seconds, seed=seed, keep=keep)
+    first = hybridflow(space, keep=keep)
+    if how == "hybridflow" or first.best is None:
+        return first
+    refined = mcmc(space, seconds=max(0.0, seconds - first.seconds), seed=seed, keep=keep, start=first.best)
+    pool = {p: c for p, c in [(first.best, first.cost), *first.runners_up, (refined.best, refined.cost),
+                              *refined.runners_up] if p is not None}
+    ranked = sorted(pool.items(), key=lambda pc: pc[1].step_s)[:keep]
+    return SearchResult(ranked[0][0], ranked[0][1], ranked[1:], first.seconds + refined.seconds,
+                        first.evaluated + refined.evaluated, "hybridflow+mcmc")
+
+
+def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile) -> list[str]:
+    """The `asyncrl-launch` overrides that run `plan`."""
+    s = dict(plan.strategies)
+    out = [f"cluster.nnodes={space.nnodes}"]
+    if profile.kind == "gpu":
+        out.append(f"cluster.gpus_per_node={space.per_node}")
+    train_devices = plan.devices[plan.set_of("actor")]
+    out.append(f"trainer.n_workers={train_devices}")
+    if plan.split:
+        out += ["trainer.placement=split", f"rollout.n_workers={plan.devices[plan.set_of(ROLLOUT)]}"]
+    else:
+        out.append("trainer.placement=colocated")
+    a = s["actor"]
+    out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}",
+            f"actor.micro_batch_size={a.micro_batch}", f"actor.log_prob_micro_batch_size={a.micro_batch}",
+            f"rollout.parallel.tp={s[ROLLOUT].gen_tp if plan.split else a.gen_tp}"]
+    if "critic" in s:
+        c = s["critic"]
+        out += [f"critic.parallel.dp={c.dp}", f"critic.parallel.tp={c.tp}", f"critic.micro_batch_size={c.micro_batch}"]
+    if "reward" in s:
+        out.append(f"cost_model.micro_batch_size={s['reward'].micro_batch}")
+    return out
+
+
+def launch_command(user: list[str], plan: list[str]) -> list[str]:
+    """The user's overrides (less the planner's own `plan.*` and what the plan sets) and the plan's."""
+    planned = {o.split("=", 1)[0] for o in plan}
+    keep = [o for o in user if not o.lstrip("+~").startswith("plan.") and o.split("=", 1)[0].lstrip("+~") not in planned]
+    return [*keep, *plan]
+
+
+def _roles(plan: Plan, space: SearchSpace) -> str:
+    s = dict(plan.strategies)
+    parts = []
+    for unit in space.units:
+        if unit in s:
+            st = s[unit]
+            label = f"gen dp{st.dp}·tp{st.gen_tp}" if unit == ROLLOUT else st.label()
+            parts.append(f"{unit} {label}")
+        elif unit == "ref" and "actor" in s:
+            parts.append("ref = actor's")
+    return "; ".join(parts)
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def table(result: SearchResult, space: SearchSpace, w: Workload) -> str:
+    rows = [("#", "placement", "devices", "strategies", "step s", "GiB/dev", "tokens/s")]
+    for i, (plan, cost) in enumerate([(result.best, result.cost), *result.runners_up]):
+        rows.append((str(i + 1), plan.placement(), "/".join(map(str, plan.devices)), _roles(plan, space),
+                     f"{cost.step_s:.3g}", _gib(max(cost.memory.values())),
+                     f"{w.sequences * w.seq_len / cost.step_s:.4g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def explain(cost: PlanCost) -> str:
+    lines = ["where the step's time goes (estimated):"]
+    for stage, t in cost.stages.items():
+        lines.append(f"  {stage:<9} {t:9.3g} s")
+    lines.append("  calls (a stage runs the calls of different sets at once, of one set one after another):")
+    for name, t in sorted(cost.calls.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {name:<16} {t:9.3g} s")
+    lines.append("  memory per device: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in cost.memory.items()))
+    return "\n".join(lines)
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+
+    cfg = rl_config(load_config(args.config_name, args.overrides, args.config_dir))
+    profile, nnodes, per_node = device_setup(cfg)
+    spec = _spec_of(cfg)
+    w = workload_from_config(cfg, spec)
+    w = replace(w, micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, cfg.actor.micro_batch_size})))
+    space = SearchSpace(w, profile, nnodes, per_node, deployable=True)
+    result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
+    if result.best is None:
+        print(f"asyncrl-plan: no plan fits {nnodes}x{per_node} {profile.name} devices for {spec.name} "
+              f"({spec.params / 1e9:.2f}B parameters): add devices or lower data.batch_size, rollout.n or "
+              "the sequence lengths", file=sys.stderr)
+        return 1
+    launch = overrides(result.best, space, profile)
+    if args.json:
+        print(json.dumps({"model": spec.name, "params": spec.params, "device": profile.name, "nnodes": nnodes,
+                          "devices_per_node": per_node, "search": result.method, "search_s": round(result.seconds, 3),
+                          "plans_priced": result.evaluated, "step_s": result.cost.step_s,
+                          "stages": result.cost.stages, "calls": result.cost.calls, "memory": result.cost.memory,
+                          "strategies": {u: asdict(s) for u, s in result.best.strategies},
+                          "placement": result.best.placement(), "overrides": launch}))
+        return 0
+    print(f"model {spec.name}: {spec.params / 1e9:.3g}B parameters; {w.sequences} sequences of "
+          f"{w.prompt_len}+{w.response_len} tokens per step; calls {', '.join(c.name for c in w.calls)}")
+    print(f"devices: {nnodes} node(s) x {per_node} {profile.name} ({profile.description})")
+    print(f"search: {result.method}, {result.evaluated} plans priced in {result.seconds:.2f} s\n")
+    print(table(result, space, w))
+    if args.explain:
+        print()
+        print(explain(result.cost))
+    print("\nrun the best plan with:")
+    print("  asyncrl-launch --config-name " + " ".join([args.config_name, *launch_command(args.overrides, launch)]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:
+        from asyncrl.plan.profile import main as profile_main
+
+        return profile_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="asyncrl-plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config-name", "-cn", default="ppo")
+    parser.add_argument("--config-dir", "-cd", default=None)
+    parser.add_argument("--explain", action="store_true", help="where the best plan's time goes")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for asyncrl-launch")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        return plan_main(args)
+    except ConfigError as e:
+        print(f"asyncrl-plan: {e}", file=sys.stderr)
+        return USAGE_ERROR
+

@@ -1,0 +1,181 @@
+"""`asyncrl-plan profile`: measure this machine as a CPU device profile, layer by layer.
+
+As REAL's profiler does, it times the real building blocks rather than trusting a datasheet: a
+decoder layer of the config's model forward and forward+backward over a range of token counts
+(fitted as fixed overhead + seconds per token, which gives the efficiency against the measured
+matmul rate), one decode step of the whole model with a KV cache (the engine's per-step
+overhead), a memory copy, and gloo all-reduces between two processes. Each "device" gets the
+threads a worker would (the node's cores divided by cluster.cpu_devices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncrl.plan.hardware import CPU_PROFILE, DeviceProfile
+from asyncrl.plan.workload import ModelSpec
+
+ASSUMED_CALL_OVERHEAD_S = 0.005  # per model function call through the runtime (not measured here)
+
+
+def _timed(fn: Callable[[], Any], repeat: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b·x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, my - b * mx), b
+
+
+def _allreduce_worker(rank: int, init: str, sizes: list[int], repeat: int, out: str, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    results = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        results.append(_timed(lambda t=t: dist.all_reduce(t), repeat))
+    if rank == 0:
+        Path(out).write_text(",".join(map(str, results)))
+    dist.destroy_process_group()
+
+
+def measure_allreduce(threads: int, repeat: int = 20) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a 2-process gloo ring, from a small and a large all-reduce."""
+    import torch.multiprocessing as mp
+
+    sizes = [4096, 16 * 2**20]
+    with tempfile.TemporaryDirectory(prefix="asyncrl-profile-") as tmp:
+        out = os.path.join(tmp, "result")
+        init = "file://" + os.path.join(tmp, "store")
+        mp.start_processes(_allreduce_worker, args=(init, sizes, repeat, out, threads), nprocs=2,
+                           start_method="spawn", join=True)
+        small, large = map(float, Path(out).read_text().split(","))
+    # two ranks: t = latency + bytes / bw
+    bw = (sizes[1] - sizes[0]) / max(1e-9, large - small)
+    return max(1e-6, small - sizes[0] / bw), bw
+
+
+def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // devices)
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    repeat = 3 if quick else 7
+
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    peak = 2 * n**3 / _timed(lambda: a @ b, repeat * 3)
+
+    big = torch.empty(64 * 2**20 // 4)
+    dst = torch.empty_like(big)
+    mem_bw = 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), repeat)
+
+    config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                         num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
+                         tie_word_embeddings=spec.tied)
+    model = LlamaForCausalLM(config).float()
+    layer = model.model.layers[0]
+    rotary = model.model.rotary_emb
+    token_counts = [16, 64, 256, 1024] if quick else [16, 64, 256, 1024, 2048]
+    fwd, train = [], []
+    for x in token_counts:
+        seq = min(x, 128)
+        rows = x // seq
+        hidden = torch.randn(rows, seq, spec.hidden, requires_grad=True)
+        pos = torch.arange(seq).unsqueeze(0).expand(rows, -1)
+        emb = rotary(hidden, pos)
+
+        def forward(hidden: Any = hidden, emb: Any = emb) -> Any:
+            out = layer(hidden, position_embeddings=emb)
+            return out[0] if isinstance(out, tuple) else out
+
+        with torch.no_grad():
+            fwd.append(_timed(forward, repeat))
+        train.append(_timed(lambda forward=forward: forward().sum().backward(), repeat))
+    per_token = 2 * spec.layer_params + 2 * spec.hidden * 64  # matmuls and attention over ~128 / 2 tokens
+    a_f, b_f = _fit(token_counts, fwd)
+    a_t, b_t = _fit(token_counts, train)
+    layer_overhead = min(a_f, a_t / 3)
+
+    model.eval()
+    with torch.no_grad():
+        prompt = torch.randint(0, spec.vocab, (1, 16))
+        cache = DynamicCache()
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        last = prompt[:, -1:]
+        step = _timed(lambda: model(input_ids=last, past_key_values=cache, use_cache=True), repeat * 3)
+    compute = 2 * spec.params * b_f / per_token  # the whole model's matmuls at the layers' measured rate
+    decode_overhead = max(0.0, step - spec.layers * layer_overhead - compute)
+
+    latency, bw = measure_allreduce(threads, repeat=5 if quick else 20)
+    mem_total = _host_memory()
+    return DeviceProfile(
+        name="cpu", kind="cpu", devices_per_node=devices, peak_flops=peak, mem_bw=mem_bw,
+        description=(f"this machine measured by `asyncrl-plan profile` on {time.strftime('%Y-%m-%d')}: {cores} cores, "
+                     f"{devices} devices of {threads} thread(s), layers of {spec.name} (hidden {spec.hidden}); "
+                     f"call_overhead_s assumed"),
+        mem_bytes=mem_total / devices, intra_bw=bw, inter_bw=bw, intra_latency_s=latency, inter_latency_s=latency,
+        train_efficiency=min(1.0, 3 * per_token / (peak * b_t)), infer_efficiency=min(1.0, per_token / (peak * b_f)),
+        mem_bw_efficiency=1.0, half_efficiency_tokens=0.0, layer_overhead_s=layer_overhead,
+        decode_step_overhead_s=decode_overhead, call_overhead_s=ASSUMED_CALL_OVERHEAD_S,
+        usable_memory_fraction=0.8, bytes_per_param=4)
+
+
+def _host_memory() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return float(line.split()[1]) * 1024
+    return 8 * 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncrl-plan profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(CPU_PROFILE), help="where to write the profile (default %(default)s)")
+    parser.add_argument("--config-name", "-cn", default="quickstart", help="the config whose model's layers are timed")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes (tests)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    from asyncrl.config import ConfigError, rl_config
+    from asyncrl.launch import load_config
+    from asyncrl.plan.cli import _spec_of
+
+    try:
+        cfg = rl_config(load_config(args.config_name, args.overrides))
+        spec = _spec_of(cfg)
+    except ConfigError as e:
+        print(f"asyncrl-plan profile: {e}", file=sys.stderr)
+        return 2
+    profile = measure(spec, cfg.cluster.cpu_devices, quick=args.quick)
+    out = Path(args.out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(profile.to_json())
+    tmp.replace(out)
+    print(profile.to_json(), end="")
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,415 @@
+"""Execution-plan search: HybridFlow's Algorithm 1, a REAL-style MCMC search, and an exhaustive
+search to check both on small clusters.
+
+A plan places the models (and, with asyncrl's split placement, the rollout engine) in colocated
+sets, gives each set devices, and gives each model a parallel strategy on its set's devices.
+`SearchSpace.cost` prices a plan with HybridFlow's `d_cost`: the three stages of an RL step run one
+after another; in a stage, the calls of different sets run at once and those of one set one after
+another; weights move after the update. With `max_staleness >= 1` and a rollout set of its own,
+generation overlaps the other stages (asyncrl's asynchronous RL).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from asyncrl.plan.cost import (
+    INFEASIBLE,
+    CallCost,
+    Mesh,
+    Strategy,
+    forward_backward,
+    generate,
+    reshard,
+    resident_bytes,
+    sequence_transfer,
+    weight_broadcast,
+)
+from asyncrl.plan.hardware import DeviceProfile
+from asyncrl.plan.workload import Stage, Workload
+
+ROLLOUT = "rollout"  # the generation engine as a unit of its own (asyncrl's trainer.placement=split)
+
+
+@dataclass(frozen=True)
+class Plan:
+    sets: tuple[tuple[str, ...], ...]  # units placed together, in device order
+    devices: tuple[int, ...]  # per set
+    strategies: tuple[tuple[str, Strategy], ...]  # per model (and the rollout unit when split)
+
+    def strategy(self, unit: str) -> Strategy:
+        return dict(self.strategies)[unit]
+
+    def set_of(self, unit: str) -> int:
+        return next(i for i, s in enumerate(self.sets) if unit in s)
+
+    @property
+    def split(self) -> bool:
+        return any(s == (ROLLOUT,) for s in self.sets)
+
+    def placement(self) -> str:
+        if len(self.sets) == 1:
+            return "colocate"
+        return " | ".join("+".join(s) for s in self.sets)
+
+
+@dataclass
+class PlanCost:
+    step_s: float
+    stages: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per device, per set
+    why: str = ""  # why a plan is infeasible
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.step_s)
+
+
+def set_partitions(items: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], ...]]:
+    """Every way to split `items` into non-empty sets (Bell number many), order kept."""
+    if not items:
+        yield ()
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + ((first, *part[i]),) + part[i + 1:]
+        yield ((first,), *part)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
+
+
+class SearchSpace:
+    """Plans for one workload on `nnodes` x `per_node` devices of one profile.
+
+    `deployable=True` keeps to what `asyncrl-launch` runs: every model colocated, or the
+    rollout on a pool of its own (split, whole-model replicas, no pipeline-parallel training);
+    the reference model shares the actor's layout; generation TP divides the actor's TP; value
+    models train without pipeline stages. `deployable=False` is HybridFlow's and REAL's space:
+    any placement, a free strategy per model."""
+
+    def __init__(self, workload: Workload, profile: DeviceProfile, nnodes: int, per_node: int,
+                 deployable: bool = True, allow_split: bool = True) -> None:
+        self.w, self.profile = workload, profile
+        self.nnodes, self.per_node = nnodes, per_node
+        self.total = nnodes * per_node
+        self.deployable = deployable
+        self.units = workload.model_names + ((ROLLOUT,) if allow_split else ())
+        self.trained = {c.model for c in workload.calls if c.kind == "train"}
+        self.usable = profile.mem_bytes * profile.usable_memory_fraction
+        self._strategies = lru_cache(maxsize=None)(self._enumerate_strategies)
+        self._call = lru_cache(maxsize=None)(self._call_cost)
+        self.evaluated = 0
+
+    # the space --------------------------------------------------------------------------------
+    def placements(self) -> Iterator[tuple[tuple[str, ...], ...]]:
+        for part in set_partitions(self.units):
+            if ROLLOUT in self.units:
+                rollout_set = next(s for s in part if ROLLOUT in s)
+                if rollout_set != (ROLLOUT,) and "actor" not in rollout_set:
+                    continue  # the engine runs the actor's weights: with the actor or alone
+            if self.deployable and len(part) > 1 and not (len(part) == 2 and (ROLLOUT,) in part):
+                continue
+            yield part
+
+    def set_sizes(self) -> list[int]:
+        """Device counts a set may have: powers of two up to a node, then whole nodes."""
+        small = _powers_of_two(min(self.per_node, self.total))
+        return sorted(set(small) | {self.per_node * k for k in range(1, self.nnodes + 1)})
+
+    def allocations(self, part: tuple[tuple[str, ...], ...]) -> list[tuple[int, ...]]:
+        """Device counts per set using every device (no idle devices)."""
+        sizes = self.set_sizes()
+        return [a for a in itertools.product(sizes, repeat=len(part)) if sum(a) == self.total]
+
+    def strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
+        return self._strategies(unit, devices)
+
+    def _enumerate_strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
+        model = self.w.models["actor" if unit == ROLLOUT else unit]
+        tps = [t for t in _powers_of_two(min(self.per_node, devices)) if model.heads % t == 0 and devices % t == 0]
+        if unit == ROLLOUT:
+            tps = [1] if self.deployable else tps
+            return tuple(Strategy(dp=devices // t, tp=1, gen_tp=t) for t in tps)
+        out = []
+        no_pp = model.value_head and self.deployable
+        if self.deployable and unit == "reward":
+            tps = [1]  # asyncrl's reward-model worker is data-parallel only
+        for tp in tps:
+            for pp in _powers_of_two(devices // tp):
+                if (pp > 1 and (no_pp or model.layers % pp)) or devices % (tp * pp):
+                    continue
+                dp = devices // (tp * pp)
+                rows = math.ceil(self.w.sequences / dp)
+                mbs = [m for m in self.w.micro_batch_sizes if m <= rows] or [rows]
+                gens = [1]
+                if unit == "actor":
+                    limit = tp if self.deployable else tp * pp
+                    gens = [g for g in _powers_of_two(min(limit, self.per_node)) if limit % g == 0 and model.heads % g == 0]
+                for mb in mbs:
+                    out.extend(Strategy(dp, tp, pp, mb, g) for g in gens)
+        return tuple(out)
+
+    # pricing ----------------------------------------------------------------------------------
+    def _call_cost(self, index: int, s: Strategy, devices: int) -> CallCost:
+        call = self.w.calls[index]
+        model = self.w.models[call.model]
+        return forward_backward(model, s, self.w, call, Mesh(devices, self.per_node), self.profile)
+
+    def cost(self, plan: Plan) -> PlanCost:
+        """HybridFlow's d_cost of one RL step under `plan` (inf when a set does not fit)."""
+        self.evaluated += 1
+        w, profile = self.w, self.profile
+        strat = dict(plan.strategies)
+        if self.deployable and "ref" in w.models and "actor" in strat:
+            strat["ref"] = strat["actor"]
+        if self.deployable and plan.split and strat["actor"].pp > 1:
+            return PlanCost(INFEASIBLE, why="split placement trains without pipeline stages (actor pp must be 1)")
+        busy: dict[tuple[str, int], float] = {}
+        calls: dict[str, float] = {}
+        memory: dict[str, float] = {}
+        gen_set = plan.set_of(ROLLOUT) if ROLLOUT in self.units else plan.set_of("actor")
+        for i, (units, devices) in enumerate(zip(plan.sets, plan.devices, strict=True)):
+            models = [u for u in units if u != ROLLOUT]
+            resident = sum(resident_bytes(w.models[m], strat[m], m in self.trained, profile) for m in models)
+            transient = 0.0
+            for index, call in enumerate(w.calls):
+                if call.model not in models or call.kind == "generate":
+                    continue
+                c = self._call(index, strat[call.model], devices)
+                extra = sequence_transfer(w, profile) if i != gen_set else 0.0
+                calls[call.name] = c.time_s + extra
+                busy[(call.stage, i)] = busy.get((call.stage, i), 0.0) + c.time_s + extra
+                transient = max(transient, c.memory_bytes)
+            if i == gen_set:
+                unit = ROLLOUT if ROLLOUT in units and units == (ROLLOUT,) else "actor"
+                g = generate(w.models["actor"], strat[unit], w, Mesh(devices, self.per_node), profile,
+                             self.usable - resident)
+                calls["actor.generate"] = g.time_s
+                busy[(Stage.GENERATE, i)] = g.time_s
+                transient = max(transient, g.memory_bytes)
+            peak = resident + transient
+            memory["+".join(units)] = peak
+            if peak > self.usable:
+                return PlanCost(INFEASIBLE, calls=calls, memory=memory,
+                                why=f"{'+'.join(units)} needs {peak / 2**30:.1f} GiB per device of "
+                                    f"{self.usable / 2**30:.1f}")
+        stages = {st: max((t for (s, _), t in busy.items() if s == st), default=0.0) for st in Stage.ORDER}
+        actor = w.models["actor"]
+        if gen_set == plan.set_of("actor"):
+            sync = reshard(actor, strat["actor"], Mesh(plan.devices[gen_set], self.per_node), profile)
+        else:
+            sync = weight_broadcast(actor, profile, across_nodes=sum(plan.devices) > self.per_node)
+        stages["sync"] = sync
+        rest = stages[Stage.PREPARE] + stages[Stage.TRAIN] + sync
+        if gen_set != plan.set_of("actor") and w.max_staleness >= 1:
+            step = max(stages[Stage.GENERATE], rest)
+        else:
+            step = stages[Stage.GENERATE] + rest
+        return PlanCost(step, stages, calls, memory)
+
+    def unit_time(self, unit: str, s: Strategy, devices: int) -> float:
+        """One unit's own calls summed (HybridFlow's per-model simulation), generation at full memory."""
+        if unit == ROLLOUT:
+            return generate(self.w.models["actor"], s, self.w, Mesh(devices, self.per_node), self.profile,
+                            self.usable).time_s
+        total = 0.0
+        for index, call in enumerate(self.w.calls):
+            if call.model == unit and call.kind != "generate":
+                total += self._call(index, s, devices).time_s
+        if unit == "actor" and ROLLOUT not in self.units:
+            total += generate(self.w.models["actor"], s, self.w, Mesh(devices, self.per_node), self.profile,
+                              self.usable - resident_bytes(self.w.models["actor"], s, True, self.profile)).time_s
+        return total
+
+    def unit_memory(self, unit: str, s: Strategy) -> float:
+        if unit == ROLLOUT:
+            return 0.0
+        return resident_bytes(self.w.models[unit], s, unit in self.trained, self.profile)
+
+    def unit_transient(self, unit: str, s: Strategy, devices: int) -> float:
+        """The most a unit's training and forward calls hold beyond its resident state."""
+        return max((self._call(i, s, devices).memory_bytes for i, c in enumerate(self.w.calls)
+                    if c.model == unit and c.kind != "generate"), default=0.0)
+
+    def free_units(self, units: tuple[str, ...]) -> list[str]:
+        """The units whose strategy a search chooses (the reference follows the actor when deployable)."""
+        return [u for u in units if not (self.deployable and u == "ref" and "actor" in self.units)
+                and not (u == ROLLOUT and "actor" in units)]
+
+    def plan(self, sets: tuple[tuple[str, ...], ...], devices: tuple[int, ...], chosen: dict[str, Strategy]) -> Plan:
+        return Plan(sets, devices, tuple(sorted(chosen.items())))
+
+
+@dataclass
+class SearchResult:
+    best: Plan | None
+    cost: PlanCost | None
+    runners_up: list[tuple[Plan, PlanCost]]
+    seconds: float
+    evaluated: int
+    method: str
+
+
+def _keep(top: list[tuple[Plan, PlanCost]], plan: Plan, cost: PlanCost, k: int) -> None:
+    if not cost.feasible or any(p == plan for p, _ in top):
+        return
+    top.append((plan, cost))
+    top.sort(key=lambda pc: pc[1].step_s)
+    del top[k:]
+
+
+def _result(space: SearchSpace, top: list[tuple[Plan, PlanCost]], t0: float, before: int, method: str) -> SearchResult:
+    best = top[0] if top else (None, None)
+    return SearchResult(best[0], best[1], top[1:], time.monotonic() - t0, space.evaluated - before, method)
+
+
+# HybridFlow Algorithm 1 ---------------------------------------------------------------------------
+def hybridflow(space: SearchSpace, top_k: int = 4, keep: int = 4) -> SearchResult:
+    """Algorithm 1: for each placement (set partition) and allocation, `auto_parallel` picks each
+    set's strategies from its models' simulated times (cached per set and size, top_k candidates
+    per model plus its smallest-memory one, the best combination that fits), then `d_cost`
+    prices the whole step."""
+    t0, before = time.monotonic(), space.evaluated
+    cache: dict[tuple[tuple[str, ...], int], dict[str, Strategy] | None] = {}
+
+    def auto_parallel(units: tuple[str, ...], devices: int) -> dict[str, Strategy] | None:
+        key = (units, devices)
+        if key in cache:
+            return cache[key]
+        options = []
+        for u in space.free_units(units):
+            fits = [s for s in space.strategies(u, devices)
+                    if space.unit_memory(u, s) + space.unit_transient(u, s, devices) <= space.usable]
+            ranked = sorted(fits, key=lambda s, u=u: space.unit_time(u, s, devices))
+            if not ranked:
+                cache[key] = None
+                return None
+            smallest = min(ranked, key=lambda s, u=u: space.unit_memory(u, s) + space.unit_transient(u, s, devices))
+            options.append([(u, s) for s in dict.fromkeys([*ranked[:top_k], smallest])])
+        best, best_t = None, math.inf
+        for combo in itertools.product(*options):
+            chosen = dict(combo)
+            if "ref" in units and "ref" not in chosen:
+                chosen["ref"] = chosen["actor"]
+            mem = sum(space.unit_memory(u, s) for u, s in chosen.items())
+            mem += max(space.unit_transient(u, s, devices) for u, s in chosen.items())
+            if mem > space.usable:
+                continue
+            t = sum(space.unit_time(u, s, devices) for u, s in chosen.items())
+            if t < best_t:
+                best, best_t = chosen, t
+        cache[key] = best
+        return best
+
+    top: list[tuple[Plan, PlanCost]] = []
+    for part in space.placements():
+        for alloc in space.allocations(part):
+            chosen: dict[str, Strategy] = {}
+            for units, devices in zip(part, alloc, strict=True):
+                picked = auto_parallel(units, devices)
+                if picked is None:
+                    break
+                chosen.update(picked)
+            else:
+                plan = space.plan(part, alloc, chosen)
+                _keep(top, plan, space.cost(plan), keep)
+    return _result(space, top, t0, before, "hybridflow")
+
+
+# exhaustive -----------------------------------------------------------------------------------------
+def exhaustive(space: SearchSpace, keep: int = 4, limit: int = 5_000_000) -> SearchResult:
+    """Every placement, allocation and strategy combination priced with `d_cost` (small
+    clusters: the verification of the other searches). Raises when the space exceeds `limit`."""
+    t0, before = time.monotonic(), space.evaluated
+    jobs = []
+    for part in space.placements():
+        for alloc in space.allocations(part):
+            axes = [[(u, s) for s in space.strategies(u, d)] for units, d in zip(part, alloc, strict=True)
+                    for u in space.free_units(units)]
+            jobs.append((part, alloc, axes))
+    size = sum(math.prod(len(a) for a in axes) for _, _, axes in jobs)
+    if size > limit:
+        raise ValueError(f"exhaustive search over {size} plans exceeds its limit of {limit}; use mcmc or hybridflow")
+    top: list[tuple[Plan, PlanCost]] = []
+    for part, alloc, axes in jobs:
+        for combo in itertools.product(*axes):
+            plan = space.plan(part, alloc, dict(combo))
+            _keep(top, plan, space.cost(plan), keep)
+    return _result(space, top, t0, before, "exhaustive")
+
+
+# REAL-style MCMC ------------------------------------------------------------------------------------
+def mcmc(space: SearchSpace, seconds: float = 5.0, beta: float = 30.0, seed: int = 0, keep: int = 4,
+         max_steps: int = 1_000_000, start: Plan | None = None, patience: int = 20_000) -> SearchResult:
+    """Metropolis–Hastings over plans with energy exp(-beta · cost / best cost): each step
+    redraws one unit's strategy, moves devices between two sets, or moves a unit to another set;
+    plans that do not fit in memory are priced with a penalty. Stops after `seconds`, or after
+    `patience` steps without a better plan."""
+    t0, before = time.monotonic(), space.evaluated
+    rng = random.Random(seed)
+    parts = list(space.placements())
+    allocs = {p: space.allocations(p) for p in parts}
+    parts = [p for p in parts if allocs[p]]
+
+    def fill(part: tuple[tuple[str, ...], ...], alloc: tuple[int, ...], old: dict[str, Strategy]) -> dict[str, Strategy] | None:
+        chosen = {}
+        for units, d in zip(part, alloc, strict=True):
+            for u in space.free_units(units):
+                options = space.strategies(u, d)
+                if not options:
+                    return None
+                chosen[u] = old[u] if old.get(u) in options else rng.choice(options)
+        return chosen
+
+    def energy(plan: Plan) -> tuple[float, PlanCost]:
+        c = space.cost(plan)
+        if c.feasible:
+            return c.step_s, c
+        over = max(c.memory.values(), default=space.usable) / space.usable
+        return 1e6 * over, c
+
+    part = next((p for p in parts if len(p) == 1), parts[0]) if start is None else start.sets
+    alloc = allocs[part][0] if start is None else start.devices
+    chosen = fill(part, alloc, {} if start is None else dict(start.strategies)) or {}
+    current = space.plan(part, alloc, chosen)
+    e, c = energy(current)
+    top: list[tuple[Plan, PlanCost]] = []
+    _keep(top, current, c, keep)
+    best_e, since_best = e, 0
+    steps = 0
+    while steps < max_steps and since_best < patience and (steps % 64 or time.monotonic() - t0 < seconds):
+        steps += 1
+        since_best += 1
+        move = rng.random()
+        new_part, new_alloc, new_chosen = part, alloc, dict(chosen)
+        if move < 0.6 and new_chosen:
+            u = rng.choice(sorted(new_chosen))
+            d = alloc[current.set_of(u)]
+            new_chosen[u] = rng.choice(space.strategies(u, d))
+        elif move < 0.85 and len(allocs[part]) > 1:
+            new_alloc = rng.choice(allocs[part])
+        else:
+            new_part = rng.choice(parts)
+            new_alloc = rng.choice(allocs[new_part])
+        filled = fill(new_part, new_alloc, new_chosen)
+        if filled is None:
+            continue
+        candidate = space.plan(new_part, new_alloc, filled)
+        e2, c2 = energy(candidate)
+        _keep(top, candidate, c2, keep)
+        scale = min(best_e, e)
+        if e2 <= e or rng.random() < math.exp(-beta * (e2 - e) / scale):
+            part, alloc, chosen, current, e = new_part, new_alloc, filled, candidate, e2
+            if e < best_e:
+                best_e, since_best = e, 0
+    return _result(space, top, t0, before, "mcmc")

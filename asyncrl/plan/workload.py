@@ -1,0 +1,170 @@
+"""What a plan must run: the models (their shapes) and one RL step's model function calls."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import CRITIC_ALGORITHMS, ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape (Llama/Qwen-style: gated MLP, grouped KV heads)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+    value_head: bool = False  # a critic or reward model: one output instead of the vocabulary
+
+    @property
+    def layer_params(self) -> int:
+        kv = self.hidden * self.kv_heads // self.heads
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        head = self.hidden if self.value_head else (0 if self.tied else self.vocab * self.hidden)
+        return self.vocab * self.hidden + self.layers * self.layer_params + head + self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of K and V cache per token, at 2 bytes per value (scaled by the device's width)."""
+        return 2 * self.layers * self.hidden * self.kv_heads // self.heads * 2
+
+    def as_value_model(self) -> ModelSpec:
+        return ModelSpec(self.name, self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab,
+                         tied=True, value_head=True)
+
+    @classmethod
+    def from_hf_config(cls, name: str, cfg: dict[str, Any]) -> ModelSpec:
+        try:
+            heads = int(cfg["num_attention_heads"])
+            return cls(name=name, layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]), heads=heads,
+                       kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn=int(cfg["intermediate_size"]),
+                       vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ConfigError(f"model {name}: its config.json lacks {e}, which the planner needs "
+                              "(a Llama/Qwen/Mistral-style decoder)") from None
+
+
+# Shapes of well-known checkpoints, so a plan for a model this machine does not hold needs no download
+# (from each model's published config.json).
+KNOWN_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (
+        ModelSpec("meta-llama/Llama-2-7b-hf", 32, 4096, 32, 32, 11008, 32000),
+        ModelSpec("meta-llama/Llama-2-13b-hf", 40, 5120, 40, 40, 13824, 32000),
+        ModelSpec("meta-llama/Llama-2-70b-hf", 80, 8192, 64, 8, 28672, 32000),
+        ModelSpec("meta-llama/Meta-Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
+        ModelSpec("codellama/CodeLlama-34b-hf", 48, 8192, 64, 8, 22016, 32000),
+        ModelSpec("Qwen/Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936, tied=True),
+        ModelSpec("Qwen/Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936, tied=True),
+        ModelSpec("Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
+        ModelSpec("Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
+        ModelSpec("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
+    )
+}
+
+
+def model_spec(path: str) -> ModelSpec:
+    """The shape of `model.path`: its config.json when it is a local directory, else a known Hub name."""
+    local = Path(path).expanduser()
+    if (local / "config.json").is_file():
+        return ModelSpec.from_hf_config(str(local), json.loads((local / "config.json").read_text()))
+    if path in KNOWN_MODELS:
+        return KNOWN_MODELS[path]
+    raise ConfigError(f"model.path={path!r}: no config.json there and not a known model name; point it at a "
+                      f"Hugging Face model directory or use one of: {', '.join(KNOWN_MODELS)}")
+
+
+class Stage:
+    """HybridFlow's three stages of an RL step; calls of one stage on disjoint devices run together."""
+
+    GENERATE = "generate"
+    PREPARE = "prepare"
+    TRAIN = "train"
+    ORDER = (GENERATE, PREPARE, TRAIN)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One model function call of an RL step."""
+
+    model: str  # actor | critic | ref | reward
+    kind: str  # generate | infer | train
+    stage: str
+    epochs: int = 1  # passes over the batch (train)
+    optimizer_steps: int = 1  # mini-batches x epochs (train)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}.{self.kind}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: `sequences` = prompts x samples, each `prompt_len + response_len` tokens."""
+
+    models: dict[str, ModelSpec]
+    calls: tuple[Call, ...]
+    sequences: int
+    prompt_len: int
+    response_len: int
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_staleness: int = 0  # >= 1: generation on its own devices overlaps the training stages
+    fixed: dict[str, Any] = field(default_factory=dict)  # config values the plan keeps (micro-batch sizes)
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(self.models)
+
+
+def rl_calls(algorithm: str, *, critic: bool, ref: bool, reward_model: bool, recompute: bool,
+             actor_epochs: int, actor_minis: int, critic_epochs: int = 1, critic_minis: int = 1) -> tuple[Call, ...]:
+    """The calls of one step of an asyncrl algorithm (the same order as `asyncrl/algorithms/`)."""
+    calls = [Call("actor", "generate", Stage.GENERATE)]
+    if recompute:
+        calls.append(Call("actor", "infer", Stage.PREPARE))
+    if ref:
+        calls.append(Call("ref", "infer", Stage.PREPARE))
+    if reward_model:
+        calls.append(Call("reward", "infer", Stage.PREPARE))
+    if critic:
+        calls.append(Call("critic", "infer", Stage.PREPARE))
+    calls.append(Call("actor", "train", Stage.TRAIN, actor_epochs, actor_epochs * actor_minis))
+    if critic:
+        calls.append(Call("critic", "train", Stage.TRAIN, critic_epochs, critic_epochs * critic_minis))
+    return tuple(calls)
+
+
+def workload_from_config(cfg: Any, spec: ModelSpec) -> Workload:
+    """The step an asyncrl RL config runs (`cfg`: a typed RLConfig)."""
+    name = cfg.algorithm.name
+    critic = name in CRITIC_ALGORITHMS
+    ref = bool(cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
+    off_policy = cfg.actor.ppo_epochs > 1 or cfg.actor.ppo_mini_batches > 1 or cfg.actor.policy_loss != "ppo"
+    recompute = cfg.actor.recompute_log_prob == "always" or (cfg.actor.recompute_log_prob == "auto" and off_policy)
+    models = {"actor": spec}
+    if ref:
+        models["ref"] = spec
+    if critic:
+        models["critic"] = spec.as_value_model()
+    if cfg.cost_model.enable:
+        models["reward"] = spec.as_value_model()
+    calls = rl_calls(name, critic=critic, ref=ref, reward_model=cfg.cost_model.enable, recompute=recompute,
+                     actor_epochs=cfg.actor.ppo_epochs, actor_minis=cfg.actor.ppo_mini_batches,
+                     critic_epochs=cfg.critic.ppo_epochs, critic_minis=cfg.critic.ppo_mini_batches)
+    return Workload(models=models, calls=calls, sequences=cfg.data.batch_size * cfg.rollout.n,
+                    prompt_len=cfg.data.max_prompt_len, response_len=cfg.rollout.max_tokens,
+                    max_staleness=cfg.rollout.max_staleness)

@@ -1,0 +1,127 @@
+"""asyncrl-plan: the cost model's physics, the searches against each other, the CLI's plans as
+launchable overrides, the profiler, and its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from asyncrl.plan.cli import main as plan_main
+from asyncrl.plan.cost import Mesh, Strategy, forward_backward, generate
+from asyncrl.plan.hardware import load_profile
+from asyncrl.plan.search import ROLLOUT, SearchSpace, exhaustive, hybridflow, mcmc, set_partitions
+from asyncrl.plan.workload import KNOWN_MODELS, Call, Workload, rl_calls
+
+LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
+H100 = load_profile("h100")
+
+
+def ppo(model=LLAMA7, sequences=256, prompt=512, response=512, mbs=(4,)) -> Workload:
+    calls = rl_calls("ppo", critic=True, ref=True, reward_model=False, recompute=False, actor_epochs=1, actor_minis=1)
+    return Workload(models={"actor": model, "critic": model.as_value_model(), "ref": model}, calls=calls,
+                    sequences=sequences, prompt_len=prompt, response_len=response, micro_batch_sizes=mbs)
+
+
+def test_model_shapes_count_parameters_like_the_checkpoints():
+    assert LLAMA7.params == 6_738_415_616  # Llama-2-7b-hf's published count
+    assert KNOWN_MODELS["meta-llama/Llama-2-13b-hf"].params == 13_015_864_320
+    assert KNOWN_MODELS["Qwen/Qwen2.5-0.5B"].params == pytest.approx(494_032_768, rel=1e-3)
+
+
+def test_set_partitions_are_the_bell_numbers():
+    assert [len(list(set_partitions(tuple("abcde"[:n])))) for n in range(1, 6)] == [1, 2, 5, 15, 52]
+    for part in set_partitions(("a", "b", "c", "d")):
+        assert sorted(u for s in part for u in s) == ["a", "b", "c", "d"]
+
+
+def test_costs_follow_the_physics():
+    w = ppo()
+    train = Call("actor", "train", "train")
+    t = {d: forward_backward(LLAMA7, Strategy(d, 1, 1, 4), w, train, Mesh(d, 8), H100).time_s for d in (2, 4, 8)}
+    assert t[2] > t[4] > t[8] and t[2] / t[8] < 4.0  # more devices help, never better than linearly
+    inside = forward_backward(LLAMA7, Strategy(2, 8, 1, 4), w, train, Mesh(16, 8), H100).time_s
+    across = forward_backward(LLAMA7, Strategy(1, 16, 1, 4), w, train, Mesh(16, 16), replace(H100, devices_per_node=8))
+    assert across.time_s > inside  # tensor parallelism over the network is slower than inside a node
+    big = KNOWN_MODELS["meta-llama/Llama-2-70b-hf"]
+    assert math.isinf(generate(big, Strategy(1, 1), w, Mesh(1, 8), H100, H100.mem_bytes).time_s)  # 140 GB of weights
+    few = generate(LLAMA7, Strategy(1, 1), replace(w, sequences=8), Mesh(1, 8), H100, H100.mem_bytes).time_s
+    many = generate(LLAMA7, Strategy(1, 1), replace(w, sequences=64), Mesh(1, 8), H100, H100.mem_bytes).time_s
+    assert few < many < 8 * few  # decoding is memory-bound: 8x the rows costs far less than 8x
+
+
+def test_searches_agree_with_exhaustive_search_on_small_clusters():
+    w = ppo()
+    space = SearchSpace(w, H100, 1, 8, deployable=False, allow_split=False)
+    brute = exhaustive(space)
+    assert brute.best is not None
+    hf = hybridflow(SearchSpace(w, H100, 1, 8, deployable=False, allow_split=False))
+    mc = mcmc(SearchSpace(w, H100, 1, 8, deployable=False, allow_split=False), seconds=3.0, seed=0)
+    assert brute.cost.step_s <= hf.cost.step_s <= 1.05 * brute.cost.step_s
+    assert brute.cost.step_s <= mc.cost.step_s <= 1.05 * brute.cost.step_s
+    assert space.cost(brute.best).step_s == pytest.approx(brute.cost.step_s)
+
+
+def test_deployable_plans_keep_to_what_asyncrl_launch_runs():
+    space = SearchSpace(ppo(), H100, 2, 8, deployable=True)
+    parts = list(space.placements())
+    assert sorted(len(p) for p in parts) == [1, 2] and ((ROLLOUT,) in parts[1] or (ROLLOUT,) in parts[0])
+    assert all(s.pp == 1 for s in space.strategies("critic", 16))
+    assert all(s.tp % s.gen_tp == 0 for s in space.strategies("actor", 16))
+    assert {s.gen_tp for s in space.strategies(ROLLOUT, 8)} == {1}
+
+
+def test_the_7b_plan_runs_as_launch_overrides(capsys):
+    user = ["cluster.nnodes=16", "cluster.gpus_per_node=8", "cluster.key_dir=/etc/asyncrl/keys",
+            "model.path=meta-llama/Llama-2-7b-hf",
+            "plan.device=h100", "plan.time_limit_s=3"]
+    assert plan_main(["--config-name", "ppo", "--json", *user]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["device"] == "h100" and out["nnodes"] == 16 and out["devices_per_node"] == 8
+    assert out["search_s"] < 10 and out["step_s"] > 0
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+
+    cfg = rl_config(load_config("ppo", [*user, *out["overrides"]]))  # asyncrl-launch takes them as they are
+    used = cfg.trainer.n_workers + (cfg.rollout.n_workers if cfg.trainer.placement == "split" else 0)
+    assert used == 128  # no idle devices
+    par = cfg.actor.parallel
+    assert par.dp * par.tp * par.pp == cfg.trainer.n_workers
+
+
+def test_table_and_explain_name_the_plan(capsys):
+    assert plan_main(["--config-name", "ppo", "--explain", "cluster.gpus_per_node=8",
+                      "model.path=Qwen/Qwen2.5-1.5B", "plan.device=h200"]) == 0
+    text = capsys.readouterr().out
+    assert "placement" in text and "where the step's time goes" in text and "asyncrl-launch --config-name ppo" in text
+
+
+@pytest.mark.parametrize("override, says", [
+    ("plan.devcie=h100", "plan.device"),  # a typo, with the closest key
+    ("plan.device=tpu9", "no such profile"),
+    ("plan.search=annealing", "plan.search"),
+    ("model.path=/nowhere/model", "not a known model name"),
+])
+def test_bad_plan_input_is_a_usage_error(override, says, capsys):
+    assert plan_main(["--config-name", "ppo", "cluster.gpus_per_node=8", override]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_cpu_plan_without_a_profile_says_how_to_measure(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert plan_main(["--config-name", "quickstart", f"model.path={tmp_path / 'm'}"]) == 2
+    assert "asyncrl-plan profile" in capsys.readouterr().err
+
+
+def test_profile_measures_this_machine_and_plans_with_it(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cpu.json"
+    assert plan_main(["profile", "--quick", "--out", str(out), f"model.path={tmp_path / 'm'}"]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["kind"] == "cpu" and prof["peak_flops"] > 1e8 and prof["intra_bw"] > 1e6
+    assert 0 < prof["train_efficiency"] <= 1 and 0 < prof["infer_efficiency"] <= 1
+    assert not (tmp_path / "m").exists()  # planning reads the model's shape, never builds it
+    capsys.readouterr()
+    assert plan_main(["--config-name", "quickstart", f"plan.device={out}", f"model.path={tmp_path / 'm'}"]) == 0
+    assert "trainer.placement=" in capsys.readouterr().out
