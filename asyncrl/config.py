@@ -491,9 +491,15 @@ class PlanConfig:
     time_limit_s: float = 10.0
     runners_up: int = 3
     seed: int = 0
+    # the lengths a batch trains at (its longest prompt and response after padding is trimmed);
+    # 0 = the caps, data.max_prompt_len and rollout.max_tokens
+    prompt_len: int = 0
+    response_len: int = 0
 
     def check(self, at: str) -> None:
         _one_of(at + "search", self.search, PLAN_SEARCHES)
+        _positive(at + "prompt_len", self.prompt_len, allow_zero=True)
+        _positive(at + "response_len", self.response_len, allow_zero=True)
         _positive(at + "time_limit_s", self.time_limit_s)
         _positive(at + "runners_up", self.runners_up, allow_zero=True)
 

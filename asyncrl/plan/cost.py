@@ -54,11 +54,13 @@ class Mesh:
         return group > 1 and group * stride > self.per_node
 
 
-def _ring(profile: DeviceProfile, nbytes: float, group: int, across: bool, factor: float = 2.0) -> float:
-    """A ring collective over `group` ranks: all-reduce (factor 2) or all-gather/reduce-scatter (1)."""
+def _ring(profile: DeviceProfile, nbytes: float, group: int, across: bool, factor: float = 2.0,
+          tp: bool = False) -> float:
+    """A ring collective over `group` ranks: all-reduce (factor 2) or all-gather/reduce-scatter (1);
+    `tp`: a tensor-parallel all-reduce inside a layer."""
     if group <= 1:
         return 0.0
-    bw, latency = profile.bandwidth(across)
+    bw, latency = profile.tp_bandwidth(across) if tp else profile.bandwidth(across)
     return latency * (group - 1) + factor * (group - 1) / group * nbytes / bw
 
 
@@ -98,18 +100,25 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
     rows = min(s.micro_batch, rows_per_step)
     tokens = rows * w.seq_len
     flops = passes * _flops_per_token(model, w.seq_len / 2) * tokens / (s.tp * s.pp)
-    stage = _compute(profile, flops, tokens, efficiency) + passes * model.layers / s.pp * profile.layer_overhead_s
+    stage = (_compute(profile, flops, tokens, efficiency) + passes * model.layers / s.pp * profile.layer_overhead_s
+             + profile.micro_batch_overhead_s)
     act = tokens * model.hidden * profile.bytes_per_param
     tp_group_spans = mesh.spans(s.tp)
-    stage += (2 * passes / 1.5 if train else 2) * model.layers / s.pp * _ring(profile, act, s.tp, tp_group_spans)
+    stage += (2 * passes / 1.5 if train else 2) * model.layers / s.pp * _ring(profile, act, s.tp, tp_group_spans, tp=True)
     if s.pp > 1:
         bw, latency = profile.bandwidth(mesh.spans(s.pp, s.tp))
         stage += (2 if train else 1) * (latency + act / bw)
+    # FSDP (asyncrl's engine reshards after forward and syncs gradients every micro-batch): each
+    # micro-batch gathers every block's parameters for forward (and again for backward) and
+    # reduce-scatters its gradients; the bytes are prefetched and overlap the compute, the
+    # per-collective latency does not
+    if s.dp > 1:
+        shard = model.params * profile.bytes_per_param / (s.tp * s.pp)
+        bw, latency = profile.bandwidth(mesh.spans(s.dp, s.tp * s.pp))
+        kinds = 3 if train else 1
+        stage = max(stage, kinds * (s.dp - 1) / s.dp * shard / bw)
+        stage += kinds * (model.layers / s.pp + 1) * latency * (s.dp - 1)
     per_step = (micro + s.pp - 1) * stage  # 1F1B: the pipeline fills and drains once per step
-    shard = model.params * profile.bytes_per_param / (s.tp * s.pp)
-    dp_spans = mesh.spans(s.dp, s.tp * s.pp)
-    # FSDP: parameters gathered for forward (and backward), gradients reduce-scattered
-    per_step += (3 if train else 1) * _ring(profile, shard, s.dp, dp_spans, factor=1.0)
     if train:  # the optimizer reads and writes the state shard
         per_step += 2 * model.params * TRAIN_STATE_BYTES / (s.tp * s.pp * s.dp) / (profile.mem_bw * profile.mem_bw_efficiency)
     time_s = steps * per_step + profile.call_overhead_s
@@ -143,13 +152,14 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     prefill = (_compute(profile, _flops_per_token(model, w.prompt_len / 2) * prompt_tokens / tg, prompt_tokens,
                         profile.infer_efficiency)
                + model.layers * profile.layer_overhead_s
-               + 2 * model.layers * _ring(profile, prompt_tokens * model.hidden * profile.bytes_per_param, tg, spans))
+               + 2 * model.layers * _ring(profile, prompt_tokens * model.hidden * profile.bytes_per_param, tg, spans,
+                                                 tp=True))
     context = w.prompt_len + w.response_len / 2
     step_compute = _compute(profile, _flops_per_token(model, context) * batch / tg, batch, profile.infer_efficiency)
     reads = (weights + batch * model.kv_bytes_per_token * profile.bytes_per_param / 2 / tg * context)
     step_memory = reads / (profile.mem_bw * profile.mem_bw_efficiency)
     step = (max(step_compute, step_memory) + profile.decode_step_overhead_s + model.layers * profile.layer_overhead_s
-            + 2 * model.layers * _ring(profile, batch * model.hidden * profile.bytes_per_param, tg, spans))
+            + 2 * model.layers * _ring(profile, batch * model.hidden * profile.bytes_per_param, tg, spans, tp=True))
     time_s = waves * (prefill + w.response_len * step) + profile.call_overhead_s
     return CallCost(time_s, weights + batch * kv_row)
 

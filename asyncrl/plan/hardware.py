@@ -43,12 +43,19 @@ class DeviceProfile:
     layer_overhead_s: float  # per layer per forward (backward: twice)
     decode_step_overhead_s: float  # per decode step of a generation engine (scheduling, sampling)
     call_overhead_s: float  # per model function call through the runtime (RPC, batching)
+    micro_batch_overhead_s: float = 0.0  # per micro-batch of a forward/backward (head, loss, framework)
+    tp_latency_s: float = 0.0  # per tensor-parallel all-reduce inside a layer (0 = intra_latency_s)
     usable_memory_fraction: float = 0.9
     bytes_per_param: int = 2  # weights as the device computes with them (bf16 on GPU, fp32 on CPU)
 
     def bandwidth(self, across_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency) of a collective inside one node or across nodes."""
         return (self.inter_bw, self.inter_latency_s) if across_nodes else (self.intra_bw, self.intra_latency_s)
+
+    def tp_bandwidth(self, across_nodes: bool) -> tuple[float, float]:
+        """(bytes/s, latency) of a tensor-parallel all-reduce inside a layer."""
+        bw, latency = self.bandwidth(across_nodes)
+        return bw, (self.tp_latency_s or latency) if not across_nodes else latency
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,36 @@ def _timed(fn: Callable[[], Any], repeat: int) -> float:
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b·x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return max(0.0, my - b * mx), b
+    """y = a + b·x with the slope b from the two largest x (where the per-token cost dominates)
+    and the fixed cost a from the smallest (where it does)."""
+    b = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return max(0.0, ys[0] - b * xs[0]), b
 
 
-def _allreduce_worker(rank: int, init: str, sizes: list[int], repeat: int, out: str, threads: int) -> None:
+def _train_step(model: Any, ids: Any) -> None:
+    import torch
+
+    logits = model(input_ids=ids).logits
+    torch.log_softmax(logits.float(), -1).mean().backward()
+
+
+def _micro_batch_fit(model: Any, vocab: int, rows: list[int], seq: int, repeat: int) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds per token) of a whole-model forward + backward."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    times = [_timed(lambda r=r: _train_step(model, torch.randint(0, vocab, (r, seq), generator=gen)), repeat)
+             for r in rows]
+    return _fit([r * seq for r in rows], times)
+
+
+def _two_rank_worker(rank: int, init: str, sizes: list[int], repeat: int, out: str, threads: int,
+                     spec: dict, rows: list[int], seq: int) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from asyncrl.engine.fsdp import apply_fsdp
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -53,30 +75,50 @@ def _allreduce_worker(rank: int, init: str, sizes: list[int], repeat: int, out: 
     for n in sizes:
         t = torch.ones(n // 4)
         results.append(_timed(lambda t=t: dist.all_reduce(t), repeat))
+    from asyncrl.engine.tp import apply_tp
+
+    torch.manual_seed(0)
+    model = apply_fsdp(_model(ModelSpec(**spec)), init_device_mesh("cpu", (2,)))
+    results.extend(_micro_batch_fit(model, spec["vocab"], rows, seq, max(3, repeat // 4)))
+    torch.manual_seed(0)
+    model = apply_tp(_model(ModelSpec(**spec)), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    results.extend(_micro_batch_fit(model, spec["vocab"], rows, seq, max(3, repeat // 4)))
     if rank == 0:
         Path(out).write_text(",".join(map(str, results)))
     dist.destroy_process_group()
 
 
-def measure_allreduce(threads: int, repeat: int = 20) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of a 2-process gloo ring, from a small and a large all-reduce."""
+def measure_two_ranks(spec: ModelSpec, threads: int, rows: list[int], seq: int,
+                      repeat: int = 20) -> tuple[float, float, float, float]:
+    """Two gloo processes: (latency s, bandwidth bytes/s) of an all-reduce, from a small and a
+    large one, and the per-micro-batch seconds of FSDP and of tensor-parallel training over
+    both (their collectives and, for TP, DTensor's dispatch)."""
     import torch.multiprocessing as mp
 
     sizes = [4096, 16 * 2**20]
     with tempfile.TemporaryDirectory(prefix="asyncrl-profile-") as tmp:
         out = os.path.join(tmp, "result")
         init = "file://" + os.path.join(tmp, "store")
-        mp.start_processes(_allreduce_worker, args=(init, sizes, repeat, out, threads), nprocs=2,
-                           start_method="spawn", join=True)
-        small, large = map(float, Path(out).read_text().split(","))
+        mp.start_processes(_two_rank_worker, args=(init, sizes, repeat, out, threads, asdict(spec), rows, seq),
+                           nprocs=2, start_method="spawn", join=True)
+        small, large, fsdp_per_micro, _, tp_per_micro, _ = map(float, Path(out).read_text().split(","))
     # two ranks: t = latency + bytes / bw
     bw = (sizes[1] - sizes[0]) / max(1e-9, large - small)
-    return max(1e-6, small - sizes[0] / bw), bw
+    return max(1e-6, small - sizes[0] / bw), bw, fsdp_per_micro, tp_per_micro
+
+
+def _model(spec: ModelSpec) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                         num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
+                         tie_word_embeddings=spec.tied)
+    return LlamaForCausalLM(config).float()
 
 
 def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.cache_utils import DynamicCache
 
     cores = os.cpu_count() or 1
@@ -85,22 +127,19 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
     torch.manual_seed(0)
     repeat = 3 if quick else 7
 
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    peak = 2 * n**3 / _timed(lambda: a @ b, repeat * 3)
+    peak = 0.0
+    for n in (256, 512, 1024):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        peak = max(peak, 2 * n**3 / _timed(lambda a=a, b=b: a @ b, repeat))
 
     big = torch.empty(64 * 2**20 // 4)
     dst = torch.empty_like(big)
     mem_bw = 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), repeat)
 
-    config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                         num_key_value_heads=spec.kv_heads, max_position_embeddings=4096,
-                         tie_word_embeddings=spec.tied)
-    model = LlamaForCausalLM(config).float()
+    model = _model(spec)
     layer = model.model.layers[0]
     rotary = model.model.rotary_emb
-    token_counts = [16, 64, 256, 1024] if quick else [16, 64, 256, 1024, 2048]
+    token_counts = [8, 256, 1024] if quick else [8, 64, 256, 1024, 2048]
     fwd, train = [], []
     for x in token_counts:
         seq = min(x, 128)
@@ -131,7 +170,15 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
     compute = 2 * spec.params * b_f / per_token  # the whole model's matmuls at the layers' measured rate
     decode_overhead = max(0.0, step - spec.layers * layer_overhead - compute)
 
-    latency, bw = measure_allreduce(threads, repeat=5 if quick else 20)
+    # a whole micro-batch (what the runtime adds per micro-batch: the head, the loss, Python), alone
+    # and under FSDP over two ranks (each micro-batch gathers and reduce-scatters every block)
+    rows, seq = [1, 8, 16], 32
+    plain_per_micro, _ = _micro_batch_fit(model.train(), spec.vocab, rows, seq, repeat)
+    latency, bw, fsdp_per_micro, tp_per_micro = measure_two_ranks(spec, threads, rows, seq,
+                                                                  repeat=5 if quick else 20)
+    latency = max(latency, (fsdp_per_micro - plain_per_micro) / (3 * (spec.layers + 1)))  # as inside training
+    # TP: two all-reduces per layer forward, two backward
+    tp_latency = max(latency, (tp_per_micro - plain_per_micro) / (4 * spec.layers))
     mem_total = _host_memory()
     return DeviceProfile(
         name="cpu", kind="cpu", devices_per_node=devices, peak_flops=peak, mem_bw=mem_bw,
@@ -139,9 +186,10 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
                      f"{devices} devices of {threads} thread(s), layers of {spec.name} (hidden {spec.hidden}); "
                      f"call_overhead_s assumed"),
         mem_bytes=mem_total / devices, intra_bw=bw, inter_bw=bw, intra_latency_s=latency, inter_latency_s=latency,
-        train_efficiency=min(1.0, 3 * per_token / (peak * b_t)), infer_efficiency=min(1.0, per_token / (peak * b_f)),
+        train_efficiency=3 * per_token / (peak * b_t), infer_efficiency=per_token / (peak * b_f),
         mem_bw_efficiency=1.0, half_efficiency_tokens=0.0, layer_overhead_s=layer_overhead,
         decode_step_overhead_s=decode_overhead, call_overhead_s=ASSUMED_CALL_OVERHEAD_S,
+        micro_batch_overhead_s=max(0.0, plain_per_micro - 3 * spec.layers * layer_overhead), tp_latency_s=tp_latency,
         usable_memory_fraction=0.8, bytes_per_param=4)
 
 

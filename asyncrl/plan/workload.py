@@ -166,5 +166,6 @@ def workload_from_config(cfg: Any, spec: ModelSpec) -> Workload:
                      actor_epochs=cfg.actor.ppo_epochs, actor_minis=cfg.actor.ppo_mini_batches,
                      critic_epochs=cfg.critic.ppo_epochs, critic_minis=cfg.critic.ppo_mini_batches)
     return Workload(models=models, calls=calls, sequences=cfg.data.batch_size * cfg.rollout.n,
-                    prompt_len=cfg.data.max_prompt_len, response_len=cfg.rollout.max_tokens,
+                    prompt_len=cfg.plan.prompt_len or cfg.data.max_prompt_len,
+                    response_len=cfg.plan.response_len or cfg.rollout.max_tokens,
                     max_staleness=cfg.rollout.max_staleness)
