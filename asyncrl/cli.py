@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 from daemons.state import ClusterState, StateKind, new_job_id, read_states, state_dir
@@ -92,17 +93,23 @@ def _client(args: argparse.Namespace, target: ClusterState | None) -> Any:
 
 
 def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *call_args: Any,
-         timeout: float = 10.0, full_errors: bool = False) -> Any:
-    """Call `method` on `target`'s coordinator (or --coordinator's) and return the result."""
+         timeout: float = 10.0, full_errors: bool = False, progress: Path | None = None) -> Any:
+    """Call `method` on `target`'s coordinator (or --coordinator's) and return the result;
+    meanwhile a `progress` metrics.jsonl, when this machine sees it, is echoed to stderr."""
+    import asyncio
+
     from transport import RemoteError, TransportError
     from transport.loop import run
 
     async def go() -> Any:
         client = _client(args, target)
+        tail = asyncio.ensure_future(_echo_progress(progress)) if progress is not None else None
         try:
             await client.connect(timeout=min(CONNECT_TIMEOUT_S, timeout))
             return await client.call(method, *call_args, timeout=timeout)
         finally:
+            if tail is not None:
+                tail.cancel()
             await client.close()
 
     try:
@@ -111,6 +118,64 @@ def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *ca
         _fail(f"{method} failed: {e if full_errors else f'{e.remote_type}: {e.remote_message}'}")
     except TransportError as e:
         _fail(f"{method} failed: {e}")
+
+
+PROGRESS_KEYS = ("critic/score_mean", "val/reward", "response/length_mean", "timing/step_s")
+
+
+async def _echo_progress(path: Path, every_s: float = 2.0) -> None:
+    """Print each new step of a job's metrics.jsonl (a job submitted from this machine writes it
+    under its trainer.output_dir) as one line on stderr."""
+    import asyncio
+
+    seen = 0
+    started = time.time()
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            if path.stat().st_mtime < started - 1:
+                continue  # an earlier run's file, not yet replaced by this job's
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines[seen:]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line being written: read it next time
+            shown = "  ".join(f"{k}={row[k]:.4g}" for k in PROGRESS_KEYS if isinstance(row.get(k), (int, float)))
+            print(f"asyncrl: step {row.get('step')}  {shown}", file=sys.stderr, flush=True)
+            seen += 1
+
+
+def _job_from_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Path | None]:
+    """`asyncrl submit --config-name NAME key=value ...`: the config composed and checked as
+    `asyncrl-launch` does, as the job's overrides (the daemon's own `cluster` section stays);
+    relative paths are made absolute here, where they were meant. Returns (entry, overrides,
+    the job's metrics.jsonl)."""
+    from omegaconf import OmegaConf
+
+    from asyncrl.launch import load_config
+    from daemons.errors import ConfigError
+
+    try:
+        cfg = load_config(args.config_name, args.hydra_overrides, args.config_dir)
+    except ConfigError as e:
+        _fail(str(e), USAGE_ERROR)
+    job = OmegaConf.to_container(cfg, resolve=True)
+    for section in ("cluster", "hydra"):
+        job.pop(section, None)
+    for section, key in (("trainer", "output_dir"), ("model", "path"), ("data", "train_files"), ("data", "val_files")):
+        value = (job.get(section) or {}).get(key)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            local = Path(value).expanduser()
+            if key == "output_dir" or local.exists():
+                job[section][key] = str(local.resolve())
+    entry = args.entry or (job.get("job") or {}).get("entry")
+    if not entry:
+        _fail(f"config {args.config_name!r} names no job.entry; pass the entry (package.module:main)", USAGE_ERROR)
+    out = (job.get("trainer") or {}).get("output_dir")
+    return entry, job, Path(out) / "metrics.jsonl" if out else None
 
 
 # commands -------------------------------------------------------------------------------------
@@ -208,6 +273,20 @@ def _submit(args: argparse.Namespace) -> int:
         _fail(f"--overrides is not JSON: {e}", USAGE_ERROR)
     if not isinstance(overrides, dict):
         _fail("--overrides must be a JSON object, e.g. '{\"smoke\": {\"rows\": 64}}'", USAGE_ERROR)
+    progress = None
+    if args.entry and "=" in args.entry:  # `submit -cn grpo a=1`: argparse took the first override for ENTRY
+        args.hydra_overrides.insert(0, args.entry)
+        args.entry = None
+    if args.config_name:
+        from omegaconf import OmegaConf
+
+        args.entry, composed, progress = _job_from_config(args)
+        overrides = OmegaConf.to_container(OmegaConf.merge(composed, overrides))
+    elif args.hydra_overrides:
+        _fail(f"key=value overrides ({' '.join(args.hydra_overrides)}) need --config-name; without one use "
+              "--overrides JSON", USAGE_ERROR)
+    elif not args.entry:
+        _fail("name the job: asyncrl submit ENTRY (package.module:main) or --config-name NAME", USAGE_ERROR)
     name = (overrides.get("job") or {}).get("name") or args.entry.rpartition(":")[0].rpartition(".")[2]
     job_id = args.job or new_job_id(name or "job")
     if args.coordinator:
@@ -218,7 +297,7 @@ def _submit(args: argparse.Namespace) -> int:
                   _only([s for s in states if s.kind is StateKind.DAEMON], "daemon", "--daemon"))
     print(f"asyncrl: job {job_id} submitted (`asyncrl stop --job {job_id}` ends it)", file=sys.stderr)
     result = _rpc(args, target, "submit", args.entry, overrides, job_id, timeout=args.timeout,
-                  full_errors=True)
+                  full_errors=True, progress=progress)
     from asyncrl.metrics import json_line
 
     print(json_line(result))
@@ -258,7 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(down)
     down.set_defaults(func=_shutdown)
     submit = sub.add_parser("submit", help="run a job on a daemon cluster (asyncrl-launch ... daemon)")
-    submit.add_argument("entry", help="the driver, package.module:main")
+    submit.add_argument("entry", nargs="?", help="the driver, package.module:main (default with --config-name: "
+                        "its job.entry)")
+    submit.add_argument("--config-name", "-cn", help="compose this config as asyncrl-launch does (e.g. grpo)")
+    submit.add_argument("--config-dir", "-cd", help="a directory of your own configs (with --config-name)")
+    submit.add_argument("hydra_overrides", nargs="*", metavar="key=value",
+                        help="Hydra overrides of --config-name, as for asyncrl-launch")
     submit.add_argument("--overrides", default="{}", help='config overrides as JSON, e.g. \'{"smoke": {"rows": 64}}\'')
     submit.add_argument("--timeout", type=float, default=24 * 3600)
     submit.add_argument("--job", help="the job's id (default: its job.name and a random suffix)")

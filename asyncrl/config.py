@@ -504,6 +504,23 @@ class PlanConfig:
         _positive(at + "runners_up", self.runners_up, allow_zero=True)
 
 
+TRAINER_MODES = ("train", "eval")
+
+
+@dataclass
+class EvaluationConfig:
+    """`trainer.mode=eval` (`--config-name eval`): rollout.n samples per held-out prompt at
+    rollout.temperature, scored by the reward; pass@k and mean@n per data_source."""
+
+    ks: list[int] = field(default_factory=lambda: [1])  # each k <= rollout.n
+    correct_at: float = 1.0  # a sample counts as correct for pass@k when its score is at least this
+    write_generations: bool = True  # every sample to trainer.output_dir/eval-<time>.jsonl
+
+    def check(self, at: str) -> None:
+        for k in self.ks:
+            _check(isinstance(k, int) and k >= 1, at + "ks", self.ks, "must be positive integers")
+
+
 @dataclass
 class TrainerConfig:
     n_workers: int = 2  # worker processes (devices) for the colocated actor/rollout/ref/critic/reward
@@ -518,9 +535,13 @@ class TrainerConfig:
     # colocated: every role on one pool of n_workers; split: training (actor, ref, critic) on
     # n_workers and generation on a pool of rollout.n_workers, weights broadcast between them
     placement: str = "colocated"
+    mode: str = "train"  # train | eval (no training: sample the held-out prompts, pass@k per data_source)
+    log_samples: int = 3  # held-out prompts whose completions each evaluation shows and saves (samples.jsonl)
 
     def check(self, at: str) -> None:
         _one_of(at + "placement", self.placement, PLACEMENTS)
+        _one_of(at + "mode", self.mode, TRAINER_MODES)
+        _positive(at + "log_samples", self.log_samples, allow_zero=True)
         _positive(at + "n_workers", self.n_workers)
         _positive(at + "total_steps", self.total_steps)
         _positive(at + "eval_every", self.eval_every)
@@ -541,6 +562,7 @@ class RLConfig(LaunchConfig):
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def check(self, at: str) -> None:
         super().check(at)
@@ -554,6 +576,9 @@ class RLConfig(LaunchConfig):
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
         self._check_mini_batches(at)
+        too_big = [k for k in self.evaluation.ks if k > self.rollout.n]
+        _check(not too_big or self.trainer.mode != "eval", at + "evaluation.ks", self.evaluation.ks,
+               f"pass@k needs k <= {at}rollout.n={self.rollout.n} samples per prompt; raise rollout.n or drop {too_big}")
         if self.cost_model.enable and self.reward.cost_fn:
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "

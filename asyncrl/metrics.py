@@ -59,6 +59,13 @@ SHOWN = ("critic/score_mean", "val/reward", "actor/pg_loss", "actor/kl_loss", "c
          "critic/vf_loss", "response/length_mean", "timing/step_s")
 
 
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 1 << 62  # a line we cannot read is not kept
+
+
 class MetricsWriter:
     """Appends one JSON object per step to `out_dir/metrics.jsonl` and mirrors it to TensorBoard."""
 
@@ -68,6 +75,13 @@ class MetricsWriter:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         self.file = self.path.open("w")
+        # held-out completions: a resumed run keeps those up to its checkpoint
+        samples = out_dir / "samples.jsonl"
+        kept = []
+        if resume_step is not None and samples.exists():
+            kept = [ln for ln in samples.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step]
+        self.samples = samples.open("w")
+        self.samples.writelines(ln + "\n" for ln in kept)
         self.tb = None
         if tensorboard:
             try:
@@ -88,6 +102,16 @@ class MetricsWriter:
             for k, v in numbers.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
+
+    def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """An evaluation's completions, to samples.jsonl and TensorBoard's text tab."""
+        for s in samples:
+            self.samples.write(json.dumps({"step": step, **s}, default=str) + "\n")
+        self.samples.flush()
+        if self.tb is not None and samples:
+            text = "\n\n".join(f"**{s['data_source']}** score {s['score']:.3f}  \nprompt: `{s['prompt']}`  \n"
+                                 f"response: `{s['response']}`" for s in samples)
+            self.tb.add_text("samples", text, step)
 
     def plot(self, history: list[dict[str, float]], val: list[list[float]], path: Path) -> None:
         """Training score per step and held-out reward per evaluation, in one PNG."""
@@ -113,6 +137,7 @@ class MetricsWriter:
 
     def close(self) -> None:
         self.file.close()
+        self.samples.close()
         if self.tb is not None:
             self.tb.close()
 

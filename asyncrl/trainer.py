@@ -31,6 +31,7 @@ from asyncrl.algorithms.roles import Roles
 from asyncrl.batch import Batch
 from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig, rl_config, to_dict
 from asyncrl.distbatch import DistBatch
+from asyncrl.evaluation import format_samples, pass_at_ks, sample_rows, source_means
 from asyncrl.group import WorkerCallError
 from asyncrl.models.resolve import resolve_model
 from asyncrl.rewards import NonFiniteRewardError
@@ -64,6 +65,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.val_log: list[list[float]] = []
+        self.val_details: dict[str, float] = {}  # the last evaluation's per-data_source means
+        self.val_samples: list[dict[str, Any]] = []  # and a few of its completions
 
     # setup ----------------------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -188,13 +191,60 @@ class Trainer:
 
     # evaluation -----------------------------------------------------------------------------------
     async def evaluate(self) -> float:
-        """Mean reward of greedy responses on the held-out prompts."""
+        """Mean reward of greedy responses on the held-out prompts; per-data_source means and a
+        few completions are kept for the step's log (`self.val_details`, `self.val_samples`)."""
         if self.val_prompts is None:
             return float("nan")
-        prompts = self._put(self.val_prompts, {"greedy": True, "n": 1})
-        scored = await self.roles.reward.compute_reward(self.roles.actor.generate_sequences(prompts))
-        scores = (await scored.select("scores").fetch())["scores"]  # one float per prompt
-        return float(scores.float().mean())
+        rows = await self.generate_scored(n=1, greedy=True)
+        self.val_details = source_means(rows)
+        self.val_samples = sample_rows(rows, self.cfg.trainer.log_samples)
+        if self.val_samples:
+            log.info("%s", format_samples(self.step, self.val_samples))
+        return sum(r["score"] for r in rows) / len(rows)
+
+    async def generate_scored(self, n: int, greedy: bool) -> list[dict[str, Any]]:
+        """`n` responses to each held-out prompt, scored by the reward: one dict per response
+        (prompt_index, data_source, the templated prompt, the response, its score). Only these
+        rows' tokens come to the driver, to be decoded here."""
+        prompts = self._put(self.val_prompts, {"greedy": greedy, "n": n})
+        gen = self.roles.actor.generate_sequences(prompts)
+        scored = self.roles.reward.compute_reward(gen)
+        out = await (await gen).select("responses", "response_mask", meta=False).fetch()
+        scores = (await (await scored).select("scores", meta=False).fetch())["scores"].float().tolist()
+        ids, mask = self.val_prompts["input_ids"], self.val_prompts["attention_mask"].bool()
+        prompt_text = [self.tokenizer.decode(row[m].tolist()) for row, m in zip(ids, mask, strict=True)]
+        rows = []
+        for i, (resp, m, score) in enumerate(zip(out["responses"], out["response_mask"].bool(), scores, strict=True)):
+            p = i // n  # a prompt's n samples are consecutive rows
+            rows.append({"prompt_index": p, "sample": i % n, "data_source": self.val_prompts["data_source"][p],
+                         "ground_truth": self.val_prompts["ground_truth"][p], "prompt": prompt_text[p],
+                         "response": self.tokenizer.decode(resp[m].tolist(), skip_special_tokens=True),
+                         "score": score})
+        return rows
+
+    async def evaluate_only(self) -> dict[str, Any]:
+        """trainer.mode=eval: rollout.n samples per held-out prompt, pass@k and mean@n per
+        data_source, every sample written to `eval-<time>.jsonl`."""
+        if self.val_prompts is None:
+            raise ConfigError("trainer.mode=eval needs held-out prompts: set data.val_files (or use the "
+                              "synthetic data with data.synthetic.n_val > 0)")
+        cfg, t0 = self.cfg, time.monotonic()
+        greedy = cfg.rollout.temperature == 0
+        rows = await self.generate_scored(n=cfg.rollout.n, greedy=greedy)
+        result = pass_at_ks(rows, cfg.evaluation.ks, cfg.evaluation.correct_at)
+        log.info("%s", format_samples(0, sample_rows(rows, cfg.trainer.log_samples)))
+        summary: dict[str, Any] = {"mode": "eval", "model": cfg.model.path, "samples_per_prompt": cfg.rollout.n,
+                                   "temperature": cfg.rollout.temperature, "correct_at": cfg.evaluation.correct_at}
+        if cfg.evaluation.write_generations:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            path = self.out_dir / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+            with path.open("x") as f:  # a new file of our own, never over another
+                for r in rows:
+                    f.write(json.dumps(r, default=str) + "\n")
+            summary["generations"] = str(path)
+        for key, value in result.items():
+            log.info("%s = %.4f", key, value)
+        return {**summary, **{k: round(v, 4) for k, v in result.items()}, "wall_s": round(time.monotonic() - t0, 1)}
 
     # checkpoints ----------------------------------------------------------------------------------
     async def save(self) -> Path:
@@ -244,7 +294,8 @@ class Trainer:
                 writer.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"}, tensorboard=False)
         else:
             self.val_log.append([self.step, await self.evaluate()])
-            writer.write(self.step, {"val/reward": self.val_log[-1][1]})
+            writer.write(self.step, {"val/reward": self.val_log[-1][1], **self.val_details})
+            writer.write_samples(self.step, self.val_samples)
             log.info("step %d: held-out reward %.3f", self.step, self.val_log[-1][1])
         tokens, step_time = 0.0, 0.0
         bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name)
@@ -276,6 +327,8 @@ class Trainer:
             if self.step % tc.eval_every == 0 or self.step == tc.total_steps:
                 self.val_log.append([self.step, await self.evaluate()])
                 metrics["val/reward"] = self.val_log[-1][1]
+                metrics.update(self.val_details)
+                writer.write_samples(self.step, self.val_samples)
             bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v) and k != "val/reward"]
             if bad:
                 log.warning("step %d: non-finite metrics %s", self.step, bad)
@@ -371,6 +424,13 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
     # model building and file checks block: keep them off the event loop (heartbeats)
     cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model)
     await asyncio.to_thread(check_inputs, cfg)
+    if cfg.trainer.mode == "eval":  # no run directory to claim: nothing trains, nothing resumes
+        trainer = Trainer(ctx, cfg)
+        await trainer.setup()
+        try:
+            return await trainer.evaluate_only()
+        except WorkerCallError as e:
+            raise reward_fault(e, 0) or e from None
     run = RunDir(cfg)
     try:
         start = await asyncio.to_thread(run.claim)

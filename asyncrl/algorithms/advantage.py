@@ -15,6 +15,7 @@ from torch import Tensor
 
 from asyncrl.algorithms import core
 from asyncrl.batch import Batch
+from asyncrl.rewards.rules import REWARD_EXTRA
 
 
 def gae(batch: Batch, *, gamma: float, lam: float, kl_coef: float = 0.0, kl_penalty: str = "kl") -> Batch:
@@ -101,4 +102,10 @@ def _result(batch: Batch, adv: Tensor, ret: Tensor, rewards: Tensor, meta: dict[
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
         "response/tokens": float(lengths.sum()),
     })
+    for key in batch.keys():  # a dict-returning reward's extra numbers
+        if key.startswith(REWARD_EXTRA):
+            values = batch[key].float()
+            seen = values[~values.isnan()]
+            if len(seen):
+                meta[f"reward/{key.removeprefix(REWARD_EXTRA)}"] = float(seen.mean())
     return Batch({"advantages": adv * mask, "returns": ret * mask, "token_level_rewards": rewards}, meta=meta)

@@ -1,6 +1,7 @@
 """Rule-based reward functions and loading of user reward functions."""
 
 from asyncrl.rewards.rules import (
+    REWARD_EXTRA,
     NonFiniteRewardError,
     RewardFn,
     RewardFnError,
@@ -13,6 +14,7 @@ from asyncrl.rewards.rules import (
 )
 
 __all__ = [
+    "REWARD_EXTRA",
     "RewardFn",
     "NonFiniteRewardError",
     "RewardFnError",

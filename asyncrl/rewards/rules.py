@@ -18,7 +18,8 @@ from daemons.errors import DaemonError
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str, Any, "dict | None"], float]
+RewardFn = Callable[[str, str, Any, "dict | None"], "float | dict"]
+REWARD_EXTRA = "reward_extra_"  # batch columns of a dict-returning reward's extra numbers, logged as reward/<key>
 
 
 class RewardFnError(ValueError):

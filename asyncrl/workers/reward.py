@@ -6,6 +6,8 @@ the per-sequence `scores`.
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,13 @@ from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.parallel import ParallelConfig, ParallelLayout
 from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
-from asyncrl.rewards import RewardFn, checked_score, load_reward_fn
+from asyncrl.rewards import (
+    REWARD_EXTRA,
+    NonFiniteRewardError,
+    RewardFn,
+    checked_score,
+    load_reward_fn,
+)
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import decode_responses
 from asyncrl.workers.process import same_init_on_every_rank, setup_process
@@ -43,29 +51,49 @@ class RuleRewardWorker(Worker):
     def compute_reward(self, batch: Batch) -> Batch:
         texts = decode_responses(self.tokenizer, batch)
         mask = batch["response_mask"]
-        scores = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else
-                             "the built-in reward (reward.fn=null: by data_source)", texts, batch)
-        out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask)}
+        scores, extras = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else
+                                     "the built-in reward (reward.fn=null: by data_source)", texts, batch)
+        out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask), **extras}
         if self.cost_fn is not None:
-            costs = self._score(self.cost_fn, f"reward.cost_fn={self.cfg.reward.cost_fn}", texts, batch)
+            costs, _ = self._score(self.cost_fn, f"reward.cost_fn={self.cfg.reward.cost_fn}", texts, batch)
             out.update(costs=costs, token_level_costs=scores_to_tokens(costs, mask))
         return Batch(out)
 
     @staticmethod
-    def _score(fn: RewardFn, name: str, texts: list[str], batch: Batch) -> torch.Tensor:
-        """One checked score per row, on the device of the batch (a Batch's tensors share one)."""
+    def _score(fn: RewardFn, name: str, texts: list[str], batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One checked score per row, on the device of the batch (a Batch's tensors share one),
+        and the numeric extras of functions that return a dict (`{"score": s, "acc": a, ...}`,
+        verl's convention) as `REWARD_EXTRA + key` columns (NaN where a row lacks the key)."""
         n = len(texts)
         column = {k: batch[k] if k in batch else [None] * n for k in ("data_source", "ground_truth", "extra_info",
                                                                        "raw_prompt")}
-        values = []
+        values, extras = [], {}
         for i, text in enumerate(texts):
             source, truth, extra = column["data_source"][i] or "", column["ground_truth"][i], column["extra_info"][i]
             row = {"row": i, "data_source": source, "ground_truth": truth, "prompt": column["raw_prompt"][i],
                    "response": text}
             if row["prompt"] is None:
                 del row["prompt"]
-            values.append(checked_score(fn(source, text, truth, extra), name, row))
-        return torch.tensor(values, dtype=torch.float32, device=batch["response_mask"].device)
+            value = fn(source, text, truth, extra)
+            if isinstance(value, dict):
+                value = split_reward_dict(value, name, row, i, n, extras)
+            values.append(checked_score(value, name, row))
+        device = batch["response_mask"].device
+        return (torch.tensor(values, dtype=torch.float32, device=device),
+                {REWARD_EXTRA + k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in extras.items()})
+
+
+def split_reward_dict(value: dict, name: str, row: dict, i: int, n: int, extras: dict[str, list[float]]) -> Any:
+    """A dict-returning reward's "score", its numeric other entries recorded in `extras` (row i
+    of n); text and other non-numeric entries are not logged."""
+    if "score" not in value:
+        raise NonFiniteRewardError(f"{name} returned a dict without a 'score' entry (keys {sorted(value)}) for row "
+                                   f"{row['row']}; return a number, or a dict with 'score' and extra metrics such "
+                                   "as {'score': 1.0, 'acc': True}")
+    for key, extra in value.items():
+        if key != "score" and isinstance(extra, (bool, int, float)) and re.fullmatch(r"\w+", str(key)):
+            extras.setdefault(key, [math.nan] * n)[i] = float(extra)
+    return value["score"]
 
 
 class RewardModelWorker(Worker):

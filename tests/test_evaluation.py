@@ -1,0 +1,113 @@
+"""What a researcher sees: pass@k and per-source scores, completions at each evaluation, dict
+rewards with logged extras, evaluation mode, and RL jobs submitted to a daemon by config name."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.algorithms import advantage
+from asyncrl.batch import Batch
+from asyncrl.evaluation import format_samples, pass_at_k, pass_at_ks, sample_rows, source_means
+from asyncrl.rewards import REWARD_EXTRA, NonFiniteRewardError
+from asyncrl.workers.reward import RuleRewardWorker
+from tests.test_rl import _launch, tiny_model  # noqa: F401  (a module-scoped fixture)
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def _rows(spec: dict[str, list[float]]) -> list[dict]:
+    """Two samples per prompt, prompts numbered across sources in order."""
+    rows = []
+    for source, scores in spec.items():
+        for s in scores:
+            rows.append({"prompt_index": len(rows) // 2, "data_source": source, "score": s,
+                         "prompt": f"p{len(rows) // 2}", "response": f"r{len(rows)}"})
+    return rows
+
+
+def test_pass_at_ks_per_data_source():
+    rows = _rows({"gsm8k": [1.0, 0.0, 0.0, 0.0], "math": [1.0, 1.0]})  # prompts 0, 1 (gsm8k), 2 (math)
+    out = pass_at_ks(rows, [1, 2], correct_at=1.0)
+    assert out["eval/gsm8k/pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert out["eval/gsm8k/pass@2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert out["eval/math/pass@1"] == 1.0 and out["eval/math/prompts"] == 1.0
+    assert out["eval/all/pass@2"] == pytest.approx(2 / 3)
+    assert out["eval/gsm8k/mean@2"] == pytest.approx(0.25)
+    assert source_means(rows) == {"val/reward/gsm8k": 0.25, "val/reward/math": 1.0}
+    picked = sample_rows(rows, 2)
+    assert {r["data_source"] for r in picked} == {"gsm8k", "math"}  # spread over sources
+    assert "score 1.000" in format_samples(5, picked)
+
+
+def _reward_batch(n: int) -> Batch:
+    return Batch({"response_mask": torch.ones(n, 3, dtype=torch.long)},
+                 {"data_source": ["s"] * n, "ground_truth": ["1"] * n, "extra_info": [None] * n,
+                  "raw_prompt": ["p"] * n})
+
+
+def test_dict_rewards_give_the_score_and_log_numeric_extras():
+    def fn(source, text, truth, extra):
+        return {"score": float(text == "a"), "acc": text == "a", "pred": text} if text != "c" else {"score": 0.5}
+
+    scores, extras = RuleRewardWorker._score(fn, "reward.fn=f", ["a", "b", "c"], _reward_batch(3))
+    assert scores.tolist() == [1.0, 0.0, 0.5]
+    acc = extras[REWARD_EXTRA + "acc"]
+    assert acc[:2].tolist() == [1.0, 0.0] and math.isnan(acc[2]) and set(extras) == {REWARD_EXTRA + "acc"}
+    with pytest.raises(NonFiniteRewardError, match="without a 'score'"):
+        RuleRewardWorker._score(lambda *a: {"acc": 1.0}, "reward.fn=f", ["a"], _reward_batch(1))
+    batch = Batch({"response_mask": torch.ones(4, 2), "scores": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                   REWARD_EXTRA + "acc": torch.tensor([1.0, 0.0, float("nan"), 1.0])},
+                  {"uid": ["x", "x", "y", "y"]})
+    meta = advantage.grpo(batch).meta
+    assert meta["reward/acc"] == pytest.approx(2 / 3)  # the rows that reported it
+
+
+def test_training_shows_completions_and_logs_dict_reward_extras(tmp_path, tiny_model):  # noqa: F811
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    ok = solution_str.strip() == str(ground_truth).strip()\n"
+                      "    return {'score': float(ok), 'acc': ok, 'length': len(solution_str)}\n")
+    out = tmp_path / "run"
+    r = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
+                                          f"reward.fn={reward}:score", "trainer.tensorboard=false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out completions" in r.stderr and "response:" in r.stderr  # on the console
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("reward/acc" in row and "reward/length" in row for row in rows if row["step"] > 0)
+    samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 2} and all(s["prompt"] and "score" in s for s in samples)
+
+
+def test_eval_mode_reports_pass_at_k_per_data_source(tmp_path, tiny_model):  # noqa: F811
+    out = tmp_path / "eval"
+    r = _launch("eval", out, tiny_model, ["rollout.n=4", "evaluation.ks=[1,2,4]", "data.synthetic.n_val=6",
+                                          "rollout.max_tokens=4"], small=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["mode"] == "eval" and result["samples_per_prompt"] == 4
+    assert result["eval/asyncrl/sort/prompts"] == 6.0
+    assert 0.0 <= result["eval/asyncrl/sort/pass@1"] <= result["eval/asyncrl/sort/pass@2"] <= result["eval/asyncrl/sort/pass@4"] <= 1.0
+    generations = [json.loads(ln) for ln in Path(result["generations"]).read_text().splitlines()]
+    assert len(generations) == 24 and {g["sample"] for g in generations} == {0, 1, 2, 3}
+    assert not (out / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_eval_mode_refuses_k_above_the_samples(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "eval", "rollout.n=2",
+                        "evaluation.ks=[1,4]", f"trainer.output_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and "evaluation.ks" in r.stderr
