@@ -7,6 +7,7 @@ Every job and daemon on this machine has a state file (see `daemons.state`), so
     asyncrl stop [--job ID]        # end a job (one run by asyncrl-launch, or one submitted to a daemon)
     asyncrl shutdown [--daemon ID] # end a daemon and every job it runs
     asyncrl submit ENTRY           # run a job on the daemon here
+    asyncrl submit --config-name grpo key=value ...  # an RL job, composed as asyncrl-launch does
 
 `--coordinator HOST:PORT --key-dir DIR` talks to a coordinator elsewhere instead. Without an
 id, a command picks the only candidate; with several it lists them and exits 2.
@@ -103,10 +104,14 @@ def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *ca
 
     async def go() -> Any:
         client = _client(args, target)
-        tail = asyncio.ensure_future(_echo_progress(progress)) if progress is not None else None
+        echo = _Progress(progress) if progress is not None else None
+        tail = asyncio.ensure_future(echo.follow()) if echo is not None else None
         try:
             await client.connect(timeout=min(CONNECT_TIMEOUT_S, timeout))
-            return await client.call(method, *call_args, timeout=timeout)
+            result = await client.call(method, *call_args, timeout=timeout)
+            if echo is not None:
+                echo.print_new()  # the steps written since the last look
+            return result
         finally:
             if tail is not None:
                 tail.cancel()
@@ -123,29 +128,35 @@ def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *ca
 PROGRESS_KEYS = ("critic/score_mean", "val/reward", "response/length_mean", "timing/step_s")
 
 
-async def _echo_progress(path: Path, every_s: float = 2.0) -> None:
-    """Print each new step of a job's metrics.jsonl (a job submitted from this machine writes it
-    under its trainer.output_dir) as one line on stderr."""
-    import asyncio
+class _Progress:
+    """Each new step of a job's metrics.jsonl (a job submitted from this machine writes it under
+    its trainer.output_dir) as one line on stderr."""
 
-    seen = 0
-    started = time.time()
-    while True:
-        await asyncio.sleep(every_s)
+    def __init__(self, path: Path) -> None:
+        self.path, self.seen, self.started = path, 0, time.time()
+
+    async def follow(self, every_s: float = 2.0) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(every_s)
+            self.print_new()
+
+    def print_new(self) -> None:
         try:
-            if path.stat().st_mtime < started - 1:
-                continue  # an earlier run's file, not yet replaced by this job's
-            lines = path.read_text().splitlines()
+            if self.path.stat().st_mtime < self.started - 1:
+                return  # an earlier run's file, not yet replaced by this job's
+            lines = self.path.read_text().splitlines()
         except OSError:
-            continue
-        for line in lines[seen:]:
+            return
+        for line in lines[self.seen:]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                break  # a line being written: read it next time
+                return  # a line being written: read it next time
             shown = "  ".join(f"{k}={row[k]:.4g}" for k in PROGRESS_KEYS if isinstance(row.get(k), (int, float)))
             print(f"asyncrl: step {row.get('step')}  {shown}", file=sys.stderr, flush=True)
-            seen += 1
+            self.seen += 1
 
 
 def _job_from_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Path | None]:

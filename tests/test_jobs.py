@@ -362,6 +362,37 @@ def test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart(tmp_path):
             p.kill()
 
 
+def test_submit_by_config_name_runs_an_rl_job_on_the_daemon(tmp_path):
+    """`asyncrl submit --config-name grpo key=value ...` composes the config as asyncrl-launch
+    does, runs it on the daemon's workers, echoes its steps and prints its final JSON."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from transport.auth import generate_keys
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=2)
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    env = _env(tmp_path)
+    daemon = _Proc(_exec_start("asyncrl-coordinator.service", {}) +
+                   ["cluster.port=0", "cluster.host=127.0.0.1", f"cluster.key_dir={keys}",
+                    f"cluster.log_dir={tmp_path / 'logs'}", "cluster.cpu_devices=2"], env)
+    try:
+        daemon.wait_for("registered with", timeout=60)
+        out = tmp_path / "run"
+        sub = _cli(env, "submit", "--config-name", "grpo", f"model.path={model}", f"trainer.output_dir={out}",
+                   "trainer.total_steps=3", "trainer.eval_every=3", "trainer.save_every=3", "data.batch_size=4",
+                   "rollout.n=2", "rollout.max_tokens=4", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
+                   "trainer.tensorboard=false", "--timeout", "150", timeout=180)
+        assert sub.returncode == 0, sub.stderr + daemon.out
+        result = json.loads(sub.stdout.splitlines()[-1])
+        assert result["algorithm"] == "grpo" and result["steps"] == 3
+        assert "asyncrl: step 3" in sub.stderr  # progress echoed while it ran
+        assert (out / "checkpoints" / "step_3").is_dir()
+        bad = _cli(env, "submit", "--config-name", "grpo", "trainer.totl_steps=3", timeout=60)
+        assert bad.returncode == 2 and "trainer.total_steps" in bad.stderr  # a typo, before anything runs
+    finally:
+        daemon.kill()
+
+
 def test_status_starts_without_importing_torch(tmp_path):
     """`asyncrl status` answers in well under a second: the CLI path imports no torch."""
     code = ("import sys, time\nt = time.perf_counter()\nfrom asyncrl.cli import main\n"
