@@ -416,6 +416,14 @@ class CriticConfig(PPOUpdateConfig):
 class RewardConfig:
     fn: str | None = None  # None = by data_source (gsm8k, synthetic, exact match); or module:fn / file.py:fn
     cost_fn: str | None = None  # Safe-RLHF rule cost, same signature
+    # DAPO's soft overlong punishment: a response longer than rollout.max_tokens - overlong_buffer
+    # loses penalty_factor x (its excess / overlong_buffer), reaching -penalty_factor at the cap; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+
+    def check(self, at: str) -> None:
+        _positive(at + "overlong_buffer", self.overlong_buffer, allow_zero=True)
+        _positive(at + "overlong_penalty_factor", self.overlong_penalty_factor, allow_zero=True)
 
 
 @dataclass
@@ -576,6 +584,9 @@ class RLConfig(LaunchConfig):
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
         self._check_mini_batches(at)
+        _check(self.reward.overlong_buffer < self.rollout.max_tokens, at + "reward.overlong_buffer",
+               self.reward.overlong_buffer, f"must be below {at}rollout.max_tokens={self.rollout.max_tokens} (the "
+               "penalty starts at max_tokens - overlong_buffer)")
         too_big = [k for k in self.evaluation.ks if k > self.rollout.n]
         _check(not too_big or self.trainer.mode != "eval", at + "evaluation.ks", self.evaluation.ks,
                f"pass@k needs k <= {at}rollout.n={self.rollout.n} samples per prompt; raise rollout.n or drop {too_big}")

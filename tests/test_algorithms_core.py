@@ -399,3 +399,10 @@ def test_stale_objectives_are_ppo_on_policy_and_weights_carry_no_gradient():
         assert behav.grad is None and theta.grad is not None and theta.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="cap must be > 1"):
         core.decoupled_ppo_loss(prox, logp, prox, adv, mask, imp_weight_cap=1.0)
+
+
+def test_overlong_penalty_matches_dapo_by_hand():
+    lengths = torch.tensor([5, 6, 7, 8, 10])
+    # max 10 tokens, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at the cap
+    assert core.overlong_penalty(lengths, 10, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert core.overlong_penalty(lengths, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]

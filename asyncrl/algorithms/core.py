@@ -91,6 +91,13 @@ def scores_to_tokens(scores: Tensor, response_mask: Tensor) -> Tensor:
     return out * response_mask.float()
 
 
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float) -> Tensor:
+    """DAPO's soft overlong punishment per response: 0 up to `max_tokens - buffer` tokens, then
+    falling linearly to `-factor` at `max_tokens` (and below it for longer)."""
+    excess = lengths.float() - (max_tokens - buffer)
+    return (-excess / buffer * factor).clamp(max=0.0)
+
+
 def compute_gae(
     token_rewards: Tensor,
     values: Tensor,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.algorithms.core import scores_to_tokens
+from asyncrl.algorithms.core import overlong_penalty, scores_to_tokens
 from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
@@ -53,6 +53,12 @@ class RuleRewardWorker(Worker):
         mask = batch["response_mask"]
         scores, extras = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else
                                      "the built-in reward (reward.fn=null: by data_source)", texts, batch)
+        rc = self.cfg.reward
+        if rc.overlong_buffer > 0:
+            penalty = overlong_penalty(mask.sum(-1), self.cfg.rollout.max_tokens, rc.overlong_buffer,
+                                       rc.overlong_penalty_factor)
+            scores = scores + penalty
+            extras[REWARD_EXTRA + "overlong_penalty"] = penalty
         out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask), **extras}
         if self.cost_fn is not None:
             costs, _ = self._score(self.cost_fn, f"reward.cost_fn={self.cfg.reward.cost_fn}", texts, batch)
