@@ -231,6 +231,10 @@ class DataConfig:
     max_prompt_len: int = 32
     apply_chat_template: bool = True
     shuffle: bool = True
+    prompt_key: str = "prompt"  # the column holding the prompt (a string or chat messages)
+    # the column holding the reference answer, dotted for nested ones; None = verl's
+    # reward_model.ground_truth, or a flat ground_truth or answer column
+    answer_key: str | None = None
 
     def check(self, at: str) -> None:
         _positive(at + "batch_size", self.batch_size)
@@ -239,7 +243,13 @@ class DataConfig:
             value = getattr(self, name)
             _check(value is None or bool(value.strip()), at + name, value,
                    "must name a .parquet or .jsonl file (or be null for the built-in synthetic task)")
-        if self.val_files and not self.train_files:
+        for name in ("prompt_key", "answer_key"):
+            value = getattr(self, name)
+            _check(value is None or re.fullmatch(r"\w+(\.\w+)*", value) is not None, at + name, value,
+                   "must be a column name (dotted for a nested field, e.g. reward_model.ground_truth)")
+
+    def check_val_only(self, at: str, mode: str) -> None:
+        if self.val_files and not self.train_files and mode != "eval":
             raise ConfigError(f"bad configuration: {at}val_files={self.val_files!r} is set but {at}train_files "
                               "is not, so training would use the built-in synthetic task and ignore it; set "
                               f"{at}train_files too (or {at}val_files=null)")
@@ -584,6 +594,7 @@ class RLConfig(LaunchConfig):
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
         self._check_mini_batches(at)
+        self.data.check_val_only(at + "data.", self.trainer.mode)
         _check(self.reward.overlong_buffer < self.rollout.max_tokens, at + "reward.overlong_buffer",
                self.reward.overlong_buffer, f"must be below {at}rollout.max_tokens={self.rollout.max_tokens} (the "
                "penalty starts at max_tokens - overlong_buffer)")

@@ -142,10 +142,16 @@ class Trainer:
             """The prompts of `load()`'s rows (None for no rows); a bad file or row is a ConfigError."""
             try:
                 rows = load()
-                return PromptDataset(rows, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template) if rows else None
+                return (PromptDataset(rows, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template,
+                                      prompt_key=dc.prompt_key, answer_key=dc.answer_key) if rows else None)
             except DatasetError as e:
                 raise ConfigError(f"{where}: {e}") from None
 
+        if self.cfg.trainer.mode == "eval" and dc.val_files:  # evaluation: the held-out file only
+            self.train_set = None
+            val_set = tokenised(f"data.val_files={dc.val_files}", lambda: load_rows(dc.val_files))
+            self.val_prompts = val_set.collate(val_set.items) if val_set else None
+            return
         if dc.train_files:
             self.train_set = tokenised(f"data.train_files={dc.train_files}", lambda: load_rows(dc.train_files))
             val_set = (tokenised(f"data.val_files={dc.val_files}", lambda: load_rows(dc.val_files))
@@ -490,7 +496,7 @@ def check_files(cfg: RLConfig) -> None:
         value = getattr(cfg.data, key)
         if value:
             try:
-                check_data_file(value)
+                check_data_file(value, cfg.data.prompt_key, cfg.data.answer_key)
             except DatasetError as e:
                 raise ConfigError(f"data.{key}={value}: {e}") from None
     for key in ("fn", "cost_fn"):

@@ -76,14 +76,22 @@ def test_dict_rewards_give_the_score_and_log_numeric_extras():
     assert meta["reward/acc"] == pytest.approx(2 / 3)  # the rows that reported it
 
 
-def test_training_shows_completions_and_logs_dict_reward_extras(tmp_path, tiny_model):  # noqa: F811
+def test_own_parquet_and_dict_reward_train_with_completions_shown(tmp_path, tiny_model):  # noqa: F811
+    """The user's own verl-layout parquet and a dict-returning reward, only paths overridden."""
+    from asyncrl.data.synthetic import disjoint_splits, write_rows
+
+    train, val = disjoint_splits("sort", 64, 6, seed=3)
+    write_rows(train, tmp_path / "train.parquet")
+    write_rows(val, tmp_path / "test.parquet")
     reward = tmp_path / "my_reward.py"
     reward.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
                       "    ok = solution_str.strip() == str(ground_truth).strip()\n"
                       "    return {'score': float(ok), 'acc': ok, 'length': len(solution_str)}\n")
     out = tmp_path / "run"
     r = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
-                                          f"reward.fn={reward}:score", "trainer.tensorboard=false"])
+                                          f"reward.fn={reward}:score", "trainer.tensorboard=false",
+                                          f"data.train_files={tmp_path / 'train.parquet'}",
+                                          f"data.val_files={tmp_path / 'test.parquet'}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out completions" in r.stderr and "response:" in r.stderr  # on the console
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
@@ -111,3 +119,19 @@ def test_eval_mode_refuses_k_above_the_samples(tmp_path):
                         "evaluation.ks=[1,4]", f"trainer.output_dir={tmp_path}"],
                        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 2 and "evaluation.ks" in r.stderr
+
+
+def test_dataset_keys_are_configurable(tmp_path):
+    from asyncrl.data.dataset import DatasetError, PromptDataset, check_data_file
+    from asyncrl.data.synthetic import write_rows
+    from asyncrl.models.tiny import build_tokenizer
+
+    rows = [{"question": "sort 3 1 2", "meta": {"solution": "1 2 3"}}]
+    path = write_rows(rows, tmp_path / "mine.parquet")
+    check_data_file(path, prompt_key="question", answer_key="meta.solution")
+    with pytest.raises(DatasetError, match="data.prompt_key"):
+        check_data_file(path)  # the default keys are not there, and the message says which keys to set
+    items = PromptDataset(rows, build_tokenizer(), 64, prompt_key="question", answer_key="meta.solution").items
+    assert items[0].ground_truth == "1 2 3"
+    with pytest.raises(DatasetError, match="meta.answer"):
+        PromptDataset(rows, build_tokenizer(), 64, prompt_key="question", answer_key="meta.answer")

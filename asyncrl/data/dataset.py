@@ -52,7 +52,7 @@ def load_rows(path: str | Path | Sequence[str | Path]) -> list[dict]:
     return _json_rows(p)
 
 
-def check_data_file(path: str | Path) -> None:
+def check_data_file(path: str | Path, prompt_key: str = "prompt", answer_key: str | None = None) -> None:
     """Refuse, before anything starts, a data file that is missing, of another format or
     without the prompt and ground-truth columns (parquet: its schema only; jsonl/json: its
     first row)."""
@@ -71,11 +71,20 @@ def check_data_file(path: str | Path) -> None:
                                f"{EXPECTED_COLUMNS}")
         columns = {k: (sorted(v) if isinstance(v, dict) else None) for k, v in first.items()}
     rm = columns.get("reward_model")
-    has_truth = any(k in columns for k in _TRUTH_KEYS) or (
-        "reward_model" in columns and (rm is None or "ground_truth" in rm))
-    if "prompt" not in columns or not has_truth:
+    if answer_key is not None:
+        top, _, rest = answer_key.partition(".")
+        sub = columns.get(top)
+        has_truth = top in columns and (not rest or sub is None or rest.partition(".")[0] in sub)
+    else:
+        has_truth = any(k in columns for k in _TRUTH_KEYS) or (
+            "reward_model" in columns and (rm is None or "ground_truth" in rm))
+    if prompt_key not in columns or not has_truth:
+        wanted = (f"{EXPECTED_COLUMNS} (or set data.prompt_key and data.answer_key to your columns)"
+                  if (prompt_key, answer_key) == ("prompt", None) else
+                  f"the prompt column {prompt_key!r} (data.prompt_key) and the answer column "
+                  f"{answer_key or 'reward_model.ground_truth'!r} (data.answer_key)")
         raise DatasetError(f"{p} has columns {', '.join(sorted(columns)) or '(none)'}; a prompt dataset needs "
-                           f"{EXPECTED_COLUMNS}")
+                           f"{wanted}")
 
 
 def _existing(path: str | Path) -> Path:
@@ -149,8 +158,16 @@ def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
     )
 
 
-def ground_truth_of(row: dict) -> Any:
-    """verl's `reward_model.ground_truth`, or a flat `ground_truth` / `answer` field."""
+def ground_truth_of(row: dict, answer_key: str | None = None) -> Any:
+    """The row's reference answer: `answer_key` (dotted for a nested field) when given, else verl's
+    `reward_model.ground_truth`, or a flat `ground_truth` / `answer` field."""
+    if answer_key is not None:
+        value: Any = row
+        for part in answer_key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise DatasetError(f"row has no {answer_key!r} field (data.answer_key; fields: {sorted(row)})")
+            value = value[part]
+        return value
     rm = row.get("reward_model")
     if isinstance(rm, dict) and "ground_truth" in rm:
         return rm["ground_truth"]
@@ -187,6 +204,7 @@ class PromptDataset:
         max_prompt_len: int,
         apply_chat_template: bool = True,
         prompt_key: str = "prompt",
+        answer_key: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
@@ -198,7 +216,7 @@ class PromptDataset:
         for index, row in enumerate(rows):
             try:
                 messages = prompt_messages(row, prompt_key)
-                ground_truth = ground_truth_of(row)
+                ground_truth = ground_truth_of(row, answer_key)
             except DatasetError as e:
                 raise DatasetError(f"row {index} {str(e).removeprefix('row ')}; a prompt dataset needs "
                                    f"{EXPECTED_COLUMNS}") from None
