@@ -102,6 +102,8 @@ def _result(batch: Batch, adv: Tensor, ret: Tensor, rewards: Tensor, meta: dict[
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
         "response/tokens": float(lengths.sum()),
     })
+    if "response_clipped" in batch:
+        meta["response/clip_ratio"] = float(batch["response_clipped"].float().mean())
     for key in batch.keys():  # a dict-returning reward's extra numbers
         if key.startswith(REWARD_EXTRA):
             values = batch[key].float()

@@ -299,7 +299,7 @@ class ActorRolloutRefWorker(Worker):
                              "its own batch must keep both, or set actor.policy_loss=ppo")
 
         def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
-            logp, ent = response_forward(model, mb, temp, with_entropy=ac.entropy_coeff != 0)
+            logp, ent = response_forward(model, mb, temp, with_entropy=True)  # logged for every algorithm
             mask = mb["response_mask"].float()
             # without recomputed old log-probs the update is on-policy (one epoch, one
             # mini-batch): the ratio is 1 and the gradient that of the clipped objective
@@ -314,8 +314,11 @@ class ActorRolloutRefWorker(Worker):
                                      imp_weight_cap=ac.behav_imp_weight_cap, **clip)
             metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
             if ent is not None:
+                if ac.entropy_coeff == 0:
+                    ent = ent.detach()  # a metric only: no graph kept for it
                 e = core.agg_loss(ent, mask, ac.loss_agg_mode)
-                loss = loss - ac.entropy_coeff * e
+                if ac.entropy_coeff != 0:
+                    loss = loss - ac.entropy_coeff * e
                 metrics["actor/entropy"] = e.detach()
             if use_kl_loss:
                 kl = core.kl_loss(logp, mb["ref_log_prob"], mask, ac.kl_loss_type, ac.loss_agg_mode)

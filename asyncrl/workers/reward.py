@@ -59,7 +59,9 @@ class RuleRewardWorker(Worker):
                                        rc.overlong_penalty_factor)
             scores = scores + penalty
             extras[REWARD_EXTRA + "overlong_penalty"] = penalty
-        out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask), **extras}
+        out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask), **extras,
+               # responses cut by the budget, not ended by the model (logged as response/clip_ratio)
+               "response_clipped": (mask.sum(-1) >= self.cfg.rollout.max_tokens).float()}
         if self.cost_fn is not None:
             costs, _ = self._score(self.cost_fn, f"reward.cost_fn={self.cfg.reward.cost_fn}", texts, batch)
             out.update(costs=costs, token_level_costs=scores_to_tokens(costs, mask))
