@@ -113,24 +113,33 @@ class MetricsWriter:
                                  f"response: `{s['response']}`" for s in samples)
             self.tb.add_text("samples", text, step)
 
-    def plot(self, history: list[dict[str, float]], val: list[list[float]], path: Path) -> None:
-        """Training score per step and held-out reward per evaluation, in one PNG."""
+    def plot(self, history: list[dict[str, float]], val: list[list[float]], path: Path, title: str = "") -> None:
+        """Training and held-out reward, and response length, per step: one PNG, axes scaled to
+        the data (rewards in [-1, 1] or any other range show), titled with the run."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, lx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
         steps = [h["step"] for h in history if "critic/score_mean" in h]
         ax.plot(steps, [h["critic/score_mean"] for h in history if "critic/score_mean" in h],
                 label="train reward (mean over samples)", alpha=0.7)
-        if val:
-            ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="held-out reward (greedy)")
-        ax.set_xlabel("step")
+        finite_val = [v for v in val if v[1] is not None and math.isfinite(v[1])]
+        if finite_val:
+            ax.plot([v[0] for v in finite_val], [v[1] for v in finite_val], "o-", label="held-out reward (greedy)")
         ax.set_ylabel("reward")
-        ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)
         ax.legend()
+        lengths = [(h["step"], h["response/length_mean"]) for h in history if "response/length_mean" in h]
+        if lengths:
+            lx.plot([s for s, _ in lengths], [n for _, n in lengths], color="tab:gray", label="response length (mean)")
+            lx.legend()
+        lx.set_xlabel("step")
+        lx.set_ylabel("tokens")
+        lx.grid(alpha=0.3)
+        if title:
+            fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)

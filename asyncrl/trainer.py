@@ -163,6 +163,7 @@ class Trainer:
         if self.train_set is None:
             raise ConfigError(f"data.train_files={dc.train_files} holds no rows; a prompt dataset needs "
                               f"rows with {EXPECTED_COLUMNS}")
+        check_round_trip(self.tokenizer, self.train_set.items[:8])
         self.val_prompts = val_set.collate(val_set.items) if val_set else None  # one batch, reused
         try:
             self.loader = PromptLoader(self.train_set, dc.batch_size, shuffle=dc.shuffle, seed=self.cfg.seed)
@@ -356,7 +357,8 @@ class Trainer:
             t0 = time.monotonic()  # evaluation and checkpoints are not part of a step
         bar.close()
         hf = await self.save()
-        await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png")
+        await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png",
+                                f"{self.cfg.job.name} ({self.cfg.algorithm.name}): {self.out_dir}")
         writer.close()
         return {"algorithm": self.cfg.algorithm.name, "steps": self.step,
                 "val_reward_start": round(self.val_log[0][1], 4), "val_reward_end": round(self.val_log[-1][1], 4),
@@ -461,6 +463,23 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
             raise fault from None
     finally:
         run.release()
+
+
+def check_round_trip(tokenizer: Any, items: list) -> bool:
+    """Warn when decoding a prompt's tokens does not give its text back (a tokenizer that drops
+    spaces or maps characters to <unk> trains on something else than the data); True if all match.
+    Spaces a decoder adds between tokens (word-level tokenizers) are not a difference."""
+    def same(text: str, back: str) -> bool:
+        return "".join(text.split()) == "".join(back.split()) and len(back.split()) >= len(text.split())
+
+    bad = [(it.raw_prompt, tokenizer.decode(it.input_ids)) for it in items
+           if not same(it.raw_prompt, tokenizer.decode(it.input_ids))]
+    if bad:
+        text, back = bad[0]
+        log.warning("the tokenizer does not round-trip %d of %d training prompts checked: %r decodes as %r; "
+                    "check model.path's tokenizer (pre-tokenizer, normalizer, unknown characters)",
+                    len(bad), len(items), text[:200], back[:200])
+    return not bad
 
 
 def reward_fault(e: WorkerCallError, step: int) -> NonFiniteRewardError | None:

@@ -95,7 +95,9 @@ def test_own_parquet_and_dict_reward_train_with_completions_shown(tmp_path, tiny
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out completions" in r.stderr and "response:" in r.stderr  # on the console
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all("reward/acc" in row and "reward/length" in row for row in rows if row["step"] > 0)
+    trained = [row for row in rows if row["step"] > 0]
+    assert all("reward/acc" in row and "reward/length" in row for row in trained)
+    assert all(0 <= row["response/clip_ratio"] <= 1 and row["actor/entropy"] > 0 for row in trained)
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 2} and all(s["prompt"] and "score" in s for s in samples)
 
@@ -135,3 +137,20 @@ def test_dataset_keys_are_configurable(tmp_path):
     assert items[0].ground_truth == "1 2 3"
     with pytest.raises(DatasetError, match="meta.answer"):
         PromptDataset(rows, build_tokenizer(), 64, prompt_key="question", answer_key="meta.answer")
+
+
+def test_tokenizer_round_trip_check_catches_dropped_spaces():
+    from asyncrl.data.dataset import PromptDataset
+    from asyncrl.data.synthetic import make_rows
+    from asyncrl.models.tiny import build_tokenizer
+    from asyncrl.trainer import check_round_trip
+
+    tok = build_tokenizer()
+    items = PromptDataset(make_rows("sort", 4, 0), tok, 64).items
+    assert check_round_trip(tok, items)  # a word-level decoder adds spaces: fine
+
+    class SpaceEater:  # what a mismatched pre-tokenizer does
+        def decode(self, ids):
+            return tok.decode(ids).replace(" ", "")
+
+    assert not check_round_trip(SpaceEater(), items)
