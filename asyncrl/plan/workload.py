@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
     )
 }
+# instruction-tuned checkpoints have their base model's shape
+KNOWN_MODELS.update({f"{name}-Instruct": replace(spec, name=f"{name}-Instruct")
+                     for name, spec in list(KNOWN_MODELS.items()) if name.startswith("Qwen/")})
 
 
 def model_spec(path: str) -> ModelSpec:

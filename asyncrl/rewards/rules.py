@@ -143,11 +143,56 @@ def synthetic(
     return score_answer(solution_str, str(ground_truth))
 
 
+# ---- MATH (Hendrycks et al.): the last \boxed{} of the response against the reference -----------
+
+def last_boxed(text: str) -> str | None:
+    r"""The contents of the last \boxed{...} (or \fbox{...}) in `text`, braces balanced; None if none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start)
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j].strip()
+    return None
+
+
+_MATH_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "$", "^\\circ", "^{\\circ}", "\\%", "%")
+
+
+def normalize_math(answer: str) -> str:
+    r"""A light canonical form: no spacing commands, \left/\right, dollar signs, degree or
+    percent signs, \text{} wrappers or spaces; \dfrac/\tfrac as \frac; no trailing period."""
+    s = answer.strip()
+    s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
+    for token in _MATH_DROP:
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    if re.fullmatch(r"-?\d+\.0+", s):
+        s = s.split(".")[0]
+    return s
+
+
+def math_boxed(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    r"""1.0 when the response's last \boxed{} answer equals the reference after normalisation."""
+    pred = last_boxed(solution_str[-_GSM8K_TAIL_CHARS * 4:])
+    if pred is None:
+        return 0.0
+    golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+    return float(any(normalize_math(pred) == normalize_math(str(g)) for g in golds))
+
+
 # ---- dispatch -----------------------------------------------------------------------------------
 
 REWARD_FNS: dict[str, RewardFn] = {
     "openai/gsm8k": gsm8k,
     "gsm8k": gsm8k,
+    "hendrycks/math": math_boxed,
+    "math": math_boxed,
+    "DigitalLearningGmbH/MATH-lighteval": math_boxed,
 }
 _warned: set[str] = set()
 
@@ -155,7 +200,7 @@ _warned: set[str] = set()
 def default_reward(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """Score by data_source: gsm8k, asyncrl/* synthetic tasks, else normalised exact match."""
+    """Score by data_source: gsm8k, MATH, asyncrl/* synthetic tasks, else normalised exact match."""
     fn = REWARD_FNS.get(data_source)
     if fn is None and data_source.startswith("asyncrl/"):
         fn = synthetic
