@@ -152,22 +152,42 @@ class MetricsWriter:
 
 
 class _Progress:
+    """A progress bar that stays on the last line of a terminal (log lines print above it), and
+    on every step one log line with the total and the time left (what a non-terminal sees)."""
+
     def __init__(self, total: int, initial: int, desc: str) -> None:
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
-        self.step = initial
+        self.step, self.total, self.initial = initial, total, initial
+        self.started = time.monotonic()
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
                         dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
+        self._redirect = None
+        if not self.bar.disable:  # log records go through tqdm.write, above the bar
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
 
     def update(self, metrics: dict[str, Any]) -> None:
         shown = {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in SHOWN if k in metrics}
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
         self.step += 1
-        log.info("step %d | %s", self.step, " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics))
+        per_step = (time.monotonic() - self.started) / max(1, self.step - self.initial)
+        left = per_step * (self.total - self.step)
+        log.info("step %d/%d | %s | eta %s", self.step, self.total,
+                 " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics), _clock(left))
 
     def close(self) -> None:
         self.bar.close()
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def progress(total: int, initial: int, desc: str) -> _Progress:

@@ -385,7 +385,7 @@ def test_killed_node_is_blamed_across_namespaces(netpair, tmp_path):
         head = procs.start(_node0(ns_a, keys, tmp, *rl, config="quickstart"), out_a)
         node1 = procs.start(_node1(ns_b, keys, tmp, config="quickstart"), out_b)
         deadline = time.monotonic() + 120
-        while "step 3 |" not in out_a.read_text():
+        while "step 3/" not in out_a.read_text():
             assert head.poll() is None and time.monotonic() < deadline, out_a.read_text()
             time.sleep(0.1)
         os.killpg(node1.pid, signal.SIGKILL)
