@@ -426,12 +426,16 @@ class CriticConfig(PPOUpdateConfig):
 class RewardConfig:
     fn: str | None = None  # None = by data_source (gsm8k, synthetic, exact match); or module:fn / file.py:fn
     cost_fn: str | None = None  # Safe-RLHF rule cost, same signature
+    # reward.fn takes the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) -> list
+    batched: bool = False
     # DAPO's soft overlong punishment: a response longer than rollout.max_tokens - overlong_buffer
     # loses penalty_factor x (its excess / overlong_buffer), reaching -penalty_factor at the cap; 0 = off
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
 
     def check(self, at: str) -> None:
+        _check(not self.batched or bool(self.fn), at + "batched", self.batched,
+               "needs reward.fn (the built-in rewards score one response at a time); set reward.fn=module:fn")
         _positive(at + "overlong_buffer", self.overlong_buffer, allow_zero=True)
         _positive(at + "overlong_penalty_factor", self.overlong_penalty_factor, allow_zero=True)
 

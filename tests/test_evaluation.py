@@ -154,3 +154,16 @@ def test_tokenizer_round_trip_check_catches_dropped_spaces():
             return tok.decode(ids).replace(" ", "")
 
     assert not check_round_trip(SpaceEater(), items)
+
+
+def test_batched_reward_functions_score_the_whole_batch():
+    calls = []
+
+    def batched(sources, texts, truths, extras):
+        calls.append(len(texts))
+        return [{"score": float(t == "a"), "len": len(t)} for t in texts]
+
+    scores, extras = RuleRewardWorker._score(batched, "reward.fn=f", ["a", "bb"], _reward_batch(2), batched=True)
+    assert calls == [2] and scores.tolist() == [1.0, 0.0] and extras[REWARD_EXTRA + "len"].tolist() == [1.0, 2.0]
+    with pytest.raises(NonFiniteRewardError, match="returned 1 values for 2"):
+        RuleRewardWorker._score(lambda *a: [1.0], "reward.fn=f", ["a", "b"], _reward_batch(2), batched=True)

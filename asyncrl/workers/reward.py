@@ -52,7 +52,8 @@ class RuleRewardWorker(Worker):
         texts = decode_responses(self.tokenizer, batch)
         mask = batch["response_mask"]
         scores, extras = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else
-                                     "the built-in reward (reward.fn=null: by data_source)", texts, batch)
+                                     "the built-in reward (reward.fn=null: by data_source)", texts, batch,
+                                     batched=self.cfg.reward.batched)
         rc = self.cfg.reward
         if rc.overlong_buffer > 0:
             penalty = overlong_penalty(mask.sum(-1), self.cfg.rollout.max_tokens, rc.overlong_buffer,
@@ -68,13 +69,24 @@ class RuleRewardWorker(Worker):
         return Batch(out)
 
     @staticmethod
-    def _score(fn: RewardFn, name: str, texts: list[str], batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _score(fn: RewardFn, name: str, texts: list[str], batch: Batch,
+               batched: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One checked score per row, on the device of the batch (a Batch's tensors share one),
         and the numeric extras of functions that return a dict (`{"score": s, "acc": a, ...}`,
-        verl's convention) as `REWARD_EXTRA + key` columns (NaN where a row lacks the key)."""
+        verl's convention) as `REWARD_EXTRA + key` columns (NaN where a row lacks the key).
+        `batched`: one call with lists of every field (`fn(data_sources, solution_strs,
+        ground_truths, extra_infos)`) returning one value per row."""
         n = len(texts)
         column = {k: batch[k] if k in batch else [None] * n for k in ("data_source", "ground_truth", "extra_info",
                                                                        "raw_prompt")}
+        returned = None
+        if batched:
+            returned = fn([s or "" for s in column["data_source"]], texts, list(column["ground_truth"]),
+                          list(column["extra_info"]))
+            if not isinstance(returned, (list, tuple)) or len(returned) != n:
+                got = f"{len(returned)} values" if isinstance(returned, (list, tuple)) else type(returned).__name__
+                raise NonFiniteRewardError(f"{name} (reward.batched=true) returned {got} for {n} responses; a batched "
+                                           "reward returns one score (or dict) per response, in order")
         values, extras = [], {}
         for i, text in enumerate(texts):
             source, truth, extra = column["data_source"][i] or "", column["ground_truth"][i], column["extra_info"][i]
@@ -82,7 +94,7 @@ class RuleRewardWorker(Worker):
                    "response": text}
             if row["prompt"] is None:
                 del row["prompt"]
-            value = fn(source, text, truth, extra)
+            value = returned[i] if returned is not None else fn(source, text, truth, extra)
             if isinstance(value, dict):
                 value = split_reward_dict(value, name, row, i, n, extras)
             values.append(checked_score(value, name, row))
