@@ -428,12 +428,18 @@ class RewardConfig:
     cost_fn: str | None = None  # Safe-RLHF rule cost, same signature
     # reward.fn takes the whole batch: fn(data_sources, solution_strs, ground_truths, extra_infos) -> list
     batched: bool = False
+    # a learned reward model as the reward: a sequence-classification model directory (or a causal
+    # LM whose fresh one-output head is then trained nowhere: for tests); scores (prompt,
+    # response) at the last real token, micro-batches of cost_model.micro_batch_size
+    model_path: str | None = None
     # DAPO's soft overlong punishment: a response longer than rollout.max_tokens - overlong_buffer
     # loses penalty_factor x (its excess / overlong_buffer), reaching -penalty_factor at the cap; 0 = off
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
 
     def check(self, at: str) -> None:
+        _check(not (self.model_path and (self.fn or self.batched)), at + "model_path", self.model_path,
+               f"replaces the rule reward; remove {at}fn / {at}batched (or {at}model_path)")
         _check(not self.batched or bool(self.fn), at + "batched", self.batched,
                "needs reward.fn (the built-in rewards score one response at a time); set reward.fn=module:fn")
         _positive(at + "overlong_buffer", self.overlong_buffer, allow_zero=True)

@@ -77,7 +77,9 @@ class Trainer:
         pool = self._pool("actor_ref" if split else "actor_rollout_ref", "trainer.n_workers", cfg.trainer.n_workers)
         wire = to_dict(cfg)  # workers rebuild the typed config from this plain dict
         actor = (ActorRolloutRefWorker, (wire, ("actor", "ref")), {}) if split else (ActorRolloutRefWorker, wire)
-        roles: dict[str, Any] = {"actor": actor, "reward": (RuleRewardWorker, wire)}
+        reward = ((RewardModelWorker, (wire, "scores", cfg.reward.model_path), {}) if cfg.reward.model_path
+                  else (RuleRewardWorker, wire))
+        roles: dict[str, Any] = {"actor": actor, "reward": reward}
         if self.algorithm.needs_critic:
             roles["critic"] = (CriticWorker, wire)
         if cfg.cost_model.enable:
@@ -511,6 +513,8 @@ def check_files(cfg: RLConfig) -> None:
         resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
     if cfg.cost_model.path and cfg.cost_model.enable:
         resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")
+    if cfg.reward.model_path:
+        cfg.reward.model_path = resolve_model(ModelConfig(path=cfg.reward.model_path), key="reward.model_path")
     for key in ("train_files", "val_files"):
         value = getattr(cfg.data, key)
         if value:

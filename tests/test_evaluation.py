@@ -167,3 +167,19 @@ def test_batched_reward_functions_score_the_whole_batch():
     assert calls == [2] and scores.tolist() == [1.0, 0.0] and extras[REWARD_EXTRA + "len"].tolist() == [1.0, 2.0]
     with pytest.raises(NonFiniteRewardError, match="returned 1 values for 2"):
         RuleRewardWorker._score(lambda *a: [1.0], "reward.fn=f", ["a", "b"], _reward_batch(2), batched=True)
+
+
+def test_a_learned_reward_model_can_be_the_reward(tmp_path, tiny_model):  # noqa: F811
+    out = tmp_path / "rm"
+    # the tiny LM loaded as a sequence classifier (a fresh one-output head) scores the responses
+    r = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
+                                          f"reward.model_path={tiny_model}", "trainer.tensorboard=false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if row["step"] > 0]
+    assert all("timing/reward_model_s" in row and "timing/reward_s" not in row for row in trained)
+    assert len({row["critic/score_mean"] for row in trained}) == 2  # real-valued model scores
+    bad = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo",
+                          f"reward.model_path={tiny_model}", "reward.fn=x.py:f", f"trainer.output_dir={tmp_path / 'x'}"],
+                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert bad.returncode == 2 and "reward.model_path" in bad.stderr
