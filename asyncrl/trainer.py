@@ -97,6 +97,11 @@ class Trainer:
         self.roles = Roles(actor=actor, reward=groups.reward, critic=groups.get("critic"), cost=groups.get("cost"))
         self.train_actor = groups.actor
 
+    @property
+    def samples_per_step(self) -> int:
+        """Responses generated (and scored, and KL-measured) per step: prompts x rollout.n."""
+        return self.cfg.data.batch_size * self.cfg.rollout.n
+
     def _pool(self, name: str, key: str, size: int) -> Any:
         try:
             return self.ctx.create_pool(name, world_size=size)
@@ -327,7 +332,7 @@ class Trainer:
             metrics["timing/weight_sync_s"] = await self.sync_weights()
             t1 = time.monotonic()
             dt, t0 = t1 - t0, t1
-            metrics.update(self.ctl.update(metrics, self.cfg.data.batch_size))
+            metrics.update(self.ctl.update(metrics, self.samples_per_step))
             tokens += metrics.get("response/tokens", 0.0)
             step_time += dt
             busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in PHASES)

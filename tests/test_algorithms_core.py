@@ -406,3 +406,60 @@ def test_overlong_penalty_matches_dapo_by_hand():
     # max 10 tokens, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at the cap
     assert core.overlong_penalty(lengths, 10, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
     assert core.overlong_penalty(lengths, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+
+
+# issue 17: divergences from the reference behaviour ---------------------------------------------
+def test_adaptive_kl_horizon_counts_responses_not_prompts():
+    from types import SimpleNamespace
+
+    from asyncrl.algorithms.controllers import Controllers
+    from asyncrl.trainer import Trainer
+
+    cfg = SimpleNamespace(data=SimpleNamespace(batch_size=32), rollout=SimpleNamespace(n=8))
+    n = Trainer.samples_per_step.fget(SimpleNamespace(cfg=cfg))
+    assert n == 256
+    ctl = Controllers(AdaptiveKLController(1.0, target_kl=0.1, horizon=10000), None)
+    for _ in range(100):  # KL held at twice the target: the error clips to +0.2
+        ctl.update({"critic/kl": 0.2}, n)
+    assert ctl.kl_coef == pytest.approx((1 + 0.2 * 256 / 10000) ** 100)  # 1.666, not 1.066
+    assert ctl.kl_coef == pytest.approx(1.6664, abs=1e-3)
+
+
+def test_remax_with_kl_in_the_reward_uses_return_to_go():
+    from asyncrl.algorithms import advantage
+    from asyncrl.batch import Batch
+
+    mask = torch.ones(1, 3)
+    adv, ret = core.remax_advantage(torch.tensor([[-0.1, -0.1, 0.9]]), torch.tensor([0.5]), mask)
+    assert adv[0].tolist() == pytest.approx([0.2, 0.3, 0.4])
+    batch = Batch({"response_mask": mask, "scores": torch.tensor([0.7]),
+                   "token_level_scores": torch.tensor([[-0.1, -0.1, 0.9]])})
+    out = advantage.remax(batch, Batch({"scores": torch.tensor([0.5])}))
+    assert out["advantages"][0].tolist() == pytest.approx([0.2, 0.3, 0.4])
+    # without KL shaping (score on the last token only) every token gets the same advantage
+    plain = Batch({"response_mask": mask, "scores": torch.tensor([0.9])})
+    assert advantage.remax(plain, Batch({"scores": torch.tensor([0.5])}))["advantages"][0].tolist() == \
+        pytest.approx([0.4, 0.4, 0.4])
+
+
+def test_scores_land_on_the_last_real_token_of_a_mask_with_holes():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    out = core.scores_to_tokens(torch.tensor([1.0, 2.0, 3.0]), mask)
+    assert out[0].tolist() == [0, 0, 0, 0, 0, 1.0] and out[1].tolist() == [0, 0, 2.0, 0, 0, 0]
+    assert out[2].sum() == 0  # an empty response holds no score
+
+
+def test_duplicate_prompts_in_a_batch_are_separate_groups():
+    from asyncrl.algorithms import advantage
+    from asyncrl.batch import Batch
+    from asyncrl.data.dataset import PromptDataset
+    from asyncrl.data.synthetic import make_rows
+    from asyncrl.models.tiny import build_tokenizer
+
+    ds = PromptDataset(make_rows("sort", 1, 0) * 2, build_tokenizer(), 64)  # the same prompt twice
+    uids = ds.collate(ds.items)["uid"]
+    assert uids[0] != uids[1]
+    rows = [u for u in uids for _ in range(2)]  # n = 2 samples each
+    batch = Batch({"response_mask": torch.ones(4, 1), "scores": torch.tensor([1.0, 0.0, 1.0, 1.0])}, {"uid": rows})
+    adv = advantage.grpo(batch, norm_by_std=False)["advantages"][:, 0].tolist()
+    assert adv == pytest.approx([0.5, -0.5, 0.0, 0.0])  # merged, the second pair would get +0.25 each

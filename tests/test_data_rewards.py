@@ -161,7 +161,8 @@ def test_prompt_dataset_batch_is_left_padded(tokenizer):
     assert batch["raw_prompt"][1].endswith("<|assistant|>")
     assert batch["extra_info"] == [{}, {"index": 1}]
     assert len(set(batch["uid"])) == 2
-    assert ds.collate([ds[0]])["uid"] == batch["uid"][:1]  # uid is a function of the prompt
+    assert ds.collate([ds[0]])["uid"] == batch["uid"][:1]  # uid: the prompt and its row in the batch
+    assert len(set(ds.collate([ds[0], ds[0]])["uid"])) == 2  # a repeated prompt is a group of its own
     with pytest.raises(DatasetError, match="max_prompt_len"):
         PromptDataset(rows[2:], tokenizer, max_prompt_len=16)
 

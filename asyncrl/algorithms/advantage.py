@@ -44,7 +44,9 @@ def remax(batch: Batch, baseline: Batch, *, kl_coef: float = 0.0, kl_penalty: st
     """ReMax: the outcome against the reward of the prompt's greedy response (`baseline` rows)."""
     rewards, mask, meta = _token_rewards(batch, kl_coef, kl_penalty)
     base = baseline["scores"].float().repeat_interleave(len(batch) // len(baseline))
-    adv, ret = core.remax_advantage(core.masked_sum(rewards, mask, dim=-1), base, mask)
+    # per-token return-to-go: with KL in the reward each token gets the rewards after it, not the
+    # whole sequence's (without KL the score sits on the last token and every token gets it)
+    adv, ret = core.remax_advantage(rewards, base, mask)
     meta["critic/baseline_score"] = float(baseline["scores"].float().mean())
     return _result(batch, adv, ret, rewards, meta)
 

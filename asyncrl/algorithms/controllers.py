@@ -99,9 +99,11 @@ class Controllers:
     def kl_coef(self) -> float:
         return float(self.kl.value)
 
-    def update(self, metrics: dict[str, float], batch_size: int) -> dict[str, float]:
-        """Adapt to this step's metrics; returns the new values as metrics."""
-        self.kl.update(metrics.get("critic/kl", 0.0), batch_size)
+    def update(self, metrics: dict[str, float], n_samples: int) -> dict[str, float]:
+        """Adapt to this step's metrics; `n_samples`: the responses whose KL was measured (the
+        adaptive controller's horizon counts samples, as in Ziegler et al.). Returns the new
+        values as metrics."""
+        self.kl.update(metrics.get("critic/kl", 0.0), n_samples)
         out = {"actor/kl_coef": self.kl_coef}
         if "critic/cost_mean" in metrics:  # only algorithms with a cost signal move lambda
             out["safe/lagrange"] = self.lagrange.update(metrics["critic/cost_mean"])

@@ -4,6 +4,15 @@ Conventions: token-level tensors are [batch, response_len] with a float or bool 
 (1 for real response tokens, 0 for padding/observation tokens); sequence-level scores are
 [batch]. Every function here is pure (no globals, no in-place changes to its inputs), so it can be
 unit-tested against hand-computed values and called from any worker.
+
+Conventions to know when comparing runs with other frameworks:
+- `loss_agg_mode="seq-mean-token-sum-norm"` (Dr.GRPO) averages the per-sequence token sums
+  (divided by the constant length normaliser) over the batch; implementations that *sum* them
+  over the batch give a loss (and gradient) B times larger.
+- A group of one sample (a prompt with rollout.n = 1, or the only survivor of a filter) gets
+  advantage 0 under GRPO and RLOO: with no other sample there is no baseline to compare with.
+- Scores sit on the last response token whose mask is 1 (`scores_to_tokens`), so masks with
+  holes (tool output, multi-turn observations) keep them.
 """
 
 from __future__ import annotations
@@ -84,9 +93,11 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
 
 
 def scores_to_tokens(scores: Tensor, response_mask: Tensor) -> Tensor:
-    """Sequence scores [B] placed on each response's last real token -> [B, T] (0 elsewhere)."""
+    """Sequence scores [B] placed on each response's last real token -> [B, T] (0 elsewhere): the
+    last position whose mask is 1, so masks with holes (multi-turn, tool output) keep the score."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    last = (response_mask.long().sum(-1) - 1).clamp(min=0)
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last = torch.where(response_mask.bool(), positions, -1).max(dim=-1).values.clamp(min=0)
     out[torch.arange(len(scores), device=last.device), last] = scores.float().to(out.device)
     return out * response_mask.float()
 

@@ -278,7 +278,9 @@ def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str,
         "data_source": [it.data_source for it in items],
         "raw_prompt": [it.raw_prompt for it in items],
         "extra_info": [it.extra_info for it in items],
-        "uid": [it.uid for it in items],
+        # a group per row of this batch (GRPO/RLOO normalise a prompt's samples together): two
+        # rows with the same prompt text are two groups, not one of 2n samples
+        "uid": [f"{it.uid}#{i}" for i, it in enumerate(items)],
     }
 
 
