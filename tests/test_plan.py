@@ -120,7 +120,7 @@ def test_profile_measures_this_machine_and_plans_with_it(tmp_path, monkeypatch, 
     assert plan_main(["profile", "--quick", "--out", str(out), f"model.path={tmp_path / 'm'}"]) == 0
     prof = json.loads(out.read_text())
     assert prof["kind"] == "cpu" and prof["peak_flops"] > 1e8 and prof["intra_bw"] > 1e6
-    assert 0 < prof["train_efficiency"] <= 1 and 0 < prof["infer_efficiency"] <= 1
+    assert prof["train_efficiency"] > 0 and prof["infer_efficiency"] > 0 and prof["intra_latency_s"] > 0
     assert not (tmp_path / "m").exists()  # planning reads the model's shape, never builds it
     capsys.readouterr()
     assert plan_main(["--config-name", "quickstart", f"plan.device={out}", f"model.path={tmp_path / 'm'}"]) == 0
