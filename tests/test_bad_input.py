@@ -188,8 +188,8 @@ def test_rule_reward_scores_stay_on_the_batch_device(tiny_model):
     worker = RuleRewardWorker(C.rl_config({"model": {"path": str(tiny_model)}}))
     out = worker.compute_reward(_responses())
     assert {t.device.type for t in out.tensors.values()} == {"cpu"}
-    scores = worker._score(lambda *a: 0.5, "test", ["a", "b"], _responses().to("meta"))
-    assert scores.device.type == "meta"
+    scores, extras = worker._score(lambda *a: {"score": 0.5, "acc": 1}, "test", ["a", "b"], _responses().to("meta"))
+    assert scores.device.type == "meta" and {t.device.type for t in extras.values()} == {"meta"}
 
 
 def test_the_trainer_reports_a_worker_nan_reward_without_a_traceback():
