@@ -30,6 +30,15 @@ from daemons.worker_client import WorkerHandle
 from transport import RemoteError, RpcTimeout
 
 log = logging.getLogger(__name__)
+_relayed: set[str] = set()  # worker warnings already shown (the same one from every rank shows once)
+
+
+def relay_warning(role: str, rank: int, warning: str) -> None:
+    """A worker's warning on the driver's console, once per distinct message."""
+    if warning in _relayed or len(_relayed) >= 10_000:
+        return
+    _relayed.add(warning)
+    log.warning("from %s rank %d: %s", role, rank, warning)
 
 # After a rank lost a peer in a collective, how long its node daemons are asked (every 0.2 s)
 # whether a rank of the call died; the survivor's error often arrives before the death is known
@@ -237,10 +246,12 @@ class WorkerGroup:
         async def one(rank: int, a: tuple, k: dict) -> Any:
             handle = self.handles[rank]
             try:
-                out, layouts = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {},
-                                                 timeout=timeout)
+                out, layouts, *rest = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {},
+                                                        timeout=timeout)
             except RemoteError as e:
                 raise WorkerCallError(self.role, label, rank, e, self.procs.collective_timeout_s) from None
+            for warning in (rest[0] if rest else []):
+                relay_warning(self.role, rank, warning)
             if layouts is not None:
                 self._update_layouts(rank, layouts)
             if self.tracker is not None:

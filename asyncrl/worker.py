@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,48 @@ from asyncrl.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.transfer import materialize_all, publish_all, to_device
 from daemons.worker import WorkerRuntime, wants_runtime
 from objectstore import ObjectStore
+
+
+class WarningRelay(logging.Handler):
+    """Warnings logged in a worker process, each distinct one once, held until the next call's
+    reply carries them to the driver (which prints them on the job's console): a reward
+    function's "no rule for data_source" would otherwise sit in a worker log file."""
+
+    MAX_DISTINCT = 1000  # messages remembered (a warning seen before is not sent again)
+    MAX_PENDING = 50  # per reply
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: set[tuple[str, str]] = set()
+        self.pending: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a record whose arguments do not format is not this handler's to raise
+            return
+        key = (record.name, message[:300])
+        if key in self.seen or len(self.seen) >= self.MAX_DISTINCT:
+            return
+        self.seen.add(key)
+        if len(self.pending) < self.MAX_PENDING:
+            self.pending.append(f"{record.levelname} {record.name}: {message[:2000]}")
+
+    def drain(self) -> list[str]:
+        out, self.pending = self.pending, []
+        return out
+
+
+_relay: WarningRelay | None = None
+
+
+def warning_relay() -> WarningRelay:
+    """This process's relay, installed on the root logger the first time it is asked for."""
+    global _relay
+    if _relay is None:
+        _relay = WarningRelay()
+        logging.getLogger().addHandler(_relay)
+    return _relay
 
 F = TypeVar("F", bound=Callable[..., Any])
 REGISTER_ATTR = "__asyncrl_register__"
@@ -97,6 +140,8 @@ class Worker:
             self.device, self.node_id = os.environ.get("ASYNCRL_DEVICE", "cpu"), ""
         self.layouts: dict[str, ParallelLayout] = {TRAIN: pure_dp(self.world_size)}
         self._layout_version, self._layout_reported = 1, 0
+        if rt is not None:  # a hosted worker: its warnings go back with its replies
+            warning_relay()
 
     @property
     def store(self) -> ObjectStore:
@@ -128,7 +173,8 @@ class Worker:
 
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
     async def asyncrl_call(self, method: str, args: list, kwargs: dict) -> list[Any]:
-        """Run registered `method` with pulled arguments; returns [output, layouts update or None]."""
+        """Run registered `method` with pulled arguments; returns [output, layouts update or None,
+        the warnings this process logged since the last reply]."""
         fn = getattr(self, method, None)
         spec = getattr(fn, REGISTER_ATTR, None)
         if fn is None or spec is None:
@@ -160,4 +206,4 @@ class Worker:
             out = await asyncio.to_thread(fn, *args, **kwargs)
         out = publish_all(out, self.store)  # returned Batches stay here; refs go back
         layouts = self.asyncrl_layouts() if self._layout_reported != self._layout_version else None
-        return [out, layouts]
+        return [out, layouts, warning_relay().drain() if _relay is not None else []]

@@ -84,7 +84,9 @@ def test_own_parquet_and_dict_reward_train_with_completions_shown(tmp_path, tiny
     write_rows(train, tmp_path / "train.parquet")
     write_rows(val, tmp_path / "test.parquet")
     reward = tmp_path / "my_reward.py"
-    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+    reward.write_text("import logging\n"
+                      "def score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    logging.getLogger('my_reward').warning('scoring %s', data_source)\n"
                       "    ok = solution_str.strip() == str(ground_truth).strip()\n"
                       "    return {'score': float(ok), 'acc': ok, 'length': len(solution_str)}\n")
     out = tmp_path / "run"
@@ -94,6 +96,8 @@ def test_own_parquet_and_dict_reward_train_with_completions_shown(tmp_path, tiny
                                           f"data.val_files={tmp_path / 'test.parquet'}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out completions" in r.stderr and "response:" in r.stderr  # on the console
+    # a warning logged on the workers reaches the console, once for all calls and ranks
+    assert r.stderr.count("WARNING my_reward: scoring asyncrl/sort") == 1, r.stderr[-3000:]
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [row for row in rows if row["step"] > 0]
     assert all("reward/acc" in row and "reward/length" in row for row in trained)
