@@ -334,3 +334,19 @@ def test_a_non_finite_loss_stops_the_run_and_metrics_stay_strict_json(tmp_path):
     rows = [json.loads(line, parse_constant=strict) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["actor/pg_loss"] is None
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+
+
+def test_a_worker_names_its_node_and_the_paths_it_lacks(tmp_path):
+    """A multi-node job whose files are missing on one node: the worker there says which, at once."""
+    import socket
+
+    from asyncrl.workers.process import check_node_paths
+
+    model = tmp_path / "model"
+    model.mkdir()
+    check_node_paths(C.rl_config({"model": {"path": str(model)}}))  # all there: nothing to say
+    cfg = C.rl_config({"model": {"path": str(tmp_path / "elsewhere")}, "reward": {"fn": f"{tmp_path}/r.py:score"}})
+    with pytest.raises(C.ConfigError) as e:
+        check_node_paths(cfg)
+    assert f"on node {socket.gethostname()}" in str(e.value)
+    assert "model.path=" in str(e.value) and "reward.fn=" in str(e.value) and "same path" in str(e.value)

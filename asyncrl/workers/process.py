@@ -4,18 +4,42 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 
 import numpy as np
 import torch
 
-from asyncrl.config import RLConfig
+from asyncrl.config import CRITIC_ALGORITHMS, ConfigError, RLConfig
 from asyncrl.engine import init_distributed
 from daemons.node import NODE_DEVICES_ENV
+
+
+def check_node_paths(cfg: RLConfig) -> None:
+    """The files a worker opens, on the node it runs on: the model directories (`model.path`
+    as the driver resolved it, and the critic's, cost model's and reward model's) and a reward
+    file. A multi-node job needs them at the same path on every node; a missing one is a
+    ConfigError naming this node (not a minute of Hugging Face Hub retries)."""
+    dirs = {"model.path": cfg.model.path, "reward.model_path": cfg.reward.model_path}
+    if cfg.algorithm.name in CRITIC_ALGORITHMS:
+        dirs["critic.model_path"] = cfg.critic.model_path
+    if cfg.cost_model.enable:
+        dirs["cost_model.path"] = cfg.cost_model.path
+    missing = [f"{key}={path}" for key, path in dirs.items() if path and not os.path.isdir(os.path.expanduser(path))]
+    for key in ("fn", "cost_fn"):
+        spec = getattr(cfg.reward, key)
+        file = spec.rpartition(":")[0] if spec and ":" in spec else ""
+        if file.endswith(".py") and not os.path.isfile(os.path.expanduser(file)):
+            missing.append(f"reward.{key}={spec}")
+    if missing:
+        raise ConfigError(f"on node {socket.gethostname()}: {', '.join(missing)} not found here; every node of a "
+                          "multi-node job needs the model, reward and data files at the same path (a shared "
+                          "filesystem, or a copy on each node)")
 
 
 def setup_process(cfg: RLConfig, rank: int) -> None:
     """torch threads per worker (cores are shared by the node's devices: a pool of one worker
     beside another pool gets its device's share, not the node's), distributed init, seeds."""
+    check_node_paths(cfg)
     per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get(NODE_DEVICES_ENV, "1")))
     torch.set_num_threads(cfg.trainer.torch_threads or max(1, (os.cpu_count() or 1) // per_node))
     init_distributed()

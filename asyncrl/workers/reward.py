@@ -28,7 +28,7 @@ from asyncrl.rewards import (
 )
 from asyncrl.worker import Worker, register
 from asyncrl.workers.forward import decode_responses
-from asyncrl.workers.process import same_init_on_every_rank, setup_process
+from asyncrl.workers.process import check_node_paths, same_init_on_every_rank, setup_process
 from asyncrl.workers.update import micro_batches
 
 
@@ -42,6 +42,7 @@ class RuleRewardWorker(Worker):
         from transformers import AutoTokenizer
 
         self.cfg = cfg = rl_config(config)
+        check_node_paths(cfg)
         self.fn = load_reward_fn(cfg.reward.fn)
         self.cost_fn = load_reward_fn(cfg.reward.cost_fn) if cfg.reward.cost_fn else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
