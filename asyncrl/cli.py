@@ -104,7 +104,7 @@ def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *ca
 
     async def go() -> Any:
         client = _client(args, target)
-        echo = _Progress(progress) if progress is not None else None
+        echo = _StepEcho(progress) if progress is not None else None
         tail = asyncio.ensure_future(echo.follow()) if echo is not None else None
         try:
             await client.connect(timeout=min(CONNECT_TIMEOUT_S, timeout))
@@ -128,12 +128,12 @@ def _rpc(args: argparse.Namespace, target: ClusterState | None, method: str, *ca
 PROGRESS_KEYS = ("critic/score_mean", "val/reward", "response/length_mean", "timing/step_s")
 
 
-class _Progress:
+class _StepEcho:
     """Each new step of a job's metrics.jsonl (a job submitted from this machine writes it under
-    its trainer.output_dir) as one line on stderr."""
+    its trainer.output_dir) as one line on stderr; each look reads only what was appended."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.seen, self.started = path, 0, time.time()
+        self.path, self.offset, self.started = path, 0, time.time()
 
     async def follow(self, every_s: float = 2.0) -> None:
         import asyncio
@@ -146,17 +146,21 @@ class _Progress:
         try:
             if self.path.stat().st_mtime < self.started - 1:
                 return  # an earlier run's file, not yet replaced by this job's
-            lines = self.path.read_text().splitlines()
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                appended = f.read()
         except OSError:
             return
-        for line in lines[self.seen:]:
+        for line in appended.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                return  # a line being written: read it next time
+            self.offset += len(line)
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                return  # a line being written: read it next time
+                continue
             shown = "  ".join(f"{k}={row[k]:.4g}" for k in PROGRESS_KEYS if isinstance(row.get(k), (int, float)))
             print(f"asyncrl: step {row.get('step')}  {shown}", file=sys.stderr, flush=True)
-            self.seen += 1
 
 
 def _job_from_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Path | None]:

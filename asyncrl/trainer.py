@@ -211,30 +211,38 @@ class Trainer:
             return float("nan")
         rows = await self.generate_scored(n=1, greedy=True)
         self.val_details = source_means(rows)
-        self.val_samples = sample_rows(rows, self.cfg.trainer.log_samples)
+        self.val_samples = self._decoded(sample_rows(rows, self.cfg.trainer.log_samples))
         if self.val_samples:
             log.info("%s", format_samples(self.step, self.val_samples))
         return sum(r["score"] for r in rows) / len(rows)
 
     async def generate_scored(self, n: int, greedy: bool) -> list[dict[str, Any]]:
         """`n` responses to each held-out prompt, scored by the reward: one dict per response
-        (prompt_index, data_source, the templated prompt, the response, its score). Only these
-        rows' tokens come to the driver, to be decoded here."""
+        (prompt_index, sample, data_source, ground_truth, score, and the response's token ids
+        under "response_ids"; `_decoded` turns the rows that are shown or saved into text)."""
         prompts = self._put(self.val_prompts, {"greedy": greedy, "n": n})
         gen = self.roles.actor.generate_sequences(prompts)
         scored = self.roles.reward.compute_reward(gen)
         out = await (await gen).select("responses", "response_mask", meta=False).fetch()
         scores = (await (await scored).select("scores", meta=False).fetch())["scores"].float().tolist()
-        ids, mask = self.val_prompts["input_ids"], self.val_prompts["attention_mask"].bool()
-        prompt_text = [self.tokenizer.decode(row[m].tolist()) for row, m in zip(ids, mask, strict=True)]
         rows = []
         for i, (resp, m, score) in enumerate(zip(out["responses"], out["response_mask"].bool(), scores, strict=True)):
             p = i // n  # a prompt's n samples are consecutive rows
             rows.append({"prompt_index": p, "sample": i % n, "data_source": self.val_prompts["data_source"][p],
-                         "ground_truth": self.val_prompts["ground_truth"][p], "prompt": prompt_text[p],
-                         "response": self.tokenizer.decode(resp[m].tolist(), skip_special_tokens=True),
+                         "ground_truth": self.val_prompts["ground_truth"][p], "response_ids": resp[m].tolist(),
                          "score": score})
         return rows
+
+    def _decoded(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`rows` with the templated prompt and the response as text (token ids dropped)."""
+        ids, mask = self.val_prompts["input_ids"], self.val_prompts["attention_mask"].bool()
+        out = []
+        for r in rows:
+            p = r["prompt_index"]
+            text = {"prompt": self.tokenizer.decode(ids[p][mask[p]].tolist()),
+                    "response": self.tokenizer.decode(r["response_ids"], skip_special_tokens=True)}
+            out.append({**{k: v for k, v in r.items() if k != "response_ids"}, **text})
+        return out
 
     async def evaluate_only(self) -> dict[str, Any]:
         """trainer.mode=eval: rollout.n samples per held-out prompt, pass@k and mean@n per
@@ -246,14 +254,14 @@ class Trainer:
         greedy = cfg.rollout.temperature == 0
         rows = await self.generate_scored(n=cfg.rollout.n, greedy=greedy)
         result = pass_at_ks(rows, cfg.evaluation.ks, cfg.evaluation.correct_at)
-        log.info("%s", format_samples(0, sample_rows(rows, cfg.trainer.log_samples)))
+        log.info("%s", format_samples(0, self._decoded(sample_rows(rows, cfg.trainer.log_samples))))
         summary: dict[str, Any] = {"mode": "eval", "model": cfg.model.path, "samples_per_prompt": cfg.rollout.n,
                                    "temperature": cfg.rollout.temperature, "correct_at": cfg.evaluation.correct_at}
         if cfg.evaluation.write_generations:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             path = self.out_dir / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
             with path.open("x") as f:  # a new file of our own, never over another
-                for r in rows:
+                for r in self._decoded(rows):
                     f.write(json.dumps(r, default=str) + "\n")
             summary["generations"] = str(path)
         for key, value in result.items():
@@ -479,8 +487,8 @@ def check_round_trip(tokenizer: Any, items: list) -> bool:
     def same(text: str, back: str) -> bool:
         return "".join(text.split()) == "".join(back.split()) and len(back.split()) >= len(text.split())
 
-    bad = [(it.raw_prompt, tokenizer.decode(it.input_ids)) for it in items
-           if not same(it.raw_prompt, tokenizer.decode(it.input_ids))]
+    decoded = [(it.raw_prompt, tokenizer.decode(it.input_ids)) for it in items]
+    bad = [(text, back) for text, back in decoded if not same(text, back)]
     if bad:
         text, back = bad[0]
         log.warning("the tokenizer does not round-trip %d of %d training prompts checked: %r decodes as %r; "

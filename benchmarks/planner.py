@@ -33,7 +33,14 @@ from asyncrl.plan.cli import overrides
 from asyncrl.plan.cost import Strategy
 from asyncrl.plan.hardware import load_profile
 from asyncrl.plan.search import SearchSpace, exhaustive, hybridflow, mcmc
-from asyncrl.plan.workload import KNOWN_MODELS, ModelSpec, Workload, rl_calls, workload_from_config
+from asyncrl.plan.workload import (
+    KNOWN_MODELS,
+    ModelSpec,
+    Workload,
+    config_model_spec,
+    rl_calls,
+    workload_from_config,
+)
 from benchmarks.async_rl import launch
 
 SMALL = ["model.build_tiny.hidden=128", "model.build_tiny.layers=4", "model.build_tiny.heads=4",
@@ -78,25 +85,22 @@ def cpu_plans(space: SearchSpace) -> list[tuple[str, Any, Any]]:
 def longest_prompt(task: str, n: int) -> int:
     """The longest templated prompt of the task's training rows in the tiny model's tokenizer
     (a batch of them trains at about this width once padding is trimmed)."""
-    from asyncrl.data.dataset import prompt_messages
+    from asyncrl.data.dataset import PromptDataset
     from asyncrl.data.synthetic import make_rows
     from asyncrl.models.tiny import build_tokenizer
 
-    tok = build_tokenizer()
-    texts = [tok.apply_chat_template(prompt_messages(r), add_generation_prompt=True, tokenize=False)
-             for r in make_rows(task, n, 0)]
-    return max(len(tok.encode(t, add_special_tokens=False)) for t in texts)
+    items = PromptDataset(make_rows(task, n, 0), build_tokenizer(), max_prompt_len=1 << 20).items
+    return max(len(it.input_ids) for it in items)
 
 
 def validate_cpu(profile_path: str, steps: int, workdir: Path) -> dict[str, Any]:
     from asyncrl.config import rl_config
     from asyncrl.launch import load_config
-    from asyncrl.plan.cli import _spec_of
 
     base = [f"model.path={workdir / 'model'}", *SMALL, f"plan.prompt_len={longest_prompt('sort', 512)}"]
     cfg = rl_config(load_config("quickstart", base))
     profile = load_profile(profile_path)
-    w = replace(workload_from_config(cfg, _spec_of(cfg)), micro_batch_sizes=(4, 16, 64))
+    w = replace(workload_from_config(cfg, config_model_spec(cfg)), micro_batch_sizes=(4, 16, 64))
     space = SearchSpace(w, profile, 1, cfg.cluster.cpu_devices, deployable=True)
     runs = {}
     for name, plan, cost in cpu_plans(space):

@@ -29,23 +29,10 @@ from asyncrl.plan.search import (
     hybridflow,
     mcmc,
 )
-from asyncrl.plan.workload import ModelSpec, Workload, model_spec, workload_from_config
+from asyncrl.plan.workload import Workload, config_model_spec, workload_from_config
 
 USAGE_ERROR = 2
 EXHAUSTIVE_LIMIT = 200_000  # plans; above this `plan.search=auto` uses hybridflow + mcmc
-
-
-def _spec_of(cfg: Any) -> ModelSpec:
-    """The model's shape without building or downloading it."""
-    from pathlib import Path
-
-    if cfg.model.build_tiny is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
-        from asyncrl.models.tiny import build_config, build_tokenizer
-
-        tiny = cfg.model.build_tiny
-        hf = build_config(build_tokenizer(), hidden=tiny.hidden, layers=tiny.layers, heads=tiny.heads)
-        return ModelSpec.from_hf_config(cfg.model.path, hf.to_dict())
-    return model_spec(cfg.model.path)
 
 
 def _local_gpus() -> tuple[int, str]:
@@ -176,7 +163,7 @@ def plan_main(args: argparse.Namespace) -> int:
 
     cfg = rl_config(load_config(args.config_name, args.overrides, args.config_dir))
     profile, nnodes, per_node = device_setup(cfg)
-    spec = _spec_of(cfg)
+    spec = config_model_spec(cfg)
     w = workload_from_config(cfg, spec)
     w = replace(w, micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, cfg.actor.micro_batch_size})))
     space = SearchSpace(w, profile, nnodes, per_node, deployable=True)

@@ -55,7 +55,9 @@ class DeviceProfile:
     def tp_bandwidth(self, across_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency) of a tensor-parallel all-reduce inside a layer."""
         bw, latency = self.bandwidth(across_nodes)
-        return bw, (self.tp_latency_s or latency) if not across_nodes else latency
+        if not across_nodes and self.tp_latency_s:
+            latency = self.tp_latency_s
+        return bw, latency
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"

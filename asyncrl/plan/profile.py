@@ -217,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     from asyncrl.config import ConfigError, rl_config
     from asyncrl.launch import load_config
-    from asyncrl.plan.cli import _spec_of
+    from asyncrl.plan.workload import config_model_spec
 
     try:
         cfg = rl_config(load_config(args.config_name, args.overrides))
-        spec = _spec_of(cfg)
+        spec = config_model_spec(cfg)
     except ConfigError as e:
         print(f"asyncrl-plan profile: {e}", file=sys.stderr)
         return 2

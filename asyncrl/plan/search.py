@@ -191,7 +191,7 @@ class SearchSpace:
                 busy[(call.stage, i)] = busy.get((call.stage, i), 0.0) + c.time_s + extra
                 transient = max(transient, c.memory_bytes)
             if i == gen_set:
-                unit = ROLLOUT if ROLLOUT in units and units == (ROLLOUT,) else "actor"
+                unit = ROLLOUT if units == (ROLLOUT,) else "actor"
                 g = generate(w.models["actor"], strat[unit], w, Mesh(devices, self.per_node), profile,
                              self.usable - resident)
                 calls["actor.generate"] = g.time_s

@@ -87,6 +87,18 @@ def model_spec(path: str) -> ModelSpec:
                       f"Hugging Face model directory or use one of: {', '.join(KNOWN_MODELS)}")
 
 
+def config_model_spec(cfg: Any) -> ModelSpec:
+    """The shape of an RL config's model without building or downloading it (the quickstart's
+    tiny model from its `model.build_tiny` settings when it is not built yet)."""
+    if cfg.model.build_tiny is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        from asyncrl.models.tiny import build_config, build_tokenizer
+
+        tiny = cfg.model.build_tiny
+        hf = build_config(build_tokenizer(), hidden=tiny.hidden, layers=tiny.layers, heads=tiny.heads)
+        return ModelSpec.from_hf_config(cfg.model.path, hf.to_dict())
+    return model_spec(cfg.model.path)
+
+
 class Stage:
     """HybridFlow's three stages of an RL step; calls of one stage on disjoint devices run together."""
 
