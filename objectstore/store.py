@@ -269,6 +269,13 @@ class ObjectStore:
                     log.warning("%s: CUDA IPC from %s failed (%s); this store pulls GPU objects of its node "
                                 "over TCP from now on", self.name, ref.endpoint, e)
                     kind, pulled = PullKind.TCP, await self.paths[PullKind.TCP].fetch(ref, rng)
+            elif kind == PullKind.NCCL:
+                try:
+                    pulled = await path.fetch(ref, rng)
+                except nccl_path.NcclUnavailable as e:
+                    log.warning("%s: no NCCL communicator with %s (%s); this store pulls its GPU objects "
+                                "over TCP from now on", self.name, ref.endpoint, e)
+                    kind, pulled = PullKind.TCP, await self.paths[PullKind.TCP].fetch(ref, rng)
             else:
                 pulled = await path.fetch(ref, rng)
         except (OSError, EOFError) as e:
@@ -296,7 +303,7 @@ class ObjectStore:
             if is_cuda:  # no peer access (or IPC failed before): through host memory
                 return PullKind.CUDA_IPC if self.paths[PullKind.CUDA_IPC].usable(ref) else PullKind.TCP
             return PullKind.SHM
-        if is_cuda and nccl_path.available():
+        if is_cuda and self.paths[PullKind.NCCL].usable(ref):
             return PullKind.NCCL
         return PullKind.TCP
 

@@ -231,6 +231,19 @@ def test_padding_early_stopped_responses_stays_on_their_device(device):
         assert out["position_ids"][0].tolist() == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+def test_behaviour_versions_are_on_the_responses_device(device):
+    """Seen on the first GPU run: the per-token policy versions were a CPU tensor beside CUDA
+    responses, and publishing the generated batch failed ("tensors must be on one device")."""
+    from asyncrl.workers.actor import _token_versions
+
+    responses = torch.ones((3, 4), dtype=torch.long, device=device)
+    versions = _token_versions([7, 7, 8, 9, 9], responses.shape, responses.device)
+    assert versions.shape == (3, 4) and versions.device.type == device
+    if device != "meta":
+        assert versions[2].tolist() == [7, 7, 8, 9]
+
+
 @pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=[pytest.mark.gpu, cuda])])
 def test_pulled_batches_move_to_the_worker_device_once(device):
     """`meta` stands in for a GPU on CPU-only machines."""

@@ -442,8 +442,29 @@ async def test_gpu_object_over_tcp_to_device(stores):
     owner, consumer = await stores(node_id="a"), await stores(node_id="b")
     t = torch.randn(128, 16, device="cuda")
     ref = owner.put(t)
-    got = await consumer.get(ref, (64, 128), device="cuda")
+    got = await consumer.get(ref, (64, 128), device="cuda", transport="tcp")
     assert got.is_cuda and torch.equal(got, t[64:])
+
+
+@pytest.mark.gpu
+@gpu
+async def test_gpu_objects_of_another_node_fall_back_to_tcp_without_an_nccl_path(stores, caplog):
+    """Two "nodes" on one GPU: NCCL refuses two ranks on one device (ncclInvalidUsage, seen on
+    the first GPU run); the pull goes over TCP, says so once, and later pulls skip NCCL."""
+    from objectstore.paths import nccl as nccl_path
+
+    if not nccl_path.available():
+        pytest.skip("cupy's NCCL bindings are not installed (pip install cupy-cuda12x)")
+    owner, consumer = await stores(node_id="a"), await stores(node_id="b")
+    t = torch.randn(128, 16, device="cuda")
+    ref = owner.put(t)
+    with caplog.at_level("WARNING"):
+        got = await consumer.get(ref, (64, 128))
+    assert got.is_cuda and torch.equal(got, t[64:])
+    assert "over TCP from now on" in caplog.text
+    assert consumer.choose_path(ref) == PullKind.TCP
+    again = await consumer.get(ref)
+    assert torch.equal(again, t)
 
 
 async def test_shm_pool_segment_is_used_and_cleaned(stores):

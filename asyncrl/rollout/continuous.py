@@ -112,6 +112,9 @@ class ContinuousBatcher:
             log_probs[j, :k] = torch.tensor(r.logprobs[i])
             versions[j, :k] = torch.tensor(r.versions[i])
             resp_mask[j, :k] = 1
+        # built on the host from Python lists; the batch lives on the prompts' device
+        device = input_ids.device
+        responses, log_probs, versions, resp_mask = (t.to(device) for t in (responses, log_probs, versions, resp_mask))
         prompts = input_ids.repeat_interleave(n, dim=0)
         mask = torch.cat([attention_mask.long().repeat_interleave(n, dim=0), resp_mask], dim=1)
         out = rollout_outputs(prompts, mask, responses, log_probs)

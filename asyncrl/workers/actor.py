@@ -235,7 +235,7 @@ class ActorRolloutRefWorker(Worker):
 
             hook = {"before_step": before_step} if isinstance(self.rollout, RolloutEngine) else {}
             out = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen, **hook)
-            out["behav_versions"] = _token_versions(versions, out["responses"].shape)
+            out["behav_versions"] = _token_versions(versions, out["responses"].shape, out["responses"].device)
         out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
@@ -476,10 +476,10 @@ class _StagedWeights:
         self.worker._apply_staged_weights()
 
 
-def _token_versions(versions: list[int], shape: torch.Size) -> torch.Tensor:
-    """The policy version that produced each response token [rows, T], from the version of
-    token 0 followed by one per decode step."""
-    steps = torch.tensor(versions[:shape[1]], dtype=torch.long)
+def _token_versions(versions: list[int], shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """The policy version that produced each response token [rows, T] on the responses' device,
+    from the version of token 0 followed by one per decode step."""
+    steps = torch.tensor(versions[:shape[1]], dtype=torch.long, device=device)
     return steps.expand(shape[0], -1).clone()
 
 

@@ -45,9 +45,26 @@ def available() -> bool:
 
 
 def unique_id() -> tuple[int, ...]:
+    """A fresh NCCL unique id as unsigned byte values (0-255), the form that travels in a request."""
     from cupy.cuda import nccl
 
-    return tuple(nccl.get_unique_id())
+    uid = nccl.get_unique_id()  # cupy 13: a tuple of signed chars; cupy 14: bytes
+    return tuple(b & 0xFF for b in uid)
+
+
+def open_communicator(uid: tuple[int, ...], rank: int) -> Any:
+    """A two-rank NCCL communicator for `uid` (unsigned bytes). cupy 14 takes the id as bytes,
+    cupy 13 as a tuple of signed chars; the wrong form is a TypeError raised before NCCL is called."""
+    from cupy.cuda import nccl
+
+    try:
+        return nccl.NcclCommunicator(2, bytes(b & 0xFF for b in uid), rank)
+    except TypeError:
+        return nccl.NcclCommunicator(2, tuple((b & 0xFF) - 256 if b & 0x80 else b & 0xFF for b in uid), rank)
+
+
+class NcclUnavailable(RuntimeError):
+    """No NCCL communicator could be built with this owner (the store falls back to TCP)."""
 
 
 class Channel:
@@ -70,7 +87,10 @@ class Channel:
         device = tensors[0].device
         with self._guard, torch.cuda.device(device):
             if self.comm is None:
-                self.comm = nccl.NcclCommunicator(2, tuple(self.uid), self.rank)
+                try:
+                    self.comm = open_communicator(self.uid, self.rank)
+                except Exception as e:  # noqa: BLE001 - e.g. both ends on one GPU: ncclInvalidUsage
+                    raise NcclUnavailable(f"{type(e).__name__}: {e}") from e
                 self.stream = torch.cuda.Stream(device)
             stream = self.stream
             stream.wait_stream(torch.cuda.default_stream(device))  # the tensors' producers are done
@@ -103,6 +123,11 @@ class NcclPath(PullPath):
         self.pulling: dict[str, Channel] = {}  # consumer side: by the owner's endpoint
         self.serving: dict[tuple[int, ...], Channel] = {}  # owner side: by the consumer's id
         self.timeout_s = NCCL_TIMEOUT_S
+        self.refused: dict[str, str] = {}  # owners no communicator could be built with: why
+
+    def usable(self, ref: ObjectRef) -> bool:
+        """Whether a pull of `ref` can use NCCL (else: TCP)."""
+        return available() and ref.endpoint not in self.refused
 
     async def _run(self, channel: Channel, tensors: list[torch.Tensor], drop: Any, *also: Any) -> list[Any]:
         loop = asyncio.get_running_loop()
@@ -127,8 +152,17 @@ class NcclPath(PullPath):
             shape = (rows.num_rows, *shape[1:]) if rows is not None else shape
             out[name] = torch.empty(tuple(shape), dtype=torch_dtype(dt), device=device)
         async with channel.lock:
-            await self._run(channel, list(out.values()), lambda: self.pulling.pop(ref.endpoint, None),
-                            self.request(ref, rows, nccl_uid=channel.uid))
+            try:
+                await self._run(channel, list(out.values()), lambda: self.pulling.pop(ref.endpoint, None),
+                                self.request(ref, rows, nccl_uid=channel.uid))
+            except Exception as e:
+                if channel.comm is not None:
+                    raise
+                # the communicator never came up (both ends on one GPU, no NCCL path between
+                # them): this owner is served over TCP from now on
+                self.pulling.pop(ref.endpoint, None)
+                self.refused[ref.endpoint] = f"{type(e).__name__}: {e}"
+                raise NcclUnavailable(self.refused[ref.endpoint]) from e
         self.store.counters["bytes_received_gpu"] += ref.row_bytes(rows)
         self.store.counters["pulls_nccl"] += 1
         return out
@@ -142,7 +176,11 @@ class NcclPath(PullPath):
             channel = self.serving[uid] = Channel(uid, SENDER, f"a consumer of {entry.ref.object_id}")
         tensors = [t.contiguous() for t in entry.rows(rows).values()]
         async with channel.lock:
-            (sent,) = await self._run(channel, tensors, lambda: self.serving.pop(uid, None))
+            try:
+                (sent,) = await self._run(channel, tensors, lambda: self.serving.pop(uid, None))
+            except NcclUnavailable:
+                self.serving.pop(uid, None)  # the consumer falls back to TCP
+                raise
         return sent
 
     async def close(self) -> None:
