@@ -119,10 +119,34 @@ def load_config(config_name: str, overrides: list[str], config_dir: str | None =
             cfg = compose(config_name=config_name, overrides=_hydra_overrides(dirs, overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(explain(e, None, files)) from None
+    except (AttributeError, AssertionError) as e:  # OmegaConf: a dict merged into a null section
+        raise ConfigError(_null_section(config_name, dirs, overrides, e)) from None
     if daemon:
         _daemon_size(cfg)
     check_config(cfg)
     return cfg
+
+
+def _null_section(config_name: str, dirs: list[Path], overrides: list[str], error: Exception) -> str:
+    """Why composing failed when an override sets fields of a section that is null in the config
+    (OmegaConf cannot merge into it): the first such override, found by applying them in turn."""
+    for i, override in enumerate(overrides):
+        try:
+            with initialize_config_dir(config_dir=str(dirs[0]), version_base=None):
+                cfg = compose(config_name=config_name, overrides=_hydra_overrides(dirs, overrides[:i]))
+        except Exception:  # noqa: BLE001 - an earlier override is the culprit; reported below
+            break
+        key, _, value = override.lstrip("+~").partition("=")
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            section = ".".join(parts[:n])
+            sets_fields = n < len(parts) or value.lstrip().startswith("{")
+            if sets_fields and OmegaConf.select(cfg, section, default=0) is None:
+                return (f"cannot apply {override!r}: {section} is null in config {config_name!r}, and Hydra "
+                        f"cannot set fields of a null section from the command line. Set the section in a "
+                        f"YAML config of yours (e.g. a file with `defaults: [{config_name}, _self_]` and "
+                        f"{section} given as a mapping), or start from a config that sets it")
+    return f"cannot compose config {config_name!r} with {overrides}: {type(error).__name__}: {error}"
 
 
 def _daemon_size(cfg: DictConfig) -> None:

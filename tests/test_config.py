@@ -113,6 +113,9 @@ def test_a_typo_in_an_inherited_shipped_file_names_that_file(tmp_path, capsys):
     ("actor.optim.betas=[0.9]", "actor.optim.betas"),
     ("algorithm.kl_ctrl.target_kl=-1", "algorithm.kl_ctrl.target_kl"),
     ("cost_model.enable=true", "reward.cost_fn"),  # on safe_rlhf, beside its rule cost
+    # fields of a section that is null in grpo (an OmegaConf traceback before, seen on the GPU run)
+    ("model.build_tiny.hidden=1024", "model.build_tiny is null"),
+    ("model.build_tiny={task: sort, hidden: 1024}", "model.build_tiny is null"),
 ])
 def test_bad_overrides_exit_2_naming_the_key(override, key, capsys):
     config = "safe_rlhf" if override.startswith("cost_model") else "grpo"  # its rule cost and a model cost
