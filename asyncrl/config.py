@@ -15,6 +15,7 @@ Workers get the config as a plain dict over the wire and rebuild the typed value
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -533,6 +534,7 @@ class PlanConfig:
 
 
 TRAINER_MODES = ("train", "eval")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 @dataclass
@@ -558,7 +560,12 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | path/to/checkpoints/step_N
     output_dir: str = "outputs/${job.name}"
-    tensorboard: bool = True
+    # where each step's metrics go: metrics.jsonl (jsonl, the run's record: resume, plots and
+    # `asyncrl submit` read it, so it is required), the step line on the console, TensorBoard
+    # (trainer.output_dir/tensorboard), Weights & Biases (pip install wandb; WANDB_MODE=offline
+    # keeps it local, its files under trainer.output_dir/wandb)
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project: str = "asyncrl"  # the wandb project (the run is named after job.name)
     torch_threads: int = 0  # per worker; 0 = the node's cores divided by its workers
     # colocated: every role on one pool of n_workers; split: training (actor, ref, critic) on
     # n_workers and generation on a pool of rollout.n_workers, weights broadcast between them
@@ -569,6 +576,14 @@ class TrainerConfig:
     def check(self, at: str) -> None:
         _one_of(at + "placement", self.placement, PLACEMENTS)
         _one_of(at + "mode", self.mode, TRAINER_MODES)
+        for name in self.loggers:
+            _one_of(at + "loggers", name, LOGGERS)
+        _check(len(set(self.loggers)) == len(self.loggers), at + "loggers", self.loggers, "names a logger twice")
+        _check("jsonl" in self.loggers, at + "loggers", self.loggers,
+               "must keep jsonl: metrics.jsonl is the run's record (resume, the plots and `asyncrl submit` read it)")
+        if "wandb" in self.loggers and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"bad configuration: {at}loggers names wandb but wandb is not installed here: "
+                              f"pip install wandb (or drop it from {at}loggers)")
         _positive(at + "log_samples", self.log_samples, allow_zero=True)
         _positive(at + "n_workers", self.n_workers)
         _positive(at + "total_steps", self.total_steps)

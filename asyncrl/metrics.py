@@ -8,7 +8,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,49 @@ def _step_of(line: str) -> int:
         return 1 << 62  # a line we cannot read is not kept
 
 
-class MetricsWriter:
-    """Appends one JSON object per step to `out_dir/metrics.jsonl` and mirrors it to TensorBoard."""
+class WandbLogger:
+    """Each step's metrics and each evaluation's completions to a Weights & Biases run.
 
-    def __init__(self, out_dir: Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
+    Its files go under `out_dir/wandb` (with WANDB_MODE=offline nothing leaves the machine;
+    `wandb sync` uploads them later). The run's id is kept there too, so a resumed run continues
+    the same wandb run (wandb keeps the steps it already has)."""
+
+    def __init__(self, out_dir: Path, project: str, name: str, config: dict[str, Any], resumed: bool) -> None:
+        import wandb
+
+        folder = out_dir / "wandb"
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / "run-id"
+        run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
+        self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=config, id=run_id,
+                              resume="allow" if run_id else None,
+                              settings=wandb.Settings(console="off"))  # our log lines stay ours
+        id_file.write_text(self.run.id + "\n")
+        self._wandb = wandb
+
+    def log(self, step: int, numbers: dict[str, float]) -> None:
+        self.run.log(numbers, step=step)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        columns = ["data_source", "score", "prompt", "response"]
+        table = self._wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])
+        self.run.log({"samples": table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        self._wandb.teardown()  # ends wandb's service process (a daemon-run job's driver lives on)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `out_dir/metrics.jsonl` and mirrors it to the other
+    loggers named in `loggers` (TensorBoard, wandb)."""
+
+    def __init__(self, out_dir: Path, loggers: Iterable[str] = ("jsonl", "tensorboard"),
+                 resume_step: int | None = None, run: dict[str, Any] | None = None) -> None:
         """A fresh writer; with `resume_step`, TensorBoard events after that step (written by the
-        interrupted run, about to be redone) are purged so no step appears twice."""
+        interrupted run, about to be redone) are purged so no step appears twice. `run` names the
+        wandb run: project, name and config."""
+        loggers = set(loggers)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         self.file = self.path.open("w")
@@ -83,7 +120,7 @@ class MetricsWriter:
         self.samples = samples.open("w")
         self.samples.writelines(ln + "\n" for ln in kept)
         self.tb = None
-        if tensorboard:
+        if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -91,20 +128,30 @@ class MetricsWriter:
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
             except ImportError as e:  # tensorboard is a dependency; a broken install only loses TB
                 log.warning("TensorBoard logging off: %s", e)
+        self.wandb = None
+        if "wandb" in loggers:
+            run = run or {}
+            self.wandb = WandbLogger(out_dir, run.get("project", "asyncrl"), run.get("name", out_dir.name),
+                                     run.get("config", {}), resumed=resume_step is not None)
 
-    def write(self, step: int, metrics: dict[str, Any], tensorboard: bool = True) -> None:
+    def write(self, step: int, metrics: dict[str, Any], mirror: bool = True) -> None:
+        """One step's numbers to metrics.jsonl and, with `mirror`, to TensorBoard and wandb."""
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         # strict JSON: a non-finite value is written as null (json.dumps would write NaN)
         row = {k: v if math.isfinite(v) else None for k, v in numbers.items()}
         self.file.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self.file.flush()
-        if self.tb is not None and tensorboard:
+        if not mirror:
+            return
+        if self.tb is not None:
             for k, v in numbers.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, numbers)
 
     def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """An evaluation's completions, to samples.jsonl and TensorBoard's text tab."""
+        """An evaluation's completions, to samples.jsonl, TensorBoard's text tab and a wandb table."""
         for s in samples:
             self.samples.write(json.dumps({"step": step, **s}, default=str) + "\n")
         self.samples.flush()
@@ -112,6 +159,8 @@ class MetricsWriter:
             text = "\n\n".join(f"**{s['data_source']}** score {s['score']:.3f}  \nprompt: `{s['prompt']}`  \n"
                                  f"response: `{s['response']}`" for s in samples)
             self.tb.add_text("samples", text, step)
+        if self.wandb is not None and samples:
+            self.wandb.log_samples(step, samples)
 
     def plot(self, history: list[dict[str, float]], val: list[list[float]], path: Path, title: str = "") -> None:
         """Training and held-out reward, and response length, per step: one PNG, axes scaled to
@@ -145,21 +194,26 @@ class MetricsWriter:
         plt.close(fig)
 
     def close(self) -> None:
+        """Idempotent: the files, TensorBoard and the wandb run are closed once."""
         self.file.close()
         self.samples.close()
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb, run = None, self.wandb
+            run.close()
 
 
 class _Progress:
     """A progress bar that stays on the last line of a terminal (log lines print above it), and
     on every step one log line with the total and the time left (what a non-terminal sees)."""
 
-    def __init__(self, total: int, initial: int, desc: str) -> None:
+    def __init__(self, total: int, initial: int, desc: str, console: bool = True) -> None:
         from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        self.step, self.total, self.initial = initial, total, initial
+        self.step, self.total, self.initial, self.console = initial, total, initial, console
         self.started = time.monotonic()
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", file=sys.stderr,
                         dynamic_ncols=True, disable=None)  # no bar when stderr is not a terminal
@@ -175,8 +229,9 @@ class _Progress:
         self.step += 1
         per_step = (time.monotonic() - self.started) / max(1, self.step - self.initial)
         left = per_step * (self.total - self.step)
-        log.info("step %d/%d | %s | eta %s", self.step, self.total,
-                 " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics), _clock(left))
+        if self.console:
+            log.info("step %d/%d | %s | eta %s", self.step, self.total,
+                     " ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics), _clock(left))
 
     def close(self) -> None:
         self.bar.close()
@@ -190,8 +245,9 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def progress(total: int, initial: int, desc: str) -> _Progress:
-    return _Progress(total, initial, desc)
+def progress(total: int, initial: int, desc: str, console: bool = True) -> _Progress:
+    """The run's progress bar; with `console`, also one log line per step (trainer.loggers)."""
+    return _Progress(total, initial, desc, console)
 
 
 def phase_summary(path: Path, skip: int = 2) -> dict[str, float]:

@@ -300,7 +300,7 @@ class Trainer:
     # the loop -------------------------------------------------------------------------------------
     async def fit(self, start: Path | None) -> dict[str, Any]:
         """Train from `start` (a checkpoint, or None for step 0) to trainer.total_steps."""
-        from asyncrl.metrics import MetricsWriter, progress
+        from asyncrl.metrics import MetricsWriter
 
         tc = self.cfg.trainer
         t_start = time.monotonic()
@@ -308,19 +308,29 @@ class Trainer:
             await self.load(start)
         await self.sync_weights()  # a separate rollout pool starts from the actor's weights
         resumed = self.step > 0
-        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.tensorboard,
-                                         self.step if resumed else None)
-        if resumed:  # metrics.jsonl up to the checkpoint; TensorBoard already has these steps
-            writer.write(int(self.val_log[0][0]), {"val/reward": self.val_log[0][1]}, tensorboard=False)
+        run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
+        writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.loggers,
+                                         self.step if resumed else None, run)
+        try:
+            return await self._fit(writer, resumed, t_start)
+        finally:
+            writer.close()
+
+    async def _fit(self, writer: Any, resumed: bool, t_start: float) -> dict[str, Any]:
+        from asyncrl.metrics import progress
+
+        tc = self.cfg.trainer
+        if resumed:  # metrics.jsonl up to the checkpoint; TensorBoard and wandb already have these steps
+            writer.write(int(self.val_log[0][0]), {"val/reward": self.val_log[0][1]}, mirror=False)
             for row in self.history:
-                writer.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"}, tensorboard=False)
+                writer.write(int(row["step"]), {k: v for k, v in row.items() if k != "step"}, mirror=False)
         else:
             self.val_log.append([self.step, await self.evaluate()])
             writer.write(self.step, {"val/reward": self.val_log[-1][1], **self.val_details})
             writer.write_samples(self.step, self.val_samples)
             log.info("step %d: held-out reward %.3f", self.step, self.val_log[-1][1])
         tokens, step_time = 0.0, 0.0
-        bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name)
+        bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name, console="console" in tc.loggers)
         k = self.cfg.rollout.max_staleness
         t0 = time.monotonic()
         while self.step < tc.total_steps:
@@ -358,7 +368,7 @@ class Trainer:
             writer.write(self.step, metrics)
             diverged = [k for k in bad if "loss" in k or "grad_norm" in k]
             if diverged:  # the weights are no longer finite: stop before a checkpoint keeps them
-                writer.close()
+                bar.close()
                 raise NonFiniteLossError(
                     f"training diverged at step {self.step}: {', '.join(sorted(diverged))} not finite, so the "
                     f"weights are no longer usable and nothing was saved after step "
@@ -374,7 +384,6 @@ class Trainer:
         hf = await self.save()
         await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png",
                                 f"{self.cfg.job.name} ({self.cfg.algorithm.name}): {self.out_dir}")
-        writer.close()
         return {"algorithm": self.cfg.algorithm.name, "steps": self.step,
                 "val_reward_start": round(self.val_log[0][1], 4), "val_reward_end": round(self.val_log[-1][1], 4),
                 "wall_s": round(time.monotonic() - t_start, 1),

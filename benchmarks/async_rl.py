@@ -52,7 +52,7 @@ def recipe(workdir: Path, steps: int, seed: int, hidden: int, layers: int, extra
     return [f"seed={seed}", f"model.path={workdir / 'model'}", f"model.build_tiny.task={TASK}",
             f"model.build_tiny.hidden={hidden}", f"model.build_tiny.layers={layers}",
             f"data.synthetic.task={TASK}", "rollout.max_tokens=17", f"trainer.total_steps={steps}",
-            f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.tensorboard=false", *extra]
+            f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.loggers=[console,jsonl]", *extra]
 
 
 def runs(devices: int, ks: list[int], seed: int) -> dict[str, list[str]]:

@@ -105,7 +105,7 @@ def validate_cpu(profile_path: str, steps: int, workdir: Path) -> dict[str, Any]
     runs = {}
     for name, plan, cost in cpu_plans(space):
         extra = [*base, *overrides(plan, space, profile), f"trainer.total_steps={steps}",
-                 f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.tensorboard=false"]
+                 f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.loggers=[console,jsonl]"]
         launch(name, extra, workdir, timeout_s=600)
         rows = [json.loads(ln) for ln in (workdir / name / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         measured = statistics.median(r["timing/step_s"] for r in rows if r["step"] > 2)

@@ -42,7 +42,7 @@ async def asyncrl_steps(model_dir: Path, out: Path, steps: int) -> dict:
     cfg = load_config("quickstart", [f"model.path={model_dir}", "model.build_tiny=null",
                                      f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
                                      f"trainer.eval_every={10 * steps}", f"trainer.save_every={10 * steps}",
-                                     "trainer.tensorboard=false", "data.synthetic.n_val=8"])
+                                     "trainer.loggers=[console,jsonl]", "data.synthetic.n_val=8"])
     async with local_cluster(cpu_devices=2, log_dir=out / "logs", cfg=cfg) as ctx:
         trainers: list[Trainer] = []
         await trainer_main(ctx, on_setup=trainers.append)

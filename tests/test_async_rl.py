@@ -107,7 +107,7 @@ def test_split_placement_runs_ahead_within_the_staleness_bound(tiny_model, tmp_p
     res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1",
                                             "rollout.max_staleness=2", "rollout.interrupt_on_update=true",
                                             "trainer.total_steps=5", "trainer.eval_every=5",
-                                            "trainer.tensorboard=false", "job.entry=tests/rl_probe.py:main"])
+                                            "trainer.loggers=[console,jsonl]", "job.entry=tests/rl_probe.py:main"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 5 and sum(summary["policy_gain"]) > 0, summary
@@ -131,7 +131,7 @@ def test_killed_rollout_worker_is_named_and_the_run_resumes(tiny_model, tmp_path
     args = [*LAUNCH, "--config-name", "grpo", f"trainer.output_dir={out}", f"model.path={tiny_model}",
             "model.build_tiny=null", *SMALL, "trainer.placement=split", "trainer.n_workers=1",
             "rollout.max_staleness=1", "trainer.total_steps=6", "trainer.save_every=2", "trainer.eval_every=6",
-            "trainer.tensorboard=false"]
+            "trainer.loggers=[console,jsonl]"]
     proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

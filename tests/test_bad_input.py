@@ -334,7 +334,7 @@ def test_a_non_finite_loss_stops_the_run_and_metrics_stay_strict_json(tmp_path):
     out = tmp_path / "nan"
     res = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
                           f"model.path={model}", "model.build_tiny=null", *SMALL, "trainer.total_steps=4",
-                          "trainer.save_every=1", "trainer.eval_every=4", "trainer.tensorboard=false",
+                          "trainer.save_every=1", "trainer.eval_every=4", "trainer.loggers=[console,jsonl]",
                           "job.entry=tests/nan_probe.py:main"],
                          capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
     assert res.returncode != 0

@@ -91,7 +91,7 @@ def test_own_parquet_and_dict_reward_train_with_completions_shown(tmp_path, tiny
                       "    return {'score': float(ok), 'acc': ok, 'length': len(solution_str)}\n")
     out = tmp_path / "run"
     r = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
-                                          f"reward.fn={reward}:score", "trainer.tensorboard=false",
+                                          f"reward.fn={reward}:score", "trainer.loggers=[console,jsonl]",
                                           f"data.train_files={tmp_path / 'train.parquet'}",
                                           f"data.val_files={tmp_path / 'test.parquet'}"])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -177,7 +177,7 @@ def test_a_learned_reward_model_can_be_the_reward(tmp_path, tiny_model):  # noqa
     out = tmp_path / "rm"
     # the tiny LM loaded as a sequence classifier (a fresh one-output head) scores the responses
     r = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
-                                          f"reward.model_path={tiny_model}", "trainer.tensorboard=false"])
+                                          f"reward.model_path={tiny_model}", "trainer.loggers=[console,jsonl]"])
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [row for row in rows if row["step"] > 0]

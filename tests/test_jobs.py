@@ -381,7 +381,7 @@ def test_submit_by_config_name_runs_an_rl_job_on_the_daemon(tmp_path):
         sub = _cli(env, "submit", "--config-name", "grpo", f"model.path={model}", f"trainer.output_dir={out}",
                    "trainer.total_steps=3", "trainer.eval_every=3", "trainer.save_every=3", "data.batch_size=4",
                    "rollout.n=2", "rollout.max_tokens=4", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
-                   "trainer.tensorboard=false", "--timeout", "150", timeout=180)
+                   "trainer.loggers=[console,jsonl]", "--timeout", "150", timeout=180)
         assert sub.returncode == 0, sub.stderr + daemon.out
         result = json.loads(sub.stdout.splitlines()[-1])
         assert result["algorithm"] == "grpo" and result["steps"] == 3

@@ -324,7 +324,7 @@ def test_grpo_across_two_namespaces(netpair, tmp_path):
     procs = _Procs(f"arl-mn-{PID}-rl")
     tmp = tmp_path / procs.marker
     tmp.mkdir()
-    rl = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.tensorboard=false",
+    rl = ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.loggers=[console,jsonl]",
           "data.batch_size=4", "rollout.n=2", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
           f"trainer.output_dir={tmp}/out", f"model.path={tmp}/model"]
     with _cleaned_up(procs):
@@ -377,7 +377,7 @@ def test_killed_node_is_blamed_across_namespaces(netpair, tmp_path):
     procs = _Procs(f"arl-mn-{PID}-nodekill")
     tmp = tmp_path / procs.marker
     tmp.mkdir()
-    rl = ["trainer.total_steps=200", "trainer.eval_every=200", "trainer.tensorboard=false",
+    rl = ["trainer.total_steps=200", "trainer.eval_every=200", "trainer.loggers=[console,jsonl]",
           "data.batch_size=4", "rollout.n=2", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
           f"trainer.output_dir={tmp}/out", f"model.path={tmp}/model"]
     out_a, out_b = tmp / "node0.out", tmp / "node1.out"

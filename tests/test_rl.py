@@ -39,10 +39,11 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _launch(config: str, out: Path, model: Path, extra: list[str], timeout: float = 240,
-            small: bool = True) -> subprocess.CompletedProcess:
+            small: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = [*LAUNCH, "--config-name", config, f"trainer.output_dir={out}", f"model.path={model}",
             "model.build_tiny=null", *(SMALL if small else []), *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(out))
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**_env(out), **(env or {})})
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -70,7 +71,7 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""
     out = tmp_path / config
     res = _launch(config, out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2",
-                                            "trainer.save_every=2", "trainer.tensorboard=false",
+                                            "trainer.save_every=2", "trainer.loggers=[console,jsonl]",
                                             "job.entry=tests/rl_probe.py:main", *extra])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -92,7 +93,10 @@ def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "grpo"
-    res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=1", "trainer.tensorboard=true"])
+    offline = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **{f"WANDB_{d}_DIR": str(tmp_path / d.lower())
+                                                                  for d in ("CACHE", "CONFIG", "DATA")}}
+    res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2",
+                                                  "trainer.loggers=[console,jsonl,tensorboard,wandb]"], env=offline)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     model = AutoModelForCausalLM.from_pretrained(summary["checkpoint"])
@@ -101,6 +105,14 @@ def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
     assert model(ids).logits.shape[-1] == model.config.vocab_size
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert list((out / "tensorboard").glob("events.*"))
+    # wandb (offline): every step with the job's name; the held-out completions as a table
+    from tests.wandb_records import history, run_info
+
+    (run,) = (out / "wandb").glob("offline-run-*")
+    assert run_info(run).display_name == "quickstart"
+    rows = history(run)
+    assert sorted({int(r["_step"]) for r in rows}) == [0, 1, 2]
+    assert any("critic/score_mean" in r for r in rows) and any(r.get("samples/_type") for r in rows)
     for key in ("val_reward_start", "val_reward_end", "wall_s", "tokens_per_s", "checkpoint"):
         assert key in summary
 
@@ -109,7 +121,7 @@ def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
     out = tmp_path / "resume"
     args = [*LAUNCH, "--config-name", "quickstart", f"trainer.output_dir={out}", f"model.path={tiny_model}",
             "model.build_tiny=null", *SMALL, "trainer.total_steps=4", "trainer.save_every=2",
-            "trainer.eval_every=2", "trainer.tensorboard=false"]
+            "trainer.eval_every=2", "trainer.loggers=[console,jsonl]"]
     proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -158,7 +170,7 @@ def test_grpo_learns_by_default(parallel, tiny_model, tmp_path):
     with a tensor- or pipeline-parallel actor resharded into generation every step."""
     out = tmp_path / "learn"
     res = _launch("quickstart", out, tiny_model, ["trainer.total_steps=100", "trainer.eval_every=50",
-                                                  "trainer.save_every=100", "trainer.tensorboard=false",
+                                                  "trainer.save_every=100", "trainer.loggers=[console,jsonl]",
                                                   *parallel],
                   timeout=600, small=False)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -171,7 +183,7 @@ def test_same_seed_same_metrics(tiny_model, tmp_path):
     def run(name: str) -> list[dict]:
         out = tmp_path / name
         res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "trainer.eval_every=2",
-                                                "trainer.tensorboard=false"])
+                                                "trainer.loggers=[console,jsonl]"])
         assert res.returncode == 0, res.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
@@ -239,7 +251,7 @@ def test_grpo_steps_on_cuda(tiny_model, tmp_path):
     generation and the update all on CUDA."""
     out = tmp_path / "cuda"
     res = _launch("quickstart", out, tiny_model, ["trainer.n_workers=1", "trainer.total_steps=4",
-                                                  "trainer.eval_every=2", "trainer.tensorboard=false"])
+                                                  "trainer.eval_every=2", "trainer.loggers=[console,jsonl]"])
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
@@ -265,7 +277,7 @@ def test_resume_in_another_parallel_layout(tiny_model, tmp_path):
     (pp=2: the embedding and LM head untie, the head's optimizer state comes from the tied
     weight's); going back to the tied model is refused, since one trained weight would be lost."""
     out = tmp_path / "relayout"
-    common = ["trainer.save_every=2", "trainer.eval_every=2", "trainer.tensorboard=false"]
+    common = ["trainer.save_every=2", "trainer.eval_every=2", "trainer.loggers=[console,jsonl]"]
     res = _launch("grpo", out, tiny_model, ["trainer.total_steps=2", *common])
     assert res.returncode == 0, res.stderr[-3000:]
     res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "actor.parallel.pp=2", *common])

@@ -222,7 +222,7 @@ def test_grpo_with_vllm_rollout_learns(tmp_path):
     model = ensure_tiny_model(tmp_path / "model", task="sort", sft_steps=0, **TINY)
     out = tmp_path / "learn"
     res = _launch("quickstart", out, model, ["rollout.engine=vllm", "trainer.total_steps=100",
-                                             "trainer.eval_every=50", "trainer.tensorboard=false"],
+                                             "trainer.eval_every=50", "trainer.loggers=[console,jsonl]"],
                   timeout=600, small=False)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -237,7 +237,7 @@ def test_grpo_with_tensor_parallel_vllm_trains(tmp_path):
     model = ensure_tiny_model(tmp_path / "model", task="sort", sft_steps=0, **TINY)
     out = tmp_path / "tp2"
     res = _launch("grpo", out, model, ["rollout.engine=vllm", "actor.parallel.tp=2", "rollout.parallel.tp=2",
-                                       "trainer.total_steps=3", "trainer.tensorboard=false"])
+                                       "trainer.total_steps=3", "trainer.loggers=[console,jsonl]"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 3
 
