@@ -472,6 +472,23 @@ class KLControllerConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (grpo and rloo): a prompt whose n samples all score the same teaches
+    nothing (its advantages are 0), so its group is dropped and more prompts are sampled until the
+    step has data.batch_size prompts whose samples differ."""
+
+    enable: bool = False
+    metric: str = "score"  # the reward's score, or a key of a dict-returning reward (e.g. acc)
+    # generation batches per step at most (0 = no limit); when they run out, the step is filled
+    # with groups that were dropped (their advantages are 0) and dynamic/flat_groups says how many
+    max_num_gen_batches: int = 10
+
+    def check(self, at: str) -> None:
+        _positive(at + "max_num_gen_batches", self.max_num_gen_batches, allow_zero=True)
+        _check(bool(self.metric), at + "metric", self.metric, "must name the score or a reward key")
+
+
+@dataclass
 class SafeRLHFConfig:
     lagrange_init: float = 1.0
     lagrange_lr: float = 0.1
@@ -497,6 +514,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # the KL estimator in the reward
     kl_ctrl: KLControllerConfig = field(default_factory=KLControllerConfig)
     safe: SafeRLHFConfig = field(default_factory=SafeRLHFConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def check(self, at: str) -> None:
         _one_of(at + "name", self.name, ALGORITHMS)
@@ -619,6 +637,13 @@ class RLConfig(LaunchConfig):
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
         self._check_mini_batches(at)
+        if self.algorithm.filter_groups.enable:
+            fg = at + "algorithm.filter_groups.enable"
+            _check(self.algorithm.name in ("grpo", "rloo"), fg, True,
+                   f"dynamic sampling drops prompt groups; it applies to grpo and rloo, not {self.algorithm.name}")
+            _check(self.rollout.max_staleness == 0, fg, True,
+                   f"needs rollout.max_staleness=0 (refill batches are generated within the step); "
+                   f"got {self.rollout.max_staleness}")
         self.data.check_val_only(at + "data.", self.trainer.mode)
         _check(self.reward.overlong_buffer < self.rollout.max_tokens, at + "reward.overlong_buffer",
                self.reward.overlong_buffer, f"must be below {at}rollout.max_tokens={self.rollout.max_tokens} (the "

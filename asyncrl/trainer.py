@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import math
@@ -182,8 +183,20 @@ class Trainer:
         rest = {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)}
         return self.ctx.put(Batch(tensors, rest, meta))
 
-    def _next_prompts(self, step: int) -> DistBatch:
-        return self._put(self.loader.next_batch(), {"seed": self.cfg.seed * 100003 + step})
+    def _next_prompts(self, step: int, refill: int = 0) -> DistBatch:
+        """The step's prompts; `refill` k > 0 is dynamic sampling's k-th extra batch of the step
+        (its own seed and group ids). With dynamic sampling every batch is padded to
+        data.max_prompt_len, so batches of one step concatenate."""
+        seed = self.cfg.seed * 100003 + step
+        from asyncrl.data.dataset import pad_prompts
+
+        d = self.loader.next_batch()
+        if self.cfg.algorithm.filter_groups.enable:
+            d = pad_prompts(d, self.cfg.data.max_prompt_len, self.tokenizer.pad_token_id)
+        if refill:
+            seed = seed * 1009 + refill
+            d["uid"] = [f"{u}@{refill}" for u in d["uid"]]  # the same prompt again is another group
+        return self._put(d, {"seed": seed})
 
     def pretrain_batch(self) -> DistBatch:
         """Prompt + ground-truth answer sequences for the Safe-RLHF pretrain (SFT) loss term."""
@@ -344,6 +357,8 @@ class Trainer:
             data = {}
             if self.algorithm.needs_pretrain and self.cfg.actor.pretrain_coef > 0:
                 data["pretrain"] = self.pretrain_batch()
+            if self.cfg.algorithm.filter_groups.enable:
+                data["refill"] = functools.partial(self._next_prompts, self.step)
             metrics = await self.algorithm.step(self.roles, self.cfg, self.ctl, prompts, **data)
             metrics.update(self.generations.done(self.step))
             self.step += 1

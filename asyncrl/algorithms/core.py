@@ -207,6 +207,26 @@ def rloo_advantage(
     return adv, adv
 
 
+def split_flat_groups(group_ids: Sequence[Hashable], values: Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """DAPO's dynamic-sampling filter: the row indices of each group (groups in order of first
+    appearance), split into groups whose values differ and flat groups whose values are all equal.
+
+    A flat group's GRPO/RLOO advantages are all 0, so it adds no gradient. Non-finite values (a
+    reward key a row lacks) are ignored; a group with fewer than two finite values is flat."""
+    if len(group_ids) != len(values):
+        raise ValueError(f"{len(group_ids)} group ids for {len(values)} values")
+    rows: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        rows.setdefault(g, []).append(i)
+    values = _as_float(values)
+    varied, flat = [], []
+    for idx in rows.values():
+        v = values[idx]
+        v = v[torch.isfinite(v)]
+        (varied if len(v) > 1 and bool(v.max() > v.min()) else flat).append(idx)
+    return varied, flat
+
+
 def _reverse_cumsum(x: Tensor) -> Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 

@@ -261,6 +261,19 @@ class PromptDataset:
         return collate_prompts(items, self.pad_token_id)
 
 
+def pad_prompts(batch: dict[str, Any], width: int, pad_token_id: int) -> dict[str, Any]:
+    """A collated prompt batch left-padded to `width` columns (no-op if it is that wide)."""
+    extra = width - batch["input_ids"].shape[1]
+    if extra < 0:
+        raise ValueError(f"prompts of {batch['input_ids'].shape[1]} tokens do not fit width {width}")
+    if extra == 0:
+        return batch
+    rows = batch["input_ids"].shape[0]
+    ids = torch.cat([torch.full((rows, extra), pad_token_id, dtype=torch.long), batch["input_ids"]], dim=1)
+    mask = torch.cat([torch.zeros((rows, extra), dtype=torch.long), batch["attention_mask"]], dim=1)
+    return {**batch, "input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
+
+
 def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str, Any]:
     """input_ids/attention_mask/position_ids [B, P] left-padded, plus per-row metadata lists."""
     width = max(len(it.input_ids) for it in items)
