@@ -37,8 +37,8 @@ UNITS = REPO / "daemons" / "systemd"
 class _Proc:
     """A launched process group whose output is collected by a thread; killed if still running."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path = REPO) -> None:
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -362,35 +362,123 @@ def test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart(tmp_path):
             p.kill()
 
 
-def test_submit_by_config_name_runs_an_rl_job_on_the_daemon(tmp_path):
-    """`asyncrl submit --config-name grpo key=value ...` composes the config as asyncrl-launch
-    does, runs it on the daemon's workers, echoes its steps and prints its final JSON."""
-    from asyncrl.models.tiny import ensure_tiny_model
-    from transport.auth import generate_keys
+def _readme_block(text: str, after: str, fence: str) -> str:
+    """The first fenced block of kind `fence` after the line containing `after`."""
+    rest = text[text.index(after):]
+    start = rest.index(f"```{fence}\n") + len(fence) + 4
+    return rest[start:rest.index("```", start)]
 
+
+def _readme_commands(block: str) -> list[str]:
+    return [ln.split(" #")[0].strip() for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_the_readme_commands_run_as_written(tmp_path):
+    """daemons/systemd/README.md's commands, as written, against the coordinator unit's command
+    line: the `keys generate` lines, every line of "With the CLI" (local and remote submits of a
+    smoke job and of `--config-name grpo` RL jobs, status, stop, shutdown) and the Python example.
+    Only the paths, the address and `ID` are replaced."""
+    from asyncrl.launch import SHUTDOWN_EXIT
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    text = (UNITS / "README.md").read_text()
+    keys, state = tmp_path / "keys", tmp_path / "state"
     model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=2)
-    keys = tmp_path / "keys"
-    generate_keys(keys)
-    env = _env(tmp_path)
+    subst = {"/opt/asyncrl/.venv/bin/asyncrl": "asyncrl", "/etc/asyncrl/keys": str(keys), "/path/to/keys": str(keys),
+             "/var/lib/asyncrl/state": str(state), "/models/qwen": str(model)}
+
+    def argv(line: str) -> list[str]:
+        for a, b in subst.items():
+            line = line.replace(a, b)
+        words = shlex.split(line)
+        words = [w for w in words if w != "sudo"]
+        assert words[0] == "asyncrl", line
+        return CLI + words[1:]
+
+    env = {**_env(tmp_path), "PYTHONPATH": str(REPO)}
+    for line in ("sudo /opt/asyncrl/.venv/bin/asyncrl keys generate /etc/asyncrl/keys",
+                 "asyncrl keys generate /etc/asyncrl/keys --name alice"):
+        assert line.replace("sudo ", "") in text.replace("sudo ", "")  # as the README has them
+        res = subprocess.run(argv(line), env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    commands = _readme_commands(_readme_block(text, "With the CLI", "sh"))
+    export = commands.pop(0)
+    assert export.startswith("export ASYNCRL_STATE_DIR=/var/lib/asyncrl/state")
+    env["ASYNCRL_STATE_DIR"] = str(state)
+
+    # the coordinator unit, its keys and logs here; runs write relative paths under tmp_path
     daemon = _Proc(_exec_start("asyncrl-coordinator.service", {}) +
                    ["cluster.port=0", "cluster.host=127.0.0.1", f"cluster.key_dir={keys}",
                     f"cluster.log_dir={tmp_path / 'logs'}", "cluster.cpu_devices=2"], env)
+    procs = [daemon]
+
+    def run(line: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return subprocess.run(argv(line), env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+    def running(job: str) -> None:
+        deadline = time.monotonic() + 90
+        while not [j for j in _status(env, "--job", head.job_id)["jobs"] if j["job_id"] == job and j["workers"]]:
+            assert time.monotonic() < deadline, daemon.out
+            time.sleep(0.3)
+
     try:
         daemon.wait_for("registered with", timeout=60)
-        out = tmp_path / "run"
-        sub = _cli(env, "submit", "--config-name", "grpo", f"model.path={model}", f"trainer.output_dir={out}",
-                   "trainer.total_steps=3", "trainer.eval_every=3", "trainer.save_every=3", "data.batch_size=4",
-                   "rollout.n=2", "rollout.max_tokens=4", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
-                   "trainer.loggers=[console,jsonl]", "--timeout", "150", timeout=180)
-        assert sub.returncode == 0, sub.stderr + daemon.out
-        result = json.loads(sub.stdout.splitlines()[-1])
-        assert result["algorithm"] == "grpo" and result["steps"] == 3
-        assert "asyncrl: step 3" in sub.stderr  # progress echoed while it ran
-        assert (out / "checkpoints" / "step_3").is_dir()
+        (head,) = read_states(state)
+        subst["10.0.0.1:29400"] = head.endpoint.removeprefix("tcp://")
+        by_kind: dict[str, list[str]] = {}
+        for line in commands:
+            words = shlex.split(line)
+            kind = words[1] + (" remote" if "--coordinator" in words else "") + (" rl" if "--config-name" in words else "")
+            by_kind.setdefault(kind, []).append(line)
+        assert set(by_kind) == {"submit", "submit rl", "status", "stop", "shutdown", "submit remote rl",
+                                "status remote", "stop remote"}, by_kind
+
+        (smoke,) = by_kind["submit"]
+        res = run(smoke)
+        assert res.returncode == 0, res.stderr + daemon.out
+        assert json.loads(res.stdout.splitlines()[-1])["rows_pulled"] > 0
+        (rl,) = by_kind["submit rl"]
+        res = run(rl)
+        assert res.returncode == 0, res.stderr + daemon.out
+        result = json.loads(res.stdout.splitlines()[-1])
+        assert result["algorithm"] == "grpo" and result["steps"] == 5
+        assert "asyncrl: step 5" in res.stderr  # progress echoed while it ran
+        assert (tmp_path / "outputs" / "grpo" / "checkpoints" / "step_5").is_dir()
+        for line in by_kind["status"]:
+            if "--job ID" not in line:
+                assert run(line, 60).returncode == 0
+
+        # a remote RL job, twice: stopped from this node by id, then remotely
+        (remote,) = by_kind["submit remote rl"]
+        subst["ID"] = "nightly-1"
+        for stopper in (*[ln for ln in by_kind["stop"] if "--job ID" in ln], *by_kind["stop remote"]):
+            job = _Proc(argv(remote), env, cwd=tmp_path)  # its outputs/grpo under tmp_path
+            procs.append(job)
+            running("nightly-1")
+            (remote_status,) = by_kind["status remote"]
+            shown = run(remote_status, 60)
+            assert shown.returncode == 0 and "nightly-1" in shown.stdout, shown.stderr
+            for line in by_kind["status"]:
+                if "--job ID" in line:
+                    assert run(line, 60).returncode == 0
+            stop = run(stopper, 60)
+            assert stop.returncode == 0 and "nightly-1" in stop.stdout, stop.stderr
+            assert job.finish(60) == 1 and "stopped" in job.out, job.out
+
+        # the Python example, with a user identity of its own
+        code = _readme_block(text, "The same from Python", "python")
+        code = code.replace("tcp://10.0.0.1:29400", head.endpoint).replace("/path/to/keys", str(keys))
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0 and "rows_pulled" in res.stdout, res.stderr + daemon.out
+
         bad = _cli(env, "submit", "--config-name", "grpo", "trainer.totl_steps=3", timeout=60)
         assert bad.returncode == 2 and "trainer.total_steps" in bad.stderr  # a typo, before anything runs
+        (down,) = by_kind["shutdown"]
+        assert run(down, 60).returncode == 0
+        assert daemon.finish(30) == SHUTDOWN_EXIT, daemon.out
     finally:
-        daemon.kill()
+        for p in procs:
+            p.kill()
 
 
 def test_status_starts_without_importing_torch(tmp_path):
