@@ -91,6 +91,9 @@ class JobContext:
         """Stop this job's workers (only this job's) and close the driver's store."""
         try:
             await self.coordinator.end_job(self.job_id)
+            log_dir = _select(self.cfg, "cluster.log_dir")
+            if log_dir and len(self.coordinator.live_nodes()) > 1:  # every node's logs beside node 0's
+                await self.coordinator.collect_job_logs(self.job_id, Path(log_dir) / self.job_id)
         finally:
             if self.tracker is not None:
                 self.tracker.close()

@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from daemons.errors import JobError, NodeDiedError, PlacementError, WorkerDiedError
@@ -39,7 +41,7 @@ from daemons.messages import (
     WorkerState,
     WorkerStatus,
 )
-from daemons.state import check_job_id, new_job_id
+from daemons.state import JOB_LOGS_MARKER, check_job_id, new_job_id
 from daemons.worker import ALLOWED_ENV, COORDINATOR_KEY_ENV
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectRef
@@ -446,6 +448,34 @@ class Coordinator:
 
     def job_handles(self, job_id: str) -> list[WorkerHandle]:
         return [h for h in self.handles.values() if h.info.job == job_id]
+
+    async def collect_job_logs(self, job_id: str, dest: Path) -> int:
+        """Copy the worker logs of job `job_id` from every other node (their tails, see
+        `NodeDaemon.job_logs`) to `dest/<node id>/` on this machine, so one folder holds the
+        whole job's logs. A node that keeps its logs in `dest` itself is skipped, and one that
+        does not answer is named in a warning. Returns the number of files written."""
+        here, target = socket.gethostname(), str(dest.resolve())
+
+        async def fetch(node: NodeInfo) -> int:
+            try:
+                reply = await node.client.call("job_logs", job_id, timeout=30)
+            except Exception as e:  # noqa: BLE001 - the job is over; its logs stay on that node
+                log.warning("node %s: could not fetch job %s's worker logs (%s); they stay on that node",
+                            node.node_id, job_id, e)
+                return 0
+            if not reply["files"] or (reply["host"] == here and reply["dir"] == target):
+                return 0
+            folder = dest / node.node_id
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / JOB_LOGS_MARKER).write_text(job_id + "\n")  # node 0's log rotation removes it
+            for name, data in reply["files"].items():
+                if "/" in name or not name.startswith("worker-"):
+                    continue  # a node names its own files; nothing else is written
+                (folder / name).write_bytes(data)
+            return len(reply["files"])
+
+        counts = await asyncio.gather(*(fetch(n) for n in self.live_nodes()))
+        return sum(counts)
 
     async def end_job(self, job_id: str, grace_s: float = 5.0) -> None:
         """Stop the workers of `job_id` (not other jobs') and forget its pools, workers, handles

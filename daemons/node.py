@@ -28,7 +28,7 @@ from daemons.liveness import HeartbeatSender
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import die_with_parent, exit_reason, interface_for, kill_group, tail
 from daemons.proc import free_port as _free_port
-from daemons.state import check_job_id
+from daemons.state import JOB_LOGS_MARKER, check_job_id
 from objectstore.memory import resolve_memory_limit
 from objectstore.segments import remove_stale_segments
 from transport import CurveConfig, RpcClient, RpcServer, TransportError, expose
@@ -104,13 +104,19 @@ def gpu_env(device: str, visible: str | None) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": physical, "ASYNCRL_DEVICE": "cuda:0"}
 
 
-JOB_LOGS_MARKER = ".asyncrl-job-logs"  # in each job log folder this daemon made
 KEEP_JOB_LOGS = 20  # job log folders a node keeps (cluster.keep_job_logs)
 
 
+JOB_LOG_TAIL_BYTES = 4 << 20  # per worker log: what node 0 copies of another node's logs
+
+
 def _remove_job_logs(folder: Path) -> None:
-    """Delete what a node daemon wrote in a job's log folder (worker logs, the marker), and the
-    folder once empty; anything else in it stays, and so does the folder."""
+    """Delete what asyncrl wrote in a job's log folder (worker logs, the marker, other nodes'
+    logs copied into marked sub-folders), and the folder once empty; anything else in it stays,
+    and so does the folder."""
+    for sub in folder.iterdir() if folder.is_dir() else ():
+        if sub.is_dir() and not sub.is_symlink() and (sub / JOB_LOGS_MARKER).is_file():
+            _remove_job_logs(sub)
     for f in [*folder.glob("worker-*.log"), folder / JOB_LOGS_MARKER]:
         with contextlib.suppress(OSError):
             f.unlink()
@@ -378,6 +384,26 @@ class NodeDaemon:
     @expose
     def shutdown(self) -> None:
         self.stopped.set()
+
+    @expose
+    def job_logs(self, job_id: str, max_bytes: int = JOB_LOG_TAIL_BYTES) -> dict:
+        """The last `max_bytes` of each worker log of job `job_id` on this node, for node 0 to
+        keep beside its own: {"host", "dir", "files": {name: bytes}}. Only `worker-*.log` regular
+        files of the job's folder are read (no links followed)."""
+        folder = self.log_dir / check_job_id(job_id)
+        max_bytes = max(0, min(int(max_bytes), JOB_LOG_TAIL_BYTES))
+        files: dict[str, bytes] = {}
+        if folder.is_dir() and not folder.is_symlink():
+            for path in sorted(folder.glob("worker-*.log")):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                except OSError:
+                    continue  # a link or a file that went
+                with os.fdopen(fd, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(max(0, size - max_bytes))
+                    files[path.name] = f.read(max_bytes)
+        return {"host": socket.gethostname(), "dir": str(folder.resolve()), "files": files}
 
     @expose
     def info(self) -> NodeInfoReply:

@@ -24,6 +24,8 @@ from typing import Any
 STATE_DIR_ENV = "ASYNCRL_STATE_DIR"
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
+JOB_LOGS_MARKER = ".asyncrl-job-logs"  # in each job log folder asyncrl made (node daemons, node 0's copies)
+
 
 class StateKind(enum.StrEnum):
     JOB = "job"  # an `asyncrl-launch` job: its own coordinator, ended by `asyncrl stop`

@@ -515,3 +515,40 @@ def test_node_keeps_its_newest_job_log_folders_and_nothing_else_goes(tmp_path):
     assert left == ["README", "job-1", "job-2", "job-3", "job-4", "mine"], left
     assert sorted(p.name for p in (logs / "job-1").iterdir()) == ["keep.txt"]
     assert (logs / "mine" / "notes.txt").exists() and (made[4] / JOB_LOGS_MARKER).exists()
+
+
+async def test_node_0_keeps_a_copy_of_every_nodes_job_logs(tmp_path):
+    """`Coordinator.collect_job_logs`: another node's worker logs (their tails) land in
+    `<node 0's log dir>/<job>/<node id>/`; links are not followed, a bad job id is refused by the
+    node, and node 0's rotation removes the copies with the job's folder."""
+    from daemons.coordinator import Coordinator
+    from daemons.node import JOB_LOG_TAIL_BYTES, NodeDaemon, _remove_job_logs
+
+    coordinator = Coordinator("tcp://127.0.0.1:0", insecure=True)
+    await coordinator.start()
+    head = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=1, log_dir=tmp_path / "a")
+    other = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=1, log_dir=tmp_path / "b", node_rank=1)
+    try:
+        for node in (head, other):
+            await node.start()
+            await node.wait_registered(10)
+        folder = other._job_log_dir("job-x")
+        (folder / "worker-w1.log").write_bytes(b"x" * (JOB_LOG_TAIL_BYTES + 10) + b"the end\n")
+        (tmp_path / "secret").write_text("not a log")
+        (folder / "worker-evil.log").symlink_to(tmp_path / "secret")
+        (folder / "notes.txt").write_text("not a worker log")
+        dest = head._job_log_dir("job-x")
+        (dest / "worker-w0.log").write_text("node 0's own\n")
+        assert await coordinator.collect_job_logs("job-x", dest) == 1
+        (copy,) = (dest / other.node_id).glob("worker-*.log")
+        data = copy.read_bytes()
+        assert copy.name == "worker-w1.log" and len(data) == JOB_LOG_TAIL_BYTES and data.endswith(b"the end\n")
+        assert not (dest / head.node_id).exists()  # node 0's own logs are already there
+        assert await coordinator.collect_job_logs("../escape", tmp_path / "nowhere") == 0  # refused by check_job_id
+        assert not (tmp_path / "nowhere").exists()
+        _remove_job_logs(dest)
+        assert not dest.exists()
+    finally:
+        for node in (other, head):
+            await node.close()
+        await coordinator.close()

@@ -254,6 +254,9 @@ def test_smoke_job_across_two_namespaces(netpair, tmp_path):
         assert f"node 1 joined {SUBNET}.1:{PORT}" in text_b, report
         worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
+        # and node 0 keeps a copy of them beside its own: one folder holds the whole job's logs
+        copied = list((tmp / "logs-a").glob("*/*/worker-*.log"))
+        assert copied and f"serving tcp://{SUBNET}.2:" in "".join(p.read_text() for p in copied), report
         print(f"two-node smoke job took {time.monotonic() - t0:.1f}s")
 
 
