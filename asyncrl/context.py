@@ -78,7 +78,8 @@ class JobContext:
         limit = resolve_memory_limit(_memory_limit(self.cfg), stores_on_node=len(node.devices) + 1)
         self.store = ObjectStore(node_id=node.node_id, endpoint=f"tcp://{node.host}:0", bulk_host=node.host,
                                  curve=self.coordinator.worker_curve, insecure=self.coordinator.insecure,
-                                 limits=self.coordinator.limits, name="store-driver", memory_limit_bytes=limit)
+                                 limits=self.coordinator.limits, name="store-driver", memory_limit_bytes=limit,
+                                 host_only=True)  # the controller never creates a CUDA context
         await self.store.start()
         self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self

@@ -88,7 +88,11 @@ class ObjectStore:
         shm_dir: str = segments.SHM_DIR,
         shm_pool_bytes: int = 0,
         shm_free_bytes: Callable[[str], int] = segments.shm_free_bytes,
+        host_only: bool = False,
     ) -> None:
+        """`host_only`: this process never touches a GPU (the driver's store): GPU objects come
+        over TCP into host memory, so no CUDA context is created here (seen on an H100: the
+        driver's first CUDA IPC pull initialised CUDA on its event loop for over 10 s)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         self.node_id = node_id or default_node_id()
@@ -98,6 +102,7 @@ class ObjectStore:
         self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
         self.bulk_timeout = bulk_timeout
         self.default_transport = transport
+        self.host_only = host_only
         self.shm_dir = shm_dir
         self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"{name}-io")
         self.table = ObjectTable(name=name, node_id=self.node_id, memory_limit_bytes=memory_limit_bytes,
@@ -284,7 +289,8 @@ class ObjectStore:
         if ref.kind == VALUE:
             return pulled
         value = pulled[None] if ref.kind == TENSOR else pulled
-        if device is None and kind == PullKind.TCP and ref.device.startswith("cuda") and torch.cuda.is_available():
+        if (device is None and kind == PullKind.TCP and ref.device.startswith("cuda") and not self.host_only
+                and torch.cuda.is_available()):
             device = torch.device("cuda", torch.cuda.current_device())  # a GPU object stays on a GPU
         return _to_device(value, device)
 
@@ -299,6 +305,8 @@ class ObjectStore:
         if transport != "auto":
             return _FORCED[transport]
         is_cuda = ref.device.startswith("cuda")
+        if is_cuda and self.host_only:
+            return PullKind.TCP
         if ref.node_id == self.node_id:
             if is_cuda:  # no peer access (or IPC failed before): through host memory
                 return PullKind.CUDA_IPC if self.paths[PullKind.CUDA_IPC].usable(ref) else PullKind.TCP

@@ -549,6 +549,27 @@ async def test_same_node_gpu_pull_falls_back_to_tcp_without_peer_access(stores, 
     assert cuda_ipc.CudaIpcPath(store).usable(ref)
 
 
+async def test_a_host_only_store_pulls_gpu_objects_over_tcp_without_touching_cuda(stores, monkeypatch):
+    """The driver's store (host_only): GPU objects of its node or another come over TCP into host
+    memory and nothing asks CUDA anything (no context in the controller; seen on an H100)."""
+    def no_cuda(*a, **k):
+        raise AssertionError("a host-only store asked CUDA")
+
+    for name in ("is_available", "current_device", "device_count"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    monkeypatch.setattr(cuda_ipc, "peer_access", no_cuda)
+    store = await stores(node_id="n", host_only=True)
+    assert store.choose_path(_cuda_ref(store, "n")) == PullKind.TCP
+    assert store.choose_path(_cuda_ref(store, "other")) == PullKind.TCP
+
+    async def host_copy(ref, rows):
+        return {None: torch.ones(4, 4)}
+
+    monkeypatch.setattr(store.paths[PullKind.TCP], "fetch", host_copy)
+    got = await store.get(_cuda_ref(store, "n"))
+    assert got.device.type == "cpu"
+
+
 async def test_cuda_ipc_fetch_copies_by_default_and_falls_back_when_a_handle_fails(stores, monkeypatch):
     store = await stores(node_id="n")
     ipc = cuda_ipc.CudaIpcPath(store)
