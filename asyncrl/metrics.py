@@ -82,6 +82,9 @@ class WandbLogger:
         run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
         self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=config, id=run_id,
                               resume="allow" if run_id else None,
+                              # a run left open in this process (a job that failed before closing
+                              # its writer) is finished, not reused for this one
+                              reinit="finish_previous",
                               settings=wandb.Settings(console="off"))  # our log lines stay ours
         id_file.write_text(self.run.id + "\n")
         self._wandb = wandb

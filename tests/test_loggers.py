@@ -86,6 +86,22 @@ def test_bad_logger_lists_are_config_errors(loggers, words):
         load_config("grpo", [f"trainer.loggers={loggers}"])
 
 
+def test_a_writer_left_open_does_not_capture_the_next_run(offline):
+    """A job that failed before closing its writer leaves its wandb run open in the process: the
+    next writer gets a run of its own."""
+    left_open = MetricsWriter(offline / "a", ["jsonl", "wandb"], run={"name": "a"})
+    left_open.write(1, {"x": 1.0})
+    second = MetricsWriter(offline / "b", ["jsonl", "wandb"], run={"name": "b"})
+    second.write(1, {"x": 2.0})
+    second.close()
+    left_open.close()
+    first_id = (offline / "a" / "wandb" / "run-id").read_text().strip()
+    second_id = (offline / "b" / "wandb" / "run-id").read_text().strip()
+    assert first_id != second_id
+    (run,) = _runs(offline / "b")
+    assert run_info(run).display_name == "b" and [r["x"] for r in history(run)] == ["2"]
+
+
 def test_no_wandb_process_is_left_behind(offline):
     w = MetricsWriter(offline / "run", ["jsonl", "wandb"], run={"name": "r"})
     w.write(1, {"x": 1.0})
