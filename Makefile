@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: run test lint bench clean vllm
+.PHONY: run test test-all lint bench clean vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+# every test, the ones marked slow too (make test skips them and says so)
+test-all: $(STAMP)
+	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
+	$(BIN)/python -m pytest -q -rs --run-slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.rpc

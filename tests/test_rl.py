@@ -163,7 +163,10 @@ def test_grpo_advantage_task_on_a_batch():
         advantage.rloo(b.select("response_mask", "scores"))
 
 
-@pytest.mark.parametrize("parallel", [[], ["actor.parallel.tp=2"], ["actor.parallel.pp=2"]],
+# dp2 runs in `make test`; the TP and PP layouts' update direction is checked there too
+# (test_algorithm_trains_a_few_steps[ppo_tp2_gen_tp2], [grpo_pp2]), their learning in test-all
+@pytest.mark.parametrize("parallel", [[], pytest.param(["actor.parallel.tp=2"], marks=pytest.mark.slow),
+                                      pytest.param(["actor.parallel.pp=2"], marks=pytest.mark.slow)],
                          ids=["dp2", "tp2", "pp2"])
 def test_grpo_learns_by_default(parallel, tiny_model, tmp_path):
     """The quickstart recipe, shortened: GRPO must raise held-out greedy reward by a margin, also
