@@ -2,12 +2,13 @@
 
 It checks the model and the run directory, loads prompts, places the workers, and runs the
 configured algorithm's step (`asyncrl.algorithms.registry`) with evaluation, progress, metrics
-(JSONL, TensorBoard, a reward-curve PNG), per-phase timings, checkpoints and resume around it.
+(`trainer.loggers`: JSONL, console, TensorBoard, wandb; a reward-curve PNG), per-phase timings,
+checkpoints and resume around it.
 The final line printed by `asyncrl-launch` is the JSON summary this returns.
 
 A run directory (`trainer.output_dir`) holds what this program wrote and nothing else is touched:
-`config.yaml` (the composed config), `metrics.jsonl`, `tensorboard/`, `reward_curve.png`,
-`checkpoints/step_N/` and `logs/`.
+`config.yaml` (the composed config), `metrics.jsonl`, `samples.jsonl`, `tensorboard/`, `wandb/`,
+`reward_curve.png`, `checkpoints/step_N/` and `logs/`.
 """
 
 from __future__ import annotations
