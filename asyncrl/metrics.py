@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from daemons.errors import ConfigError
+
 log = logging.getLogger("asyncrl.metrics")
 
 
@@ -71,7 +73,12 @@ class WandbLogger:
 
     Its files go under `out_dir/wandb` (with WANDB_MODE=offline nothing leaves the machine;
     `wandb sync` uploads them later). The run's id is kept there too, so a resumed run continues
-    the same wandb run (wandb keeps the steps it already has)."""
+    the same wandb run: wandb keeps the steps it already has, so the steps redone after the
+    checkpoint keep their first values there (metrics.jsonl and TensorBoard have the new ones).
+    Jobs running side by side in one daemon process each get a run of their own; wandb's service
+    process ends when the last run of the process is closed."""
+
+    _open = 0  # runs of this process not yet closed
 
     def __init__(self, out_dir: Path, project: str, name: str, config: dict[str, Any], resumed: bool) -> None:
         import wandb
@@ -80,12 +87,16 @@ class WandbLogger:
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / "run-id"
         run_id = id_file.read_text().strip() if resumed and id_file.exists() else None
-        self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=config, id=run_id,
-                              resume="allow" if run_id else None,
-                              # a run left open in this process (a job that failed before closing
-                              # its writer) is finished, not reused for this one
-                              reinit="finish_previous",
-                              settings=wandb.Settings(console="off"))  # our log lines stay ours
+        try:
+            # create_new: another job's run in this process (a daemon) is neither reused nor ended
+            self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=config, id=run_id,
+                                  resume="allow" if run_id else None, reinit="create_new",
+                                  settings=wandb.Settings(console="off"))  # our log lines stay ours
+        except Exception as e:  # noqa: BLE001 - e.g. online mode without an API key
+            raise ConfigError(f"trainer.loggers names wandb but wandb could not start a run: {type(e).__name__}: "
+                              f"{e}. Log in (`wandb login`, or WANDB_API_KEY), set WANDB_MODE=offline to keep "
+                              "the run local, or drop wandb from trainer.loggers") from None
+        WandbLogger._open += 1
         id_file.write_text(self.run.id + "\n")
         self._wandb = wandb
 
@@ -99,7 +110,9 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
-        self._wandb.teardown()  # ends wandb's service process (a daemon-run job's driver lives on)
+        WandbLogger._open -= 1
+        if WandbLogger._open == 0:  # the last run here: end wandb's service process
+            self._wandb.teardown()
 
 
 class MetricsWriter:
@@ -134,8 +147,12 @@ class MetricsWriter:
         self.wandb = None
         if "wandb" in loggers:
             run = run or {}
-            self.wandb = WandbLogger(out_dir, run.get("project", "asyncrl"), run.get("name", out_dir.name),
-                                     run.get("config", {}), resumed=resume_step is not None)
+            try:
+                self.wandb = WandbLogger(out_dir, run.get("project", "asyncrl"), run.get("name", out_dir.name),
+                                         run.get("config", {}), resumed=resume_step is not None)
+            except BaseException:
+                self.close()
+                raise
 
     def write(self, step: int, metrics: dict[str, Any], mirror: bool = True) -> None:
         """One step's numbers to metrics.jsonl and, with `mirror`, to TensorBoard and wandb."""

@@ -133,8 +133,12 @@ class RunDir:
         log.warning("%s: starting at step 0; the earlier outputs were moved to %s", why, aside)
 
     def _compare(self, saved: dict) -> None:
-        changed = config_changes(saved, to_dict(self.cfg))
-        blocking = [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]
+        current = to_dict(self.cfg)
+        # a run directory from an older asyncrl: keys added to the schema since then are read at
+        # their defaults, and keys the schema no longer has (e.g. trainer.tensorboard) are noted
+        saved = with_defaults(saved, to_dict(type(self.cfg)()))
+        changed = config_changes(saved, current)
+        blocking = [k for k in changed if not k.startswith(RESUMABLE_CHANGES) and has_key(current, k)]
         if blocking:
             raise ConfigError(f"cannot resume {self.out} with a different {', '.join(blocking)} (was → now: "
                               + "; ".join(f"{k}: {changed[k]}" for k in blocking)
@@ -142,6 +146,26 @@ class RunDir:
         noted = {k: v for k, v in changed.items() if not k.startswith(UNREMARKABLE_CHANGES)}
         if noted:
             log.warning("resuming with changed %s", "; ".join(f"{k}: {v}" for k, v in noted.items()))
+
+
+def with_defaults(saved: dict, defaults: dict) -> dict:
+    """`saved` with the keys it lacks taken from `defaults` (recursively)."""
+    out = dict(saved)
+    for k, v in defaults.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(out[k], dict) and isinstance(v, dict):
+            out[k] = with_defaults(out[k], v)
+    return out
+
+
+def has_key(cfg: dict, dotted: str) -> bool:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, str]:

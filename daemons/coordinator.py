@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from transport import (
 from transport.peers import ServerLimits
 
 log = logging.getLogger(__name__)
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a node id usable as a folder
 
 
 @dataclass
@@ -452,27 +454,35 @@ class Coordinator:
     async def collect_job_logs(self, job_id: str, dest: Path) -> int:
         """Copy the worker logs of job `job_id` from every other node (their tails, see
         `NodeDaemon.job_logs`) to `dest/<node id>/` on this machine, so one folder holds the
-        whole job's logs. A node that keeps its logs in `dest` itself is skipped, and one that
-        does not answer is named in a warning. Returns the number of files written."""
+        whole job's logs. A node that keeps its logs in `dest` itself is skipped; a node that does
+        not answer, or a write that fails (disk full, permissions), is a warning: the job's result
+        never depends on its logs. Returns the number of files written."""
         here, target = socket.gethostname(), str(dest.resolve())
 
+        def write(node_id: str, files: dict[str, bytes]) -> int:
+            folder = dest / node_id
+            folder.mkdir(parents=True, exist_ok=True)
+            for marked in (dest, folder):  # node 0's log rotation removes both with the job
+                if not (marked / JOB_LOGS_MARKER).exists():
+                    (marked / JOB_LOGS_MARKER).write_text(job_id + "\n")
+            names = [n for n in files if "/" not in n and n.startswith("worker-") and n.endswith(".log")]
+            for name in names:  # a node names its own files; nothing else is written
+                (folder / name).write_bytes(files[name])
+            return len(names)
+
         async def fetch(node: NodeInfo) -> int:
+            if not _SAFE_NAME.fullmatch(node.node_id):
+                log.warning("node id %r is not a folder name; its logs of job %s stay on that node", node.node_id, job_id)
+                return 0
             try:
                 reply = await node.client.call("job_logs", job_id, timeout=30)
+                if not reply["files"] or (reply["host"] == here and reply["dir"] == target):
+                    return 0
+                return await asyncio.to_thread(write, node.node_id, reply["files"])
             except Exception as e:  # noqa: BLE001 - the job is over; its logs stay on that node
-                log.warning("node %s: could not fetch job %s's worker logs (%s); they stay on that node",
-                            node.node_id, job_id, e)
+                log.warning("node %s: could not copy job %s's worker logs to %s (%s); they stay on that node",
+                            node.node_id, job_id, dest, e)
                 return 0
-            if not reply["files"] or (reply["host"] == here and reply["dir"] == target):
-                return 0
-            folder = dest / node.node_id
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / JOB_LOGS_MARKER).write_text(job_id + "\n")  # node 0's log rotation removes it
-            for name, data in reply["files"].items():
-                if "/" in name or not name.startswith("worker-"):
-                    continue  # a node names its own files; nothing else is written
-                (folder / name).write_bytes(data)
-            return len(reply["files"])
 
         counts = await asyncio.gather(*(fetch(n) for n in self.live_nodes()))
         return sum(counts)

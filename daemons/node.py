@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -385,7 +386,7 @@ class NodeDaemon:
     def shutdown(self) -> None:
         self.stopped.set()
 
-    @expose
+    @expose(blocking=True)  # file reads stay off the daemon's event loop
     def job_logs(self, job_id: str, max_bytes: int = JOB_LOG_TAIL_BYTES) -> dict:
         """The last `max_bytes` of each worker log of job `job_id` on this node, for node 0 to
         keep beside its own: {"host", "dir", "files": {name: bytes}}. Only `worker-*.log` regular
@@ -395,13 +396,16 @@ class NodeDaemon:
         files: dict[str, bytes] = {}
         if folder.is_dir() and not folder.is_symlink():
             for path in sorted(folder.glob("worker-*.log")):
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                try:  # non-blocking: a FIFO under that name must not hang the call
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
                 except OSError:
                     continue  # a link or a file that went
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):  # a directory, FIFO or device named like a log
+                    os.close(fd)
+                    continue
                 with os.fdopen(fd, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    f.seek(max(0, size - max_bytes))
+                    f.seek(max(0, info.st_size - max_bytes))
                     files[path.name] = f.read(max_bytes)
         return {"host": socket.gethostname(), "dir": str(folder.resolve()), "files": files}
 

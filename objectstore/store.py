@@ -302,11 +302,11 @@ class ObjectStore:
             return PullKind.LOCAL
         if ref.kind == VALUE:
             return PullKind.INLINE
+        is_cuda = ref.device.startswith("cuda")
+        if is_cuda and self.host_only:  # even when a GPU path is asked for: never a CUDA context here
+            return PullKind.TCP
         if transport != "auto":
             return _FORCED[transport]
-        is_cuda = ref.device.startswith("cuda")
-        if is_cuda and self.host_only:
-            return PullKind.TCP
         if ref.node_id == self.node_id:
             if is_cuda:  # no peer access (or IPC failed before): through host memory
                 return PullKind.CUDA_IPC if self.paths[PullKind.CUDA_IPC].usable(ref) else PullKind.TCP

@@ -314,6 +314,22 @@ def test_config_changes_names_each_key():
                                                                                          "d": "None → 4"}
 
 
+def test_a_run_directory_of_an_older_asyncrl_resumes(tmp_path):
+    """Its config.yaml lacks keys added since (algorithm.filter_groups) and has keys since
+    removed (trainer.tensorboard): neither blocks the resume; a real change still does."""
+    from asyncrl.config import to_dict
+    from asyncrl.rundir import RunDir
+
+    cfg = C.rl_config({"trainer": {"output_dir": str(tmp_path)}})
+    old = to_dict(cfg)
+    del old["algorithm"]["filter_groups"]
+    old["trainer"]["tensorboard"] = True
+    RunDir(cfg)._compare(old)
+    old["actor"]["optim"]["lr"] = 0.5
+    with pytest.raises(ConfigError, match="actor.optim.lr"):
+        RunDir(cfg)._compare(old)
+
+
 def test_group_baselines_need_two_samples_per_prompt():
     """GRPO/RLOO with one sample per prompt would train on zero advantages: exit 2 instead."""
     with pytest.raises(ConfigError, match=r"rollout.n=1: grpo compares each prompt's samples"):

@@ -561,6 +561,7 @@ async def test_a_host_only_store_pulls_gpu_objects_over_tcp_without_touching_cud
     store = await stores(node_id="n", host_only=True)
     assert store.choose_path(_cuda_ref(store, "n")) == PullKind.TCP
     assert store.choose_path(_cuda_ref(store, "other")) == PullKind.TCP
+    assert store.choose_path(_cuda_ref(store, "n"), transport="cuda_ipc") == PullKind.TCP
 
     async def host_copy(ref, rows):
         return {None: torch.ones(4, 4)}
@@ -621,3 +622,15 @@ async def test_nccl_channels_are_cached_per_peer_and_time_out(monkeypatch):
         await path.serve(entry, None, request)
     assert (1, 2, 3) not in path.serving and aborted
     io.shutdown(wait=True)
+
+
+def test_only_a_communicator_that_cannot_be_built_sends_an_owner_to_tcp():
+    """A timeout or a freed object on an NCCL channel is retried over NCCL next time; only a
+    communicator that could not be built (here or on the owner) refuses NCCL for that owner."""
+    from objectstore.errors import TransferTimeoutError
+    from objectstore.paths import nccl
+
+    assert nccl._no_communicator(nccl.NcclUnavailable("ncclInvalidUsage"))
+    assert nccl._no_communicator(RemoteError("objectstore.paths.nccl.NcclUnavailable", "ncclInvalidUsage"))
+    assert not nccl._no_communicator(TransferTimeoutError("did not finish"))
+    assert not nccl._no_communicator(RemoteError("objectstore.errors.ObjectNotFoundError", "freed"))

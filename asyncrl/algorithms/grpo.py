@@ -6,6 +6,7 @@ log-probs, (if KL is used) the reference's, estimate advantages where the data l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from asyncrl.algorithms import advantage, core
@@ -16,6 +17,8 @@ from asyncrl.distbatch import DistBatch
 from asyncrl.metrics import mean_metrics
 from asyncrl.rewards.rules import REWARD_EXTRA
 from daemons.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 async def _rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch) -> DistBatch:
@@ -70,6 +73,10 @@ async def dynamic_sample(roles: Roles, cfg: RLConfig, prompts: DistBatch,
         flat += [(batch, rows) for rows in bad]
         if len(varied) >= want or (fg.max_num_gen_batches and batches >= fg.max_num_gen_batches):
             break
+        if batches % 10 == 0:  # with no cap a reward that never varies would sample forever
+            log.warning("dynamic sampling: %d generation batches so far, %d of %d prompt groups vary "
+                        "(algorithm.filter_groups.max_num_gen_batches=%d)", batches, len(varied), want,
+                        fg.max_num_gen_batches)
     chosen = (varied + flat)[:want]
     parts: list[tuple[DistBatch, list[int]]] = []
     for b, rows in chosen:  # one take() per generated batch keeps the plan short

@@ -25,6 +25,7 @@ from objectstore.errors import TransferTimeoutError
 from objectstore.paths.base import PullKind, PullPath, PullRequest, Tensors
 from objectstore.ref import ObjectRef, RowRange
 from objectstore.table import Entry
+from transport import RemoteError
 from transport.dtypes import nbytes, torch_dtype
 
 SENDER, RECEIVER = 0, 1
@@ -65,6 +66,13 @@ def open_communicator(uid: tuple[int, ...], rank: int) -> Any:
 
 class NcclUnavailable(RuntimeError):
     """No NCCL communicator could be built with this owner (the store falls back to TCP)."""
+
+
+def _no_communicator(error: BaseException) -> bool:
+    """Whether `error` says a communicator could not be built, here or on the owner's side."""
+    if isinstance(error, NcclUnavailable):
+        return True
+    return isinstance(error, RemoteError) and error.remote_type.rpartition(".")[2] == "NcclUnavailable"
 
 
 class Channel:
@@ -156,12 +164,12 @@ class NcclPath(PullPath):
                 await self._run(channel, list(out.values()), lambda: self.pulling.pop(ref.endpoint, None),
                                 self.request(ref, rows, nccl_uid=channel.uid))
             except Exception as e:
-                if channel.comm is not None:
-                    raise
-                # the communicator never came up (both ends on one GPU, no NCCL path between
-                # them): this owner is served over TCP from now on
+                if not _no_communicator(e):
+                    raise  # a timeout, a freed object...: the next pull tries NCCL again
+                # the communicator could not be built on one end (both ends on one GPU, no NCCL
+                # path between them): this owner is served over TCP from now on
                 self.pulling.pop(ref.endpoint, None)
-                self.refused[ref.endpoint] = f"{type(e).__name__}: {e}"
+                self.refused[ref.endpoint] = f"{type(e).__name__}: {e}".splitlines()[0]
                 raise NcclUnavailable(self.refused[ref.endpoint]) from e
         self.store.counters["bytes_received_gpu"] += ref.row_bytes(rows)
         self.store.counters["pulls_nccl"] += 1
