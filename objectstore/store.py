@@ -267,22 +267,13 @@ class ObjectStore:
         kind = self.choose_path(ref, transport or self.default_transport)
         path = self.paths[kind]
         try:
-            if kind == PullKind.CUDA_IPC:
-                try:
-                    pulled = await path.fetch(ref, rng, view=view)
-                except CudaIpcUnavailable as e:
-                    log.warning("%s: CUDA IPC from %s failed (%s); this store pulls GPU objects of its node "
-                                "over TCP from now on", self.name, ref.endpoint, e)
-                    kind, pulled = PullKind.TCP, await self.paths[PullKind.TCP].fetch(ref, rng)
-            elif kind == PullKind.NCCL:
-                try:
-                    pulled = await path.fetch(ref, rng)
-                except nccl_path.NcclUnavailable as e:
-                    log.warning("%s: no NCCL communicator with %s (%s); this store pulls its GPU objects "
-                                "over TCP from now on", self.name, ref.endpoint, e)
-                    kind, pulled = PullKind.TCP, await self.paths[PullKind.TCP].fetch(ref, rng)
-            else:
-                pulled = await path.fetch(ref, rng)
+            try:
+                pulled = await (path.fetch(ref, rng, view=view) if kind == PullKind.CUDA_IPC else path.fetch(ref, rng))
+            except (CudaIpcUnavailable, nccl_path.NcclUnavailable) as e:
+                # each path remembers its failure (IPC for the node, NCCL for this owner)
+                log.warning("%s: %s from %s failed (%s); those GPU objects come over TCP from now on",
+                            self.name, kind.name, ref.endpoint, e)
+                kind, pulled = PullKind.TCP, await self.paths[PullKind.TCP].fetch(ref, rng)
         except (OSError, EOFError) as e:
             self._forget_client(ref.endpoint)
             raise ObjectLostError.for_owner(ref.object_id, ref.node_id, ref.endpoint, e) from e

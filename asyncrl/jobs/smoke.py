@@ -26,7 +26,7 @@ async def main(ctx) -> dict:
     from asyncrl.config import SmokeConfig, typed
 
     # a daemon's config has no smoke section: what a submit's overrides leave out takes the defaults
-    cfg = typed(SmokeConfig, {k: ctx.cfg[k] for k in ("smoke",) if k in ctx.cfg}).smoke
+    cfg = typed(SmokeConfig, {"smoke": ctx.cfg["smoke"]} if "smoke" in ctx.cfg else {}).smoke
     pool = ctx.create_pool("smoke", world_size=2)
     producer, consumer = await ctx.spawn_workers(pool, group="smoke")
     ref = await producer.run("asyncrl.jobs.smoke:make_batch", cfg.rows, cfg.cols, 0)
