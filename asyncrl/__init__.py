@@ -12,15 +12,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Batch": "asyncrl.batch", "DistBatch": "asyncrl.distbatch",
-    "DataFuture": "asyncrl.group", "WorkerCallError": "asyncrl.group", "WorkerGroup": "asyncrl.group",
-    "gather": "asyncrl.group",
-    "LayoutError": "asyncrl.parallel", "ParallelConfig": "asyncrl.parallel", "ParallelLayout": "asyncrl.parallel",
-    "ALL_TO_ALL": "asyncrl.protocols", "DP_PROTO": "asyncrl.protocols", "ONE_TO_ALL": "asyncrl.protocols",
-    "RANK_ZERO": "asyncrl.protocols", "THREE_D_ALL_MICRO_DP": "asyncrl.protocols",
-    "THREE_D_PP_ONLY": "asyncrl.protocols", "THREE_D_PROTO": "asyncrl.protocols",
-    "register_protocol": "asyncrl.protocols",
-    "Worker": "asyncrl.worker", "register": "asyncrl.worker",
+    "Batch": "asyncrl.single_controller.batch", "DistBatch": "asyncrl.single_controller.distbatch",
+    "DataFuture": "asyncrl.single_controller.group", "WorkerCallError": "asyncrl.single_controller.group", "WorkerGroup": "asyncrl.single_controller.group",
+    "gather": "asyncrl.single_controller.group",
+    "LayoutError": "asyncrl.single_controller.parallel", "ParallelConfig": "asyncrl.single_controller.parallel", "ParallelLayout": "asyncrl.single_controller.parallel",
+    "ALL_TO_ALL": "asyncrl.single_controller.protocols", "DP_PROTO": "asyncrl.single_controller.protocols", "ONE_TO_ALL": "asyncrl.single_controller.protocols",
+    "RANK_ZERO": "asyncrl.single_controller.protocols", "THREE_D_ALL_MICRO_DP": "asyncrl.single_controller.protocols",
+    "THREE_D_PP_ONLY": "asyncrl.single_controller.protocols", "THREE_D_PROTO": "asyncrl.single_controller.protocols",
+    "register_protocol": "asyncrl.single_controller.protocols",
+    "Worker": "asyncrl.single_controller.worker", "register": "asyncrl.single_controller.worker",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,11 +1,13 @@
-"""The configuration schema: one typed dataclass per section, the single source of every default.
+"""The RL job's configuration schema (`rl_schema`): one typed dataclass per section, the single
+source of every default.
 
-The YAML files in `configs/` set only what differs from these classes. Each section's `check`
-tests ranges and choices (`typed` runs them all, naming keys by their dotted path). The classes are
-registered as Hydra structured configs (`launch_schema`, `rl_schema`, `smoke_schema`), so a YAML
-file that lists one in its defaults — and every command-line override — is checked against
-them: an unknown key, a wrong type or an out-of-range value is a `ConfigError` (exit 2) that
-names the key, the file and the closest valid key.
+The YAML files in `configs/` set only what differs from these classes. `RLConfig` extends the
+launch sections every job has (`asyncrl.single_controller.config.LaunchConfig`: cluster, worker,
+job, objectstore, seed) with the RL ones. Each section's `check` tests ranges and choices; the
+shared machinery (`asyncrl.single_controller.schema`) runs them, so a YAML file that lists
+`rl_schema` in its defaults — and every command-line override — is checked: an unknown key, a
+wrong type or an out-of-range value is a `ConfigError` (exit 2) that names the key, the file and
+the closest valid key.
 
 Library code reads typed values (`cfg.actor.optim.lr`), never `dict.get(key, default)`.
 Workers get the config as a plain dict over the wire and rebuild the typed value with
@@ -14,170 +16,42 @@ Workers get the config as a plain dict over the wire and rebuild the typed value
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import re
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
-from asyncrl.data.synthetic import TASKS
-from asyncrl.parallel import (
+from asyncrl.single_controller.config import LaunchConfig
+from asyncrl.single_controller.parallel import (
     GenerationParallelConfig,
     LayoutError,
     ParallelConfig,
     ParallelLayout,
     generation_layout,
 )
+from asyncrl.single_controller.schema import to_dict, typed
 from daemons.errors import ConfigError
-from daemons.node import DEFAULT_SHM_POOL_BYTES, KEEP_JOB_LOGS
-from transport.peers import ServerLimits
+from daemons.errors import check as _check
+from daemons.errors import check_one_of as _one_of
+from daemons.errors import check_positive as _positive
+
+__all__ = ["ConfigError", "RLConfig", "rl_config", "to_dict", "typed"]  # and every section below
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
 CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.algorithms.registry agrees)
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
-SYNTHETIC_TASKS = tuple(TASKS)  # asyncrl.data.synthetic's tasks
 
 
-def _check(ok: bool, key: str, value: Any, want: str) -> None:
-    if not ok:
-        raise ConfigError(f"bad configuration: {key}={value!r}: {want}")
+def _synthetic_tasks() -> tuple[str, ...]:
+    """asyncrl.data.synthetic's tasks, imported when checked (the schema loads no generator)."""
+    from asyncrl.data.synthetic import TASKS
 
-
-def _one_of(key: str, value: Any, choices: tuple) -> None:
-    _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
-
-
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    _check(value >= 0 if allow_zero else value > 0, key, value,
-           "must be >= 0" if allow_zero else "must be > 0")
-
-
-# cluster and job ---------------------------------------------------------------------------------
-@dataclass
-class ClusterConfig:
-    coordinator: str | None = None  # HOST:PORT of node 0's coordinator; None: this node hosts it
-    port: int = 0  # coordinator port on node 0 (0 = any; set one for multi-node)
-    node_rank: int = 0
-    nnodes: int = 1
-    host: str | None = None  # address this node binds and advertises; None = auto
-    # node 0's coordinator listens here: None = cluster.host, or loopback for a one-node daemon
-    # and the address other nodes route to for nnodes > 1; "0.0.0.0" = every interface
-    bind: str | None = None
-    cpu_devices: int = 2  # CPU "devices" per node when there is no GPU
-    gpus_per_node: int = 0  # GPUs each node's daemon uses: 0 = every visible GPU, N = the first N
-    key_dir: str | None = None  # CurveZMQ key dir (`asyncrl keys generate DIR`); None = ephemeral, one node only
-    insecure: bool = False  # unauthenticated sockets: local tests only
-    join_timeout_s: float = 60.0
-    heartbeat_interval_s: float = 1.0
-    node_timeout_s: float = 5.0  # the coordinator marks a node dead after this long without heartbeats
-    # a job's non-head node exits after this long without the head (daemon nodes wait for it)
-    head_loss_timeout_s: float = 20.0
-    log_dir: str = "outputs/logs"
-    keep_job_logs: int = KEEP_JOB_LOGS  # each node keeps its newest job log folders, removes older ones it made
-    # a pre-faulted /dev/shm block per worker store for same-node pulls (costs that much shared
-    # memory per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)
-    shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
-    # what every RPC server admits (transport.peers.ServerLimits): an RPC message above this
-    # gets an error (bulk data goes through the object store), and one peer address may hold
-    # this many connections to one server
-    max_message_bytes: int = ServerLimits.max_message_bytes
-    max_connections_per_peer: int = ServerLimits.max_connections_per_peer
-    # workers run only functions and classes from these packages (`run`, hosted Worker
-    # classes), besides asyncrl's own and the job entry's package; e.g. ["my_rewards"]
-    allowed_packages: list[str] = field(default_factory=list)
-
-    def check(self, at: str) -> None:
-        _positive(at + "shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
-        _positive(at + "max_message_bytes", self.max_message_bytes)
-        _positive(at + "max_connections_per_peer", self.max_connections_per_peer)
-        for pkg in self.allowed_packages:
-            _check(isinstance(pkg, str) and re.fullmatch(r"[A-Za-z_][\w.]*", pkg) is not None,
-                   at + "allowed_packages", pkg, "must be importable package names like my_pkg.rewards")
-        _check(self.nnodes >= 1, at + "nnodes", self.nnodes, "must be >= 1")
-        _check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
-               f"must be in [0, {at}nnodes={self.nnodes})")
-        _check(0 <= self.port <= 65535, at + "port", self.port, "must be a TCP port (0 = any)")
-        if self.coordinator is not None:
-            host, _, port = self.coordinator.rpartition(":")
-            _check(bool(host) and port.isdigit() and 0 < int(port) <= 65535, at + "coordinator", self.coordinator,
-                   "must be HOST:PORT, node 0's cluster.host and cluster.port (null on node 0 itself)")
-        _positive(at + "cpu_devices", self.cpu_devices)
-        _positive(at + "gpus_per_node", self.gpus_per_node, allow_zero=True)
-        _positive(at + "keep_job_logs", self.keep_job_logs)
-        for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s", "head_loss_timeout_s"):
-            _positive(at + name, getattr(self, name))
-        _check(not Path(self.log_dir).expanduser().exists() or Path(self.log_dir).expanduser().is_dir(),
-               at + "log_dir", self.log_dir, "is a file; it must be a directory (created when missing)")
-        if self.nnodes > 1 and not self.key_dir and not self.insecure:
-            raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
-                              "copy DIR to every node and pass cluster.key_dir=DIR (or "
-                              "cluster.insecure=true on a trusted test network)")
-
-
-COLLECTIVE_TIMEOUT_ENV = "ASYNCRL_COLLECTIVE_TIMEOUT_S"  # how worker.collective_timeout_s reaches workers
-
-
-@dataclass
-class WorkerConfig:
-    """Deadlines of the calls the driver makes on worker groups, and of the workers' collectives."""
-
-    # a group call that has not finished on every rank after this long fails with
-    # CallTimeoutError naming the ranks still running it (0 = no deadline)
-    call_timeout_s: float = 3600.0
-    # torch.distributed process groups: a collective waiting longer than this raises in the worker
-    collective_timeout_s: float = 1800.0
-
-    def check(self, at: str) -> None:
-        _positive(at + "call_timeout_s", self.call_timeout_s, allow_zero=True)
-        _positive(at + "collective_timeout_s", self.collective_timeout_s)
-
-    @classmethod
-    def of(cls, cfg: Any) -> WorkerConfig:
-        """The `worker` section of a job's config (typed, plain or absent: the defaults)."""
-        section = cfg.get("worker") if cfg is not None and hasattr(cfg, "get") else getattr(cfg, "worker", None)
-        if section is None or isinstance(section, WorkerConfig):
-            return section or cls()
-        return typed(LaunchConfig, {"worker": section}).worker  # errors name `worker.KEY`
-
-
-@dataclass
-class ObjectStoreConfig:
-    # bytes of host memory each worker's (and the driver's) object store may hold; past it a put
-    # raises ObjectStoreFullError naming the biggest objects, instead of the kernel killing the
-    # worker. None: objectstore.memory.DEFAULT_MEMORY_FRACTION of the node's memory (RAM or its
-    # cgroup limit), shared equally by the node's stores
-    memory_limit: int | None = None
-
-    def check(self, at: str) -> None:
-        if self.memory_limit is not None:
-            _check(self.memory_limit > 0, at + "memory_limit", self.memory_limit,
-                   "must be a number of bytes > 0 (e.g. 8589934592 for 8 GiB), or null for the default")
-
-
-@dataclass
-class JobConfig:
-    entry: str | None = None  # "package.module:main" or "path/to/script.py:main"
-    name: str = "job"
-
-
-@dataclass
-class LaunchConfig:
-    """What `asyncrl-launch` itself reads; every job config has these sections."""
-
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    job: JobConfig = field(default_factory=JobConfig)
-    objectstore: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
-    seed: int = 0
-
-    def check(self, at: str) -> None:
-        _positive(at + "seed", self.seed, allow_zero=True)
+    return tuple(TASKS)
 
 
 # the RL job --------------------------------------------------------------------------------------
@@ -192,7 +66,7 @@ class TinyModelConfig:
     sft_steps: int = 0
 
     def check(self, at: str) -> None:
-        _one_of(at + "task", self.task, SYNTHETIC_TASKS)
+        _one_of(at + "task", self.task, _synthetic_tasks())
         for name in ("hidden", "layers", "heads"):
             _positive(at + name, getattr(self, name))
         _check(self.hidden % self.heads == 0, at + "hidden", self.hidden,
@@ -218,7 +92,7 @@ class SyntheticDataConfig:
     seed: int = 0
 
     def check(self, at: str) -> None:
-        _one_of(at + "task", self.task, SYNTHETIC_TASKS)
+        _one_of(at + "task", self.task, _synthetic_tasks())
         _positive(at + "n_train", self.n_train)
         _positive(at + "n_val", self.n_val, allow_zero=True)
 
@@ -625,6 +499,19 @@ class RLConfig(LaunchConfig):
     plan: PlanConfig = field(default_factory=PlanConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
+    run_dir_key: ClassVar[str] = "trainer.output_dir"  # asyncrl-launch puts Hydra's run directory here
+
+    def preflight(self, run_dir: str | None, head: bool) -> None:
+        """What asyncrl-launch (and `asyncrl submit`) check before anything starts: the run
+        directory is ours to write (`run_dir`: Hydra's, if set on the command line) and, on the
+        node that runs the driver, the model, data and reward files (`asyncrl.preflight`)."""
+        from asyncrl.preflight import check_files
+        from asyncrl.rundir import check_output_dir
+
+        check_output_dir(Path(run_dir or self.trainer.output_dir))
+        if head:
+            check_files(self)
+
     def check(self, at: str) -> None:
         super().check(at)
         if self.algorithm.name != "grpo" and self.algorithm.estimator != "grpo":
@@ -714,159 +601,6 @@ class RLConfig(LaunchConfig):
             raise ConfigError(f"bad configuration: {e}") from None
 
 
-@dataclass
-class SmokeSection:
-    rows: int = 4096
-    cols: int = 256
-
-
-@dataclass
-class SmokeConfig(LaunchConfig):
-    smoke: SmokeSection = field(default_factory=SmokeSection)
-
-
-SCHEMAS: dict[str, type] = {"launch_schema": LaunchConfig, "rl_schema": RLConfig, "smoke_schema": SmokeConfig}
-
-
-def register_schemas() -> None:
-    """Make the schemas available to a YAML defaults list (`- rl_schema`)."""
-    from hydra.core.config_store import ConfigStore
-
-    store = ConfigStore.instance()
-    for name, node in SCHEMAS.items():
-        store.store(name=name, node=node)
-
-
-# typed views --------------------------------------------------------------------------------------
-def typed(schema: type, cfg: DictConfig | dict) -> Any:
-    """`cfg` merged onto `schema`'s defaults, checked, as dataclass instances."""
-    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
-    unknown = _unknown_keys(schema, data or {})
-    if unknown:  # Hydra's `+key=`/`++key=` add keys a schema's merge would let through
-        key = unknown[0]
-        best = closest_key(schema, key)
-        raise ConfigError(f"bad configuration: {key}: no such key" + (f"; did you mean {best}?" if best else "")
-                          + f". Valid keys in {key.rpartition('.')[0] or 'the top level'}: "
-                          + ", ".join(valid_keys(schema, key.rpartition(".")[0])) + ".")
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-        value = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise ConfigError(explain(e, schema)) from None
-    validate(value)
-    return value
-
-
-def _unknown_keys(schema: type, data: dict, prefix: str = "") -> list[str]:
-    """Dotted keys in `data` that `schema` does not have (Hydra's own `hydra` node aside)."""
-    names = {f.name: f for f in fields(schema)}
-    out = []
-    for k, v in data.items():
-        if prefix == "" and k == "hydra":
-            continue
-        if k not in names:
-            out.append(f"{prefix}{k}")
-            continue
-        inner = _dataclass_of(names[k].type, schema)
-        if inner is not None and isinstance(v, dict):
-            out += _unknown_keys(inner, v, f"{prefix}{k}.")
-    return out
-
-
-def validate(value: Any, at: str = "") -> None:
-    """Run every section's `check` (ranges, choices), inner sections first; keys are named by
-    their full dotted path."""
-    for f in fields(value):
-        inner = getattr(value, f.name)
-        if is_dataclass(inner):
-            validate(inner, f"{at}{f.name}.")
-    if hasattr(value, "check"):
-        value.check(at)
-
-
 def rl_config(cfg: RLConfig | DictConfig | dict) -> RLConfig:
     """The typed RL config from whatever form it arrives in (a worker gets a plain dict)."""
     return cfg if isinstance(cfg, RLConfig) else typed(RLConfig, cfg)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A plain, resolved dict of a typed config (what travels to workers and into run dirs)."""
-    node = OmegaConf.structured(cfg) if is_dataclass(cfg) else cfg
-    return OmegaConf.to_container(node, resolve=True)
-
-
-# error messages ------------------------------------------------------------------------------------
-def valid_keys(schema: type, path: str) -> list[str]:
-    """The field names of the section at dotted `path` in `schema` (empty when it is no section)."""
-    node: Any = schema
-    for part in [p for p in path.split(".") if p]:
-        hit = next((f for f in fields(node) if f.name == part), None) if is_dataclass(node) else None
-        if hit is None:
-            return []
-        node = _dataclass_of(hit.type, node)
-        if node is None:
-            return []
-    return [f.name for f in fields(node)] if is_dataclass(node) else []
-
-
-def _dataclass_of(annotation: Any, owner: type) -> type | None:
-    import typing
-
-    hints = typing.get_type_hints(owner)
-    for f in fields(owner):
-        if f.type is annotation:
-            annotation = hints[f.name]
-            break
-    if is_dataclass(annotation):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()):
-        if is_dataclass(arg):
-            return arg
-    return None
-
-
-def closest_key(schema: type, full_key: str) -> str | None:
-    section, _, name = full_key.rpartition(".")
-    match = difflib.get_close_matches(name, valid_keys(schema, section), n=1, cutoff=0.5)
-    return f"{section}.{match[0]}" if match and section else (match[0] if match else None)
-
-
-_NOISE = ("In '", "Error merging", "Could not override", "To append", "full_key:", "reference_type",
-          "object_type", "ConfigKeyError raised", "ValidationError raised")
-
-
-def explain(e: BaseException, schema: type | None, files: dict[str, str] | None = None) -> str:
-    """One paragraph for a composition/validation error: the key, where it was set (a YAML file or
-    the command line) and, for an unknown key, the closest valid one.
-
-    `files` maps a config name as Hydra reports it ("grpo") to the file it came from.
-    """
-    text = "\n".join(str(x) for x in (e, e.__cause__) if x is not None)
-    full_key = re.search(r"full_key: (\S+)", text)
-    key = full_key.group(1) if full_key else ""
-    if not key:
-        m = re.search(r"Could not override '([^']+)'", text) or re.search(r"override (\S+?)=", text)
-        key = m.group(1) if m else ""
-    reasons = [ln.strip() for ln in text.splitlines()
-               if ln.strip() and not any(ln.strip().startswith(n) for n in _NOISE)]
-    reason = reasons[0] if reasons else text.strip().splitlines()[0]
-    msg = f"bad configuration: {key}: {reason}" if key else f"bad configuration: {reason}"
-    source = re.search(r"In '([^']+)'", text)
-    if source:
-        name = source.group(1)
-        msg += f" (set in {(files or {}).get(name, name + '.yaml')})"
-    elif "override" in text:
-        msg += " (set on the command line)"
-    if schema is None:  # the schema whose sections hold the key
-        top = key.split(".")[0]
-        schema = next((c for c in (LaunchConfig, RLConfig, SmokeConfig) if top in {f.name for f in fields(c)}),
-                      RLConfig)
-    if key and ("not in" in text or "Could not override" in text):
-        best = closest_key(schema, key)
-        section = key.rpartition(".")[0]
-        if best and best != key:
-            msg += f"; did you mean {best}?"
-        keys = valid_keys(schema, section)
-        if keys:
-            msg += f" Valid keys in {section or 'the top level'}: {', '.join(keys)}."
-    return msg

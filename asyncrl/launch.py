@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import itertools
 import logging
 import os
 import signal
@@ -29,24 +30,23 @@ from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.config import ClusterConfig, LaunchConfig, RLConfig, explain, register_schemas, typed
-from asyncrl.context import JobContext
 from asyncrl.metrics import json_line
-from asyncrl.rundir import check_output_dir
+from asyncrl.single_controller.config import LaunchConfig
+from asyncrl.single_controller.context import JobContext
+from asyncrl.single_controller.schema import explain, register_with_hydra, typed
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError, JobError
 from daemons.logs import setup_logging
-from daemons.proc import route_ip
 from daemons.state import StateKind, new_job_id, remove_state, state_for_this_process, write_state
 from daemons.worker import entry_package, resolve
 from transport import AuthenticationError, CurveConfig, TransportError
 from transport.loop import run
-from transport.peers import ServerLimits
 from transport.rpc import expose
 
 log = logging.getLogger("asyncrl.launch")
@@ -107,7 +107,7 @@ def load_config(config_name: str, overrides: list[str], config_dir: str | None =
 
     Raises `ConfigError` naming the bad key, where it was set and the closest valid key.
     """
-    register_schemas()
+    register_with_hydra()
     dirs = _search_dirs(config_dir)
     if not any((d / f"{config_name}.yaml").exists() for d in dirs):
         known = sorted({p.stem for d in dirs for p in d.glob("*.yaml")} - {"rl_defaults"})
@@ -159,23 +159,21 @@ def _daemon_size(cfg: DictConfig) -> None:
             c.nnodes = max(c.nnodes, c.node_rank + 1)
 
 
-def _check_run_dir(cfg: DictConfig, overrides: list[str]) -> None:
-    """Refuse a run directory that is a file or holds others' files before Hydra creates anything
-    in it (its `.hydra/`, the workers' logs)."""
-    run_dir = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")), None)
-    check_output_dir(Path(run_dir or OmegaConf.select(cfg, "trainer.output_dir")))
-
-
 def _sweep(overrides: list[str]) -> list[list[str]]:
-    """Every job of a `-m` sweep as its own list of overrides (Hydra's basic sweeper's order)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
+    """Every job of a `-m` sweep as its own list of overrides: the product of the swept values
+    (`lr=1e-3,1e-4`, `range(0,3)`, `choice(...)`), in the order Hydra's basic sweeper runs them."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    choices = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+               else [o.input_line] for o in parsed]
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def _override(overrides: list[str], key: str) -> str | None:
+    """The value `overrides` give `key` (None when they do not set it)."""
+    return next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{key}=")), None)
 
 
 def security(cfg: DictConfig) -> tuple[CurveConfig | None, bool]:
@@ -207,36 +205,21 @@ def load_entry(entry: str | None) -> Any:
 
 
 # roles --------------------------------------------------------------------------------------------
-def cluster_spec(cfg: DictConfig, daemon: bool = False, job_id: str | None = None) -> ClusterSpec:
-    """This node's daemons as the `cluster` section describes them (keys it lacks: the schema's
-    defaults); the head writes its state file under `job_id` (the job's id, or the daemon's)."""
-    c = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.to_container(cfg.cluster, resolve=True))
-    curve, insecure = security(cfg)
-    if c.coordinator is None:  # node 0
-        # never every interface by default: loopback for one node (embedded or daemon), the
-        # address the other nodes route to for several; cluster.host / cluster.bind override
-        host = c.host or (route_ip("192.0.2.1") if c.nnodes > 1 else "127.0.0.1")
-        bind = c.bind or host
-    else:
-        host, bind = c.host or route_ip(c.coordinator.rsplit(":", 1)[0]), None
-    allowed = [*c.allowed_packages, entry_package(OmegaConf.select(cfg, "job.entry"))]
-    return ClusterSpec(host=host, bind=bind, port=c.port, coordinator=f"tcp://{c.coordinator}" if c.coordinator else None,
-                       node_rank=c.node_rank, cpu_devices=c.cpu_devices, gpus_per_node=c.gpus_per_node, curve=curve, insecure=insecure,
-                       log_dir=c.log_dir, keep_job_logs=c.keep_job_logs, heartbeat_interval_s=c.heartbeat_interval_s,
-                       node_timeout_s=c.node_timeout_s, shm_pool_bytes=c.shm_pool_bytes,
-                       store_memory_limit=OmegaConf.select(cfg, "objectstore.memory_limit"), write_state=True,
-                       head_loss_timeout_s=None if daemon else c.head_loss_timeout_s,
-                       job_id=job_id, job_name=str(OmegaConf.select(cfg, "job.name", default="job")), daemon=daemon,
-                       limits=ServerLimits(max_message_bytes=c.max_message_bytes,
-                                           max_connections_per_peer=c.max_connections_per_peer),
-                       allowed_packages=tuple(p for p in dict.fromkeys(allowed) if p))
+def cluster_spec(cfg: Any, daemon: bool = False, job_id: str | None = None) -> ClusterSpec:
+    """This node's daemons as the `cluster` section (typed by `check_config`) describes them; the
+    head writes its state file under `job_id` (the job's id, or the daemon's)."""
+    cfg = check_config(cfg) if isinstance(cfg, DictConfig) else cfg
+    curve, _ = security(cfg)
+    return ClusterSpec(cluster=cfg.cluster.with_addresses(), curve=curve, extra_packages=(entry_package(cfg.job.entry),),
+                       store_memory_limit=cfg.objectstore.memory_limit, write_state=True, job_id=job_id,
+                       job_name=cfg.job.name, daemon=daemon)
 
 
 def explain_bind(spec: ClusterSpec, daemon: bool) -> tuple[int, str]:
     """The log level and line that say where the coordinator listens and how to change it."""
-    bind = spec.bind or spec.host
+    bind = spec.cluster.bind or spec.host
     if bind in ("0.0.0.0", "::", "*"):
-        return logging.WARNING, (f"the coordinator listens on every interface ({bind}:{spec.port or 'any port'}, "
+        return logging.WARNING, (f"the coordinator listens on every interface ({bind}:{spec.cluster.port or 'any port'}, "
                                  "cluster.bind); only CurveZMQ keys keep strangers out: prefer the "
                                  "address the other nodes use (cluster.host=ADDRESS)")
     if bind.startswith("127.") or bind == "::1":
@@ -326,7 +309,7 @@ class JobService:
                                                spec.curve.to_env() if spec.curve else None, ctx.job_id,
                                                ctx.name, StateKind.DAEMON_JOB), spec.state_dir)
             log.info("job %s (%s) started: worker logs in %s", ctx.job_id, entry,
-                     Path(spec.log_dir) / ctx.job_id)
+                     Path(spec.cluster.log_dir) / ctx.job_id)
             await ctx.open()
             driver = asyncio.get_running_loop().create_task(fn(ctx), name=f"driver-{ctx.job_id}")
             if not await _unless_stopped(driver, [ctx.job.stopped]):
@@ -397,20 +380,41 @@ async def _wait_any(*aws: Any) -> None:
                 t.cancel()
 
 
+def args_parser() -> argparse.ArgumentParser:
+    """Hydra's command-line flags (what `@hydra.main` accepts), parsed here first so that a bad
+    config exits 2 before anything starts."""
+    p = argparse.ArgumentParser(prog="asyncrl-launch", add_help=False,
+                                description="Start (or join) a cluster from a Hydra config and run its job.")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (dots for nested keys)")
+    p.add_argument("--help", "-h", action="store_true", help="this program's help")
+    p.add_argument("--hydra-help", action="store_true", help="Hydra's help")
+    p.add_argument("--version", action="store_true", help="Hydra's version")
+    p.add_argument("--cfg", "-c", choices=["job", "hydra", "all"], help="print the config instead of running")
+    p.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations")
+    p.add_argument("--package", "-p", help="with --cfg: the config package to print")
+    p.add_argument("--run", "-r", action="store_true", help="run a job (the default)")
+    p.add_argument("--multirun", "-m", action="store_true", help="run every job of a sweep, one after another")
+    p.add_argument("--shell-completion", "-sc", action="store_true", help="Hydra's shell completion")
+    p.add_argument("--config-path", "-cp", help="the primary config's directory")
+    p.add_argument("--config-name", "-cn", help="the config to run (default: quickstart)")
+    p.add_argument("--config-dir", "-cd", help="a directory of configs searched before the shipped ones")
+    p.add_argument("--experimental-rerun", help="rerun a job from a previous config pickle")
+    p.add_argument("--info", "-i", const="all", nargs="?",
+                   choices=["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"],
+                   help="print Hydra information")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Hydra's command line (`--config-name`, `--config-dir`, `--cfg`, `--info`, `-m` sweeps run
     one after another, `hydra.run.dir`/`hydra.sweep.dir`), with configuration errors checked
     first: a bad key or value exits 2 naming it, before anything starts."""
-    from hydra._internal.utils import get_args_parser
-
     argv = list(sys.argv[1:] if argv is None else argv)
     daemon = "daemon" in argv
     argv = [a for a in argv if a != "daemon"]
-    parser = get_args_parser()
-    parser.prog = "asyncrl-launch"
-    args = parser.parse_args(argv)  # unknown flags exit 2 with argparse's message
+    args = args_parser().parse_args(argv)  # unknown flags exit 2 with argparse's message
     config_name = args.config_name or "quickstart"
-    if args.help or args.hydra_help or args.shell_completion or args.experimental_rerun:
+    if args.help or args.hydra_help or args.version or args.shell_completion or args.experimental_rerun:
         _hydra(argv, args, config_name, daemon, [])
         return 0
     try:
@@ -419,12 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs = _sweep(args.overrides) if args.multirun else [args.overrides]
         for overrides in jobs:
             cfg = load_config(config_name, overrides, args.config_dir, daemon)
-            if not args.multirun and not args.cfg and OmegaConf.get_type(cfg) is RLConfig:
-                _check_run_dir(cfg, overrides)
-                if cfg.cluster.coordinator is None and not args.info:  # node 0 reads data, imports the reward
-                    from asyncrl.trainer import check_files
-
-                    check_files(typed(RLConfig, cfg))
+            if not args.multirun and not args.cfg and hasattr(OmegaConf.get_type(cfg), "preflight"):
+                # the job's own checks (the RL trainer's: run directory, model, data, reward files)
+                head = cfg.cluster.coordinator is None and not args.info
+                check_config(cfg).preflight(_override(overrides, "hydra.run.dir"), head)
     except ConfigError as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2
@@ -438,7 +440,7 @@ def _hydra(argv: list[str], args: argparse.Namespace, config_name: str, daemon: 
     code is appended to `codes`."""
     import hydra
 
-    register_schemas()
+    register_with_hydra()
     dirs = _search_dirs(args.config_dir)
     rest = [a for a in argv if a not in args.overrides]
     if args.config_dir is None:
@@ -450,6 +452,8 @@ def _hydra(argv: list[str], args: argparse.Namespace, config_name: str, daemon: 
     def task(cfg: DictConfig) -> None:
         codes.append(run_job(cfg, daemon))
 
+    # @hydra.main reads sys.argv (its only public entry): it gets asyncrl-launch's command line
+    # with the config directory, name and search path filled in, restored afterwards
     saved = sys.argv
     sys.argv = ["asyncrl-launch", *rest, *_hydra_overrides(dirs, args.overrides)]
     try:
@@ -462,10 +466,11 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
     """One job of `asyncrl-launch`: its outputs go to Hydra's run (or sweep job) directory."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized() and OmegaConf.get_type(cfg) is RLConfig:
+    key = getattr(OmegaConf.get_type(cfg), "run_dir_key", None)  # the job's output directory key
+    if HydraConfig.initialized() and key:
         out = Path(HydraConfig.get().runtime.output_dir)
         with open_dict(cfg):  # hydra.run.dir / hydra.sweep.dir decide where a run writes
-            cfg.trainer.output_dir = os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out)
+            OmegaConf.update(cfg, key, os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out))
     try:  # `main` checked this config before Hydra ran it
         setup_logging("coordinator" if cfg.cluster.coordinator is None else "node", cfg.cluster.node_rank)
         role = run_head if cfg.cluster.coordinator is None else run_node

@@ -14,7 +14,6 @@ A run directory (`trainer.output_dir`) holds what this program wrote and nothing
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import hashlib
 import json
@@ -31,18 +30,20 @@ import torch
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.registry import ALGORITHMS
 from asyncrl.algorithms.roles import Roles
-from asyncrl.batch import Batch
-from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig, rl_config, to_dict
-from asyncrl.distbatch import DistBatch
+from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.evaluation import format_samples, pass_at_ks, sample_rows, source_means
-from asyncrl.group import WorkerCallError
 from asyncrl.models.resolve import resolve_model
+from asyncrl.preflight import check_inputs, check_round_trip
 from asyncrl.rewards import NonFiniteRewardError
+from asyncrl.roles.actor import ActorRolloutRefWorker
+from asyncrl.roles.critic import CriticWorker
+from asyncrl.roles.reward import RewardModelWorker, RuleRewardWorker
+from asyncrl.rollout.ahead import Generations
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
-from asyncrl.workers.actor import ActorRolloutRefWorker
-from asyncrl.workers.critic import CriticWorker
-from asyncrl.workers.reward import RewardModelWorker, RuleRewardWorker
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.group import WorkerCallError
 from daemons.errors import ConfigError, DaemonError, PlacementError
 
 log = logging.getLogger("asyncrl.trainer")
@@ -94,11 +95,12 @@ class Trainer:
             self.rollout = await self.ctx.spawn_group(rollout_pool, ActorRolloutRefWorker, wire, ("rollout",),
                                                       role="rollout")
             await self._open_bridge(groups.actor)
-        self.generations = Generations(self.rollout, self.loader, stream=split and cfg.rollout.engine == "native")
-        self.pipelined = split or cfg.rollout.max_staleness > 0  # generation launched ahead by the loop
-        actor = RoutedActor(groups.actor, self.generations) if self.pipelined else groups.actor
-        self.roles = Roles(actor=actor, reward=groups.reward, critic=groups.get("critic"), cost=groups.get("cost"))
-        self.train_actor = groups.actor
+        self.generations = None  # generation launched ahead by the loop, for a rollout pool or staleness > 0
+        if split or cfg.rollout.max_staleness > 0:
+            self.generations = Generations(self.rollout, getattr(self, "loader", None),
+                                           stream=split and cfg.rollout.engine == "native")
+        self.roles = Roles(actor=groups.actor, rollout=self.generations or self.rollout, reward=groups.reward,
+                           critic=groups.get("critic"), cost=groups.get("cost"))
 
     @property
     def samples_per_step(self) -> int:
@@ -125,10 +127,10 @@ class Trainer:
     async def sync_weights(self) -> float:
         """Split placement: broadcast the actor's weights (version = its update count) to the
         rollout pool, which stages them beside a running generate; returns the seconds taken."""
-        if self.rollout is self.train_actor:
+        if self.rollout is self.roles.actor:
             return 0.0
         mb = self.cfg.rollout.sync_bucket_mb
-        push = self.train_actor.push_weights(mb)
+        push = self.roles.actor.push_weights(mb)
         receive = self.rollout.receive_weights(self.step, mb)
         pushed, _ = await asyncio.gather(push, receive)
         return max(r["timing/weight_sync_s"] for r in pushed)
@@ -237,7 +239,7 @@ class Trainer:
         (prompt_index, sample, data_source, ground_truth, score, and the response's token ids
         under "response_ids"; `_decoded` turns the rows that are shown or saved into text)."""
         prompts = self._put(self.val_prompts, {"greedy": greedy, "n": n})
-        gen = self.roles.actor.generate_sequences(prompts)
+        gen = self.roles.rollout.generate_sequences(prompts)
         scored = self.roles.reward.compute_reward(gen)
         out = await (await gen).select("responses", "response_mask", meta=False).fetch()
         scores = (await (await scored).select("scores", meta=False).fetch())["scores"].float().tolist()
@@ -293,7 +295,8 @@ class Trainer:
         hf = (await self.roles.actor.save_checkpoint(str(path)))[0]
         if self.roles.critic is not None:
             await self.roles.critic.save_checkpoint(str(path))
-        state = {"step": self.step, "loader": self.generations.loader_state(self.step), "history": self.history,
+        loader = self.generations.loader_state(self.step) if self.generations else self.loader.state_dict()
+        state = {"step": self.step, "loader": loader, "history": self.history,
                  "controllers": self.ctl.state_dict(), "val": self.val_log, "hf": hf}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / DONE_MARKER).write_text("")  # last: a checkpoint without it is incomplete
@@ -351,7 +354,7 @@ class Trainer:
             k = self.cfg.rollout.max_staleness
             t0 = time.monotonic()
             while self.step < tc.total_steps:
-                if self.pipelined:
+                if self.generations:
                     # batches step .. step + k may be generated by the current version (this one's)
                     for i in range(self.step, min(tc.total_steps, self.step + k + 1)):
                         self.generations.launch(i, self._next_prompts, self.step)
@@ -364,7 +367,8 @@ class Trainer:
                 if self.cfg.algorithm.filter_groups.enable:
                     data["refill"] = functools.partial(self._next_prompts, self.step)
                 metrics = await self.algorithm.step(self.roles, self.cfg, self.ctl, prompts, **data)
-                metrics.update(self.generations.done(self.step))
+                if self.generations:
+                    metrics.update(self.generations.done(self.step))
                 self.step += 1
                 metrics["timing/weight_sync_s"] = await self.sync_weights()
                 t1 = time.monotonic()
@@ -410,64 +414,6 @@ class Trainer:
                 "checkpoint": str(hf), "metrics": str(self.out_dir / "metrics.jsonl")}
 
 
-class Generations:
-    """Generation launched ahead of training (rollout.max_staleness = k > 0, or a separate
-    rollout pool): batch i starts once the policy version it may use (>= i - k) is on the
-    generating workers, and runs there while earlier batches train."""
-
-    def __init__(self, group: Any, loader: Any, stream: bool) -> None:
-        self.group, self.loader = group, loader
-        # a rollout pool of its own takes overlapping calls into one continuous batch
-        self.generate = group.generate_stream if stream else group.generate_sequences
-        self.ahead: dict[int, tuple[DistBatch, Any, int, dict]] = {}  # step -> prompts, future, version, loader state
-
-    def launch(self, step: int, next_prompts: Callable[[int], DistBatch], version: int) -> None:
-        if step in self.ahead:
-            return
-        loader_state = copy.deepcopy(self.loader.state_dict())
-        prompts = next_prompts(step)
-        self.ahead[step] = (prompts, self.generate(prompts), version, loader_state)
-
-    def prompts(self, step: int) -> DistBatch:
-        return self.ahead[step][0]
-
-    def generated(self, prompts: DistBatch) -> Any | None:
-        """The running generation of these prompts, if launched ahead."""
-        for p, future, _, _ in self.ahead.values():
-            if p is prompts:
-                return future
-        return None
-
-    def done(self, step: int) -> dict[str, float]:
-        """Forget batch `step` (trained by version `step`); its staleness as metrics."""
-        entry = self.ahead.pop(step, None)
-        if entry is None:
-            return {"async/staleness": 0.0}
-        return {"async/staleness": float(step - entry[2]), "async/in_flight": float(len(self.ahead))}
-
-    def loader_state(self, step: int) -> dict:
-        """The loader's state before the first batch not yet trained (batches drawn ahead are
-        drawn again after a resume)."""
-        ahead = sorted(s for s in self.ahead if s >= step)
-        return self.ahead[ahead[0]][3] if ahead else self.loader.state_dict()
-
-
-class RoutedActor:
-    """The actor group as an algorithm step sees it when generation runs ahead or elsewhere:
-    `generate_sequences` returns the launched generation of those prompts (or generates on the
-    rollout group), everything else goes to the training group."""
-
-    def __init__(self, train: Any, generations: Generations) -> None:
-        self.train, self.generations = train, generations
-
-    def generate_sequences(self, prompts: Any) -> Any:
-        launched = self.generations.generated(prompts)
-        return launched if launched is not None else self.generations.generate(prompts)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.train, name)
-
-
 async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> dict[str, Any]:
     """The job: check the inputs, claim the run directory, set up the workers (then `on_setup`,
     e.g. a test's instrumentation), train."""
@@ -508,23 +454,6 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
         run.release()
 
 
-def check_round_trip(tokenizer: Any, items: list) -> bool:
-    """Warn when decoding a prompt's tokens does not give its text back (a tokenizer that drops
-    spaces or maps characters to <unk> trains on something else than the data); True if all match.
-    Spaces a decoder adds between tokens (word-level tokenizers) are not a difference."""
-    def same(text: str, back: str) -> bool:
-        return "".join(text.split()) == "".join(back.split()) and len(back.split()) >= len(text.split())
-
-    decoded = [(it.raw_prompt, tokenizer.decode(it.input_ids)) for it in items]
-    bad = [(text, back) for text, back in decoded if not same(text, back)]
-    if bad:
-        text, back = bad[0]
-        log.warning("the tokenizer does not round-trip %d of %d training prompts checked: %r decodes as %r; "
-                    "check model.path's tokenizer (pre-tokenizer, normalizer, unknown characters)",
-                    len(bad), len(items), text[:200], back[:200])
-    return not bad
-
-
 def reward_fault(e: WorkerCallError, step: int) -> NonFiniteRewardError | None:
     """A worker's NaN-reward error as the driver's own, without the worker's traceback (the
     reward function is at fault, not the framework); None for any other error."""
@@ -532,63 +461,3 @@ def reward_fault(e: WorkerCallError, step: int) -> NonFiniteRewardError | None:
         return None
     return NonFiniteRewardError(f"{e.remote_message} (after {step} training steps; {e.group}.{e.method} "
                                 f"on rank {e.rank})")
-
-
-def check_inputs(cfg: RLConfig) -> None:
-    """What the workers would otherwise fail on deep inside: data files, the reward function and
-    the parallel sizes against the model (`cfg.model.path` resolved)."""
-    check_files(cfg)
-    _check_tp_fits_model(cfg)
-
-
-def check_files(cfg: RLConfig) -> None:
-    """The model directory (unless the run builds it), the data files (present, parquet or
-    jsonl, with the prompt and ground-truth columns) and the reward functions (importable);
-    `asyncrl-launch` runs this before anything starts."""
-    from asyncrl.data.dataset import DatasetError, check_data_file
-    from asyncrl.rewards import load_reward_fn
-
-    if cfg.model.build_tiny is None:
-        resolve_model(cfg.model)
-    if cfg.critic.model_path and cfg.algorithm.name in CRITIC_ALGORITHMS:
-        resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
-    if cfg.cost_model.path and cfg.cost_model.enable:
-        resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")
-    if cfg.reward.model_path:
-        cfg.reward.model_path = resolve_model(ModelConfig(path=cfg.reward.model_path), key="reward.model_path")
-    for key in ("train_files", "val_files"):
-        value = getattr(cfg.data, key)
-        if value:
-            try:
-                check_data_file(value, cfg.data.prompt_key, cfg.data.answer_key)
-            except DatasetError as e:
-                raise ConfigError(f"data.{key}={value}: {e}") from None
-    for key in ("fn", "cost_fn"):
-        spec = getattr(cfg.reward, key)
-        if spec:
-            try:
-                load_reward_fn(spec)
-            except Exception as e:
-                raise ConfigError(f"reward.{key}={spec}: {e}") from None
-
-
-def _check_tp_fits_model(cfg: RLConfig) -> None:
-    """Tensor-parallel sizes must divide the model's heads and intermediate size, and pipeline
-    stages not outnumber its layers (read from its config.json, before any worker starts)."""
-    sizes = {"actor.parallel.tp": cfg.actor.parallel.tp, "rollout.parallel.tp": cfg.rollout.parallel.tp}
-    if all(v == 1 for v in sizes.values()) and cfg.actor.parallel.pp == 1:
-        return
-    from transformers import AutoConfig
-
-    model = AutoConfig.from_pretrained(cfg.model.path)
-    if cfg.actor.parallel.pp > model.num_hidden_layers:
-        raise ConfigError(f"actor.parallel.pp={cfg.actor.parallel.pp} but the model ({cfg.model.path}) has "
-                          f"{model.num_hidden_layers} decoder layers; choose pp <= {model.num_hidden_layers}")
-    dims = {"num_attention_heads": model.num_attention_heads,
-            "num_key_value_heads": getattr(model, "num_key_value_heads", None) or model.num_attention_heads,
-            "intermediate_size": model.intermediate_size}
-    for key, tp in sizes.items():
-        bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
-        if bad:
-            raise ConfigError(f"{key}={tp} must divide the model's {', '.join(bad)} ({cfg.model.path}); "
-                              "choose a common divisor")

@@ -68,7 +68,7 @@ def stall(tmp: Path) -> dict[str, Any]:
 
 
 async def _blame(tmp: Path, attempts: int = 3) -> dict[str, Any]:
-    from asyncrl.context import local_cluster
+    from asyncrl.single_controller.context import local_cluster
     from daemons.errors import WorkerDiedError
 
     right, seconds = 0, []

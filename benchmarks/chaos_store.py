@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from daemons.cluster import ClusterSpec, HeadNode
+from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.proc import kill_group
 from objectstore import ObjectStore, segments
 from objectstore.memory import resolve_memory_limit
@@ -151,8 +151,8 @@ async def _wait_gone(shm_dir: str, tokens: set[str], timeout: float) -> None:
 # scenarios -------------------------------------------------------------------------------------
 async def store_full(tokens: set[str], log_dir: str) -> dict:
     """A worker fills its limited store; then it is SIGKILLed with a segment out."""
-    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=log_dir, heartbeat_interval_s=0.5,
-                       store_memory_limit=STORE_LIMIT, allowed_packages=("benchmarks",))
+    spec = ClusterSpec(ClusterConfig(cpu_devices=1, insecure=True, log_dir=str(log_dir), heartbeat_interval_s=0.5,
+                                     allowed_packages=["benchmarks"]), store_memory_limit=STORE_LIMIT)
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("chaos"))
         tokens.add((await worker.call("store_stats", timeout=10))["shm_owner"])

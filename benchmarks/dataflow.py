@@ -27,7 +27,7 @@ import time
 import torch
 
 from asyncrl import DP_PROTO, ONE_TO_ALL, Batch, Worker, register
-from asyncrl.context import local_cluster
+from asyncrl.single_controller.context import local_cluster
 from transport.loop import run
 
 MIB = 1 << 20

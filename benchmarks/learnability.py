@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.config import ActorConfig, ModelConfig, RLConfig, rl_config
-from asyncrl.engine import lr_multiplier
 from asyncrl.launch import load_config
+from asyncrl.train import lr_multiplier
 from daemons.proc import kill_group
 from objectstore import remove_stale_segments
 

@@ -321,7 +321,7 @@ def build_model(s: Setup) -> torch.nn.Module:
     torch.manual_seed(s.seed)
     model = LlamaForCausalLM(config).float()
     if s.pp > 1:  # pipeline stages cannot share the tied embedding/LM head
-        from asyncrl.engine.pipeline import untie_embeddings
+        from asyncrl.train.pipeline import untie_embeddings
 
         untie_embeddings(model)
     return model
@@ -368,18 +368,18 @@ def _min_over_ranks(value: float) -> float:
 def _rank_job(rank: int, s: Setup) -> dict[str, Any] | None:
     import torch.distributed as dist
 
-    from asyncrl.engine.fsdp import TrainEngine, apply_fsdp
-    from asyncrl.engine.parallelize import parallelize
-    from asyncrl.engine.pipeline import PipelineEngine, owner_stage
-    from asyncrl.engine.reshard import Resharder
-    from asyncrl.engine.tp import apply_tp, planned_shard_dim, tp_shard_dim
-    from asyncrl.parallel import (
+    from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.single_controller.parallel import (
         GenerationParallelConfig,
         ParallelConfig,
         ParallelLayout,
         generation_layout,
     )
-    from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.train.fsdp import TrainEngine, apply_fsdp
+    from asyncrl.train.parallelize import parallelize
+    from asyncrl.train.pipeline import PipelineEngine, owner_stage
+    from asyncrl.train.reshard import Resharder
+    from asyncrl.train.tp import apply_tp, planned_shard_dim, tp_shard_dim
 
     dist.init_process_group("gloo", rank=rank, world_size=s.ranks)
     layout = ParallelLayout.from_config(ParallelConfig(pp=s.pp, tp=s.tp), s.ranks)

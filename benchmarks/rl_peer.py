@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncrl.context import local_cluster
 from asyncrl.launch import load_config
+from asyncrl.single_controller.context import local_cluster
 from transport.loop import run
 
 MODEL = {"task": "sort", "hidden": 64, "layers": 2, "heads": 4, "sft_steps": 0}

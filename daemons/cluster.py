@@ -1,9 +1,9 @@
 """Starting and stopping a cluster's daemons, and the state file that lets `asyncrl` find them.
 
-    spec = ClusterSpec(cpu_devices=2, insecure=True)
+    spec = ClusterSpec(ClusterConfig(cpu_devices=2, insecure=True))
     async with HeadNode.start(spec) as head:      # coordinator + this node's daemon
         handles = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
-    async with NodeOnly.start(spec.joining("tcp://10.0.0.1:29400", node_rank=1)) as node:
+    async with NodeOnly.start(spec.joining("10.0.0.1:29400", node_rank=1)) as node:
         await node.daemon.stopped.wait()           # serve until the coordinator releases us
 
 `HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. With
@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from daemons.coordinator import Coordinator
+from daemons.errors import ConfigError, check, check_positive
 from daemons.node import DEFAULT_SHM_POOL_BYTES, KEEP_JOB_LOGS, NodeDaemon
+from daemons.proc import route_ip
 from daemons.state import (
     ClusterState,
     StateKind,
@@ -41,49 +44,133 @@ from transport.peers import ServerLimits
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class ClusterConfig:
+    """The `cluster` section of a job's config: every cluster knob, declared here once.
+
+    `asyncrl-launch` reads it from the YAML and the command line and passes it, as is, to the
+    daemons in a `ClusterSpec`."""
+
+    coordinator: str | None = None
+    """HOST:PORT of node 0's coordinator; None: this node hosts it."""
+    port: int = 0
+    """The coordinator's port on node 0 (0 = any; set one for multi-node)."""
+    node_rank: int = 0
+    nnodes: int = 1
+    host: str | None = None
+    """The address this node binds and advertises; None = loopback for one node, the address
+    other nodes route to for several."""
+    bind: str | None = None
+    """Where node 0's coordinator listens: None = cluster.host; "0.0.0.0" = every interface."""
+    cpu_devices: int = 2
+    """CPU "devices" per node when there is no GPU."""
+    gpus_per_node: int = 0
+    """GPUs each node's daemon uses: 0 = every visible GPU, N = the first N."""
+    key_dir: str | None = None
+    """CurveZMQ key directory (`asyncrl keys generate DIR`); None = ephemeral keys, one node only."""
+    insecure: bool = False
+    """Unauthenticated sockets: local tests only."""
+    join_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 1.0
+    node_timeout_s: float = 5.0
+    """The coordinator marks a node dead after this long without heartbeats."""
+    head_loss_timeout_s: float = 20.0
+    """A job's non-head node exits after this long without the head (daemon nodes wait for it)."""
+    log_dir: str = "outputs/logs"
+    keep_job_logs: int = KEEP_JOB_LOGS
+    """Each node keeps its newest job log folders and removes older ones it made."""
+    shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES
+    """A pre-faulted /dev/shm block per worker store for same-node pulls (that much shared memory
+    per worker, twice while refilling); 0 = off (see benchmarks/objectstore.py)."""
+    max_message_bytes: int = ServerLimits.max_message_bytes
+    """An RPC message above this gets an error (bulk data goes through the object store)."""
+    max_connections_per_peer: int = ServerLimits.max_connections_per_peer
+    """Connections one peer address may hold to one server."""
+    allowed_packages: list[str] = field(default_factory=list)
+    """Workers run functions and classes from these packages (`run`, hosted Worker classes)
+    besides asyncrl's own and the job entry's package; e.g. ["my_rewards"]."""
+
+    def check(self, at: str) -> None:
+        check_positive(at + "shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
+        check_positive(at + "max_message_bytes", self.max_message_bytes)
+        check_positive(at + "max_connections_per_peer", self.max_connections_per_peer)
+        for pkg in self.allowed_packages:
+            check(isinstance(pkg, str) and re.fullmatch(r"[A-Za-z_][\w.]*", pkg) is not None,
+                  at + "allowed_packages", pkg, "must be importable package names like my_pkg.rewards")
+        check(self.nnodes >= 1, at + "nnodes", self.nnodes, "must be >= 1")
+        check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
+              f"must be in [0, {at}nnodes={self.nnodes})")
+        check(0 <= self.port <= 65535, at + "port", self.port, "must be a TCP port (0 = any)")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            check(bool(host) and port.isdigit() and 0 < int(port) <= 65535, at + "coordinator", self.coordinator,
+                  "must be HOST:PORT, node 0's cluster.host and cluster.port (null on node 0 itself)")
+        check_positive(at + "cpu_devices", self.cpu_devices)
+        check_positive(at + "gpus_per_node", self.gpus_per_node, allow_zero=True)
+        check_positive(at + "keep_job_logs", self.keep_job_logs)
+        for name in ("join_timeout_s", "heartbeat_interval_s", "node_timeout_s", "head_loss_timeout_s"):
+            check_positive(at + name, getattr(self, name))
+        check(not Path(self.log_dir).expanduser().exists() or Path(self.log_dir).expanduser().is_dir(),
+              at + "log_dir", self.log_dir, "is a file; it must be a directory (created when missing)")
+        if self.nnodes > 1 and not self.key_dir and not self.insecure:
+            raise ConfigError("a multi-node cluster needs shared keys: run `asyncrl keys generate DIR`, "
+                              "copy DIR to every node and pass cluster.key_dir=DIR (or "
+                              "cluster.insecure=true on a trusted test network)")
+
+    @property
+    def limits(self) -> ServerLimits:
+        """What every RPC server of this node admits."""
+        return ServerLimits(max_message_bytes=self.max_message_bytes,
+                            max_connections_per_peer=self.max_connections_per_peer)
+
+    def with_addresses(self) -> ClusterConfig:
+        """This config with `host` (and node 0's `bind`) filled in: never every interface by
+        default: loopback for one node, the address the other nodes route to for several."""
+        if self.coordinator is None:  # node 0
+            host = self.host or (route_ip("192.0.2.1") if self.nnodes > 1 else "127.0.0.1")
+            return replace(self, host=host, bind=self.bind or host)
+        return replace(self, host=self.host or route_ip(self.coordinator.rsplit(":", 1)[0]), bind=None)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
-    """How to start this machine's daemons."""
+    """How to start this machine's daemons: the `cluster` section, and what only the starting
+    process knows (its keys, the job, the state file)."""
 
-    host: str = "127.0.0.1"  # address this node binds and advertises
-    bind: str | None = None  # the coordinator's bind address (default: host; "0.0.0.0" for all)
-    limits: ServerLimits = ServerLimits()  # what every server of this node admits
-    allowed_packages: tuple[str, ...] = ()  # workers run code from these and asyncrl's packages
-    port: int = 0  # the coordinator's port (0: any)
-    coordinator: str | None = None  # NodeOnly: the head's "tcp://HOST:PORT"
-    node_rank: int = 0
-    cpu_devices: int = 2  # CPU "devices" when the node has no GPU
-    gpus_per_node: int = 0  # GPUs a node's daemon uses: 0 = every visible one
-    curve: CurveConfig | None = None
-    insecure: bool = False
-    log_dir: str | os.PathLike = "outputs/logs"
-    keep_job_logs: int = KEEP_JOB_LOGS  # a node's newest job log folders kept; older ones go
-    heartbeat_interval_s: float = 1.0
-    node_timeout_s: float = 5.0  # the coordinator marks a silent node dead after this
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    curve: CurveConfig | None = None  # None with cluster.insecure
+    extra_packages: tuple[str, ...] = ()  # allowed besides cluster.allowed_packages (the job entry's)
+    store_memory_limit: int | None = None  # objectstore.memory_limit: bytes per worker store
     coordinator_timeout_s: float | None = None  # a node stops its workers after this (default max(10, 2 x node_timeout_s))
-    head_loss_timeout_s: float | None = None  # NodeOnly: the daemon stops after this long without the head (None: never)
     register_timeout_s: float = 30.0  # HeadNode: wait this long for its own node to register
-    shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES  # per worker store; see daemons.node
-    store_memory_limit: int | None = None  # bytes per worker store; None: objectstore.memory's default
     write_state: bool = False  # HeadNode: write the state file (and remove it on stop)
     state_dir: str | os.PathLike | None = None  # None: $ASYNCRL_STATE_DIR or ~/.asyncrl/state
     job_id: str | None = None  # HeadNode: the state file's id (None: a new one from job_name)
     job_name: str = "job"
-    daemon: bool = False  # HeadNode: the state file names a daemon (`asyncrl shutdown`), not a job
+    daemon: bool = False  # a daemon: the state file names one (`asyncrl shutdown`), nodes never give up on the head
+
+    @property
+    def host(self) -> str:
+        return self.cluster.host or "127.0.0.1"
+
+    @property
+    def allowed_packages(self) -> tuple[str, ...]:
+        return tuple(p for p in dict.fromkeys([*self.cluster.allowed_packages, *self.extra_packages]) if p)
 
     def joining(self, coordinator: str, node_rank: int) -> ClusterSpec:
-        """This spec for a node that joins the head at `coordinator`."""
-        return replace(self, coordinator=coordinator, node_rank=node_rank)
+        """This spec for a node that joins the head at `coordinator` ("HOST:PORT" or "tcp://HOST:PORT")."""
+        address = coordinator.removeprefix("tcp://")
+        return replace(self, cluster=replace(self.cluster, coordinator=address, node_rank=node_rank))
 
     def node_daemon(self, coordinator: str) -> NodeDaemon:
-        return NodeDaemon(coordinator, node_rank=self.node_rank, host=self.host,
-                          cpu_devices=self.cpu_devices, gpus_per_node=self.gpus_per_node, curve=self.curve, insecure=self.insecure,
-                          log_dir=self.log_dir, heartbeat_interval=self.heartbeat_interval_s,
-                          coordinator_timeout=(self.coordinator_timeout_s
-                                               or max(10.0, 2 * self.node_timeout_s)),
-                          shm_pool_bytes=self.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
-                          head_loss_timeout=None if self.node_rank == 0 else self.head_loss_timeout_s,
-                          limits=self.limits, keep_job_logs=self.keep_job_logs)
+        c = self.cluster
+        return NodeDaemon(coordinator, node_rank=c.node_rank, host=self.host, cpu_devices=c.cpu_devices,
+                          gpus_per_node=c.gpus_per_node, curve=self.curve, insecure=c.insecure, log_dir=c.log_dir,
+                          heartbeat_interval_s=c.heartbeat_interval_s,
+                          coordinator_timeout_s=self.coordinator_timeout_s or max(10.0, 2 * c.node_timeout_s),
+                          shm_pool_bytes=c.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
+                          head_loss_timeout_s=None if c.node_rank == 0 or self.daemon else c.head_loss_timeout_s,
+                          limits=c.limits, keep_job_logs=c.keep_job_logs)
 
 
 # daemons ---------------------------------------------------------------------------------------
@@ -99,15 +186,16 @@ class HeadNode:
         self.state_path: Path | None = None
         # the driver shares this loop: a warning names any stall its code causes (heartbeats
         # are unaffected, see daemons.liveness)
-        self.loop_lag = LoopLagMonitor("driver", threshold_s=max(1.0, spec.heartbeat_interval_s))
+        self.loop_lag = LoopLagMonitor("driver", threshold_s=max(1.0, spec.cluster.heartbeat_interval_s))
 
     @classmethod
     async def launch(cls, spec: ClusterSpec) -> HeadNode:
         """Start the coordinator and the node daemon, wait for the node to register, and write
         the state file when `spec.write_state`."""
-        coordinator = Coordinator(f"tcp://{spec.bind or spec.host}:{spec.port}", curve=spec.curve,
-                                  insecure=spec.insecure, node_timeout=spec.node_timeout_s,
-                                  limits=spec.limits, allowed_packages=spec.allowed_packages)
+        c = spec.cluster
+        coordinator = Coordinator(f"tcp://{c.bind or spec.host}:{c.port}", curve=spec.curve,
+                                  insecure=c.insecure, node_timeout=c.node_timeout_s,
+                                  limits=c.limits, allowed_packages=spec.allowed_packages)
         await coordinator.start()
         endpoint = f"tcp://{spec.host}:{coordinator.endpoint.rsplit(':', 1)[1]}"
         node = spec.node_daemon(endpoint)
@@ -125,7 +213,7 @@ class HeadNode:
             await head.stop()
             raise
         log.info("head node up: coordinator %s (%s)", endpoint,
-                 "insecure" if spec.insecure else "CurveZMQ")
+                 "insecure" if c.insecure else "CurveZMQ")
         return head
 
     @classmethod
@@ -165,9 +253,9 @@ class NodeOnly:
     async def launch(cls, spec: ClusterSpec, *, wait_registered: float | None = None) -> NodeOnly:
         """Start the node daemon; with `wait_registered` seconds, wait until it has joined
         (TimeoutError after that)."""
-        if not spec.coordinator:
-            raise ValueError("NodeOnly needs spec.coordinator, the head's tcp://HOST:PORT")
-        node = cls(spec, spec.node_daemon(spec.coordinator))
+        if not spec.cluster.coordinator:
+            raise ValueError("NodeOnly needs spec.cluster.coordinator, the head's HOST:PORT")
+        node = cls(spec, spec.node_daemon(f"tcp://{spec.cluster.coordinator}"))
         await node.daemon.start()
         if wait_registered is not None:
             try:
@@ -192,5 +280,5 @@ class NodeOnly:
 
 
 # the state file API lives in daemons.state; re-exported for callers of this module
-__all__ = ["ClusterSpec", "ClusterState", "HeadNode", "NodeOnly", "read_states", "remove_state", "state_dir",
+__all__ = ["ClusterConfig", "ClusterSpec", "ClusterState", "HeadNode", "NodeOnly", "read_states", "remove_state", "state_dir",
            "write_state"]

@@ -145,11 +145,11 @@ class NodeDaemon:
         curve: CurveConfig | None = None,
         insecure: bool = False,
         log_dir: str | os.PathLike = "/tmp/asyncrl-logs",
-        heartbeat_interval: float = 1.0,
-        coordinator_timeout: float = 10.0,
+        heartbeat_interval_s: float = 1.0,
+        coordinator_timeout_s: float = 10.0,
         node_id: str | None = None,
         shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES,
-        head_loss_timeout: float | None = None,
+        head_loss_timeout_s: float | None = None,
         store_memory_limit: int | None = None,
         limits: ServerLimits | None = None,
         keep_job_logs: int = KEEP_JOB_LOGS,
@@ -162,9 +162,9 @@ class NodeDaemon:
         self.devices = discover_devices(cpu_devices, gpus_per_node)
         self.curve, self.insecure = curve, insecure
         self.log_dir = Path(log_dir)
-        self.heartbeat_interval = heartbeat_interval
-        self.coordinator_timeout = coordinator_timeout
-        self.head_loss_timeout = head_loss_timeout
+        self.heartbeat_interval = heartbeat_interval_s
+        self.coordinator_timeout = coordinator_timeout_s
+        self.head_loss_timeout = head_loss_timeout_s
         self.shm_pool_bytes = shm_pool_bytes
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
@@ -172,13 +172,13 @@ class NodeDaemon:
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
                                 name=f"node-{node_rank}")
         self.coordinator = RpcClient(coordinator, curve=curve, insecure=insecure, name="node->coordinator",
-                                     heartbeat_interval=heartbeat_interval,
-                                     heartbeat_timeout=max(2.0, coordinator_timeout / 2))
+                                     heartbeat_interval=heartbeat_interval_s,
+                                     heartbeat_timeout=max(2.0, coordinator_timeout_s / 2))
         self.registered = asyncio.Event()
         self.stopped = asyncio.Event()
         self.stop_reason = ""
         self.heartbeats = HeartbeatSender(self.node_id, curve=curve, insecure=insecure,
-                                          interval=heartbeat_interval, on_unknown=self.registered.clear)
+                                          interval=heartbeat_interval_s, on_unknown=self.registered.clear)
         self._last_contact = time.monotonic()  # last answer from the coordinator (registration)
         self._ever_registered = False
         self._tasks: list[asyncio.Task] = []

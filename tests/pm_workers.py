@@ -8,7 +8,7 @@ import time
 import torch
 
 from asyncrl import Batch, ParallelConfig, ParallelLayout, Worker, register
-from asyncrl.protocols import (
+from asyncrl.single_controller.protocols import (
     ALL_TO_ALL,
     DP_PROTO,
     ONE_TO_ALL,

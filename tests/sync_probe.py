@@ -12,6 +12,6 @@ async def main(ctx: Any) -> dict[str, Any]:
     trainers: list[Any] = []
     summary = await trainer_main(ctx, on_setup=trainers.append)
     t = trainers[0]
-    train = (await t.train_actor.weights_checksum())[0]
+    train = (await t.roles.actor.weights_checksum())[0]
     rollout = await t.rollout.weights_checksum()
     return {**summary, "train_checksum": train, "rollout_checksums": rollout}

@@ -427,7 +427,7 @@ def test_adaptive_kl_horizon_counts_responses_not_prompts():
 
 def test_remax_with_kl_in_the_reward_uses_return_to_go():
     from asyncrl.algorithms import advantage
-    from asyncrl.batch import Batch
+    from asyncrl.single_controller.batch import Batch
 
     mask = torch.ones(1, 3)
     adv, ret = core.remax_advantage(torch.tensor([[-0.1, -0.1, 0.9]]), torch.tensor([0.5]), mask)
@@ -451,10 +451,10 @@ def test_scores_land_on_the_last_real_token_of_a_mask_with_holes():
 
 def test_duplicate_prompts_in_a_batch_are_separate_groups():
     from asyncrl.algorithms import advantage
-    from asyncrl.batch import Batch
     from asyncrl.data.dataset import PromptDataset
     from asyncrl.data.synthetic import make_rows
     from asyncrl.models.tiny import build_tokenizer
+    from asyncrl.single_controller.batch import Batch
 
     ds = PromptDataset(make_rows("sort", 1, 0) * 2, build_tokenizer(), 64)  # the same prompt twice
     uids = ds.collate(ds.items)["uid"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engine.weight_sync import TensorSpec, WeightBridge, buckets, digest
 from asyncrl.rollout import RolloutEngine, SamplingParams
+from asyncrl.train.weight_sync import TensorSpec, WeightBridge, buckets, digest
 from daemons.proc import kill_group
 from tests.test_rl import LAUNCH, REPO, SMALL, _env, _launch
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from asyncrl import config as C
-from asyncrl.batch import Batch
 from asyncrl.launch import main
 from asyncrl.metrics import json_line
 from asyncrl.rewards import NonFiniteRewardError, checked_score
+from asyncrl.single_controller.batch import Batch
 from daemons.errors import ConfigError, DaemonError, PlacementError
 from daemons.node import gpu_env
 
@@ -169,7 +169,7 @@ def _responses(device: str = "cpu") -> Batch:
 
 
 def test_rule_reward_worker_stops_on_a_nan_reward(tiny_model, tmp_path):
-    from asyncrl.workers.reward import RuleRewardWorker
+    from asyncrl.roles.reward import RuleRewardWorker
 
     (tmp_path / "rw.py").write_text("def reward(source, text, truth, extra=None):\n"
                                     "    return float('nan') if truth == '3' else 1.0\n")
@@ -183,7 +183,7 @@ def test_rule_reward_worker_stops_on_a_nan_reward(tiny_model, tmp_path):
 def test_rule_reward_scores_stay_on_the_batch_device(tiny_model):
     """A Batch mixing CPU scores with CUDA token scores is refused by the store: `meta` stands
     in for CUDA here (mixing it with CPU fails the same way)."""
-    from asyncrl.workers.reward import RuleRewardWorker
+    from asyncrl.roles.reward import RuleRewardWorker
 
     worker = RuleRewardWorker(C.rl_config({"model": {"path": str(tiny_model)}}))
     out = worker.compute_reward(_responses())
@@ -193,7 +193,7 @@ def test_rule_reward_scores_stay_on_the_batch_device(tiny_model):
 
 
 def test_the_trainer_reports_a_worker_nan_reward_without_a_traceback():
-    from asyncrl.group import WorkerCallError
+    from asyncrl.single_controller.group import WorkerCallError
     from asyncrl.trainer import reward_fault
     from transport import RemoteError
 
@@ -223,7 +223,7 @@ def _generated(rows: int, width: int, device: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
 def test_padding_early_stopped_responses_stays_on_their_device(device):
     """All rows stopped before the budget: the pad used to add a CPU arange to the positions."""
-    from asyncrl.workers.actor import _pad_responses
+    from asyncrl.roles.actor import _pad_responses
 
     out = _pad_responses(_generated(2, 3, device), width=5, pad_id=0)
     assert out["position_ids"].shape == (2, 5) and out["position_ids"].device.type == device
@@ -235,7 +235,7 @@ def test_padding_early_stopped_responses_stays_on_their_device(device):
 def test_behaviour_versions_are_on_the_responses_device(device):
     """Seen on the first GPU run: the per-token policy versions were a CPU tensor beside CUDA
     responses, and publishing the generated batch failed ("tensors must be on one device")."""
-    from asyncrl.workers.actor import _token_versions
+    from asyncrl.roles.actor import _token_versions
 
     responses = torch.ones((3, 4), dtype=torch.long, device=device)
     versions = _token_versions([7, 7, 8, 9, 9], responses.shape, responses.device)
@@ -247,8 +247,8 @@ def test_behaviour_versions_are_on_the_responses_device(device):
 @pytest.mark.parametrize("device", ["meta", pytest.param("cuda:0", marks=[pytest.mark.gpu, cuda])])
 def test_pulled_batches_move_to_the_worker_device_once(device):
     """`meta` stands in for a GPU on CPU-only machines."""
-    from asyncrl.transfer import to_device
-    from asyncrl.worker import Worker
+    from asyncrl.single_controller.transfer import to_device
+    from asyncrl.single_controller.worker import Worker
 
     batch = _responses()
     assert to_device(batch, "cpu:0") is batch  # a CPU worker copies nothing
@@ -286,7 +286,7 @@ def test_cpu_devices_get_no_gpu_env_and_unknown_gpus_are_refused():
 @pytest.mark.gpu
 @cuda
 def test_reward_workers_run_on_the_gpu(tiny_model, monkeypatch):
-    from asyncrl.workers.reward import RewardModelWorker, RuleRewardWorker
+    from asyncrl.roles.reward import RewardModelWorker, RuleRewardWorker
 
     monkeypatch.setenv("ASYNCRL_DEVICE", "cuda:0")
     cfg = C.rl_config({"model": {"path": str(tiny_model)}})
@@ -353,7 +353,7 @@ def test_a_worker_names_its_node_and_the_paths_it_lacks(tmp_path):
     """A multi-node job whose files are missing on one node: the worker there says which, at once."""
     import socket
 
-    from asyncrl.workers.process import check_node_paths
+    from asyncrl.roles.process import check_node_paths
 
     model = tmp_path / "model"
     model.mkdir()

@@ -1,4 +1,4 @@
-"""asyncrl.batch.Batch: columns, row operations, padding and the wire format."""
+"""asyncrl.single_controller.batch.Batch: columns, row operations, padding and the wire format."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.batch import EXT_BATCH, Batch
+from asyncrl.single_controller.batch import EXT_BATCH, Batch
 from transport.codec import decode, encode
 
 

@@ -15,6 +15,7 @@ import yaml
 
 from asyncrl import config as C
 from asyncrl.launch import load_config, main, shipped_config_dir
+from asyncrl.single_controller.schema import schemas, validate
 from daemons.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def test_yaml_files_set_only_what_differs_from_the_schema(name):
     raw = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
     raw.pop("defaults", None)
     raw.pop("hydra", None)
-    schema = C.SCHEMAS.get({"cluster": "launch_schema", "smoke": "smoke_schema"}.get(name, "rl_schema"))
+    schema = schemas().get({"cluster": "launch_schema", "smoke": "smoke_schema"}.get(name, "rl_schema"))
     copies = []
     for key, value in _leaves(raw).items():
         try:
@@ -69,8 +70,8 @@ def test_yaml_files_set_only_what_differs_from_the_schema(name):
 
 
 def test_schema_defaults_pass_their_own_checks():
-    for schema in C.SCHEMAS.values():
-        C.validate(schema())  # every section's `check`: raises on an out-of-range default
+    for schema in schemas().values():
+        validate(schema())  # every section's `check`: raises on an out-of-range default
     assert {f.name for f in fields(C.RLConfig)} >= {"cluster", "job", "model", "data", "rollout", "actor",
                                                      "critic", "reward", "cost_model", "algorithm", "trainer"}
 

@@ -77,7 +77,7 @@ async def cluster(tmp_path):
     coordinator = Coordinator(insecure=True, node_timeout=2.0, allowed_packages=("time", "os", "posix", "json"))
     await coordinator.start()
     node = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=3, log_dir=tmp_path / "logs",
-                      heartbeat_interval=0.3)
+                      heartbeat_interval_s=0.3)
     await node.start()
     await node.wait_registered(10)
     yield coordinator, node
@@ -232,11 +232,12 @@ def test_state_file_roundtrip(tmp_path, monkeypatch):
 
 
 async def test_head_node_passes_shm_pool_to_worker_stores(tmp_path):
-    from daemons.cluster import ClusterSpec, HeadNode
+    from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
     from daemons.messages import WorkerState
 
-    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
-                       shm_pool_bytes=1 << 20, write_state=True, state_dir=tmp_path / "st")
+    spec = ClusterSpec(ClusterConfig(cpu_devices=1, insecure=True, log_dir=str(tmp_path / "logs"),
+                                     heartbeat_interval_s=0.5, shm_pool_bytes=1 << 20),
+                       write_state=True, state_dir=tmp_path / "st")
     async with HeadNode.start(spec) as head:
         assert [p.name for p in (tmp_path / "st").iterdir()] == [f"{head.state_id}.json"]
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))

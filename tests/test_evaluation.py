@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from asyncrl.algorithms import advantage
-from asyncrl.batch import Batch
 from asyncrl.evaluation import format_samples, pass_at_k, pass_at_ks, sample_rows, source_means
 from asyncrl.rewards import REWARD_EXTRA, NonFiniteRewardError
-from asyncrl.workers.reward import RuleRewardWorker
+from asyncrl.roles.reward import RuleRewardWorker
+from asyncrl.single_controller.batch import Batch
 from tests.test_rl import _launch, tiny_model  # noqa: F401  (a module-scoped fixture)
 
 
@@ -147,7 +147,7 @@ def test_tokenizer_round_trip_check_catches_dropped_spaces():
     from asyncrl.data.dataset import PromptDataset
     from asyncrl.data.synthetic import make_rows
     from asyncrl.models.tiny import build_tokenizer
-    from asyncrl.trainer import check_round_trip
+    from asyncrl.preflight import check_round_trip
 
     tok = build_tokenizer()
     items = PromptDataset(make_rows("sort", 4, 0), tok, 64).items

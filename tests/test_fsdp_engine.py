@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.engine import OptimConfig, lr_multiplier
+from asyncrl.train import OptimConfig, lr_multiplier
 from tests.gloo_ranks import run_ranks
 
 VOCAB, ROWS, SEQ, STEPS = 64, 8, 9, 3
@@ -65,7 +65,7 @@ def loss_fn(model, micro_batch):
 
 def build_engine(model, optim, layout):
     """apply_fsdp over the layout's dp sub-mesh, then the engine (as an RL worker does)."""
-    from asyncrl.engine import TrainEngine, apply_fsdp
+    from asyncrl.train import TrainEngine, apply_fsdp
 
     return TrainEngine(apply_fsdp(model, layout.submesh("dp")), layout, optim=optim, device="cpu")
 
@@ -86,8 +86,8 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.engine import init_distributed, rng_state, set_rng_state
-    from asyncrl.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed, rng_state, set_rng_state
 
     init_distributed()
     init_distributed()  # idempotent
@@ -174,8 +174,8 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
 
 
 def _single_process(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.engine import init_distributed
-    from asyncrl.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.parallel import (
+from asyncrl.single_controller.parallel import (
     MICRO_DP_DIMS,
     GenerationParallelConfig,
     LayoutError,
@@ -90,8 +90,8 @@ def test_config_rejects_layouts_that_do_not_fit():
 
 
 def test_the_rollout_protocol_splits_over_dp_and_micro_dp():
-    from asyncrl.batch import Batch
-    from asyncrl.protocols import THREE_D_ALL_MICRO_DP, CallContext, get_protocol
+    from asyncrl.single_controller.batch import Batch
+    from asyncrl.single_controller.protocols import THREE_D_ALL_MICRO_DP, CallContext, get_protocol
 
     _, gen = layouts(8, t=4, tg=2)
     proto = get_protocol(THREE_D_ALL_MICRO_DP)
@@ -127,11 +127,11 @@ def _model(vocab: int, tied: bool):
 
 
 def _reshard_scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.engine import init_distributed, parallelize
-    from asyncrl.engine.reshard import Resharder
-    from asyncrl.engine.tp import planned_shard_dim
     from asyncrl.rollout import RolloutEngine, SamplingParams
     from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.train import init_distributed, parallelize
+    from asyncrl.train.reshard import Resharder
+    from asyncrl.train.tp import planned_shard_dim
 
     init_distributed()
     prompts = torch.randint(1, 30, (3, 5), generator=torch.Generator().manual_seed(7))
@@ -232,11 +232,11 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 def _cuda_reshard(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.engine import init_distributed
-    from asyncrl.engine.fsdp import apply_fsdp
-    from asyncrl.engine.reshard import Resharder
     from asyncrl.rollout import RolloutEngine, SamplingParams
     from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.train import init_distributed
+    from asyncrl.train.fsdp import apply_fsdp
+    from asyncrl.train.reshard import Resharder
 
     init_distributed()
     train, gen = layouts(1, t=1)

@@ -219,7 +219,7 @@ async def test_end_job_stops_only_its_workers_and_forgets_them(tmp_path):
     coordinator = Coordinator(insecure=True, node_timeout=5.0)
     await coordinator.start()
     node = NodeDaemon(coordinator.endpoint, insecure=True, cpu_devices=2, log_dir=tmp_path / "logs",
-                      heartbeat_interval=0.3)
+                      heartbeat_interval_s=0.3)
     await node.start()
     try:
         await node.wait_registered(10)

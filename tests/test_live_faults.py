@@ -19,9 +19,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from asyncrl import WorkerCallError
-from asyncrl.context import JobContext, local_cluster
 from asyncrl.jobs import faults
-from daemons.cluster import ClusterSpec, HeadNode
+from asyncrl.single_controller.context import JobContext, local_cluster
+from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.errors import CallTimeoutError, WorkerDiedError
 from daemons.proc import free_port
 
@@ -105,8 +105,8 @@ async def test_killed_rank_is_blamed_every_time(tmp_path):
 
 async def test_killed_node_daemon_is_blamed_on_its_rank(tmp_path):
     """kill -9 the node daemon of rank 1 mid-collective: rank 1's death is the error, quickly."""
-    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.3,
-                       node_timeout_s=3.0)
+    spec = ClusterSpec(ClusterConfig(cpu_devices=1, insecure=True, log_dir=str(tmp_path / "logs"),
+                                     heartbeat_interval_s=0.3, node_timeout_s=3.0))
     async with HeadNode.start(spec) as head:
         port = head.endpoint.rsplit(":", 1)[1]
         out = tmp_path / "node1.out"
@@ -176,7 +176,8 @@ async def test_hung_collective_ends_at_the_process_group_timeout(tmp_path):
 
 
 def test_bad_worker_keys_are_config_errors():
-    from asyncrl.config import LaunchConfig, typed
+    from asyncrl.single_controller.config import LaunchConfig
+    from asyncrl.single_controller.schema import typed
     from daemons.errors import ConfigError
 
     with pytest.raises(ConfigError, match="call_timeout_s"):
@@ -263,8 +264,8 @@ async def test_rpc_client_survives_its_own_loop_blocking_past_the_heartbeat_time
 
 async def test_heartbeats_flow_while_the_coordinator_loop_is_blocked(tmp_path):
     """Coordinator and node daemon on one loop, blocked for 3 x node_timeout: no node is lost."""
-    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.2,
-                       node_timeout_s=1.0)
+    spec = ClusterSpec(ClusterConfig(cpu_devices=1, insecure=True, log_dir=str(tmp_path / "logs"),
+                                     heartbeat_interval_s=0.2, node_timeout_s=1.0))
     async with HeadNode.start(spec) as head:
         time.sleep(3.0)
         await asyncio.sleep(0.5)  # what the liveness thread reported is handled now
@@ -281,7 +282,7 @@ async def test_node_rejoins_a_restarted_coordinator(tmp_path):
     first = Coordinator(f"tcp://127.0.0.1:{port}", insecure=True, node_timeout=3.0)
     await first.start()
     node = NodeDaemon(first.endpoint, insecure=True, cpu_devices=1, log_dir=tmp_path / "logs",
-                      heartbeat_interval=0.2, coordinator_timeout=30)
+                      heartbeat_interval_s=0.2, coordinator_timeout_s=30)
     await node.start()
     second = None
     try:
@@ -320,10 +321,10 @@ async def test_a_dropped_failed_call_is_one_line_not_a_traceback(tmp_path, caplo
     async with local_cluster(cpu_devices=1, log_dir=tmp_path / "logs", insecure=True) as ctx:
         group = await ctx.spawn_group(ctx.create_pool("p", world_size=1), faults.Collective)
         group.allreduce_for(0.1)  # no process group yet: fails, and nobody awaits it
-        with caplog.at_level(logging.ERROR, logger="asyncrl.group"):
+        with caplog.at_level(logging.ERROR, logger="asyncrl.single_controller.group"):
             gc.collect()
             await asyncio.sleep(2.0)
             gc.collect()
-    lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.group"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.single_controller.group"]
     assert len(lines) == 1 and "p.allreduce_for failed and was never awaited" in lines[0], lines
     assert "Traceback" not in lines[0]

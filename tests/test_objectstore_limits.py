@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemons.cluster import ClusterSpec, HeadNode
+from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.errors import ConfigError
 from daemons.proc import kill_group
 from objectstore import (
@@ -182,7 +182,9 @@ def test_default_limit_is_a_fraction_of_the_node_memory():
 
 
 def test_memory_limit_config_key_is_typed():
-    from asyncrl.config import LaunchConfig, RLConfig, typed
+    from asyncrl.config import RLConfig
+    from asyncrl.single_controller.config import LaunchConfig
+    from asyncrl.single_controller.schema import typed
 
     assert typed(LaunchConfig, {}).objectstore.memory_limit is None
     assert typed(RLConfig, {"objectstore": {"memory_limit": 1 << 30}}).objectstore.memory_limit == 1 << 30
@@ -209,10 +211,11 @@ def test_launch_passes_the_memory_limit_to_the_node():
 
 
 async def test_worker_and_driver_stores_have_limits(tmp_path):
-    from asyncrl.context import JobContext
+    from asyncrl.single_controller.context import JobContext
 
-    spec = ClusterSpec(cpu_devices=1, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
-                       store_memory_limit=4 << 20, allowed_packages=("tests",))
+    spec = ClusterSpec(ClusterConfig(cpu_devices=1, insecure=True, log_dir=str(tmp_path / "logs"),
+                                     heartbeat_interval_s=0.5, allowed_packages=["tests"]),
+                       store_memory_limit=4 << 20)
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
         assert (await worker.call("store_stats", timeout=5))["limit"] == 4 << 20
@@ -384,8 +387,8 @@ async def test_closed_store_leaves_no_lock_file(stores):
 
 
 async def test_node_daemon_removes_a_killed_workers_segments(tmp_path, stores):
-    spec = ClusterSpec(cpu_devices=2, insecure=True, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
-                       allowed_packages=("tests",))
+    spec = ClusterSpec(ClusterConfig(cpu_devices=2, insecure=True, log_dir=str(tmp_path / "logs"),
+                                     heartbeat_interval_s=0.5, allowed_packages=["tests"]))
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=1))
         stats = await worker.call("store_stats", timeout=5)

@@ -1,4 +1,4 @@
-"""Pipeline-parallel training (`asyncrl.engine.pipeline`) on CPU ranks (gloo) against a plain
+"""Pipeline-parallel training (`asyncrl.train.pipeline`) on CPU ranks (gloo) against a plain
 single-process model and AdamW.
 
 One 2-rank job runs pp=2 (dp=1), one 4-rank job pp=2 x dp=2 and then pp=2 x tp=2; each writes its results to disk
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engine import EngineError, OptimConfig, lr_multiplier, split_stages, untie_embeddings
-from asyncrl.workers.forward import response_forward
+from asyncrl.roles.forward import response_forward
+from asyncrl.train import EngineError, OptimConfig, lr_multiplier, split_stages, untie_embeddings
 from tests.gloo_ranks import run_ranks
 
 VOCAB, ROWS, RESPONSE, N_MICRO, STEPS, SAVE_AT = 64, 8, 4, 3, 4, 2
@@ -86,7 +86,7 @@ def logits_of(model, mb):
 
 
 def build_engine(layout, seed: int = 0, optim: OptimConfig | None = OPTIM):
-    from asyncrl.engine import PipelineEngine, parallelize
+    from asyncrl.train import PipelineEngine, parallelize
 
     return PipelineEngine(parallelize(tiny_lm(seed), layout), layout, optim=optim, device="cpu")
 
@@ -94,8 +94,8 @@ def build_engine(layout, seed: int = 0, optim: OptimConfig | None = OPTIM):
 def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.engine import TrainEngine, init_distributed
-    from asyncrl.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import TrainEngine, init_distributed
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(pp=2, tp=tp), world_size)
@@ -137,7 +137,7 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     res["broadcast_logp"] = reference.forward(probe, log_probs)
     del resumed, reference
     if world_size == 2 and tp == 1:  # the pp=2 checkpoint resumes without a pipeline, at dp=2
-        from asyncrl.engine import parallelize
+        from asyncrl.train import parallelize
 
         dp2 = ParallelLayout.from_config(ParallelConfig(), world_size)
         plain = TrainEngine(parallelize(tiny_lm(seed=99), dp2), dp2, optim=OPTIM, device="cpu")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncrl import Batch, DistBatch, WorkerCallError, register_protocol
-from asyncrl.context import JobContext, local_cluster
-from asyncrl.distbatch import Piece
-from asyncrl.parallel import LayoutError, ParallelConfig, ParallelLayout
+from asyncrl.single_controller.context import JobContext, local_cluster
+from asyncrl.single_controller.distbatch import Piece
+from asyncrl.single_controller.parallel import LayoutError, ParallelConfig, ParallelLayout
 from tests import pm_workers as W
 
 
@@ -242,7 +242,12 @@ def test_distbatch_rows_follow_python_semantics():
 def test_3d_protocol_follows_a_layout_on_the_driver():
     """pp=2 × dp=2 × tp=2: rows split over dp, broadcast over pp and tp; the last stage's tp
     rank 0 of each dp group reports."""
-    from asyncrl.protocols import THREE_D_PP_ONLY, THREE_D_PROTO, CallContext, get_protocol
+    from asyncrl.single_controller.protocols import (
+        THREE_D_PP_ONLY,
+        THREE_D_PROTO,
+        CallContext,
+        get_protocol,
+    )
 
     layout = ParallelLayout.from_config(ParallelConfig(pp=2, tp=2), 8)
     call = CallContext("g", "m", 8, {"train": layout})

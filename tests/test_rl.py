@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import advantage
-from asyncrl.batch import Batch
+from asyncrl.single_controller.batch import Batch
 from daemons.proc import kill_group
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,8 +195,8 @@ def test_same_seed_same_metrics(tiny_model, tmp_path):
 
 
 def test_mini_batches_cover_every_row_and_responses_pad_to_the_budget():
-    from asyncrl.workers.actor import _pad_responses
-    from asyncrl.workers.update import mini_batches
+    from asyncrl.roles.actor import _pad_responses
+    from asyncrl.roles.update import mini_batches
 
     b = Batch({"i": torch.arange(10)})
     parts = list(mini_batches(b, 4, shuffle=True, generator=torch.Generator().manual_seed(0)))
@@ -212,9 +212,9 @@ def test_mini_batches_cover_every_row_and_responses_pad_to_the_budget():
 
 async def test_actor_workers_through_the_api(tiny_model, tmp_path):
     """generate → compute_loss (pretrain loss, no update) → update_pretrain lowers it."""
-    from asyncrl.context import local_cluster
     from asyncrl.metrics import mean_metrics
-    from asyncrl.workers.actor import ActorRolloutRefWorker
+    from asyncrl.roles.actor import ActorRolloutRefWorker
+    from asyncrl.single_controller.context import local_cluster
 
     cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
            "rollout": {"n": 2, "max_tokens": 4}, "actor": {"optim": {"lr": 1e-2}, "pretrain_coef": 1.0}}
@@ -265,7 +265,7 @@ def test_grpo_steps_on_cuda(tiny_model, tmp_path):
 def test_tensor_parallel_sizes_are_checked_against_the_model(tiny_model):
     """Before any worker starts: the tiny model has 4 heads, so tp=8 cannot split them."""
     from asyncrl.config import rl_config
-    from asyncrl.trainer import check_inputs
+    from asyncrl.preflight import check_inputs
     from daemons.errors import ConfigError
 
     cfg = rl_config({"model": {"path": str(tiny_model)}, "trainer": {"n_workers": 8},
@@ -299,9 +299,9 @@ def test_trimmed_micro_batches_give_the_same_loss_and_gradients(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.algorithms import core
+    from asyncrl.roles.forward import response_forward
+    from asyncrl.roles.update import trim_padding
     from asyncrl.rollout.engine import positions_from_mask
-    from asyncrl.workers.forward import response_forward
-    from asyncrl.workers.update import trim_padding
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     rows, prompt, width = 4, 6, 8

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemons.cluster import ClusterSpec, HeadNode
+from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.worker import AllowList, NotAllowedError, entry_package, resolve_allowed
 from transport import CurveConfig, RemoteError, RpcClient
 from transport.peers import ServerLimits
@@ -46,9 +46,9 @@ def test_allow_list_admits_listed_packages_and_names_them():
 # a live head node with CurveZMQ keys ------------------------------------------------------------
 async def test_worker_refuses_foreign_code_and_holds_no_cluster_secret(tmp_path):
     cluster = CurveConfig.ephemeral()
-    spec = ClusterSpec(cpu_devices=1, curve=cluster, log_dir=tmp_path / "logs", heartbeat_interval_s=0.5,
-                       write_state=True, state_dir=tmp_path / "st",
-                       limits=ServerLimits(max_message_bytes=1 << 20))
+    spec = ClusterSpec(ClusterConfig(cpu_devices=1, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=0.5,
+                                     max_message_bytes=1 << 20),
+                       curve=cluster, write_state=True, state_dir=tmp_path / "st")
     marker = tmp_path / "pwned"
     async with HeadNode.start(spec) as head:
         (worker,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
@@ -98,29 +98,27 @@ def test_daemon_mode_listens_on_loopback_unless_told_otherwise(caplog):
     from asyncrl.launch import explain_bind
 
     spec = _spec(daemon=True)
-    assert spec.bind == "127.0.0.1"
+    assert spec.cluster.bind == "127.0.0.1"
     level, line = explain_bind(spec, daemon=True)
     assert level == logging.WARNING and "cluster.host=" in line
     spec = _spec("cluster.bind=0.0.0.0", daemon=True)
-    assert spec.bind == "0.0.0.0"
+    assert spec.cluster.bind == "0.0.0.0"
     level, line = explain_bind(spec, daemon=True)
     assert level == logging.WARNING and "every interface" in line
     spec = _spec("cluster.nnodes=2", "cluster.insecure=true")
-    assert spec.bind not in ("0.0.0.0", None)
-    assert _spec("cluster.host=10.1.2.3").bind == "10.1.2.3"
+    assert spec.cluster.bind not in ("0.0.0.0", None)
+    assert _spec("cluster.host=10.1.2.3").cluster.bind == "10.1.2.3"
 
 
 def test_server_limits_come_from_the_config_with_one_default():
-    from asyncrl.config import ClusterConfig
-
     assert ClusterConfig().max_message_bytes == ServerLimits().max_message_bytes
     assert ClusterConfig().max_connections_per_peer == ServerLimits().max_connections_per_peer
     spec = _spec("cluster.max_message_bytes=12345", "cluster.max_connections_per_peer=7",
                  "cluster.allowed_packages=[my_pkg]")
-    assert spec.limits == ServerLimits(max_message_bytes=12345, max_connections_per_peer=7)
+    assert spec.cluster.limits == ServerLimits(max_message_bytes=12345, max_connections_per_peer=7)
     assert spec.allowed_packages == ("my_pkg", "asyncrl")  # and the smoke job's own package
-    assert ServerLimits.from_env(spec.limits.to_env()) == spec.limits
-    assert "ASYNCRL_NET_MAX_MESSAGE_BYTES" in spec.limits.to_env()
+    assert ServerLimits.from_env(spec.cluster.limits.to_env()) == spec.cluster.limits
+    assert "ASYNCRL_NET_MAX_MESSAGE_BYTES" in spec.cluster.limits.to_env()
 
 
 async def test_a_restricted_client_key_calls_only_its_methods():

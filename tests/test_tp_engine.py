@@ -1,4 +1,4 @@
-"""Tensor parallel + FSDP2 training (`asyncrl.engine.parallelize`) on CPU ranks (gloo) against a
+"""Tensor parallel + FSDP2 training (`asyncrl.train.parallelize`) on CPU ranks (gloo) against a
 plain single-process model and AdamW.
 
 One 2-rank job runs the tp=2 (dp=1) and the dp=2 (tp=1) layouts side by side, one 4-rank job
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.engine import EngineError, OptimConfig, check_tp, lr_multiplier, parallelize
-from asyncrl.parallel import ParallelConfig, ParallelLayout
+from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+from asyncrl.train import EngineError, OptimConfig, check_tp, lr_multiplier, parallelize
 from tests.gloo_ranks import run_ranks
 
 ROWS, SEQ, STEPS, SAVE_AT = 8, 9, 4, 2
@@ -49,7 +49,7 @@ def tiny_critic(seed: int = 0):
     from transformers import LlamaForTokenClassification
 
     config = llama_config(CRITIC_VOCAB, num_labels=1)
-    config.classifier_dropout = 0.0  # as asyncrl.workers.critic.load_value_model builds it
+    config.classifier_dropout = 0.0  # as asyncrl.roles.critic.load_value_model builds it
     torch.manual_seed(seed)
     return LlamaForTokenClassification(config)
 
@@ -92,14 +92,14 @@ def target_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _job(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.engine import init_distributed
+    from asyncrl.train import init_distributed
 
     init_distributed()
     return {2: _two_ranks, 4: _four_ranks}[world_size](rank, out_dir)
 
 
 def build_engine(model, layout, optim=OPTIM):
-    from asyncrl.engine import TrainEngine
+    from asyncrl.train import TrainEngine
 
     return TrainEngine(parallelize(model, layout), layout, optim=optim, device="cpu")
 

@@ -446,10 +446,10 @@ def test_every_extension_code_is_listed_once():
     values = [int(e) for e in Ext]
     assert len(values) == len(set(values))
     assert all(1 <= v <= 127 for v in values)
-    import asyncrl.batch
-    import asyncrl.distbatch
+    import asyncrl.single_controller.batch
+    import asyncrl.single_controller.distbatch
 
-    assert asyncrl.batch.EXT_BATCH == Ext.BATCH and asyncrl.distbatch.EXT_DIST_BATCH == Ext.DIST_BATCH
+    assert asyncrl.single_controller.batch.EXT_BATCH == Ext.BATCH and asyncrl.single_controller.distbatch.EXT_DIST_BATCH == Ext.DIST_BATCH
 
 
 def test_typed_message_roundtrip_and_unknown_enum_value():

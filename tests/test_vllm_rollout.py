@@ -55,8 +55,8 @@ def _vllm(path: Path, tokenizer, **kw):
 def _contract(rank: int, world_size: int, out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.engine import init_distributed
     from asyncrl.rollout.engine import RolloutEngine, SamplingParams, score
+    from asyncrl.train import init_distributed
 
     init_distributed()
     path = out_dir.parent / "model"
@@ -138,20 +138,20 @@ def _weight_sync(rank: int, world_size: int, out_dir: Path, tg: int = 1) -> dict
     `ActorRolloutRefWorker` builds it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.batch import Batch
     from asyncrl.config import OptimConfig
-    from asyncrl.engine import TrainEngine, init_distributed, parallelize
-    from asyncrl.engine.reshard import Resharder
-    from asyncrl.parallel import (
+    from asyncrl.roles.actor import ActorRolloutRefWorker
+    from asyncrl.roles.forward import response_forward
+    from asyncrl.rollout.engine import RolloutEngine, SamplingParams
+    from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.single_controller.batch import Batch
+    from asyncrl.single_controller.parallel import (
         GenerationParallelConfig,
         ParallelConfig,
         ParallelLayout,
         generation_layout,
     )
-    from asyncrl.rollout.engine import RolloutEngine, SamplingParams
-    from asyncrl.rollout.tp import GenerationModel
-    from asyncrl.workers.actor import ActorRolloutRefWorker
-    from asyncrl.workers.forward import response_forward
+    from asyncrl.train import TrainEngine, init_distributed, parallelize
+    from asyncrl.train.reshard import Resharder
 
     init_distributed()
     path = out_dir.parent / "model"
@@ -259,8 +259,8 @@ def _cuda_sleep_cycle(rank: int, world_size: int, out_dir: Path) -> dict:
     """bf16 on one GPU: generate, sleep (weights and KV cache freed), load new weights, generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.engine import init_distributed
     from asyncrl.rollout.engine import RolloutEngine, SamplingParams
+    from asyncrl.train import init_distributed
 
     init_distributed()
     path = out_dir.parent / "model"

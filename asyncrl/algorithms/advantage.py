@@ -14,8 +14,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from asyncrl.algorithms import core
-from asyncrl.batch import Batch
 from asyncrl.rewards.rules import REWARD_EXTRA
+from asyncrl.single_controller.batch import Batch
 
 
 def gae(batch: Batch, *, gamma: float, lam: float, kl_coef: float = 0.0, kl_penalty: str = "kl") -> Batch:

@@ -13,16 +13,16 @@ from asyncrl.algorithms import advantage, core
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
-from asyncrl.distbatch import DistBatch
 from asyncrl.metrics import mean_metrics
 from asyncrl.rewards.rules import REWARD_EXTRA
+from asyncrl.single_controller.distbatch import DistBatch
 from daemons.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 async def _rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch) -> DistBatch:
-    gen = roles.actor.generate_sequences(prompts)  # a future: the calls below wait on it, not the driver
+    gen = roles.rollout.generate_sequences(prompts)  # a future: the calls below wait on it, not the driver
     reward = roles.reward.compute_reward(gen)
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
@@ -57,7 +57,7 @@ async def dynamic_sample(roles: Roles, cfg: RLConfig, prompts: DistBatch,
     spent: dict[str, float] = {}
     batches = 0
     while True:
-        gen = roles.actor.generate_sequences(prompts if batches == 0 else refill(batches))
+        gen = roles.rollout.generate_sequences(prompts if batches == 0 else refill(batches))
         batch = (await gen).union(await roles.reward.compute_reward(gen))
         batch = batch.unpad() if batch.pad_size else batch
         batches += 1

@@ -11,13 +11,13 @@ from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
-from asyncrl.distbatch import DistBatch
 from asyncrl.metrics import mean_metrics
+from asyncrl.single_controller.distbatch import DistBatch
 
 
 async def ppo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
     """PPO with GAE (critic), KL penalty in the reward, clipped policy and value losses."""
-    gen = roles.actor.generate_sequences(prompts)
+    gen = roles.rollout.generate_sequences(prompts)
     values = roles.critic.compute_values(gen)
     reward = roles.reward.compute_reward(gen)
     old = roles.actor.compute_log_prob(gen)
@@ -36,7 +36,7 @@ async def safe_rlhf_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts:
                          pretrain: DistBatch | None = None) -> dict[str, float]:
     """Safe-RLHF: reward (GAE critic) and cost advantages combined by the Lagrange multiplier
     (which the trainer moves after the step while the mean cost exceeds its limit)."""
-    gen = roles.actor.generate_sequences(prompts)
+    gen = roles.rollout.generate_sequences(prompts)
     values = roles.critic.compute_values(gen)
     reward = roles.reward.compute_reward(gen)
     cost = roles.cost.compute_reward(gen) if roles.cost is not None else None

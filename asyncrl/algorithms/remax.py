@@ -6,13 +6,13 @@ from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
-from asyncrl.distbatch import DistBatch
 from asyncrl.metrics import mean_metrics
+from asyncrl.single_controller.distbatch import DistBatch
 
 
 async def remax_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
-    gen = roles.actor.generate_sequences(prompts)
-    greedy = roles.actor.generate_sequences(prompts.with_meta(greedy=True, n=1))
+    gen = roles.rollout.generate_sequences(prompts)
+    greedy = roles.rollout.generate_sequences(prompts.with_meta(greedy=True, n=1))
     reward = roles.reward.compute_reward(gen)
     baseline = roles.reward.compute_reward(greedy)
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None

@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config import RLConfig
-from asyncrl.distbatch import DistBatch
+from asyncrl.single_controller.distbatch import DistBatch
 
 
 @dataclass
 class Roles:
     """The worker groups a step calls. `critic` and `cost` exist only for the algorithms that use them."""
 
-    actor: Any  # ActorRolloutRefWorker group: generate_sequences, compute_(ref_)log_prob, update_actor
+    actor: Any  # ActorRolloutRefWorker group: compute_(ref_)log_prob, update_actor, apply
+    rollout: Any  # generate_sequences: the actor group itself, or generation launched ahead (asyncrl.rollout.ahead)
     reward: Any  # compute_reward
     critic: Any | None = None  # compute_values, update_critic
     cost: Any | None = None  # a cost model's compute_reward (Safe-RLHF with cost_model.enable)

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from asyncrl.protocols import ONE_TO_ALL
-from asyncrl.worker import Worker, register
+from asyncrl.single_controller.protocols import ONE_TO_ALL
+from asyncrl.single_controller.worker import Worker, register
 
 STALL_ENV = "ASYNCRL_FAULT_STALL_S"  # how long `stall` blocks the driver's loop (default 8 s)
 
@@ -20,7 +20,7 @@ class Collective(Worker):
 
     @register(ONE_TO_ALL)
     def setup(self) -> int:
-        from asyncrl.engine.fsdp import init_distributed
+        from asyncrl.train.fsdp import init_distributed
 
         torch.set_num_threads(1)
         init_distributed("gloo")

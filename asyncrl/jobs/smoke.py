@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from asyncrl.single_controller.config import LaunchConfig
+from asyncrl.single_controller.schema import typed
 from daemons.worker import WorkerRuntime
+
+
+@dataclass
+class SmokeSection:
+    rows: int = 4096
+    """Rows of the batch worker 0 makes; worker 1 pulls the second half."""
+    cols: int = 256
+
+
+@dataclass
+class SmokeConfig(LaunchConfig):
+    """The smoke job's schema (`smoke_schema`): the launch sections and `smoke`."""
+
+    smoke: SmokeSection = field(default_factory=SmokeSection)
 
 
 def make_batch(rows: int, cols: int, seed: int, *, runtime: WorkerRuntime) -> object:
@@ -23,8 +41,6 @@ def checksum(ref: object, start: int, stop: int, *, runtime: WorkerRuntime) -> d
 
 
 async def main(ctx) -> dict:
-    from asyncrl.config import SmokeConfig, typed
-
     # a daemon's config has no smoke section: what a submit's overrides leave out takes the defaults
     cfg = typed(SmokeConfig, {"smoke": ctx.cfg["smoke"]} if "smoke" in ctx.cfg else {}).smoke
     pool = ctx.create_pool("smoke", world_size=2)

@@ -67,7 +67,7 @@ def _two_rank_worker(rank: int, init: str, sizes: list[int], repeat: int, out: s
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from asyncrl.engine.fsdp import apply_fsdp
+    from asyncrl.train.fsdp import apply_fsdp
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -75,7 +75,7 @@ def _two_rank_worker(rank: int, init: str, sizes: list[int], repeat: int, out: s
     for n in sizes:
         t = torch.ones(n // 4)
         results.append(_timed(lambda t=t: dist.all_reduce(t), repeat))
-    from asyncrl.engine.tp import apply_tp
+    from asyncrl.train.tp import apply_tp
 
     torch.manual_seed(0)
     model = apply_fsdp(_model(ModelSpec(**spec)), init_device_mesh("cpu", (2,)))

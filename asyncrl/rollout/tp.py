@@ -1,8 +1,8 @@
 """The rollout engine's model: a Hugging Face causal LM whose weights are bound, as plain tensors,
-from generation shards (`asyncrl.engine.reshard.Resharder.reshard`), tensor parallel over a
+from generation shards (`asyncrl.train.reshard.Resharder.reshard`), tensor parallel over a
 generation TP group of `tg` ranks.
 
-The split is the training plan's (`asyncrl.engine.tp`): q/k/v/gate/up hold a slice of the
+The split is the training plan's (`asyncrl.train.tp`): q/k/v/gate/up hold a slice of the
 heads / intermediate rows and need nothing; o/down hold a slice of their input columns, so their
 partial outputs are all-reduced; the embedding and LM head, when split over the vocabulary,
 look up only their own rows (all-reduced) and gather full-vocabulary logits. Plain tensors and
@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from asyncrl.engine.fsdp import find_blocks
-from asyncrl.engine.tp import COLWISE, ROWWISE, check_tp, shards_vocab
+from asyncrl.train.fsdp import find_blocks
+from asyncrl.train.tp import COLWISE, ROWWISE, check_tp, shards_vocab
 
 
 class GenerationModel:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from asyncrl.config import CRITIC_ALGORITHMS, ConfigError, RLConfig
-from asyncrl.engine import init_distributed
+from asyncrl.train import init_distributed
 from daemons.node import NODE_DEVICES_ENV
 
 

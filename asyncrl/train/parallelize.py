@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from asyncrl.engine.fsdp import apply_fsdp
-from asyncrl.engine.pipeline import split_stages
-from asyncrl.engine.tp import apply_tp
-from asyncrl.parallel import ParallelLayout
+from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.train.fsdp import apply_fsdp
+from asyncrl.train.pipeline import split_stages
+from asyncrl.train.tp import apply_tp
 
 
 def parallelize(model: nn.Module, layout: ParallelLayout,

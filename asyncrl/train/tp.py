@@ -13,7 +13,7 @@ The plan (Megatron's split, expressed as DTensor placements on the `tp` mesh dim
 
 Attention modules keep reading `-1` heads from their inputs, so the per-rank head count is the
 local one; `check_tp` says what to change when the model's sizes do not divide by the TP size.
-`tp_shard_dim(param)` is the contract the reshard (`asyncrl.engine.reshard`) reads back.
+`tp_shard_dim(param)` is the contract the reshard (`asyncrl.train.reshard`) reads back.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from asyncrl.engine.fsdp import EngineError, find_blocks
+from asyncrl.train.fsdp import EngineError, find_blocks
 
 log = logging.getLogger(__name__)
 

@@ -215,7 +215,7 @@ class ParallelLayout:
 
             if not dist.is_initialized():
                 raise LayoutError("torch.distributed is not initialised; call "
-                                  "asyncrl.engine.init_distributed() before layout.device_mesh()")
+                                  "asyncrl.train.init_distributed() before layout.device_mesh()")
             if dist.get_world_size() != self.world_size:
                 raise LayoutError(f"layout {self.name!r} covers {self.world_size} ranks but the "
                                   f"process group has {dist.get_world_size()}")

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from asyncrl.config import OptimConfig
-from asyncrl.engine.fsdp import EngineError, LossFn, TrainEngine, _local, global_grad_norm
-from asyncrl.parallel import ParallelLayout
+from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.train.fsdp import EngineError, LossFn, TrainEngine, _local, global_grad_norm
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def split_stages(model: nn.Module, pp_rank: int, pp_size: int) -> DecoderStage:
     if model.lm_head.weight is body.embed_tokens.weight:
         raise EngineError("the model ties its input and output embeddings, which pipeline stages "
                           "cannot share (the embedding is on the first stage, the LM head on the "
-                          "last); call asyncrl.engine.pipeline.untie_embeddings(model) before "
+                          "last); call asyncrl.train.pipeline.untie_embeddings(model) before "
                           "parallelize, or set parallel.pp=1")
     layers = stage_layers(n_layers, pp_rank, pp_size)
     stage = DecoderStage(model, layers, first=pp_rank == 0, last=pp_rank == pp_size - 1)

@@ -1,6 +1,6 @@
 """Training backends: the model, its optimizer and checkpoints, sharded across ranks."""
 
-from asyncrl.engine.fsdp import (
+from asyncrl.train.fsdp import (
     EngineError,
     OptimConfig,
     TrainEngine,
@@ -11,9 +11,9 @@ from asyncrl.engine.fsdp import (
     rng_state,
     set_rng_state,
 )
-from asyncrl.engine.parallelize import parallelize
-from asyncrl.engine.pipeline import PipelineEngine, split_stages, untie_embeddings
-from asyncrl.engine.tp import apply_tp, check_tp
+from asyncrl.train.parallelize import parallelize
+from asyncrl.train.pipeline import PipelineEngine, split_stages, untie_embeddings
+from asyncrl.train.tp import apply_tp, check_tp
 
 __all__ = [
     "EngineError",

@@ -2,9 +2,9 @@
 reference policy, colocated in one process per device (HybridFlow's 3D-HybridEngine).
 
 The actor trains in the `actor.parallel` layout (p-t-d); generation runs in the `pg-tg-dg-d`
-layout of `rollout.parallel` over the same ranks (`asyncrl.parallel.generation_layout`). The
+layout of `rollout.parallel` over the same ranks (`asyncrl.single_controller.parallel.generation_layout`). The
 native rollout engine owns no weights: before generating, each micro-DP group all-gathers its
-training shards into the generation shards (`asyncrl.engine.reshard`), which the weightless
+training shards into the generation shards (`asyncrl.train.reshard`), which the weightless
 generation model binds without a copy; before the next training step they are released. With
 `rollout.engine=vllm` the same reshard output is loaded into the worker's in-process vLLM engine
 (`asyncrl.rollout.vllm_engine`) once per update, and the gather buffer is freed at once.
@@ -22,29 +22,29 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms import core
-from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import (
+from asyncrl.metrics import timed
+from asyncrl.roles.forward import response_forward
+from asyncrl.roles.process import load_causal_lm, setup_process
+from asyncrl.roles.update import micro_batches, ppo_update
+from asyncrl.rollout import RolloutEngine, SamplingParams
+from asyncrl.rollout.continuous import ContinuousBatcher
+from asyncrl.rollout.tp import GenerationModel
+from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.parallel import ParallelLayout, generation_layout, pure_dp
+from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
+from asyncrl.single_controller.worker import Worker, register
+from asyncrl.train import (
     TrainEngine,
     mixed_precision_policy,
     parallelize,
     rng_state,
     set_rng_state,
 )
-from asyncrl.engine.pipeline import PipelineEngine, untie_embeddings
-from asyncrl.engine.reshard import Resharder
-from asyncrl.engine.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
-from asyncrl.metrics import timed
-from asyncrl.parallel import ParallelLayout, generation_layout, pure_dp
-from asyncrl.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
-from asyncrl.rollout import RolloutEngine, SamplingParams
-from asyncrl.rollout.continuous import ContinuousBatcher
-from asyncrl.rollout.tp import GenerationModel
-from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
-from asyncrl.worker import Worker, register
-from asyncrl.workers.forward import response_forward
-from asyncrl.workers.process import load_causal_lm, setup_process
-from asyncrl.workers.update import micro_batches, ppo_update
+from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
+from asyncrl.train.reshard import Resharder
+from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
 
 log = logging.getLogger(__name__)
 

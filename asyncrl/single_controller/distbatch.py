@@ -6,26 +6,30 @@ padding and resharding between groups of different DP sizes only rewrite these r
 REAL-style transfer plan — and each rank then pulls exactly its rows from the owners. The
 controller holds refs and row numbers, never tensors.
 
-Pulling rows and publishing a `Batch` live in `asyncrl.transfer`; freeing objects once no
-`DistBatch` names them in `asyncrl.refs`. A DistBatch carries the `RefTracker` it was made with
-(the driver's, from its `JobContext`), and everything derived from it carries the same one.
+Here too: `materialize` (pull a DistBatch's rows into one `Batch`), `publish` (put a `Batch`
+in a store and describe it as a DistBatch) and `RefTracker`, the driver's reference counts that
+free a stored object once no DistBatch names it. A DistBatch carries the `RefTracker` it was made
+with (the driver's, from its `JobContext`), and everything derived from it carries the same one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import operator
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from asyncrl.single_controller.batch import Batch
 from objectstore import ObjectRef, ObjectStore
+from objectstore.ref import VALUE
 from transport.codec import register_type
 from transport.wire import Ext
 
-if TYPE_CHECKING:
-    from asyncrl.batch import Batch
-    from asyncrl.refs import RefTracker
+log = logging.getLogger(__name__)
 
 EXT_DIST_BATCH = int(Ext.DIST_BATCH)
 
@@ -243,8 +247,6 @@ class DistBatch:
     async def fetch(self, store: ObjectStore | None = None) -> Batch:
         """Pull these rows into this process as a `Batch` through `store` (default: the store of
         this batch's tracker, i.e. the driver's). The driver does this only on request."""
-        from asyncrl.transfer import materialize  # transfer builds DistBatches: import late
-
         return await materialize(self, self._store(store))
 
     async def free(self, store: ObjectStore | None = None) -> None:
@@ -263,6 +265,117 @@ def _boundaries(d: DistBatch) -> list[int]:
 
 def _cut(d: DistBatch, cuts: list[int]) -> list[Block]:
     return [blk for lo, hi in zip(cuts, cuts[1:], strict=False) for blk in d.slice(lo, hi).blocks]
+
+
+# moving bytes and freeing them ------------------------------------------------------------------
+async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
+    """Pull every piece's rows from its owner (one pull per stored object) into one Batch."""
+    spans: dict[str, tuple[ObjectRef, int, int]] = {}
+    for b in dist.blocks:
+        for p in b:
+            ref, lo, hi = spans.get(p.ref.object_id, (p.ref, p.start, p.stop))
+            spans[p.ref.object_id] = (ref, min(lo, p.start), max(hi, p.stop))
+
+    async def pull(ref: ObjectRef, lo: int, hi: int) -> tuple[int, Any]:
+        if ref.kind == VALUE:
+            return 0, await store.get(ref)
+        return lo, await store.get(ref, rows=(lo, hi))
+
+    keys = list(spans)
+    pulled = dict(zip(keys, await asyncio.gather(*(pull(*spans[k]) for k in keys)), strict=True))
+    parts = []
+    for b in dist.blocks:
+        tensors, values = {}, {}
+        for p in b:
+            base, data = pulled[p.ref.object_id]
+            for c in p.columns:
+                if p.ref.kind == VALUE:
+                    values[c] = list(data[c][p.start:p.stop])
+                else:
+                    tensors[c] = data[c][p.start - base:p.stop - base]
+        parts.append(Batch(tensors, values))
+    meta = {k: v for k, v in dist.meta.items() if k != "pad_size"}
+    if not parts:
+        return Batch(meta=meta)
+    out = parts[0] if len(parts) == 1 else Batch.concat(parts)
+    out.meta = meta
+    return out
+
+
+def publish(batch: Batch, store: ObjectStore, tracker: RefTracker | None = None) -> DistBatch:
+    """Put a Batch in `store` (tensors zero-copy; non-tensor columns as one value) -> DistBatch,
+    tracked by `tracker` when given (the driver's data)."""
+    n = len(batch)
+    pieces = []
+    if batch.tensors and n:
+        ref = store.put({k: t.contiguous() for k, t in batch.tensors.items()})
+        pieces.append(Piece(ref, 0, n, tuple(batch.tensors)))
+    if batch.non_tensors and n:
+        ref = store.put({k: list(v) for k, v in batch.non_tensors.items()})
+        pieces.append(Piece(ref, 0, n, tuple(batch.non_tensors)))
+    return DistBatch([tuple(pieces)] if pieces else [], batch.meta, tracker)
+
+
+
+class RefTracker:
+    """Counts, per stored object, the live DistBatches tracked here that name it; frees the
+    object through `store` (the driver's, which reaches every owner) when the count drops to 0."""
+
+    def __init__(self, store: ObjectStore, loop: asyncio.AbstractEventLoop) -> None:
+        self.store, self.loop = store, loop
+        self.counts: dict[str, int] = {}
+        self.refs: dict[str, ObjectRef] = {}
+        self.lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
+        self.freed = 0
+        self.closed = False
+
+    def track(self, d: DistBatch) -> DistBatch:
+        """Count `d`'s refs until it dies; `d` then carries this tracker (and so does all that
+        is derived from it)."""
+        if d.tracker is self:
+            return d
+        if d.tracker is not None:
+            raise ValueError("this DistBatch is tracked by another JobContext already")
+        d.tracker = self
+        refs = d.refs()
+        with self.lock:
+            for oid, ref in refs.items():
+                self.counts[oid] = self.counts.get(oid, 0) + 1
+                self.refs[oid] = ref
+        weakref.finalize(d, self.release, list(refs))
+        return d
+
+    def release(self, object_ids: list[str]) -> None:
+        dead = []
+        with self.lock:
+            for oid in object_ids:
+                left = self.counts.get(oid, 0) - 1
+                if left > 0:
+                    self.counts[oid] = left
+                elif oid in self.refs:
+                    self.counts.pop(oid, None)
+                    dead.append(self.refs.pop(oid))
+        if dead and not self.closed and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._free_soon, dead)
+
+    def _free_soon(self, refs: list[ObjectRef]) -> None:
+        async def free() -> None:
+            for ref in refs:
+                try:
+                    await self.store.free(ref)
+                    self.freed += 1
+                except Exception as e:  # the owner may be gone already: nothing left to free
+                    log.debug("free %s: %s", ref.object_id, e)
+        if not self.closed:
+            self.loop.create_task(free())
+
+    def close(self) -> None:
+        """Stop freeing (the job is over; the stores go with their workers)."""
+        self.closed = True
+
+    @property
+    def live(self) -> int:
+        return len(self.counts)
 
 
 # wire format -----------------------------------------------------------------------------------

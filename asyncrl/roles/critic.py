@@ -10,16 +10,16 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms import core
-from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
-from asyncrl.engine import TrainEngine, mixed_precision_policy, parallelize
 from asyncrl.metrics import timed
-from asyncrl.parallel import ParallelLayout
-from asyncrl.protocols import ONE_TO_ALL, THREE_D_PROTO
-from asyncrl.worker import Worker, register
-from asyncrl.workers.forward import values_forward
-from asyncrl.workers.process import same_init_on_every_rank, setup_process
-from asyncrl.workers.update import micro_batches, ppo_update
+from asyncrl.roles.forward import values_forward
+from asyncrl.roles.process import same_init_on_every_rank, setup_process
+from asyncrl.roles.update import micro_batches, ppo_update
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
+from asyncrl.single_controller.worker import Worker, register
+from asyncrl.train import TrainEngine, mixed_precision_policy, parallelize
 
 
 def load_value_model(path: str) -> torch.nn.Module:

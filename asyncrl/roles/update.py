@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from asyncrl.batch import Batch
 from asyncrl.config import PPOUpdateConfig
 from asyncrl.metrics import mean_metrics
+from asyncrl.single_controller.batch import Batch
 
 # (model, micro-batch) -> (loss of that micro-batch as a mean over its rows, metrics)
 MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]

@@ -14,11 +14,8 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms.core import overlong_penalty, scores_to_tokens
-from asyncrl.batch import Batch
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
-from asyncrl.parallel import ParallelConfig, ParallelLayout
-from asyncrl.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.rewards import (
     REWARD_EXTRA,
     NonFiniteRewardError,
@@ -26,10 +23,13 @@ from asyncrl.rewards import (
     checked_score,
     load_reward_fn,
 )
-from asyncrl.worker import Worker, register
-from asyncrl.workers.forward import decode_responses
-from asyncrl.workers.process import check_node_paths, same_init_on_every_rank, setup_process
-from asyncrl.workers.update import micro_batches
+from asyncrl.roles.forward import decode_responses
+from asyncrl.roles.process import check_node_paths, same_init_on_every_rank, setup_process
+from asyncrl.roles.update import micro_batches
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+from asyncrl.single_controller.protocols import DP_PROTO, ONE_TO_ALL
+from asyncrl.single_controller.worker import Worker, register
 
 
 class RuleRewardWorker(Worker):

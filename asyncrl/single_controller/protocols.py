@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.batch import Batch
-from asyncrl.distbatch import DistBatch
-from asyncrl.parallel import DATA_DIMS, ROLLOUT, TRAIN, ParallelLayout, pure_dp
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.parallel import DATA_DIMS, ROLLOUT, TRAIN, ParallelLayout, pure_dp
 
 ONE_TO_ALL = "ONE_TO_ALL"
 DP_PROTO = "DP_PROTO"

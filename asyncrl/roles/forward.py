@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms.core import entropy_from_logits, logprobs_from_logits
-from asyncrl.batch import Batch
+from asyncrl.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
 

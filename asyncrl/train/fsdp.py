@@ -1,7 +1,7 @@
 """Training backend: PyTorch FSDP2 (`fully_shard`) over torch.distributed.
 
 Parallelism is applied by plain functions before the engine is built, torchtitan style
-(`asyncrl.engine.parallelize` runs `apply_tp` over the tp dim, then `apply_fsdp` over dp):
+(`asyncrl.train.parallelize` runs `apply_tp` over the tp dim, then `apply_fsdp` over dp):
 
     layout = ParallelLayout.from_config(cfg.parallel, world_size)
     model = parallelize(model, layout, mixed_precision_policy(device))
@@ -40,8 +40,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from asyncrl.config import COLLECTIVE_TIMEOUT_ENV, OptimConfig
-from asyncrl.parallel import ParallelLayout, pure_dp
+from asyncrl.config import OptimConfig
+from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
+from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class TrainEngine:
     writes the tied tensor once, as `save_pretrained` does. With a bf16 mixed-precision policy
     the model's outputs are bf16, so upcast logits in the loss.
 
-    Layouts with pp > 1 need `asyncrl.engine.pipeline.PipelineEngine` over the stage that
+    Layouts with pp > 1 need `asyncrl.train.pipeline.PipelineEngine` over the stage that
     `parallelize` returns.
     """
 
@@ -192,10 +193,10 @@ class TrainEngine:
         device: str | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise EngineError("call asyncrl.engine.init_distributed() before building a TrainEngine")
+            raise EngineError("call asyncrl.train.init_distributed() before building a TrainEngine")
         if layout.size("pp") > 1 and not self.pipelined:
             raise EngineError(f"layout {layout.describe()} has pipeline stages: build "
-                              "asyncrl.engine.PipelineEngine(parallelize(model, layout), layout, ...) "
+                              "asyncrl.train.PipelineEngine(parallelize(model, layout), layout, ...) "
                               "instead of TrainEngine")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:

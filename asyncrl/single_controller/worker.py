@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from asyncrl.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
-from asyncrl.protocols import ONE_TO_ALL, get_protocol
-from asyncrl.transfer import materialize_all, publish_all, to_device
+from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
+from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
+from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
 from daemons.worker import WorkerRuntime, wants_runtime
 from objectstore import ObjectStore
 
@@ -91,7 +91,7 @@ class MethodSpec:
 
 
 def register(protocol: str = ONE_TO_ALL, blocking: bool = True, materialize: bool = True) -> Callable[[F], F]:
-    """Expose a Worker method to the driver with a transfer protocol (see asyncrl.protocols).
+    """Expose a Worker method to the driver with a transfer protocol (see asyncrl.single_controller.protocols).
 
     `materialize=False` hands DistBatch arguments to the method as refs instead of pulling them.
     """

@@ -16,20 +16,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.batch import Batch
-from asyncrl.config import COLLECTIVE_TIMEOUT_ENV, WorkerConfig
-from asyncrl.distbatch import DistBatch
-from asyncrl.group import ProcessSet, WorkerGroup, create_groups, spec_of
-from asyncrl.refs import RefTracker
-from asyncrl.transfer import publish
-from daemons.cluster import ClusterSpec, HeadNode
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV, WorkerConfig
+from asyncrl.single_controller.distbatch import DistBatch, RefTracker
+from asyncrl.single_controller.group import ProcessSet, WorkerGroup, create_groups, spec_of
+from asyncrl.single_controller.transfer import publish
+from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.coordinator import Coordinator, JobRecord, ResourcePool
 from daemons.worker import ALLOWED_ENV, entry_package
 from daemons.worker_client import WorkerHandle
 from objectstore import ObjectStore
 from objectstore.memory import resolve_memory_limit
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding asyncrl/
 
 
 def _select(cfg: Any, dotted: str) -> Any:
@@ -197,8 +196,8 @@ async def local_cluster(cpu_devices: int = 2, log_dir: str | Path = "outputs/log
     from transport import CurveConfig
 
     curve = None if insecure else CurveConfig.ephemeral()
-    spec = ClusterSpec(cpu_devices=cpu_devices, curve=curve, insecure=insecure, log_dir=Path(log_dir),
-                       heartbeat_interval_s=0.5)
+    spec = ClusterSpec(ClusterConfig(cpu_devices=cpu_devices, insecure=insecure, log_dir=str(log_dir),
+                                     heartbeat_interval_s=0.5), curve=curve)
     async with HeadNode.start(spec) as head:
         ctx = await JobContext(head.coordinator, cfg, allowed_packages=allowed_packages).open()
         try:

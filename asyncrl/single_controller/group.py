@@ -17,12 +17,11 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
-from asyncrl.distbatch import DistBatch
-from asyncrl.parallel import LayoutError, ParallelLayout
-from asyncrl.protocols import RANK_ZERO, CallContext, get_protocol
-from asyncrl.refs import RefTracker
-from asyncrl.tree import tree_map, tree_map_async
-from asyncrl.worker import MethodSpec, registered_methods
+from asyncrl.single_controller.distbatch import DistBatch, RefTracker
+from asyncrl.single_controller.parallel import LayoutError, ParallelLayout
+from asyncrl.single_controller.protocols import RANK_ZERO, CallContext, get_protocol
+from asyncrl.single_controller.tree import tree_map, tree_map_async
+from asyncrl.single_controller.worker import MethodSpec, registered_methods
 from daemons.coordinator import ResourcePool
 from daemons.errors import CallTimeoutError, DaemonError, WorkerDiedError
 from daemons.messages import WorkerState

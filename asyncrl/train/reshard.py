@@ -1,7 +1,7 @@
 """The 3D-HybridEngine reshard (HybridFlow §5.3–5.4): training shards -> generation shards.
 
 The actor trains with tensor parallelism t over its TP group and FSDP over d data-parallel
-ranks; generation runs with tg-way tensor parallelism (`asyncrl.parallel.generation_layout`).
+ranks; generation runs with tg-way tensor parallelism (`asyncrl.single_controller.parallel.generation_layout`).
 A rank's generation shard of a TP-split weight is the concatenation, along the split dim, of
 the t/tg training TP shards of its micro-DP group, each of which FSDP holds as d row chunks. So
 one all-gather inside the group {micro-DP} × {dp} of a bucket of parameters gives every rank
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from asyncrl.engine.fsdp import EngineError
-from asyncrl.engine.tp import planned_shard_dim, tp_shard_dim
-from asyncrl.parallel import MICRO_DP_DIMS, ParallelLayout
+from asyncrl.single_controller.parallel import MICRO_DP_DIMS, ParallelLayout
+from asyncrl.train.fsdp import EngineError
+from asyncrl.train.tp import planned_shard_dim, tp_shard_dim
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _new_groups(groups: list[list[int]], rank: int) -> tuple[list[int], dist.Pro
 
 class Resharder:
     """Builds generation shards of `model` (TP over the train layout's tp dim, FSDP over dp)
-    for the generation layout `gen` (see `asyncrl.parallel.generation_layout`)."""
+    for the generation layout `gen` (see `asyncrl.single_controller.parallel.generation_layout`)."""
 
     def __init__(self, model: nn.Module, train: ParallelLayout, gen: ParallelLayout, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, full_model: nn.Module | None = None) -> None:
@@ -130,7 +130,7 @@ class Resharder:
         if self.p == 1:
             params = [(name, p, 0) for name, p in self.params.items()]
         else:  # every stage's weights, the stages' in order (each stage one contiguous span)
-            from asyncrl.engine.pipeline import owner_stage
+            from asyncrl.train.pipeline import owner_stage
 
             config = self.full_model.config
             params = sorted(((name, p, owner_stage(name, config.num_hidden_layers, self.p))

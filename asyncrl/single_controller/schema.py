@@ -1,0 +1,185 @@
+"""Typed configs: the machinery every config schema shares.
+
+A schema is a dataclass of sections; each section may have `check(at)` (ranges and choices,
+`at` being its dotted path). `typed(schema, cfg)` merges a config onto the schema's defaults,
+refuses unknown keys, runs every `check` and returns dataclass instances; `explain` turns an
+OmegaConf/Hydra error into one paragraph naming the key, where it was set and the closest valid
+key.
+
+Schemas join the registry through the `asyncrl.schemas` entry-point group (pyproject.toml:
+`rl_schema = "asyncrl.config:RLConfig"`); `register_with_hydra` makes them available to a YAML
+defaults list (`- rl_schema`). A schema may define hooks `asyncrl-launch` calls without knowing
+the job: `preflight(run_dir, head)` (checks before anything starts) and the class attribute
+`run_dir_key` (the key that receives Hydra's run directory).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from dataclasses import fields, is_dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from daemons.errors import ConfigError
+
+ENTRY_POINT_GROUP = "asyncrl.schemas"
+
+
+@functools.cache
+def schemas() -> dict[str, type]:
+    """Every registered schema by its config-store name (`launch_schema`, `rl_schema`, ...)."""
+    found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if "launch_schema" not in found:
+        raise ConfigError("asyncrl's config schemas are not registered: install the package "
+                          "(`pip install -e .` in the checkout, or `make test` / `make run`)")
+    return {name: ep.load() for name, ep in sorted(found.items())}
+
+
+def register_with_hydra() -> None:
+    """Make the schemas available to a YAML defaults list (`- rl_schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name, node in schemas().items():
+        store.store(name=name, node=node)
+
+
+# typed views --------------------------------------------------------------------------------------
+def typed(schema: type, cfg: DictConfig | dict) -> Any:
+    """`cfg` merged onto `schema`'s defaults, checked, as dataclass instances."""
+    data = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    unknown = _unknown_keys(schema, data or {})
+    if unknown:  # Hydra's `+key=`/`++key=` add keys a schema's merge would let through
+        key = unknown[0]
+        best = closest_key(schema, key)
+        raise ConfigError(f"bad configuration: {key}: no such key" + (f"; did you mean {best}?" if best else "")
+                          + f". Valid keys in {key.rpartition('.')[0] or 'the top level'}: "
+                          + ", ".join(valid_keys(schema, key.rpartition(".")[0])) + ".")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        value = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(explain(e, schema)) from None
+    try:
+        validate(value)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a lower layer's section (objectstore) raises ValueError, naming the key
+        raise ConfigError(str(e)) from None
+    return value
+
+
+def _unknown_keys(schema: type, data: dict, prefix: str = "") -> list[str]:
+    """Dotted keys in `data` that `schema` does not have (Hydra's own `hydra` node aside)."""
+    names = {f.name: f for f in fields(schema)}
+    out = []
+    for k, v in data.items():
+        if prefix == "" and k == "hydra":
+            continue
+        if k not in names:
+            out.append(f"{prefix}{k}")
+            continue
+        inner = _dataclass_of(names[k].type, schema)
+        if inner is not None and isinstance(v, dict):
+            out += _unknown_keys(inner, v, f"{prefix}{k}.")
+    return out
+
+
+def validate(value: Any, at: str = "") -> None:
+    """Run every section's `check` (ranges, choices), inner sections first; keys are named by
+    their full dotted path."""
+    for f in fields(value):
+        inner = getattr(value, f.name)
+        if is_dataclass(inner):
+            validate(inner, f"{at}{f.name}.")
+    if hasattr(value, "check"):
+        value.check(at)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, resolved dict of a typed config (what travels to workers and into run dirs)."""
+    node = OmegaConf.structured(cfg) if is_dataclass(cfg) else cfg
+    return OmegaConf.to_container(node, resolve=True)
+
+
+# error messages ------------------------------------------------------------------------------------
+def valid_keys(schema: type, path: str) -> list[str]:
+    """The field names of the section at dotted `path` in `schema` (empty when it is no section)."""
+    node: Any = schema
+    for part in [p for p in path.split(".") if p]:
+        hit = next((f for f in fields(node) if f.name == part), None) if is_dataclass(node) else None
+        if hit is None:
+            return []
+        node = _dataclass_of(hit.type, node)
+        if node is None:
+            return []
+    return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _dataclass_of(annotation: Any, owner: type) -> type | None:
+    import typing
+
+    hints = typing.get_type_hints(owner)
+    for f in fields(owner):
+        if f.type is annotation:
+            annotation = hints[f.name]
+            break
+    if is_dataclass(annotation):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if is_dataclass(arg):
+            return arg
+    return None
+
+
+def closest_key(schema: type, full_key: str) -> str | None:
+    section, _, name = full_key.rpartition(".")
+    match = difflib.get_close_matches(name, valid_keys(schema, section), n=1, cutoff=0.5)
+    return f"{section}.{match[0]}" if match and section else (match[0] if match else None)
+
+
+_NOISE = ("In '", "Error merging", "Could not override", "To append", "full_key:", "reference_type",
+          "object_type", "ConfigKeyError raised", "ValidationError raised")
+
+
+def explain(e: BaseException, schema: type | None, files: dict[str, str] | None = None) -> str:
+    """One paragraph for a composition/validation error: the key, where it was set (a YAML file or
+    the command line) and, for an unknown key, the closest valid one.
+
+    `files` maps a config name as Hydra reports it ("grpo") to the file it came from.
+    """
+    text = "\n".join(str(x) for x in (e, e.__cause__) if x is not None)
+    full_key = re.search(r"full_key: (\S+)", text)
+    key = full_key.group(1) if full_key else ""
+    if not key:
+        m = re.search(r"Could not override '([^']+)'", text) or re.search(r"override (\S+?)=", text)
+        key = m.group(1) if m else ""
+    reasons = [ln.strip() for ln in text.splitlines()
+               if ln.strip() and not any(ln.strip().startswith(n) for n in _NOISE)]
+    reason = reasons[0] if reasons else text.strip().splitlines()[0]
+    msg = f"bad configuration: {key}: {reason}" if key else f"bad configuration: {reason}"
+    source = re.search(r"In '([^']+)'", text)
+    if source:
+        name = source.group(1)
+        msg += f" (set in {(files or {}).get(name, name + '.yaml')})"
+    elif "override" in text:
+        msg += " (set on the command line)"
+    if schema is None:  # the schema whose sections hold the key
+        top = key.split(".")[0]
+        known = list(schemas().values())
+        schema = next((c for c in sorted(known, key=lambda c: -len(fields(c))) if top in {f.name for f in fields(c)}),
+                      None)
+    if schema is not None and key and ("not in" in text or "Could not override" in text):
+        best = closest_key(schema, key)
+        section = key.rpartition(".")[0]
+        if best and best != key:
+            msg += f"; did you mean {best}?"
+        keys = valid_keys(schema, section)
+        if keys:
+            msg += f" Valid keys in {section or 'the top level'}: {', '.join(keys)}."
+    return msg
