@@ -170,11 +170,15 @@ def _job_from_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Pat
     the job's metrics.jsonl)."""
     from omegaconf import OmegaConf
 
-    from asyncrl.launch import load_config
+    from asyncrl.launch import check_config, load_config
+    from asyncrl.single_controller.schema import job_schema
     from daemons.errors import ConfigError
 
     try:
         cfg = load_config(args.config_name, args.hydra_overrides, args.config_dir)
+        schema = job_schema(OmegaConf.get_type(cfg))
+        if schema and schema.preflight and not args.coordinator:  # a daemon on this machine: its files are here
+            schema.preflight(check_config(cfg), None, True)  # what asyncrl-launch checks before it starts
     except ConfigError as e:
         _fail(str(e), USAGE_ERROR)
     job = OmegaConf.to_container(cfg, resolve=True)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import ClassVar
 
 from omegaconf import DictConfig
 
@@ -498,19 +496,6 @@ class RLConfig(LaunchConfig):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-
-    run_dir_key: ClassVar[str] = "trainer.output_dir"  # asyncrl-launch puts Hydra's run directory here
-
-    def preflight(self, run_dir: str | None, head: bool) -> None:
-        """What asyncrl-launch (and `asyncrl submit`) check before anything starts: the run
-        directory is ours to write (`run_dir`: Hydra's, if set on the command line) and, on the
-        node that runs the driver, the model, data and reward files (`asyncrl.preflight`)."""
-        from asyncrl.preflight import check_files
-        from asyncrl.rundir import check_output_dir
-
-        check_output_dir(Path(run_dir or self.trainer.output_dir))
-        if head:
-            check_files(self)
 
     def check(self, at: str) -> None:
         super().check(at)

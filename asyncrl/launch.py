@@ -38,7 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from asyncrl.metrics import json_line
 from asyncrl.single_controller.config import LaunchConfig
 from asyncrl.single_controller.context import JobContext
-from asyncrl.single_controller.schema import explain, register_with_hydra, typed
+from asyncrl.single_controller.schema import explain, job_schema, register_with_hydra, typed
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
 from daemons.errors import ConfigError, DaemonError, JobError
@@ -239,8 +239,9 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
-    """Node 0: coordinator + node daemon + the driver (or, as a daemon, submitted jobs)."""
+async def run_head(cfg: DictConfig, daemon: bool = False, entry: Any = None, summary: list | None = None) -> int:
+    """Node 0: coordinator + node daemon + the driver `entry` (or, as a daemon, submitted jobs);
+    the driver's result goes into `summary`."""
     stop = _stop_on_signals()
     job_id = new_job_id(cfg.job.name)
     # daemon nodes outlive a coordinator restart and re-register, so they are not released
@@ -266,14 +267,13 @@ async def run_head(cfg: DictConfig, daemon: bool = False) -> int:
             nodes = asyncio.ensure_future(coordinator.wait_for_nodes(cfg.cluster.nnodes, cfg.cluster.join_timeout_s))
             if await _unless_stopped(nodes, stops):
                 nodes.result()
-                entry = load_entry(cfg.job.entry)
                 await ctx.open()
                 driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
                 if await _unless_stopped(driver, stops):
                     result = driver.result()  # raises the driver's exception
                     log.info("job %s finished in %.1fs", cfg.job.name, time.monotonic() - t0)
-                    if isinstance(result, dict):  # the job's summary is the last line on stdout
-                        print(json_line(result), flush=True)
+                    if summary is not None:
+                        summary.append(result)
                     return 0
             log.error("job stopped: %s (job %s)", ctx.job.stop_reason or coordinator.stop_reason or "signal",
                       job_id)
@@ -301,7 +301,7 @@ class JobService:
         # job (the RL trainer) checks them against its schema when it starts
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
                                   OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
-        fn = load_entry(entry)
+        fn = await asyncio.to_thread(load_entry, entry)  # its imports would stall the daemon's loop
         ctx = JobContext(self.coordinator, job_cfg, job_id)
         spec = self.head.spec
         try:
@@ -423,10 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         jobs = _sweep(args.overrides) if args.multirun else [args.overrides]
         for overrides in jobs:
             cfg = load_config(config_name, overrides, args.config_dir, daemon)
-            if not args.multirun and not args.cfg and hasattr(OmegaConf.get_type(cfg), "preflight"):
+            job = job_schema(OmegaConf.get_type(cfg))
+            if not args.multirun and not args.cfg and job and job.preflight:
                 # the job's own checks (the RL trainer's: run directory, model, data, reward files)
                 head = cfg.cluster.coordinator is None and not args.info
-                check_config(cfg).preflight(_override(overrides, "hydra.run.dir"), head)
+                job.preflight(check_config(cfg), _override(overrides, "hydra.run.dir"), head)
     except ConfigError as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2
@@ -466,15 +467,25 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
     """One job of `asyncrl-launch`: its outputs go to Hydra's run (or sweep job) directory."""
     from hydra.core.hydra_config import HydraConfig
 
-    key = getattr(OmegaConf.get_type(cfg), "run_dir_key", None)  # the job's output directory key
+    job = job_schema(OmegaConf.get_type(cfg))
+    key = job.run_dir_key if job else None  # where the job writes its outputs
     if HydraConfig.initialized() and key:
         out = Path(HydraConfig.get().runtime.output_dir)
         with open_dict(cfg):  # hydra.run.dir / hydra.sweep.dir decide where a run writes
             OmegaConf.update(cfg, key, os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out))
     try:  # `main` checked this config before Hydra ran it
         setup_logging("coordinator" if cfg.cluster.coordinator is None else "node", cfg.cluster.node_rank)
-        role = run_head if cfg.cluster.coordinator is None else run_node
-        return run(role(cfg, daemon=daemon))
+        if cfg.cluster.coordinator is not None:
+            return run(run_node(cfg, daemon=daemon))
+        # the driver's imports (torch, the trainer, transformers) before the loop runs: on it they
+        # would stall heartbeats and the loop-lag warning would blame the user's code
+        entry = None if daemon else load_entry(cfg.job.entry)
+        summary: list[Any] = []
+        code = run(run_head(cfg, daemon=daemon, entry=entry, summary=summary))
+        if summary and isinstance(summary[0], dict):  # the job's summary: the last line, after teardown's logs
+            sys.stderr.flush()
+            print(json_line(summary[0]), flush=True)
+        return code
     except (ConfigError, DaemonError, TransportError) as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, AuthenticationError)) else 1

@@ -1,16 +1,30 @@
-"""The checks `asyncrl-launch` runs before anything starts (through `RLConfig.preflight`) and the
-trainer runs when it loads its inputs: what workers would otherwise fail on deep inside a run."""
+"""The checks `asyncrl-launch` (and `asyncrl submit`) run before an RL job starts, and the trainer
+when it loads its inputs: what workers would otherwise fail on deep inside a run.
+
+`RL_SCHEMA` is how the RL schema joins the launcher (the `asyncrl.schemas` entry point
+`rl_schema`): its dataclass, `preflight`, and the key that receives Hydra's run directory."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig
 from asyncrl.models.resolve import resolve_model
+from asyncrl.rundir import check_output_dir
+from asyncrl.single_controller.schema import JobSchema
 from daemons.errors import ConfigError
 
 log = logging.getLogger("asyncrl.preflight")
+
+
+def preflight(cfg: RLConfig, run_dir: str | None, head: bool) -> None:
+    """Before anything starts: the run directory is ours to write (`run_dir`: Hydra's, when set
+    on the command line) and, on the node that runs the driver, the model, data and reward files."""
+    check_output_dir(Path(run_dir or cfg.trainer.output_dir))
+    if head:
+        check_files(cfg)
 
 
 def check_inputs(cfg: RLConfig) -> None:
@@ -18,6 +32,25 @@ def check_inputs(cfg: RLConfig) -> None:
     the parallel sizes against the model (`cfg.model.path` resolved)."""
     check_files(cfg)
     _check_tp_fits_model(cfg)
+    _check_context_fits_model(cfg)
+
+
+def _check_context_fits_model(cfg: RLConfig) -> None:
+    """A prompt and its response must fit the model's context (max_position_embeddings): vLLM
+    refuses a longer max_model_len inside every worker; the native engine would run past the
+    positions the model was trained on."""
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
+    need = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    if context is None or need <= context:
+        return
+    msg = (f"data.max_prompt_len={cfg.data.max_prompt_len} + rollout.max_tokens={cfg.rollout.max_tokens} = {need} "
+           f"tokens, more than the model's context of {context} (max_position_embeddings in "
+           f"{cfg.model.path}/config.json); lower data.max_prompt_len or rollout.max_tokens")
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError(msg)
+    log.warning("%s (the native engine runs, past the positions the model was trained on)", msg)
 
 
 def check_files(cfg: RLConfig) -> None:
@@ -88,3 +121,6 @@ def check_round_trip(tokenizer: Any, items: list) -> bool:
                     "check model.path's tokenizer (pre-tokenizer, normalizer, unknown characters)",
                     len(bad), len(items), text[:200], back[:200])
     return not bad
+
+
+RL_SCHEMA = JobSchema(RLConfig, preflight=preflight, run_dir_key="trainer.output_dir")

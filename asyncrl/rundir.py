@@ -2,14 +2,15 @@
 
 It holds only what asyncrl wrote: `config.yaml` (the composed config), `metrics.jsonl`, `samples.jsonl`,
 `tensorboard/`, `wandb/`, `reward_curve.png`, `checkpoints/step_N/`, `logs/`, Hydra's `.hydra/`, the run's
-`.lock`, and `previous-<time>/` for outputs a fresh start moved aside. Nothing else in it is ever
-touched.
+`.lock`, `previous-<time>/` for outputs a fresh start moved aside, and evaluations'
+`eval-<time>[-N].jsonl`. Nothing else in it is ever touched.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
 OURS = (CONFIG_FILE, "metrics.jsonl", "samples.jsonl", "tensorboard", "wandb", "reward_curve.png", "checkpoints", "logs",
         ".hydra", LOCK_FILE)
+EVAL_FILE = re.compile(r"eval-\d{8}-\d{6}(-\d+)?\.jsonl")  # trainer.mode=eval's samples, one file per evaluation
 KEPT_IN_PLACE = ("logs", ".hydra", LOCK_FILE)  # this run's own, written before the trainer starts
 # keys whose change between a run and its resume does not change what is being trained (the
 # parallel layouts included: checkpoints reshard into another layout)
@@ -47,7 +49,8 @@ def check_output_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"trainer.output_dir={out} is a file; choose a directory")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in OURS and not p.name.startswith("previous-"))
+        foreign = sorted(p.name for p in out.iterdir()
+                         if p.name not in OURS and not p.name.startswith("previous-") and not EVAL_FILE.fullmatch(p.name))
         if foreign:
             raise ConfigError(f"trainer.output_dir={out} holds files asyncrl did not write ({', '.join(foreign[:5])}); "
                               "choose a new trainer.output_dir (nothing was changed)")
@@ -180,3 +183,15 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def new_eval_file(out: Path) -> Path:
+    """A new `eval-<time>.jsonl` in `out`, created empty (`-2`, `-3`, ... within one second)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        path = out / (f"{stem}.jsonl" if n == 1 else f"{stem}-{n}.jsonl")
+        try:
+            path.open("x").close()  # ours alone: never over another file
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"trainer.output_dir={out}: too many evaluations in one second")

@@ -1,6 +1,6 @@
 """Typed messages between the coordinator, node daemons, workers and the CLI.
 
-Each is a frozen dataclass registered with `transport.wire.message`, so it travels as a short
+Each is a frozen dataclass registered with `transport.codec.message`, so it travels as a short
 msgpack list under its extension code (`transport.wire.Ext`), and an unknown enum value on the
 wire is a `CodecError`, not a silently wrong state.
 """
@@ -11,7 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from transport.wire import Ext, message
+from transport.codec import message
+from transport.wire import Ext
 
 
 class WorkerState(enum.StrEnum):

@@ -140,14 +140,14 @@ def test_launch_with_wrong_columns_exits_2_with_one_line(tiny_model, tmp_path):
 
 def test_a_bad_row_inside_the_file_names_file_row_and_columns(tiny_model, tmp_path):
     """Rows past the first are read when the trainer tokenises them: still a ConfigError."""
-    from asyncrl.trainer import Trainer
+    from asyncrl.data.prompts import RunData
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "sort 2 1", "ground_truth": "1 2"}) + "\n"
                     + json.dumps({"question": "sort 3 1", "ground_truth": "1 3"}) + "\n")
     cfg = C.rl_config({"model": {"path": str(tiny_model)}, "data": {"train_files": str(data), "batch_size": 1}})
     with pytest.raises(ConfigError, match=rf"data.train_files={data}: row 1 has no 'prompt' field.*ground_truth"):
-        Trainer(None, cfg)._load_tokenizer_and_data()
+        RunData(None, cfg).load()
 
 
 # NaN rewards stop the run, naming the function and the row --------------------------------------------

@@ -57,7 +57,7 @@ def test_yaml_files_set_only_what_differs_from_the_schema(name):
     raw = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
     raw.pop("defaults", None)
     raw.pop("hydra", None)
-    schema = schemas().get({"cluster": "launch_schema", "smoke": "smoke_schema"}.get(name, "rl_schema"))
+    schema = schemas()[{"cluster": "launch_schema", "smoke": "smoke_schema"}.get(name, "rl_schema")].config
     copies = []
     for key, value in _leaves(raw).items():
         try:
@@ -71,7 +71,7 @@ def test_yaml_files_set_only_what_differs_from_the_schema(name):
 
 def test_schema_defaults_pass_their_own_checks():
     for schema in schemas().values():
-        validate(schema())  # every section's `check`: raises on an out-of-range default
+        validate(schema.config())  # every section's `check`: raises on an out-of-range default
     assert {f.name for f in fields(C.RLConfig)} >= {"cluster", "job", "model", "data", "rollout", "actor",
                                                      "critic", "reward", "cost_model", "algorithm", "trainer"}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,35 @@ def test_eval_mode_reports_pass_at_k_per_data_source(tmp_path, tiny_model):  # n
     generations = [json.loads(ln) for ln in Path(result["generations"]).read_text().splitlines()]
     assert len(generations) == 24 and {g["sample"] for g in generations} == {0, 1, 2, 3}
     assert not (out / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_the_readme_eval_command_on_a_users_parquet_and_reward_file_twice(tmp_path, tiny_model):  # noqa: F811
+    """`asyncrl-launch --config-name eval model.path=<model> data.val_files=<parquet>
+    reward.fn=<file>:<fn>` exactly as the README writes it (the installed command, nothing else
+    set but a small rollout), run twice into the same output directory: both print pass@k."""
+    from asyncrl.data.synthetic import disjoint_splits, write_rows
+
+    _, val = disjoint_splits("sort", 8, 5, seed=7)
+    write_rows(val, tmp_path / "test.parquet")
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+                      "    return float(solution_str.strip() == str(ground_truth).strip())\n")
+    launch = Path(sys.executable).parent / "asyncrl-launch"
+    args = [str(launch), "--config-name", "eval", f"model.path={tiny_model}",
+            f"data.val_files={tmp_path / 'test.parquet'}", f"reward.fn={reward}:score",
+            "rollout.n=2", "evaluation.ks=[1,2]", "rollout.max_tokens=4"]
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state")}
+    results = []
+    for _ in range(2):  # the second evaluation writes beside the first one's file
+        r = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    for result in results:
+        assert result["mode"] == "eval" and result["eval/asyncrl/sort/prompts"] == 5.0
+        assert 0.0 <= result["eval/asyncrl/sort/pass@1"] <= result["eval/asyncrl/sort/pass@2"] <= 1.0
+    files = sorted((tmp_path / "outputs" / "eval").glob("eval-*.jsonl"))
+    assert [str(f) for f in files] == sorted(r["generations"] for r in results) and len(files) == 2
+    assert all(len(f.read_text().splitlines()) == 10 for f in files)  # 5 prompts x 2 samples
 
 
 def test_eval_mode_refuses_k_above_the_samples(tmp_path):

@@ -473,9 +473,16 @@ def test_the_readme_commands_run_as_written(tmp_path):
 
         bad = _cli(env, "submit", "--config-name", "grpo", "trainer.totl_steps=3", timeout=60)
         assert bad.returncode == 2 and "trainer.total_steps" in bad.stderr  # a typo, before anything runs
+        # what asyncrl-launch checks before it starts, submit checks before it submits
+        missing = _cli(env, "submit", "--config-name", "grpo", "model.path=/models/qwen", "trainer.total_steps=5",
+                       timeout=60)
+        assert missing.returncode == 2 and "model.path=/models/qwen" in missing.stderr, missing.stderr
+        assert "submitted" not in missing.stderr and "Traceback" not in missing.stderr
         (down,) = by_kind["shutdown"]
         assert run(down, 60).returncode == 0
         assert daemon.finish(30) == SHUTDOWN_EXIT, daemon.out
+        # the first RL job's imports happen off the daemon's loop: no false "blocked" warning
+        assert "event loop was blocked" not in daemon.out, daemon.out
     finally:
         for p in procs:
             p.kill()

@@ -474,7 +474,8 @@ def test_typed_message_roundtrip_and_unknown_enum_value():
 def test_message_must_be_a_frozen_dataclass():
     from dataclasses import dataclass
 
-    from transport.wire import Ext, message
+    from transport.codec import message
+    from transport.wire import Ext
 
     @dataclass
     class Mutable:

@@ -13,17 +13,20 @@ header frame (0xC1, msgpack's never-used byte, then the msgpack list of chunk co
 receiver joins the chunks into one buffer (one copy, only for frames above `FRAME_BYTES`).
 
 Later layers add their own message types with `register_type` (an `ObjectRef`, say) or as
-typed messages with `transport.wire.message`; every extension code is listed in `wire.Ext`.
+typed messages with `message` (below); every extension code is listed in `wire.Ext`.
 Nothing is ever pickled: a type that is neither msgpack-native nor registered is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
+import typing
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -233,3 +236,72 @@ def decode(frames: Sequence[Any]) -> Any:
         raise
     except Exception as e:  # msgpack raises a zoo of types on garbage
         raise CodecError(f"malformed message body: {type(e).__name__}: {e}") from e
+
+
+# typed messages ---------------------------------------------------------------------------------
+# A message class is a frozen dataclass registered with `@message(CODE)`: it travels as its
+# fields in declaration order, enum fields by value, and a received value that is not a member of
+# the field's enum raises `CodecError` (answered to the sender as a malformed request, never
+# guessed at). Nothing is pickled.
+T = TypeVar("T")
+
+
+def _field_decoders(cls: type) -> list[tuple[str, Callable[[Any], Any] | None]]:
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[str, Callable[[Any], Any] | None]] = []
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        decode: Callable[[Any], Any] | None = None
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            decode = _enum_decoder(hint, cls, f.name)
+        elif typing.get_origin(hint) is tuple or any(
+                typing.get_origin(a) is tuple for a in typing.get_args(hint)):
+            decode = _tuple_decoder  # msgpack has no tuples: a tuple field arrives as a list
+        out.append((f.name, decode))
+    return out
+
+
+def _tuple_decoder(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _enum_decoder(kind: type[enum.Enum], cls: type, name: str) -> Callable[[Any], Any]:
+    def decode(v: Any) -> enum.Enum:
+        try:
+            return kind(v)
+        except ValueError:
+            raise CodecError(f"{cls.__qualname__}.{name}: {v!r} is not a {kind.__qualname__} "
+                             f"(one of {[m.value for m in kind]}); are both sides the same "
+                             "asyncrl version?") from None
+    return decode
+
+
+def _to_wire_value(v: Any) -> Any:
+    return v.value if isinstance(v, enum.Enum) else v
+
+
+def message(code: Ext) -> Callable[[type[T]], type[T]]:
+    """Class decorator: register a frozen dataclass as a typed message with extension `code`."""
+    def wrap(cls: type[T]) -> type[T]:
+        if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+            raise TypeError(f"{cls.__qualname__} must be a frozen dataclass to travel as a message")
+        decoders: list[tuple[str, Callable[[Any], Any] | None]] | None = None
+        names = [f.name for f in dataclasses.fields(cls)]
+
+        def to_wire(obj: Any) -> list[Any]:
+            return [_to_wire_value(getattr(obj, n)) for n in names]
+
+        def from_wire(v: Any) -> Any:
+            nonlocal decoders
+            if decoders is None:  # type hints resolve once every class of the module exists
+                decoders = _field_decoders(cls)
+            if not isinstance(v, list) or len(v) != len(decoders):
+                raise CodecError(f"a {cls.__qualname__} has {len(decoders)} fields, got {v!r:.200}")
+            kwargs = {n: (d(x) if d is not None and x is not None else x)
+                      for (n, d), x in zip(decoders, v, strict=True)}
+            return cls(**kwargs)
+
+        register_type(cls, int(code), to_wire, from_wire)
+        return cls
+
+    return wrap

@@ -160,7 +160,16 @@ def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
 
 def ground_truth_of(row: dict, answer_key: str | None = None) -> Any:
     """The row's reference answer: `answer_key` (dotted for a nested field) when given, else verl's
-    `reward_model.ground_truth`, or a flat `ground_truth` / `answer` field."""
+    `reward_model.ground_truth`, or a flat `ground_truth` / `answer` field. A null answer is an
+    error, as a missing one is: a reward would get None for it."""
+    value = _ground_truth(row, answer_key)
+    if value is None:
+        raise DatasetError(f"row has a null {answer_key or 'reward_model.ground_truth'} (a reward function "
+                           "would receive None); give every row its reference answer or drop the row")
+    return value
+
+
+def _ground_truth(row: dict, answer_key: str | None) -> Any:
     if answer_key is not None:
         value: Any = row
         for part in answer_key.split("."):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError
@@ -191,8 +193,15 @@ def plan_main(args: argparse.Namespace) -> int:
         print()
         print(explain(result.cost))
     print("\nrun the best plan with:")
-    print("  asyncrl-launch --config-name " + " ".join([args.config_name, *launch_command(args.overrides, launch)]))
+    print("  " + shlex.join(_launch_argv(args, launch_command(args.overrides, launch))))
     return 0
+
+
+def _launch_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The asyncrl-launch command line that runs the plan, as it can be pasted: the same config
+    directory (absolute, so it runs from any directory) and config."""
+    where = ["--config-dir", str(Path(args.config_dir).expanduser().resolve())] if args.config_dir else []
+    return ["asyncrl-launch", *where, "--config-name", args.config_name, *overrides]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,7 +74,7 @@ def load_profile(name_or_path: str) -> DeviceProfile:
         path = CPU_PROFILE.expanduser()
         if not path.is_file():
             raise ConfigError(f"no CPU profile at {path}: measure this machine first with `asyncrl-plan profile` "
-                              "(about a minute), or pick a GPU profile with plan.device="
+                              "(about 15 seconds), or pick a GPU profile with plan.device="
                               f"{'|'.join(shipped_profiles())}")
     elif not path.suffix == ".json":
         path = PROFILE_DIR / f"{name_or_path}.json"

@@ -7,10 +7,9 @@ OmegaConf/Hydra error into one paragraph naming the key, where it was set and th
 key.
 
 Schemas join the registry through the `asyncrl.schemas` entry-point group (pyproject.toml:
-`rl_schema = "asyncrl.config:RLConfig"`); `register_with_hydra` makes them available to a YAML
-defaults list (`- rl_schema`). A schema may define hooks `asyncrl-launch` calls without knowing
-the job: `preflight(run_dir, head)` (checks before anything starts) and the class attribute
-`run_dir_key` (the key that receives Hydra's run directory).
+`rl_schema = "asyncrl.preflight:RL_SCHEMA"`), as a `JobSchema` (the class and the hooks
+`asyncrl-launch` calls without knowing the job) or a bare dataclass; `register_with_hydra` makes
+them available to a YAML defaults list (`- rl_schema`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from dataclasses import fields, is_dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -30,14 +30,31 @@ from daemons.errors import ConfigError
 ENTRY_POINT_GROUP = "asyncrl.schemas"
 
 
+@dataclass(frozen=True)
+class JobSchema:
+    """A job's config schema as `asyncrl-launch` sees it: the dataclass and the job's hooks."""
+
+    config: type
+    # checks before anything starts: (typed config, Hydra's run dir if set on the command line,
+    # whether this node runs the driver) -> None, raising ConfigError
+    preflight: Callable[[Any, str | None, bool], None] | None = None
+    run_dir_key: str | None = None  # the key that receives Hydra's run directory (trainer.output_dir)
+
+
 @functools.cache
-def schemas() -> dict[str, type]:
+def schemas() -> dict[str, JobSchema]:
     """Every registered schema by its config-store name (`launch_schema`, `rl_schema`, ...)."""
     found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if "launch_schema" not in found:
         raise ConfigError("asyncrl's config schemas are not registered: install the package "
                           "(`pip install -e .` in the checkout, or `make test` / `make run`)")
-    return {name: ep.load() for name, ep in sorted(found.items())}
+    loaded = {name: ep.load() for name, ep in sorted(found.items())}
+    return {name: s if isinstance(s, JobSchema) else JobSchema(s) for name, s in loaded.items()}
+
+
+def job_schema(config: type | None) -> JobSchema | None:
+    """The registered schema whose dataclass is `config` (None for an unregistered one)."""
+    return next((s for s in schemas().values() if s.config is config), None)
 
 
 def register_with_hydra() -> None:
@@ -45,8 +62,8 @@ def register_with_hydra() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    for name, node in schemas().items():
-        store.store(name=name, node=node)
+    for name, schema in schemas().items():
+        store.store(name=name, node=schema.config)
 
 
 # typed views --------------------------------------------------------------------------------------
@@ -171,7 +188,7 @@ def explain(e: BaseException, schema: type | None, files: dict[str, str] | None 
         msg += " (set on the command line)"
     if schema is None:  # the schema whose sections hold the key
         top = key.split(".")[0]
-        known = list(schemas().values())
+        known = [s.config for s in schemas().values()]
         schema = next((c for c in sorted(known, key=lambda c: -len(fields(c))) if top in {f.name for f in fields(c)}),
                       None)
     if schema is not None and key and ("not in" in text or "Could not override" in text):

@@ -12,8 +12,9 @@ import torch
 from objectstore.ref import ObjectRef, RowRange
 from objectstore.table import Entry, check_rows
 from transport import expose
+from transport.codec import message
 from transport.dtypes import tensor_from_bytes
-from transport.wire import Ext, message
+from transport.wire import Ext
 
 if TYPE_CHECKING:
     from objectstore.store import ObjectStore

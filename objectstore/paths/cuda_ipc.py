@@ -19,8 +19,9 @@ from objectstore.errors import ObjectTypeError
 from objectstore.paths.base import PullKind, PullPath, PullRequest, Tensors
 from objectstore.ref import ObjectRef, RowRange
 from objectstore.table import Entry
+from transport.codec import message
 from transport.dtypes import dtype_name, torch_dtype
-from transport.wire import Ext, message
+from transport.wire import Ext
 
 
 @message(Ext.CUDA_IPC_REPLY)

@@ -26,8 +26,9 @@ from objectstore.paths.base import PullKind, PullPath, PullRequest, TensorRegion
 from objectstore.paths.tcp import TcpReply
 from objectstore.ref import TENSOR, ObjectRef, RowRange
 from objectstore.table import Entry
+from transport.codec import message
 from transport.dtypes import dtype_name, nbytes, row_bytes
-from transport.wire import Ext, message
+from transport.wire import Ext
 
 log = logging.getLogger(__name__)
 

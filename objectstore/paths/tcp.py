@@ -28,9 +28,10 @@ from objectstore.errors import ObjectTypeError
 from objectstore.paths.base import PullKind, PullPath, PullRequest, TensorRegion, Tensors
 from objectstore.ref import VALUE, ObjectRef, RowRange
 from objectstore.table import Entry
+from transport.codec import message
 from transport.dtypes import dtype_name, tensor_bytes, torch_dtype, writable_bytes
 from transport.peers import RateLimitedLog, ServerLimits
-from transport.wire import Ext, message
+from transport.wire import Ext
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,117 @@
+"""A run's prompts as the trainer uses them: the tokenizer, the training prompts and their
+loader, the held-out prompts (one batch, reused), and the batches each step puts in the
+driver's store (`next_prompts`, Safe-RLHF's `pretrain_batch`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.config import RLConfig
+from asyncrl.preflight import check_round_trip
+from asyncrl.rollout.engine import positions_from_mask
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.distbatch import DistBatch
+from daemons.errors import ConfigError
+
+
+class RunData:
+    """The prompts of one run; `ctx` is the job's context (its store holds the batches)."""
+
+    def __init__(self, ctx: Any, cfg: RLConfig) -> None:
+        self.ctx, self.cfg = ctx, cfg
+        self.tokenizer: Any = None
+        self.train_set: Any = None
+        self.loader: Any = None  # None when only evaluating a val file
+        self.val_prompts: dict[str, Any] | None = None
+
+    def load(self) -> None:
+        """Read the tokenizer and the data files (blocking: run it in a thread)."""
+        from transformers import AutoTokenizer
+
+        from asyncrl.data.dataset import (
+            EXPECTED_COLUMNS,
+            DatasetError,
+            PromptDataset,
+            PromptLoader,
+            load_rows,
+        )
+        from asyncrl.data.synthetic import disjoint_splits
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
+        dc = self.cfg.data
+
+        def tokenised(where: str, load: Callable[[], list[dict]]) -> PromptDataset | None:
+            """The prompts of `load()`'s rows (None for no rows); a bad file or row is a ConfigError."""
+            try:
+                rows = load()
+                return (PromptDataset(rows, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template,
+                                      prompt_key=dc.prompt_key, answer_key=dc.answer_key) if rows else None)
+            except DatasetError as e:
+                raise ConfigError(f"{where}: {e}") from None
+
+        if self.cfg.trainer.mode == "eval" and dc.val_files:  # evaluation: the held-out file only
+            self.train_set = None
+            val_set = tokenised(f"data.val_files={dc.val_files}", lambda: load_rows(dc.val_files))
+            self.val_prompts = val_set.collate(val_set.items) if val_set else None
+            return
+        if dc.train_files:
+            self.train_set = tokenised(f"data.train_files={dc.train_files}", lambda: load_rows(dc.train_files))
+            val_set = (tokenised(f"data.val_files={dc.val_files}", lambda: load_rows(dc.val_files))
+                       if dc.val_files else None)
+        else:
+            syn = dc.synthetic
+            train, val = disjoint_splits(syn.task, syn.n_train, syn.n_val, syn.seed)
+            self.train_set, val_set = tokenised("data.synthetic", lambda: train), tokenised("data.synthetic", lambda: val)
+        if self.train_set is None:
+            raise ConfigError(f"data.train_files={dc.train_files} holds no rows; a prompt dataset needs "
+                              f"rows with {EXPECTED_COLUMNS}")
+        check_round_trip(self.tokenizer, self.train_set.items[:8])
+        self.val_prompts = val_set.collate(val_set.items) if val_set else None  # one batch, reused
+        try:
+            self.loader = PromptLoader(self.train_set, dc.batch_size, shuffle=dc.shuffle, seed=self.cfg.seed)
+        except DatasetError as e:
+            raise ConfigError(f"data.batch_size={dc.batch_size}: {e}") from None
+
+    def put(self, d: dict[str, Any], meta: dict[str, Any]) -> DistBatch:
+        """A dict of columns into the driver's store, as a DistBatch."""
+        tensors = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+        rest = {k: v for k, v in d.items() if not isinstance(v, torch.Tensor)}
+        return self.ctx.put(Batch(tensors, rest, meta))
+
+    def next_prompts(self, step: int, refill: int = 0) -> DistBatch:
+        """The step's prompts; `refill` k > 0 is dynamic sampling's k-th extra batch of the step
+        (its own seed and group ids). With dynamic sampling every batch is padded to
+        data.max_prompt_len, so batches of one step concatenate."""
+        seed = self.cfg.seed * 100003 + step
+        from asyncrl.data.dataset import pad_prompts
+
+        d = self.loader.next_batch()
+        if self.cfg.algorithm.filter_groups.enable:
+            d = pad_prompts(d, self.cfg.data.max_prompt_len, self.tokenizer.pad_token_id)
+        if refill:  # a seed of its own, apart from every step's first batch
+            digest = hashlib.blake2b(f"{self.cfg.seed}:{step}:{refill}".encode(), digest_size=4).digest()
+            seed = int.from_bytes(digest, "little") >> 1
+            d["uid"] = [f"{u}@{refill}" for u in d["uid"]]  # the same prompt again is another group
+        return self.put(d, {"seed": seed})
+
+    def pretrain_batch(self, step: int) -> DistBatch:
+        """Prompt + ground-truth answer sequences for the Safe-RLHF pretrain (SFT) loss term."""
+        bs = self.cfg.data.batch_size
+        start = (step * bs) % max(1, len(self.train_set))
+        items = [self.train_set[(start + i) % len(self.train_set)] for i in range(bs)]
+        answers = [self.tokenizer.encode(str(it.ground_truth), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+                   for it in items]
+        p, r = max(len(it.input_ids) for it in items), max(len(a) for a in answers)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((bs, p + r), pad, dtype=torch.long)
+        mask = torch.zeros((bs, p + r), dtype=torch.long)
+        for i, (it, a) in enumerate(zip(items, answers, strict=True)):
+            ids[i, p - len(it.input_ids):p] = torch.tensor(it.input_ids)
+            ids[i, p:p + len(a)] = torch.tensor(a)
+            mask[i, p - len(it.input_ids):p + len(a)] = 1
+        return self.put({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
+                          "responses": ids[:, p:], "response_mask": mask[:, p:]}, {})

@@ -1,0 +1,141 @@
+"""The shape of the code, checked: layers depend downward only (asyncrl -> daemons -> objectstore
+-> transport), the single controller knows no RL, no import cycle among the project's modules,
+no module under asyncrl/ past ~650 lines, Hydra through its public API only, every cluster knob
+declared once."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("asyncrl", "daemons", "objectstore", "transport")
+LAYER = {"transport": 0, "objectstore": 1, "daemons": 2, "asyncrl": 3}
+MAX_LINES = 650
+
+
+def _modules() -> dict[str, Path]:
+    """Every project module by dotted name (`asyncrl.single_controller.group`)."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    out["asyncrl.configs"] = REPO / "configs"  # package data only
+    return out
+
+
+def _imports(path: Path, *, runtime_only: bool) -> set[str]:
+    """The project modules `path` imports anywhere in it (with `runtime_only`, not in an
+    `if TYPE_CHECKING:` block, which imports nothing at run time)."""
+    tree = ast.parse(path.read_text())
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import name`: the module pkg.name when there is one (resolved later), else pkg
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_layers_depend_downward_only():
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        if path.is_dir():
+            continue
+        for imported in _imports(path, runtime_only=False):
+            if LAYER[imported.split(".")[0]] > LAYER[name.split(".")[0]]:
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, wrong
+
+
+def test_the_single_controller_imports_nothing_of_the_rl_side():
+    rl = []
+    for path in (REPO / "asyncrl" / "single_controller").rglob("*.py"):
+        for imported in _imports(path, runtime_only=False):
+            if imported.startswith("asyncrl.") and not imported.startswith("asyncrl.single_controller"):
+                rl.append(f"{path.name} imports {imported}")
+    assert not rl, rl
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    modules = _modules()
+    # every import a module runs, late (inside a function) ones too: a late import that closes a
+    # loop is still a loop
+    graph = {name: {m for i in _imports(path, runtime_only=True) if (m := _resolve(i, modules)) and m != name}
+             for name, path in modules.items() if not path.is_dir()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, stack: list[str]) -> bool:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle.extend([*stack[stack.index(nxt):], nxt] if nxt in stack else [node, nxt])
+                return True
+            if nxt not in state and visit(nxt, [*stack, nxt]):
+                return True
+        state[node] = 2
+        return False
+
+    for start in sorted(graph):
+        if start not in state and visit(start, [start]):
+            break
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_module_under_asyncrl_is_too_long():
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "asyncrl").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+@pytest.mark.parametrize("package", [*PACKAGES, "benchmarks", "tests"])
+def test_hydra_only_through_its_public_api(package):
+    private = [str(p.relative_to(REPO)) for p in (REPO / package).rglob("*.py")
+               if "hydra._internal" in p.read_text() and p.name != "test_architecture.py"]
+    assert not private, private
+
+
+def test_every_cluster_knob_is_declared_once():
+    """The `cluster` section is daemons.cluster.ClusterConfig, everywhere: the launch schema holds
+    it, ClusterSpec carries it, and no other dataclass repeats its fields."""
+    from asyncrl.config import RLConfig
+    from asyncrl.single_controller.config import LaunchConfig
+    from daemons.cluster import ClusterConfig, ClusterSpec
+    from daemons.node import NodeDaemon
+
+    assert {f.name: f.type for f in fields(LaunchConfig)}["cluster"] in (ClusterConfig, "ClusterConfig")
+    assert issubclass(RLConfig, LaunchConfig)
+    knobs = {f.name for f in fields(ClusterConfig)}
+    assert not knobs & {f.name for f in fields(ClusterSpec)}, "ClusterSpec repeats cluster knobs"
+    source = "\n".join(p.read_text() for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
+    assert source.count("class ClusterConfig") == 1
+    # one name per knob: the node daemon's parameters are the config's names, not renamed ones
+    params = set(inspect.signature(NodeDaemon.__init__).parameters)
+    renamed = {p: k for p in params for k in knobs if k != p and k.removesuffix("_s") == p}
+    assert not renamed, renamed
+
+
+def test_the_public_names_of_the_programming_model():
+    import asyncrl
+    from asyncrl import Batch, DistBatch, Worker, WorkerGroup, register  # noqa: F401
+
+    assert Worker.__module__ == "asyncrl.single_controller.worker"
+    assert all(getattr(asyncrl, name) is not None for name in asyncrl.__all__)
