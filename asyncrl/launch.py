@@ -467,6 +467,8 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
     """One job of `asyncrl-launch`: its outputs go to Hydra's run (or sweep job) directory."""
     from hydra.core.hydra_config import HydraConfig
 
+    if daemon:
+        _daemon_size(cfg)  # as `main` checked it
     job = job_schema(OmegaConf.get_type(cfg))
     key = job.run_dir_key if job else None  # where the job writes its outputs
     if HydraConfig.initialized() and key:

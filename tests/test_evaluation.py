@@ -146,7 +146,7 @@ def test_the_readme_eval_command_on_a_users_parquet_and_reward_file_twice(tmp_pa
         assert result["mode"] == "eval" and result["eval/asyncrl/sort/prompts"] == 5.0
         assert 0.0 <= result["eval/asyncrl/sort/pass@1"] <= result["eval/asyncrl/sort/pass@2"] <= 1.0
     files = sorted((tmp_path / "outputs" / "eval").glob("eval-*.jsonl"))
-    assert [str(f) for f in files] == sorted(r["generations"] for r in results) and len(files) == 2
+    assert [f.name for f in files] == sorted(Path(r["generations"]).name for r in results) and len(files) == 2
     assert all(len(f.read_text().splitlines()) == 10 for f in files)  # 5 prompts x 2 samples
 
 
