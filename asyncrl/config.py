@@ -504,11 +504,13 @@ class RLConfig(LaunchConfig):
                               f"applies to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
         self._check_layouts(at)
         self._check_placement(at)
-        if self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
+        training = self.trainer.mode == "train"  # an evaluation samples and scores only: n=1 and any batch do
+        if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
                               "each prompt's samples with each other, so one sample per prompt gives zero "
                               "advantages; set rollout.n >= 2")
-        self._check_mini_batches(at)
+        if training:
+            self._check_mini_batches(at)
         if self.algorithm.filter_groups.enable:
             fg = at + "algorithm.filter_groups.enable"
             _check(self.algorithm.name in ("grpo", "rloo"), fg, True,

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.reshard import table2
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_table2_by_hand() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from asyncrl.roles.forward import response_forward
 from asyncrl.train import EngineError, OptimConfig, lr_multiplier, split_stages, untie_embeddings
-from tests.gloo_ranks import run_ranks
+from tests.helpers.gloo_ranks import run_ranks
 
 VOCAB, ROWS, RESPONSE, N_MICRO, STEPS, SAVE_AT = 64, 8, 4, 3, 4, 2
 # a small clip so every step is clipped: the global norm must span all stages

@@ -16,7 +16,7 @@ from asyncrl.plan.cli import main as plan_main
 from asyncrl.rewards import default_reward
 from asyncrl.rewards.rules import last_boxed, math_boxed, normalize_math
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 RECIPES = sorted(p.stem for p in EXAMPLES.glob("*.yaml"))
 
 

@@ -13,7 +13,7 @@ from asyncrl import Batch, DistBatch, WorkerCallError, register_protocol
 from asyncrl.single_controller.context import JobContext, local_cluster
 from asyncrl.single_controller.distbatch import Piece
 from asyncrl.single_controller.parallel import LayoutError, ParallelConfig, ParallelLayout
-from tests import pm_workers as W
+from tests.helpers import pm_workers as W
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ async def test_user_protocol_and_apply(ctx):
     made = ctx.put(Batch({"x": torch.ones(4, 2)}))
     z = await g.apply(W.add_column, made, 1.5, protocol="DP_PROTO")
     assert (await z.fetch())["z"].tolist() == [2.5] * 4
-    assert await g.apply("tests.pm_workers:add_column", made, 0.5, protocol="RANK_ZERO") is not None
+    assert await g.apply("tests.helpers.pm_workers:add_column", made, 0.5, protocol="RANK_ZERO") is not None
     with pytest.raises(ValueError, match="unknown transfer protocol"):
         g.apply(W.add_column, made, 1.0, protocol="NOPE")
 

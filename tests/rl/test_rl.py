@@ -19,7 +19,7 @@ from asyncrl.algorithms import advantage
 from asyncrl.single_controller.batch import Batch
 from daemons.proc import kill_group
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 SMALL = ["data.batch_size=4", "rollout.n=2", "rollout.max_tokens=4", "data.synthetic.n_train=64",
          "data.synthetic.n_val=8", "actor.optim.lr=1e-2", "critic.optim.lr=1e-2"]
@@ -72,7 +72,7 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     out = tmp_path / config
     res = _launch(config, out, tiny_model, ["trainer.total_steps=2", "trainer.eval_every=2",
                                             "trainer.save_every=2", "trainer.loggers=[console,jsonl]",
-                                            "job.entry=tests/rl_probe.py:main", *extra])
+                                            "job.entry=tests/helpers/rl_probe.py:main", *extra])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["algorithm"] == config and summary["steps"] == 2
@@ -106,7 +106,7 @@ def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert list((out / "tensorboard").glob("events.*"))
     # wandb (offline): every step with the job's name; the held-out completions as a table
-    from tests.wandb_records import history, run_info
+    from tests.helpers.wandb_records import history, run_info
 
     (run,) = (out / "wandb").glob("offline-run-*")
     assert run_info(run).display_name == "quickstart"

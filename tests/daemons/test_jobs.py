@@ -28,7 +28,7 @@ from daemons.state import (
     write_state,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 CLI = [sys.executable, "-m", "asyncrl.cli"]
 UNITS = REPO / "daemons" / "systemd"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_rl import tiny_model  # noqa: F401  (a module-scoped fixture)
+from tests.rl.test_rl import tiny_model  # noqa: F401  (a module-scoped fixture)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

@@ -25,7 +25,7 @@ from asyncrl.single_controller.batch import Batch
 from daemons.errors import ConfigError, DaemonError, PlacementError
 from daemons.node import gpu_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 
@@ -328,14 +328,14 @@ def test_a_non_finite_loss_stops_the_run_and_metrics_stay_strict_json(tmp_path):
     """A NaN training loss ends the run with one paragraph (step, metric, what to try), no
     checkpoint after it, and metrics.jsonl parses with a strict JSON parser (null, not NaN)."""
     from asyncrl.models.tiny import ensure_tiny_model
-    from tests.test_rl import REPO, SMALL, _env
+    from tests.rl.test_rl import REPO, SMALL, _env
 
     model = ensure_tiny_model(tmp_path / "tiny", task="sort", hidden=64, layers=2, heads=2, sft_steps=0)
     out = tmp_path / "nan"
     res = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
                           f"model.path={model}", "model.build_tiny=null", *SMALL, "trainer.total_steps=4",
                           "trainer.save_every=1", "trainer.eval_every=4", "trainer.loggers=[console,jsonl]",
-                          "job.entry=tests/nan_probe.py:main"],
+                          "job.entry=tests/helpers/nan_probe.py:main"],
                          capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
     assert res.returncode != 0
     assert "training diverged at step 2: actor/pg_loss not finite" in res.stderr, res.stderr[-2000:]

@@ -18,7 +18,7 @@ from asyncrl.launch import load_config, main, shipped_config_dir
 from asyncrl.single_controller.schema import schemas, validate
 from daemons.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "rl_defaults")
 

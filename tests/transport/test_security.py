@@ -161,7 +161,7 @@ async def test_a_joining_node_gives_its_workers_no_cluster_secret(tmp_path):
         [sys.executable, "-m", "asyncrl.launch", "--config-name", "smoke", f"cluster.coordinator=127.0.0.1:{port}",
          "cluster.node_rank=1", "cluster.nnodes=2", f"cluster.key_dir={tmp_path / 'keys'}", "cluster.cpu_devices=1",
          "cluster.heartbeat_interval_s=0.3", f"cluster.log_dir={tmp_path}/logs"],
-        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "st")}, start_new_session=True)
     try:
         await coordinator.wait_for_nodes(1, timeout=60)

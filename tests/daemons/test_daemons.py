@@ -17,7 +17,7 @@ from daemons.coordinator import Coordinator
 from daemons.errors import PlacementError, WorkerDiedError
 from daemons.node import NodeDaemon
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 
 

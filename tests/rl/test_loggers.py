@@ -12,7 +12,7 @@ from daemons.errors import ConfigError
 
 wandb = pytest.importorskip("wandb", reason="wandb is a test dependency: pip install -e '.[test]'")
 
-from tests.wandb_records import history, run_info  # noqa: E402
+from tests.helpers.wandb_records import history, run_info  # noqa: E402
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
 from asyncrl.train import EngineError, OptimConfig, check_tp, lr_multiplier, parallelize
-from tests.gloo_ranks import run_ranks
+from tests.helpers.gloo_ranks import run_ranks
 
 ROWS, SEQ, STEPS, SAVE_AT = 8, 9, 4, 2
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0, warmup_steps=2, total_steps=6)

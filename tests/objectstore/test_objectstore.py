@@ -36,7 +36,7 @@ from objectstore.paths.base import PullRequest
 from objectstore.ref import TENSOR
 from transport import CurveConfig, RemoteError, RpcClient, codec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
 
 # A helper process: an object store plus a small control server the test drives.

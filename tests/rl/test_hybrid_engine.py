@@ -16,7 +16,7 @@ from asyncrl.single_controller.parallel import (
     ParallelLayout,
     generation_layout,
 )
-from tests.gloo_ranks import run_ranks
+from tests.helpers.gloo_ranks import run_ranks
 
 
 def layouts(world: int, *, t: int, p: int = 1, tg: int = 1, pg: int = 1) -> tuple[ParallelLayout, ParallelLayout]:

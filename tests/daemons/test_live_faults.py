@@ -25,7 +25,7 @@ from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.errors import CallTimeoutError, WorkerDiedError
 from daemons.proc import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 
 

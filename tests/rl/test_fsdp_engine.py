@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.train import OptimConfig, lr_multiplier
-from tests.gloo_ranks import run_ranks
+from tests.helpers.gloo_ranks import run_ranks
 
 VOCAB, ROWS, SEQ, STEPS = 64, 8, 9, 3
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=1.0, warmup_steps=2, total_steps=6)
