@@ -219,6 +219,11 @@ class PPOUpdateConfig:
     ppo_epochs: int = 1
     ppo_mini_batches: int = 1
     micro_batch_size: int = 64  # rows per forward/backward (gradient accumulation over them)
+    # > 0: micro-batches by tokens instead (verl's ppo_max_token_len_per_gpu): rows sorted by
+    # length and packed so that rows x the longest row (padding counted) stays within it, at most
+    # micro_batch_size rows each; the loss is weighted to equal one pass over the mini-batch
+    max_tokens_per_micro_batch: int = 0
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
     shuffle: bool = True  # shuffle rows into mini-batches
     loss_agg_mode: str = "token-mean"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -227,12 +232,17 @@ class PPOUpdateConfig:
         _positive(at + "ppo_epochs", self.ppo_epochs)
         _positive(at + "ppo_mini_batches", self.ppo_mini_batches)
         _positive(at + "micro_batch_size", self.micro_batch_size)
+        _positive(at + "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
+        _check(not self.max_tokens_per_micro_batch or self.parallel.pp == 1, at + "max_tokens_per_micro_batch",
+               self.max_tokens_per_micro_batch, f"needs {at}parallel.pp=1 (pipeline stages exchange activations "
+               "of one shape, so their micro-batches are rows); set it to 0")
         _one_of(at + "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 @dataclass
 class ActorConfig(PPOUpdateConfig):
     log_prob_micro_batch_size: int = 128
+    log_prob_max_tokens_per_micro_batch: int = 0  # > 0: the log-prob passes' micro-batches by tokens
     recompute_log_prob: str = "auto"  # auto: only when off-policy (ppo_epochs or ppo_mini_batches > 1) | always | never
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None  # None = clip_ratio
@@ -260,6 +270,10 @@ class ActorConfig(PPOUpdateConfig):
                "the current policy's log-probs before the update (the proximal/old policy)")
         _one_of(at + "kl_loss_type", self.kl_loss_type, KL_TYPES)
         _positive(at + "log_prob_micro_batch_size", self.log_prob_micro_batch_size)
+        _positive(at + "log_prob_max_tokens_per_micro_batch", self.log_prob_max_tokens_per_micro_batch, allow_zero=True)
+        _check(not self.log_prob_max_tokens_per_micro_batch or self.parallel.pp == 1,
+               at + "log_prob_max_tokens_per_micro_batch", self.log_prob_max_tokens_per_micro_batch,
+               f"needs {at}parallel.pp=1; set it to 0")
         _positive(at + "clip_ratio", self.clip_ratio)
         _check(self.clip_ratio_c > 1, at + "clip_ratio_c", self.clip_ratio_c, "must be > 1")
         for name in ("clip_ratio_low", "clip_ratio_high"):

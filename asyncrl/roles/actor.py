@@ -26,7 +26,7 @@ from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import response_forward
 from asyncrl.roles.process import load_causal_lm, setup_process
-from asyncrl.roles.update import micro_batches, ppo_update
+from asyncrl.roles.update import micro_batches, ppo_update, token_micro_batches, unpermute
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.rollout.continuous import ContinuousBatcher
 from asyncrl.rollout.tp import GenerationModel
@@ -93,6 +93,8 @@ class ActorRolloutRefWorker(Worker):
             self.ref = engine_cls(parallelize(copy.deepcopy(base), layout, mp), layout,
                                   optim=None, device=self.device)
         if "actor" in self.roles:
+            if cfg.actor.gradient_checkpointing:  # the reference copy above only runs forward
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.actor = engine_cls(parallelize(base, layout, mp), layout, optim=cfg.actor.optim,
                                     device=self.device)
         self.resharder: Resharder | None = None
@@ -252,9 +254,13 @@ class ActorRolloutRefWorker(Worker):
     def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (and entropies); (None, None) on a pipeline stage other than the last."""
-        temp = self._temperature(batch)
+        ac, temp = self.cfg.actor, self._temperature(batch)
         engine.model.eval()
-        mbs = micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size)
+        by_tokens = ac.log_prob_max_tokens_per_micro_batch > 0 and len(batch) > 0  # never pipelined (checked)
+        if by_tokens:
+            mbs, order = token_micro_batches(batch, ac.log_prob_max_tokens_per_micro_batch, ac.log_prob_micro_batch_size)
+        else:
+            mbs = micro_batches(batch, ac.log_prob_micro_batch_size)
 
         def forward(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
             return response_forward(model, mb, temp, with_entropy)
@@ -267,6 +273,9 @@ class ActorRolloutRefWorker(Worker):
             else:
                 outs = [forward(engine.model, mb) for mb in mbs]
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
+        if by_tokens:  # trimmed micro-batches of sorted rows: back to the batch's rows and width
+            width = batch["responses"].shape[1]
+            return unpermute(logps, order, width), (unpermute(ents, order, width) if with_entropy else None)
         logp = torch.cat(logps) if logps else torch.zeros(0, device=engine.device)
         return logp, (torch.cat(ents) if with_entropy and ents else None)
 

@@ -14,7 +14,7 @@ from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import values_forward
 from asyncrl.roles.process import same_init_on_every_rank, setup_process
-from asyncrl.roles.update import micro_batches, ppo_update
+from asyncrl.roles.update import micro_batches, ppo_update, token_micro_batches, unpermute
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
@@ -40,6 +40,8 @@ class CriticWorker(Worker):
         same_init_on_every_rank(cfg)
         layout = self.register_mesh(ParallelLayout.from_config(cfg.critic.parallel, self.world_size))
         model = load_value_model(cfg.critic.model_path or cfg.model.path)
+        if cfg.critic.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.critic = TrainEngine(parallelize(model, layout, mixed_precision_policy(self.device)),
                                   layout, optim=cfg.critic.optim, device=self.device)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
@@ -48,11 +50,17 @@ class CriticWorker(Worker):
     @register(THREE_D_PROTO)
     @timed("values")
     def compute_values(self, batch: Batch) -> Batch:
+        cc = self.cfg.critic
         self.critic.model.eval()
+        by_tokens = cc.max_tokens_per_micro_batch > 0 and len(batch) > 0
+        if by_tokens:
+            mbs, order = token_micro_batches(batch, cc.max_tokens_per_micro_batch, cc.micro_batch_size)
+        else:
+            mbs = micro_batches(batch, cc.micro_batch_size)
         with torch.no_grad():
-            values = [values_forward(self.critic.model, mb)
-                      for mb in micro_batches(batch, self.cfg.critic.micro_batch_size)]
-        return Batch({"values": torch.cat(values) * batch["response_mask"].float()})
+            values = [values_forward(self.critic.model, mb) for mb in mbs]
+        values = unpermute(values, order, batch["responses"].shape[1]) if by_tokens else torch.cat(values)
+        return Batch({"values": values * batch["response_mask"].float()})
 
     @register(THREE_D_PROTO)
     @timed("update_critic")

@@ -2,30 +2,77 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algorithms.core import entropy_from_logits, logprobs_from_logits
 from asyncrl.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
 
+LOGIT_CHUNK_TOKENS = 1024  # positions whose fp32 logits exist at once (x vocab x 4 bytes)
+
 
 def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0,
                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [B, R] of `responses` (and entropies) under one forward of `model`."""
+    """Per-token log-probs [B, R] of `responses` (and entropies) under one forward of `model`.
+
+    Logits are computed at the response positions only (`logits_to_keep`), and turned into
+    log-probs and entropies in fp32 a chunk of positions at a time: no [rows, sequence, vocab]
+    tensor and no full fp32 copy of the logits. Under autograd each chunk is recomputed in the
+    backward pass (activation checkpointing), so the graph keeps only the model's own logits."""
     responses = mb["responses"]
     r = responses.shape[1]
+    kwargs = {"logits_to_keep": r + 1} if _keeps_logits(model) else {}
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                position_ids=mb["position_ids"], use_cache=False)
-    logits = out.logits[:, -r - 1:-1].float()
+                position_ids=mb["position_ids"], use_cache=False, **kwargs)
+    return response_logprobs(out.logits[:, -r - 1:-1], responses, temperature, with_entropy)
+
+
+def response_logprobs(logits: torch.Tensor, responses: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False, chunk_tokens: int = LOGIT_CHUNK_TOKENS
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `responses` [B, R] (and entropies) from logits [B, R, V] at temperature,
+    in fp32, `chunk_tokens` positions at a time."""
+    rows, width, vocab = logits.shape
+    flat, labels = logits.reshape(-1, vocab), responses.reshape(-1)
+    logps, ents = [], []
+    for start in range(0, flat.shape[0], chunk_tokens):
+        chunk, chunk_labels = flat[start:start + chunk_tokens], labels[start:start + chunk_tokens]
+        if torch.is_grad_enabled() and chunk.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs, chunk, chunk_labels, temperature, with_entropy,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(chunk, chunk_labels, temperature, with_entropy)
+        logps.append(lp)
+        ents.append(ent)
+    if not logps:
+        empty = logits.new_zeros((rows, width), dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
+    logp = torch.cat(logps).reshape(rows, width)
+    return logp, (torch.cat(ents).reshape(rows, width) if with_entropy else None)
+
+
+def _chunk_logprobs(chunk: torch.Tensor, labels: torch.Tensor, temperature: float,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    z = chunk.float()
     if temperature != 1.0:
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, responses)
-    ent = entropy_from_logits(logits) if with_entropy else None
-    return logp, ent
+        z = z / temperature
+    logp = logprobs_from_logits(z, labels)
+    return logp, (entropy_from_logits(z) if with_entropy else None)
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward takes `logits_to_keep` (Hugging Face causal LMs since 4.50)."""
+    forward = getattr(model, "forward", None)
+    try:
+        return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:

@@ -64,8 +64,13 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("ppo", ["actor.parallel.tp=2", "critic.parallel.tp=2", "rollout.parallel.tp=2"]),
     # pipeline stages (the tied tiny model is untied), with the reference model's KL loss
     ("grpo", ["actor.parallel.pp=2", "actor.use_kl_loss=true"]),
+    # the memory knobs through FSDP2 workers: token-budget micro-batches (update, log-probs, values)
+    # and activation checkpointing, actor and critic
+    ("ppo", ["actor.max_tokens_per_micro_batch=40", "actor.log_prob_max_tokens_per_micro_batch=40",
+             "actor.gradient_checkpointing=true", "critic.max_tokens_per_micro_batch=40",
+             "critic.gradient_checkpointing=true"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
-        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2"])
+        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""

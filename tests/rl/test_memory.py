@@ -1,0 +1,166 @@
+"""Memory knobs of the training passes, checked for exactness: logits only at response positions
+and in fp32 chunks (recomputed in the backward), token-budget micro-batches whose loss and
+gradients equal one pass over the mini-batch, activation checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.algorithms import core
+from asyncrl.algorithms.core import LOSS_AGG_MODES
+from asyncrl.config import PPOUpdateConfig
+from asyncrl.roles.forward import response_forward, response_logprobs
+from asyncrl.roles.update import ppo_update, token_micro_batches, unpermute
+from asyncrl.rollout.engine import positions_from_mask
+from asyncrl.single_controller.batch import Batch
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _batch(rows: int = 7, prompt: int = 6, width: int = 5, seed: int = 1) -> Batch:
+    """Left-padded prompts of 2..prompt tokens, right-padded responses of 1..width tokens."""
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(2, prompt + 1, (rows,), generator=g)
+    r_len = torch.randint(1, width + 1, (rows,), generator=g)
+    ids = torch.randint(1, 97, (rows, prompt + width), generator=g)
+    mask = torch.zeros(rows, prompt + width, dtype=torch.long)
+    for i in range(rows):
+        mask[i, prompt - int(p_len[i]):prompt + int(r_len[i])] = 1
+    ids = ids * mask
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
+                  "responses": ids[:, prompt:], "response_mask": mask[:, prompt:],
+                  "advantages": torch.randn(rows, width, generator=g)})
+
+
+def _full_logits_reference(model, mb, temperature, with_entropy):
+    """What the forward computed before: every position's logits, then one fp32 pass."""
+    r = mb["responses"].shape[1]
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                position_ids=mb["position_ids"], use_cache=False)
+    logits = out.logits[:, -r - 1:-1].float() / temperature
+    return core.logprobs_from_logits(logits, mb["responses"]), core.entropy_from_logits(logits) if with_entropy else None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_response_forward_equals_the_full_logits_pass_with_gradients(temperature):
+    batch = _batch()
+    model = _model()
+    logp, ent = response_forward(model, batch, temperature, with_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_logp, ref_ent = _full_logits_reference(model, batch, temperature, True)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    for a, p in zip(grads, model.parameters(), strict=True):
+        assert torch.allclose(a, p.grad, atol=1e-5)
+
+
+def test_chunked_logprobs_recompute_in_backward_and_match():
+    """Chunks of 3 positions (checkpointed under autograd) give the one-chunk values and grads."""
+    logits = torch.randn(4, 5, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (4, 5))
+    lp, ent = response_logprobs(logits, labels, 0.9, with_entropy=True, chunk_tokens=3)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    chunked = logits.grad.clone()
+    logits.grad = None
+    lp1, ent1 = response_logprobs(logits, labels, 0.9, with_entropy=True, chunk_tokens=1000)
+    (lp1.sum() + 0.5 * ent1.sum()).backward()
+    assert torch.allclose(lp, lp1) and torch.allclose(ent, ent1) and torch.allclose(chunked, logits.grad)
+    with torch.no_grad():
+        lp2, none = response_logprobs(logits, labels, 0.9, with_entropy=False, chunk_tokens=2)
+    assert none is None and torch.allclose(lp2, lp1)
+
+
+def test_token_micro_batches_respect_the_budget_and_cover_every_row_once():
+    batch = _batch(rows=13, prompt=8, width=6, seed=3)
+    mbs, order = token_micro_batches(batch, max_tokens=30, max_rows=4)
+    assert sorted(order.tolist()) == list(range(13))
+    assert len(mbs) > 1
+    for mb in mbs:
+        shape = mb["input_ids"].shape  # trimmed: rows x (longest prompt + longest response)
+        assert len(mb) <= 4 and (len(mb) == 1 or shape[0] * shape[1] <= 30), shape
+    # per-row outputs come back in the batch's order and width
+    parts = [mb["responses"].float() for mb in mbs]
+    back = unpermute(parts, order, batch["responses"].shape[1])
+    masked = batch["responses"].float() * batch["response_mask"]
+    assert torch.equal(back * batch["response_mask"], masked)
+
+
+class _RecordingEngine:
+    """A training engine that sums the weighted micro-batch losses and keeps the gradients."""
+
+    pipelined = False
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def train_step(self, micro_batches, loss_fn):
+        self.model.zero_grad()
+        total = torch.zeros(())
+        for mb in micro_batches:
+            loss, _ = loss_fn(self.model, mb)
+            loss.backward()
+            total += loss.detach()
+        self.loss, self.grads = total, [p.grad.clone() for p in self.model.parameters()]
+        self.micro_batches = len(micro_batches)
+        return {"loss": float(total)}
+
+
+def _update(mode: str, **knobs) -> _RecordingEngine:
+    engine = _RecordingEngine(_model())
+    cfg = PPOUpdateConfig(ppo_mini_batches=1, shuffle=False, loss_agg_mode=mode, **knobs)
+
+    def loss(model, mb):
+        logp, _ = response_forward(model, mb)
+        # norm_len constant, as the actor passes it (rollout.max_tokens): trimmed widths differ
+        return core.agg_loss(-logp * mb["advantages"], mb["response_mask"].float(), mode, norm_len=6), {}
+
+    ppo_update(engine, _batch(rows=9, prompt=7, width=6, seed=5), cfg, loss, torch.Generator())
+    return engine
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_token_budget_micro_batches_give_the_loss_and_gradients_of_one_pass(mode):
+    whole = _update(mode, micro_batch_size=64)  # one micro-batch: the mini-batch's own loss
+    by_tokens = _update(mode, micro_batch_size=64, max_tokens_per_micro_batch=24)
+    assert by_tokens.micro_batches > 2
+    assert torch.allclose(by_tokens.loss, whole.loss, atol=1e-6)
+    for a, b in zip(by_tokens.grads, whole.grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    if mode != "token-mean":  # a mean over rows: the fixed-row micro-batches agree too
+        rows = _update(mode, micro_batch_size=2)
+        assert torch.allclose(rows.loss, whole.loss, atol=1e-6)
+
+
+def test_gradient_checkpointing_keeps_the_gradients():
+    batch = _batch()
+    grads = []
+    for checkpointed in (False, True):
+        model = _model()
+        model.train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logp, _ = response_forward(model, batch)
+        (logp * batch["response_mask"]).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_token_budget_knobs_are_checked():
+    from asyncrl.config import rl_config
+    from daemons.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch"):
+        rl_config({"actor": {"max_tokens_per_micro_batch": -1}})
+    with pytest.raises(ConfigError, match="parallel.pp=1"):
+        rl_config({"trainer": {"n_workers": 2}, "actor": {"max_tokens_per_micro_batch": 512, "parallel": {"pp": 2}}})
