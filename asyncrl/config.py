@@ -42,6 +42,7 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
 CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.algorithms.registry agrees)
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MODEL_DTYPES = ("auto", "bfloat16", "float32")
 KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
 
 
@@ -76,10 +77,16 @@ class TinyModelConfig:
 class ModelConfig:
     path: str = "outputs/tiny-model"  # a local Hugging Face model directory (or a cached Hub name)
     build_tiny: TinyModelConfig | None = None  # build a toy model at `path` (the quickstart does)
+    # the compute dtype of the training passes: "auto" = bfloat16 on a GPU, float32 on a CPU (the
+    # quickstart's tiny model trains fastest in fp32 on CPU cores); "bfloat16" everywhere; or
+    # "float32". Trained weights and optimizer state stay fp32 (the master copy); forward-only
+    # copies (the reference policy) are stored in the compute dtype
+    dtype: str = "auto"
 
     def check(self, at: str) -> None:
         _check(bool(self.path.strip()), at + "path", self.path,
                "must name a local Hugging Face model directory (or a cached Hub name such as Qwen/Qwen2.5-0.5B)")
+        _one_of(at + "dtype", self.dtype, MODEL_DTYPES)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import (
     TrainEngine,
+    compute_dtype,
     mixed_precision_policy,
     parallelize,
     rng_state,
@@ -79,7 +80,7 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
                             RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
-        mp = mixed_precision_policy(self.device)
+        mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
         engine_cls = TrainEngine
         if layout.size("pp") > 1:
             engine_cls = PipelineEngine
@@ -89,9 +90,9 @@ class ActorRolloutRefWorker(Worker):
                             "live on different pipeline stages; they now train as two weights (the "
                             "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
                 untie_embeddings(base)
-        if "ref" in self.roles:
-            self.ref = engine_cls(parallelize(copy.deepcopy(base), layout, mp), layout,
-                                  optim=None, device=self.device)
+        if "ref" in self.roles:  # forward only: no master copy, stored in the compute dtype
+            ref = copy.deepcopy(base).to(compute_dtype(self.device, cfg.model.dtype))
+            self.ref = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=self.device)
         if "actor" in self.roles:
             if cfg.actor.gradient_checkpointing:  # the reference copy above only runs forward
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

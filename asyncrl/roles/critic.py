@@ -42,7 +42,7 @@ class CriticWorker(Worker):
         model = load_value_model(cfg.critic.model_path or cfg.model.path)
         if cfg.critic.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.critic = TrainEngine(parallelize(model, layout, mixed_precision_policy(self.device)),
+        self.critic = TrainEngine(parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype)),
                                   layout, optim=cfg.critic.optim, device=self.device)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))

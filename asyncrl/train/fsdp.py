@@ -128,9 +128,17 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def mixed_precision_policy(device: str | torch.device, enabled: bool = True) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction on a GPU when `enabled`; fp32 otherwise."""
-    if enabled and torch.device(device).type == "cuda":
+def compute_dtype(device: str | torch.device, dtype: str = "auto") -> torch.dtype:
+    """`model.dtype` on `device`: "auto" is bfloat16 on a GPU and float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def mixed_precision_policy(device: str | torch.device, enabled: bool = True, dtype: str = "auto") -> MixedPrecisionPolicy:
+    """Compute in `model.dtype` (bf16 on a GPU by default) with fp32 gradient reduction, the
+    parameters kept as they are stored (fp32 master weights); fp32 throughout when not `enabled`."""
+    if enabled and compute_dtype(device, dtype) == torch.bfloat16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

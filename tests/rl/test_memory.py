@@ -164,3 +164,17 @@ def test_token_budget_knobs_are_checked():
         rl_config({"actor": {"max_tokens_per_micro_batch": -1}})
     with pytest.raises(ConfigError, match="parallel.pp=1"):
         rl_config({"trainer": {"n_workers": 2}, "actor": {"max_tokens_per_micro_batch": 512, "parallel": {"pp": 2}}})
+
+
+def test_model_dtype_picks_the_compute_dtype_and_keeps_fp32_masters():
+    from asyncrl.config import rl_config
+    from asyncrl.train import compute_dtype, mixed_precision_policy
+    from daemons.errors import ConfigError
+
+    assert compute_dtype("cpu") is torch.float32 and compute_dtype("cuda") is torch.bfloat16  # "auto"
+    assert compute_dtype("cpu", "bfloat16") is torch.bfloat16 and compute_dtype("cuda", "float32") is torch.float32
+    mp = mixed_precision_policy("cpu", dtype="bfloat16")
+    assert mp.param_dtype is torch.bfloat16 and mp.reduce_dtype is torch.float32  # fp32 grads and masters
+    assert mixed_precision_policy("cuda", dtype="float32").param_dtype is None
+    with pytest.raises(ConfigError, match="model.dtype"):
+        rl_config({"model": {"dtype": "fp8"}})

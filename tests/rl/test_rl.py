@@ -69,8 +69,11 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("ppo", ["actor.max_tokens_per_micro_batch=40", "actor.log_prob_max_tokens_per_micro_batch=40",
              "actor.gradient_checkpointing=true", "critic.max_tokens_per_micro_batch=40",
              "critic.gradient_checkpointing=true"]),
+    # bf16 compute over fp32 master weights on CPU ranks, the reference policy stored in bf16
+    ("grpo", ["model.dtype=bfloat16", "actor.use_kl_loss=true"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
-        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing"])
+        "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing",
+        "grpo_bf16"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""
