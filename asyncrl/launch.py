@@ -239,9 +239,9 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-async def run_head(cfg: DictConfig, daemon: bool = False, entry: Any = None, summary: list | None = None) -> int:
-    """Node 0: coordinator + node daemon + the driver `entry` (or, as a daemon, submitted jobs);
-    the driver's result goes into `summary`."""
+async def run_head(cfg: DictConfig, daemon: bool = False, summary: list | None = None) -> int:
+    """Node 0: coordinator + node daemon + the driver (or, as a daemon, submitted jobs); the
+    driver's result goes into `summary`."""
     stop = _stop_on_signals()
     job_id = new_job_id(cfg.job.name)
     # daemon nodes outlive a coordinator restart and re-register, so they are not released
@@ -267,6 +267,9 @@ async def run_head(cfg: DictConfig, daemon: bool = False, entry: Any = None, sum
             nodes = asyncio.ensure_future(coordinator.wait_for_nodes(cfg.cluster.nnodes, cfg.cluster.join_timeout_s))
             if await _unless_stopped(nodes, stops):
                 nodes.result()
+                # the driver's imports (torch, the trainer, transformers) off the loop: on it they
+                # would stall heartbeats and the loop-lag warning would blame the user's code
+                entry = await asyncio.to_thread(load_entry, cfg.job.entry)
                 await ctx.open()
                 driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
                 if await _unless_stopped(driver, stops):
@@ -415,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     args = args_parser().parse_args(argv)  # unknown flags exit 2 with argparse's message
     config_name = args.config_name or "quickstart"
     if args.help or args.hydra_help or args.version or args.shell_completion or args.experimental_rerun:
-        _hydra(argv, args, config_name, daemon, [])
+        try:
+            _hydra(argv, args, config_name, daemon, [])
+        except ConfigError as e:
+            print(f"asyncrl-launch: {e}", file=sys.stderr)
+            return 2
         return 0
     try:
         if args.config_dir and not Path(args.config_dir).expanduser().is_dir():
@@ -479,11 +486,8 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
         setup_logging("coordinator" if cfg.cluster.coordinator is None else "node", cfg.cluster.node_rank)
         if cfg.cluster.coordinator is not None:
             return run(run_node(cfg, daemon=daemon))
-        # the driver's imports (torch, the trainer, transformers) before the loop runs: on it they
-        # would stall heartbeats and the loop-lag warning would blame the user's code
-        entry = None if daemon else load_entry(cfg.job.entry)
         summary: list[Any] = []
-        code = run(run_head(cfg, daemon=daemon, entry=entry, summary=summary))
+        code = run(run_head(cfg, daemon=daemon, summary=summary))
         if summary and isinstance(summary[0], dict):  # the job's summary: the last line, after teardown's logs
             sys.stderr.flush()
             print(json_line(summary[0]), flush=True)

@@ -82,13 +82,14 @@ class Trainer:
         resumed = self.step > 0
         run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
         writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.loggers, self.step if resumed else None, run)
-        bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name, console="console" in tc.loggers)
-        try:  # the bar (and its logging redirect) and the loggers end however the loop does
+        bar = None
+        try:  # the loggers and the bar (with its logging redirect) end however the loop does
             if resumed:
                 self._replay(writer)
             else:
                 writer.write(0, await self._evaluate(writer))
                 log.info("step 0: held-out reward %.3f", self.val_log[-1][1])
+            bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name, console="console" in tc.loggers)
             while self.step < tc.total_steps:
                 metrics = await self.train_step()
                 if self.step % tc.eval_every == 0 or self.step == tc.total_steps:
@@ -99,7 +100,8 @@ class Trainer:
                     await self.save()
             return await self._finish(writer, t_start)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             await asyncio.to_thread(writer.close)  # wandb's finish waits for its files
 
     async def train_step(self) -> dict[str, float]:
@@ -118,8 +120,7 @@ class Trainer:
         if self.cfg.algorithm.filter_groups.enable:
             data["refill"] = functools.partial(self.data.next_prompts, self.step)
         metrics = await self.algorithm.step(self.roles, self.cfg, self.ctl, prompts, **data)
-        if self.generations:
-            metrics.update(self.generations.done(self.step))
+        metrics.update(self.generations.done(self.step) if self.generations else {"async/staleness": 0.0})
         self.step += 1
         metrics["timing/weight_sync_s"] = await self.sync_weights()
         return self._timed(metrics, time.monotonic() - t0)

@@ -19,7 +19,7 @@ The pre-faulted pool is not the workers' default (`cluster.shm_pool_bytes`, defa
 `DEFAULT_SHM_POOL_BYTES = 0`): once the consumer reads every byte, a quiet 256 MiB run on the
 2-core dev VM (2026-11-22) measured same_node_ratio 0.75 without the pool and 0.78 with it (0.63
 vs 0.73 GB/s): not worth 256 MiB of /dev/shm per worker (twice that while it refills). Turn it
-on with `cluster.shm_pool_bytes=N` (or `ClusterSpec(shm_pool_bytes=N)`).
+on with `cluster.shm_pool_bytes=N` (or `ClusterSpec(ClusterConfig(shm_pool_bytes=N))`).
 
 GB/s = 1e9 bytes/s; medians over `--reps`. The last line printed is one JSON object.
 """

@@ -4,7 +4,8 @@
     async with HeadNode.start(spec) as head:      # coordinator + this node's daemon
         handles = await head.coordinator.spawn_workers(head.coordinator.create_pool("p"))
     async with NodeOnly.start(spec.joining("10.0.0.1:29400", node_rank=1)) as node:
-        await node.daemon.stopped.wait()           # serve until the coordinator releases us
+        await node.daemon.stopped.wait()  # until released, or cluster.head_loss_timeout_s without
+                                          # the head (ClusterSpec(daemon=True): it waits for the head)
 
 `HeadNode.launch(spec)` / `await head.stop()` are the same without the context manager. With
 `spec.write_state` the head records its endpoint and a client key pair that only this
@@ -243,7 +244,7 @@ class HeadNode:
 
 
 class NodeOnly:
-    """Node k > 0: a node daemon that joins the coordinator at `spec.coordinator`."""
+    """Node k > 0: a node daemon that joins the coordinator at `spec.cluster.coordinator`."""
 
     def __init__(self, spec: ClusterSpec, daemon: NodeDaemon) -> None:
         self.spec = spec

@@ -158,12 +158,12 @@ def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
     )
 
 
-def ground_truth_of(row: dict, answer_key: str | None = None) -> Any:
+def ground_truth_of(row: dict, answer_key: str | None = None, required: bool = True) -> Any:
     """The row's reference answer: `answer_key` (dotted for a nested field) when given, else verl's
     `reward_model.ground_truth`, or a flat `ground_truth` / `answer` field. A null answer is an
-    error, as a missing one is: a reward would get None for it."""
+    error, as a missing one is, when `required` (a rule or your reward function would get None)."""
     value = _ground_truth(row, answer_key)
-    if value is None:
+    if value is None and required:
         raise DatasetError(f"row has a null {answer_key or 'reward_model.ground_truth'} (a reward function "
                            "would receive None); give every row its reference answer or drop the row")
     return value
@@ -214,6 +214,7 @@ class PromptDataset:
         apply_chat_template: bool = True,
         prompt_key: str = "prompt",
         answer_key: str | None = None,
+        require_answer: bool = True,  # False: a learned reward model scores, null answers are fine
     ) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
@@ -225,7 +226,7 @@ class PromptDataset:
         for index, row in enumerate(rows):
             try:
                 messages = prompt_messages(row, prompt_key)
-                ground_truth = ground_truth_of(row, answer_key)
+                ground_truth = ground_truth_of(row, answer_key, required=require_answer)
             except DatasetError as e:
                 raise DatasetError(f"row {index} {str(e).removeprefix('row ')}; a prompt dataset needs "
                                    f"{EXPECTED_COLUMNS}") from None

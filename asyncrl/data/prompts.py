@@ -49,7 +49,8 @@ class RunData:
             try:
                 rows = load()
                 return (PromptDataset(rows, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template,
-                                      prompt_key=dc.prompt_key, answer_key=dc.answer_key) if rows else None)
+                                      prompt_key=dc.prompt_key, answer_key=dc.answer_key,
+                                      require_answer=not self.cfg.reward.model_path) if rows else None)
             except DatasetError as e:
                 raise ConfigError(f"{where}: {e}") from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
@@ -28,6 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from daemons.errors import ConfigError
 
 ENTRY_POINT_GROUP = "asyncrl.schemas"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,15 @@ def schemas() -> dict[str, JobSchema]:
     if "launch_schema" not in found:
         raise ConfigError("asyncrl's config schemas are not registered: install the package "
                           "(`pip install -e .` in the checkout, or `make test` / `make run`)")
-    loaded = {name: ep.load() for name, ep in sorted(found.items())}
-    return {name: s if isinstance(s, JobSchema) else JobSchema(s) for name, s in loaded.items()}
+    loaded = {}
+    for name, ep in sorted(found.items()):
+        try:
+            schema = ep.load()
+        except Exception as e:  # one broken plugin must not stop every launch
+            log.warning("config schema %s (%s) does not load, skipped: %s: %s", name, ep.value, type(e).__name__, e)
+            continue
+        loaded[name] = schema if isinstance(schema, JobSchema) else JobSchema(schema)
+    return loaded
 
 
 def job_schema(config: type | None) -> JobSchema | None:
@@ -186,11 +196,8 @@ def explain(e: BaseException, schema: type | None, files: dict[str, str] | None 
         msg += f" (set in {(files or {}).get(name, name + '.yaml')})"
     elif "override" in text:
         msg += " (set on the command line)"
-    if schema is None:  # the schema whose sections hold the key
-        top = key.split(".")[0]
-        known = [s.config for s in schemas().values()]
-        schema = next((c for c in sorted(known, key=lambda c: -len(fields(c))) if top in {f.name for f in fields(c)}),
-                      None)
+    if schema is None:
+        schema = _schema_of(key, text)
     if schema is not None and key and ("not in" in text or "Could not override" in text):
         best = closest_key(schema, key)
         section = key.rpartition(".")[0]
@@ -200,3 +207,14 @@ def explain(e: BaseException, schema: type | None, files: dict[str, str] | None 
         if keys:
             msg += f" Valid keys in {section or 'the top level'}: {', '.join(keys)}."
     return msg
+
+
+def _schema_of(key: str, text: str) -> type | None:
+    """The schema an error is about: the one Hydra names (`not in 'RLConfig'`), else the largest
+    registered one whose sections hold the key's section, else the largest (a typo in a
+    top-level key belongs to none)."""
+    known = sorted((s.config for s in schemas().values()), key=lambda c: -len(fields(c)))
+    named = re.search(r"not in '(\w+)'", text)
+    by_name = next((c for c in known if named and c.__name__ == named.group(1)), None)
+    top = key.split(".")[0]
+    return by_name or next((c for c in known if top in {f.name for f in fields(c)}), known[0] if known else None)

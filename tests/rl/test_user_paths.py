@@ -87,3 +87,21 @@ def test_the_json_summary_is_the_terminals_last_line(tmp_path, tiny_model):  # n
     assert r.returncode == 0, r.stdout[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["mode"] == "eval"
     assert "event loop was blocked" not in r.stdout  # the driver's imports ran before the loop
+
+
+def test_a_null_ground_truth_is_fine_when_a_reward_model_scores(tiny_model):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from asyncrl.data.dataset import DatasetError, PromptDataset
+
+    rows = [{"prompt": "sort 2 1", "reward_model": {"style": "model", "ground_truth": None}}]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert PromptDataset(rows, tok, 32, require_answer=False).items[0].ground_truth is None
+    with pytest.raises(DatasetError, match="null reward_model.ground_truth"):
+        PromptDataset(rows, tok, 32)
+
+
+@pytest.mark.parametrize("override, hint", [("sed=3", "did you mean seed?"), ("actr.optim.lr=1", "did you mean actor?")])
+def test_a_typo_in_a_top_level_key_gets_the_closest_key(tmp_path, override, hint):
+    r = _run([str(BIN / "asyncrl-launch"), "--config-name", "grpo", override], tmp_path)
+    assert r.returncode == 2 and hint in r.stderr, r.stderr
