@@ -256,6 +256,7 @@ class ActorRolloutRefWorker(Worker):
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (and entropies); (None, None) on a pipeline stage other than the last."""
         ac, temp = self.cfg.actor, self._temperature(batch)
+        self._release_generation_weights()  # this step's generations are done: free their memory
         engine.model.eval()
         by_tokens = ac.log_prob_max_tokens_per_micro_batch > 0 and len(batch) > 0  # never pipelined (checked)
         if by_tokens:
@@ -451,7 +452,8 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         extra = {**(extra or {}), "rng": rng_state(), "update_steps": self.update_steps,
                  "shuffle_gen": self.shuffle_gen.get_state(), "sample_gen": self.sample_gen.get_state()}
-        self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer)
+        self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer,
+                                   export_dtype=compute_dtype(self.device, self.cfg.model.dtype))
         return str(Path(path) / "actor" / "hf")
 
     @register(ONE_TO_ALL)

@@ -30,6 +30,7 @@ from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
 from asyncrl.single_controller.protocols import DP_PROTO, ONE_TO_ALL
 from asyncrl.single_controller.worker import Worker, register
+from asyncrl.train.fsdp import compute_dtype
 
 
 class RuleRewardWorker(Worker):
@@ -135,7 +136,9 @@ class RewardModelWorker(Worker):
         self.output = output
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         same_init_on_every_rank(cfg)  # a fresh head must score the same on every rank
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        # forward only: stored and run in the compute dtype (bf16 on a GPU by default)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=compute_dtype(self.device, cfg.model.dtype))
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()  # pulled batches arrive on self.device (Worker._run)

@@ -14,6 +14,7 @@ micro-batches, or the job hangs.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -55,6 +56,37 @@ LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 
 # HF Llama/Qwen2 names of the token embedding and the LM head, one tensor when tied
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+EXPORT_SHARD_BYTES = 5 << 30  # the HF export's safetensors files: one up to this size, else shards and an index
+
+
+def write_safetensors(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes: int) -> list[Path]:
+    """`tensors` as `model.safetensors`, or, past `max_shard_bytes`, as
+    `model-0000k-of-0000n.safetensors` files with `model.safetensors.index.json` (the layout
+    `save_pretrained` writes and `from_pretrained` reads). Returns the files written."""
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return [out_dir / "model.safetensors"]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        files.append(out_dir / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
 
 
 class EngineError(RuntimeError):
@@ -323,7 +355,8 @@ class TrainEngine:
         set_model_state_dict(self.model, dict(sd), options=opts)
 
     def save_checkpoint(
-        self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None
+        self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
+        export_dtype: torch.dtype | None = None,
     ) -> None:
         """Write a resumable checkpoint under `path`, plus an HF export in `path/hf` (rank 0).
 
@@ -331,7 +364,8 @@ class TrainEngine:
         writes its shards, rank 0 the metadata, so `path` must be on a filesystem all ranks
         share when they span nodes), `rank{r}.pt` (the parallel layout, scheduler state and
         `extra`, per rank, so per-rank RNG state round-trips), `hf/` (config,
-        model.safetensors, tokenizer). `extra` must hold tensors and plain Python
+        model.safetensors or shards of at most `EXPORT_SHARD_BYTES` with their index, in
+        `export_dtype` when given, tokenizer). `extra` must hold tensors and plain Python
         containers/scalars (loaded weights_only).
         """
         path = Path(path)
@@ -348,7 +382,7 @@ class TrainEngine:
         )
         full = self.full_state_dict(rank0_only=True)
         if self.rank == 0:
-            self._export_hf(path / "hf", full, tokenizer)
+            self._export_hf(path / "hf", full, tokenizer, export_dtype)
         dist.barrier()  # the default group is the layout's ranks (ParallelLayout.device_mesh)
         log.info("saved checkpoint %s", path)
 
@@ -419,18 +453,22 @@ class TrainEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_STATE_OPTIONS)
         return {"model": model_sd, "optim": optim_sd}
 
-    def _export_hf(self, out_dir: Path, full_sd: dict[str, Tensor], tokenizer: Any) -> None:
+    def _export_hf(self, out_dir: Path, full_sd: dict[str, Tensor], tokenizer: Any,
+                   dtype: torch.dtype | None = None) -> None:
         config = getattr(self.model, "config", None)
         if config is None or not hasattr(config, "save_pretrained"):
             log.warning("%s has no HF config; skipping the HF export", type(self.model).__name__)
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+                   for k, v in full_sd.items() if k not in self._tied_names}
+        if dtype is not None:  # what from_pretrained(dtype="auto") loads it as
+            config.torch_dtype = dtype
         config.save_pretrained(out_dir)
         generation_config = getattr(self.model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(out_dir)
-        tensors = {k: v.contiguous() for k, v in full_sd.items() if k not in self._tied_names}
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, out_dir, EXPORT_SHARD_BYTES)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
 

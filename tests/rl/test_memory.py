@@ -178,3 +178,20 @@ def test_model_dtype_picks_the_compute_dtype_and_keeps_fp32_masters():
     assert mixed_precision_policy("cuda", dtype="float32").param_dtype is None
     with pytest.raises(ConfigError, match="model.dtype"):
         rl_config({"model": {"dtype": "fp8"}})
+
+
+def test_a_big_export_is_sharded_with_an_index_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.train.fsdp import write_safetensors
+
+    model = _model()
+    model.config.torch_dtype = torch.bfloat16
+    model.config.save_pretrained(tmp_path)
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    files = write_safetensors(sd, tmp_path, max_shard_bytes=20_000)
+    assert len(files) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+    assert next(loaded.parameters()).dtype is torch.bfloat16

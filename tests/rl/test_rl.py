@@ -93,6 +93,10 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert all(r["timing/gen_s"] > 0 and r["timing/update_actor_s"] > 0 and r["timing/overhead_s"] >= 0
                for r in steps)
     before, after = _weights(tiny_model), _weights(Path(summary["checkpoint"]))
+    if "model.dtype=bfloat16" in extra:  # the export is in the compute dtype, and says so
+        config = json.loads((Path(summary["checkpoint"]) / "config.json").read_text())
+        assert config.get("dtype", config.get("torch_dtype")) == "bfloat16" and all(t.dtype == torch.bfloat16 for t in after.values())
+        before = {k: v.to(torch.bfloat16) for k, v in before.items()}
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2, f"only {changed} changed"
 
