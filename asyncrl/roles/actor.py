@@ -43,6 +43,7 @@ from asyncrl.train import (
     rng_state,
     set_rng_state,
 )
+from asyncrl.train.load import copy_shards, load_sharded, materialize, skeleton
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
 from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
@@ -67,11 +68,14 @@ class ActorRolloutRefWorker(Worker):
         self.ref: TrainEngine | None = None
         self.rollout: RolloutEngine | VLLMRolloutEngine | None = None
         self.rollout_current = False  # the vLLM engine holds the actor's current weights
-        base = load_causal_lm(cfg.model.path)
-        self.sync_specs = specs_of(base)  # what a weight sync between pools carries, in order
         # a rollout-only pool (trainer.placement=split) is data parallel over its own ranks
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size)
                                     if "actor" in self.roles else pure_dp(self.world_size))
+        # an actor without pipeline stages loads one copy of the weights per node (rank 0 reads,
+        # every rank keeps its shards); pipeline stages and a rollout-only replica read the whole model
+        one_copy = "actor" in self.roles and layout.size("pp") == 1
+        base = skeleton(cfg.model.path, torch.float32) if one_copy else load_causal_lm(cfg.model.path)
+        self.sync_specs = specs_of(base)  # what a weight sync between pools carries, in order
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
         if "rollout" in self.roles and "actor" not in self.roles:  # a generation-only copy of the weights
             if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
@@ -90,14 +94,24 @@ class ActorRolloutRefWorker(Worker):
                             "live on different pipeline stages; they now train as two weights (the "
                             "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
                 untie_embeddings(base)
-        if "ref" in self.roles:  # forward only: no master copy, stored in the compute dtype
-            ref = copy.deepcopy(base).to(compute_dtype(self.device, cfg.model.dtype))
+        ref_dtype = compute_dtype(self.device, cfg.model.dtype)  # forward only: no master copy
+        if "ref" in self.roles and not one_copy:
+            ref = copy.deepcopy(base).to(ref_dtype)
             self.ref = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=self.device)
         if "actor" in self.roles:
-            if cfg.actor.gradient_checkpointing:  # the reference copy above only runs forward
+            if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.actor = engine_cls(parallelize(base, layout, mp), layout, optim=cfg.actor.optim,
-                                    device=self.device)
+            model = parallelize(base, layout, mp)
+            if one_copy:
+                materialize(model, self.device)
+            self.actor = engine_cls(model, layout, optim=cfg.actor.optim, device=self.device)
+            if one_copy:
+                load_sharded(self.actor, cfg.model.path)
+        if "ref" in self.roles and one_copy:  # the actor's shards, in the compute dtype
+            ref = parallelize(skeleton(cfg.model.path, ref_dtype), layout, mp)
+            materialize(ref, self.device)
+            copy_shards(self.actor.model, ref)
+            self.ref = engine_cls(ref, layout, optim=None, device=self.device)
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
         if "rollout" in self.roles and self.actor is not None:

@@ -4,6 +4,8 @@ gradients equal one pass over the mini-batch, activation checkpointing."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -195,3 +197,72 @@ def test_a_big_export_is_sharded_with_an_index_and_loads_in_transformers(tmp_pat
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
     assert next(loaded.parameters()).dtype is torch.bfloat16
+
+
+# one copy of the weights per node ------------------------------------------------------------
+def _save_checkpoints(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Two small checkpoints as save_pretrained writes them: untied, and tied (no lm_head.weight)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    saved = {}
+    for tied in (False, True):
+        torch.manual_seed(3)
+        cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=tied)
+        model = LlamaForCausalLM(cfg)
+        model.save_pretrained(out / f"tied{tied}")
+        saved[f"tied{tied}"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return saved
+
+
+def _load_job(rank: int, world_size: int, out: Path) -> dict:
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import (
+        OptimConfig,
+        TrainEngine,
+        init_distributed,
+        mixed_precision_policy,
+        parallelize,
+    )
+    from asyncrl.train.load import copy_shards, load_sharded, materialize, skeleton
+
+    init_distributed()
+    results = {}
+    for name in ("tiedFalse", "tiedTrue"):
+        for tp in (1, 2):
+            path = str(out / name)
+            layout = ParallelLayout.from_config(ParallelConfig(tp=tp), world_size)
+            model = parallelize(skeleton(path, torch.float32), layout, mixed_precision_policy("cpu"))
+            materialize(model, "cpu")
+            engine = TrainEngine(model, layout, optim=OptimConfig(), device="cpu")
+            load_sharded(engine, path)
+            ref = parallelize(skeleton(path, torch.bfloat16), layout, mixed_precision_policy("cpu"))
+            materialize(ref, "cpu")
+            copy_shards(engine.model, ref)
+            ref_engine = TrainEngine(ref, layout, optim=None, device="cpu")
+            results[(name, tp)] = (engine.full_state_dict(rank0_only=False), ref_engine.full_state_dict(rank0_only=False),
+                                   {n: b.clone() for n, b in engine.model.named_buffers()})
+    return results
+
+
+def test_sharded_load_reads_one_copy_and_matches_the_checkpoint(tmp_path):
+    """Every rank's model built on the meta device, sharded (dp2, and tp2), filled from rank 0's
+    read of the files: the same tensors as the checkpoint (tied too), the bf16 reference copied
+    from the actor's shards, the rotary buffers intact."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.gloo_ranks import run_ranks
+
+    saved = _save_checkpoints(tmp_path)
+    per_rank = run_ranks(_load_job, 2, tmp_path, 120)
+    for (name, tp), (full, ref, buffers) in per_rank[0].items():
+        want = saved[name]
+        assert set(full) >= set(want) - {"lm_head.weight"}, (name, tp)
+        for k, v in want.items():
+            if k in full:
+                assert torch.equal(full[k], v), (name, tp, k)
+                assert ref[k].dtype is torch.bfloat16 and torch.equal(ref[k], v.to(torch.bfloat16)), (name, tp, k)
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        for n, b in plain.named_buffers():
+            assert torch.equal(buffers[n], b), (name, tp, n)

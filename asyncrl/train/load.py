@@ -1,0 +1,118 @@
+"""Loading a checkpoint into a sharded model with one copy of the weights per node, not one per
+rank: every rank builds the model's skeleton with its parameters on the meta device, shards it
+(`parallelize`), allocates only its own shards (`materialize`), and rank 0 alone reads the
+checkpoint files and broadcasts each tensor, every rank keeping its slice (`load_sharded`).
+
+    model = parallelize(skeleton(path, torch.float32), layout, mp)
+    materialize(model, device)
+    engine = TrainEngine(model, layout, optim=...)
+    load_sharded(engine, path)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no init) and
+    keep real buffers (rotary tables are computed at construction; no checkpoint holds them)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def skeleton(path: str, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of `path`'s config.json with parameters on the meta device, in `dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with parameters_on_meta():  # rotary tables stay fp32 whatever `dtype` is, as from_pretrained keeps them
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def copy_shards(src: nn.Module, dst: nn.Module) -> None:
+    """`dst`'s parameters from `src`'s, shard by shard (the same architecture, parallelised the
+    same way; dtypes may differ): a second copy of a model without reading it again."""
+    with torch.no_grad():
+        for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters(), strict=True):
+            if tuple(a.shape) != tuple(b.shape):
+                raise ValueError(f"{name}: shapes differ ({tuple(a.shape)} vs {tuple(b.shape)})")
+            b.copy_(a)
+
+
+def materialize(model: nn.Module, device: str | torch.device) -> None:
+    """Allocate `model`'s (sharded) parameters on `device`, uninitialised, keeping its buffers."""
+    buffers = dict(model.named_buffers())
+    model.to_empty(device=device)
+    for name, buf in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        (model.get_submodule(owner) if owner else model)._buffers[leaf] = buf.to(device)
+
+
+def load_sharded(engine: Any, path: str) -> None:
+    """Fill `engine`'s sharded model from the checkpoint at `path`: rank 0 reads it (one copy on
+    the node) and broadcasts it tensor by tensor; the other ranks hold one tensor at a time."""
+    dtype = next(engine.model.parameters()).dtype
+    full = read_checkpoint(path, tied_aliases(engine.model), dtype) if dist.get_rank() == 0 else {}
+    engine.load_full_state_dict(full, broadcast_from_rank0=True)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's names (tied weights share one parameter under several names)."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(_plain(name))
+    return {names[0]: names for names in by_param.values()}
+
+
+def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype) -> dict[str, Tensor]:
+    """The checkpoint's tensors by the model's parameter names in `dtype`, safetensors files read
+    one at a time; a tied weight stored once is given under each of its names."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors files; save the model with "
+                                "save_pretrained(safe_serialization=True)")
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        sd.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
+    for names in aliases.values():
+        present = next((n for n in names if n in sd), None)
+        for n in names:
+            if present is not None and n not in sd:
+                sd[n] = sd[present]
+    wanted = {n for names in aliases.values() for n in names}
+    missing = sorted(wanted - set(sd))
+    if missing:
+        raise KeyError(f"{path}: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                       "(its tensor names differ from the model's)")
+    return {k: v for k, v in sd.items() if k in wanted}
+
+
+def _plain(name: str) -> str:
+    """A parameter name without the wrappers' prefixes (activation checkpointing, compile)."""
+    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name
