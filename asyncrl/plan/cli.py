@@ -171,18 +171,31 @@ def plan_main(args: argparse.Namespace) -> int:
     space = SearchSpace(w, profile, nnodes, per_node, deployable=True)
     result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
     if result.best is None:
+        floor = 16 * spec.params / (nnodes * per_node) / 2**30  # fp32 master, gradients, Adam: fully sharded
         print(f"asyncrl-plan: no plan fits {nnodes}x{per_node} {profile.name} devices for {spec.name} "
-              f"({spec.params / 1e9:.2f}B parameters): add devices or lower data.batch_size, rollout.n or "
-              "the sequence lengths", file=sys.stderr)
+              f"({spec.params / 1e9:.2f}B parameters): its training state alone is {floor:.1f} GiB per device "
+              f"when sharded over all {nnodes * per_node} (16 bytes per parameter), of a {profile.name}'s "
+              f"{profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, activations and the KV cache; "
+              "add devices (cluster.nnodes) or lower data.batch_size, rollout.n or the sequence lengths",
+              file=sys.stderr)
         return 1
     launch = overrides(result.best, space, profile)
+    memory = worker_breakdown(args, launch, spec, profile)
+    if memory is not None and memory.total > profile.mem_bytes:
+        print(f"asyncrl-plan: the best plan needs about {memory.total / 2**30:.1f} GiB per device "
+              f"({memory.peak_phase}), more than a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB:\n"
+              + "\n".join(memory.lines()) + "\nadd devices, lower actor.micro_batch_size or set "
+              "actor.max_tokens_per_micro_batch, actor.gradient_checkpointing=true, or a larger "
+              "actor.parallel.tp", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"model": spec.name, "params": spec.params, "device": profile.name, "nnodes": nnodes,
                           "devices_per_node": per_node, "search": result.method, "search_s": round(result.seconds, 3),
                           "plans_priced": result.evaluated, "step_s": result.cost.step_s,
                           "stages": result.cost.stages, "calls": result.cost.calls, "memory": result.cost.memory,
                           "strategies": {u: asdict(s) for u, s in result.best.strategies},
-                          "placement": result.best.placement(), "overrides": launch}))
+                          "placement": result.best.placement(), "overrides": launch,
+                          **(memory.to_json() if memory is not None else {})}))
         return 0
     print(f"model {spec.name}: {spec.params / 1e9:.3g}B parameters; {w.sequences} sequences of "
           f"{w.prompt_len}+{w.response_len} tokens per step; calls {', '.join(c.name for c in w.calls)}")
@@ -192,9 +205,25 @@ def plan_main(args: argparse.Namespace) -> int:
     if args.explain:
         print()
         print(explain(result.cost))
+    if memory is not None:
+        print("\nmemory per actor device (asyncrl.plan.memory):")
+        print("\n".join(memory.lines()))
     print("\nrun the best plan with:")
     print("  " + shlex.join(_launch_argv(args, launch_command(args.overrides, launch))))
     return 0
+
+
+def worker_breakdown(args: argparse.Namespace, launch: list[str], spec: Any, profile: DeviceProfile) -> Any:
+    """The memory estimate of one actor device under the plan (colocated, no pipeline stages;
+    None otherwise): the config as the printed command runs it."""
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+    from asyncrl.plan.memory import worker_memory
+
+    cfg = rl_config(load_config(args.config_name, launch_command(args.overrides, launch), args.config_dir))
+    if cfg.trainer.placement != "colocated" or cfg.actor.parallel.pp > 1:
+        return None
+    return worker_memory(cfg, spec, on_gpu=profile.kind == "gpu", device_bytes=profile.mem_bytes)
 
 
 def _launch_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:

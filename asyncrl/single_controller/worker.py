@@ -171,6 +171,13 @@ class Worker:
         """This rank's coordinates in layout `name`."""
         return self.layouts[name].coords(self.rank)
 
+    # every worker's own methods ------------------------------------------------------------------
+    @register(ONE_TO_ALL)
+    def memory_stats(self) -> dict[str, float]:
+        """This worker process's memory in bytes: resident now (`rss`), its peak so far
+        (`peak_rss`), and on a GPU torch's peak allocation (`cuda_peak_allocated`)."""
+        return process_memory(self.device)
+
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
     async def asyncrl_call(self, method: str, args: list, kwargs: dict) -> list[Any]:
         """Run registered `method` with pulled arguments; returns [output, layouts update or None,
@@ -207,3 +214,22 @@ class Worker:
         out = publish_all(out, self.store)  # returned Batches stay here; refs go back
         layouts = self.asyncrl_layouts() if self._layout_reported != self._layout_version else None
         return [out, layouts, warning_relay().drain() if _relay is not None else []]
+
+
+def process_memory(device: str = "cpu") -> dict[str, float]:
+    """Resident and peak resident bytes of this process (Linux /proc, else getrusage), and
+    torch's peak CUDA allocation on a GPU `device`."""
+    out: dict[str, float] = {}
+    try:
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+        out = {"rss": float(status["VmRSS"].split()[0]) * 1024, "peak_rss": float(status["VmHWM"].split()[0]) * 1024}
+    except (OSError, KeyError, ValueError):
+        import resource
+
+        peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        out = {"rss": peak, "peak_rss": peak}
+    if str(device).startswith("cuda"):
+        import torch
+
+        out["cuda_peak_allocated"] = float(torch.cuda.max_memory_allocated(torch.device(device)))
+    return out

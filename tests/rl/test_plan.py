@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from asyncrl.plan.cost import Mesh, Strategy, forward_backward, generate
 from asyncrl.plan.hardware import load_profile
 from asyncrl.plan.search import ROLLOUT, SearchSpace, exhaustive, hybridflow, mcmc, set_partitions
 from asyncrl.plan.workload import KNOWN_MODELS, Call, Workload, rl_calls
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 LLAMA7 = KNOWN_MODELS["meta-llama/Llama-2-7b-hf"]
 H100 = load_profile("h100")
@@ -125,3 +128,47 @@ def test_profile_measures_this_machine_and_plans_with_it(tmp_path, monkeypatch, 
     capsys.readouterr()
     assert plan_main(["--config-name", "quickstart", f"plan.device={out}", f"model.path={tmp_path / 'm'}"]) == 0
     assert "trainer.placement=" in capsys.readouterr().out
+
+
+# memory per device (asyncrl.plan.memory) ------------------------------------------------------
+def test_the_7b_recipe_fits_8_h100s_by_the_numbers(capsys):
+    assert plan_main(["--config-dir", str(EXAMPLES), "--config-name", "grpo_math_qwen7b", "--json",
+                      "model.path=Qwen/Qwen2.5-7B-Instruct", "cluster.nnodes=1", "cluster.gpus_per_node=8",
+                      "plan.device=h100"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < out["memory_gib_per_device"] < 80, out
+    parts = out["parts_gib"]
+    assert parts["Adam moments (fp32 shard)"] == pytest.approx(2 * parts["gradients (fp32 shard)"], rel=1e-3)
+    assert "vLLM (weights + KV cache)" in parts and out["peak_phase"] in out["phases_gib"]
+
+
+def test_a_model_that_cannot_fit_exits_nonzero_with_the_number_and_the_knob(tmp_path, capsys):
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8192,
+              "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # Qwen2.5-72B's shape, no weights
+    assert plan_main(["--config-dir", str(EXAMPLES), "--config-name", "grpo_math_qwen7b", f"model.path={tmp_path}",
+                      "cluster.nnodes=1", "cluster.gpus_per_node=8", "plan.device=h100"]) == 1
+    err = capsys.readouterr().err
+    assert "135.4 GiB per device" in err and "cluster.nnodes" in err, err
+
+
+def test_the_memory_estimate_follows_the_knobs():
+    from asyncrl.config import rl_config
+    from asyncrl.plan.memory import worker_memory
+    from asyncrl.plan.workload import ModelSpec
+
+    spec = ModelSpec("qwen0.5b-shape", 24, 896, 14, 2, 4864, 151936, tied=True)
+    base = {"data": {"batch_size": 16, "max_prompt_len": 256}, "rollout": {"n": 4, "max_tokens": 512},
+            "actor": {"micro_batch_size": 8}}
+
+    def est(n_workers: int, **actor):
+        cfg = rl_config({**base, "trainer": {"n_workers": n_workers}, "actor": {**base["actor"], **actor}})
+        return worker_memory(cfg, spec, on_gpu=True)
+
+    dp2, dp4 = est(2), est(4)
+    assert dp2.parts["Adam moments (fp32 shard)"] == pytest.approx(2 * dp4.parts["Adam moments (fp32 shard)"])
+    assert est(4, gradient_checkpointing=True).parts["update activations"] < dp4.parts["update activations"] / 5
+    small = est(4, max_tokens_per_micro_batch=1536)  # two rows of 768 tokens instead of eight
+    assert small.parts["update logits and their gradient"] < 0.6 * dp4.parts["update logits and their gradient"]
+    assert dp4.total == max(dp4.phases.values()) and len(dp4.lines()) == len(dp4.parts) + 1

@@ -1,0 +1,123 @@
+"""Peak memory per rank of a colocated GRPO run on a real model's shape, against the estimate
+(`asyncrl.plan.memory`) and the analytic floor, on 4 and on 2 gloo CPU ranks.
+
+    python -m benchmarks.memory                    # 4 ranks, then 2 (about 15 minutes on 2 cores)
+    python -m benchmarks.memory --worlds 2 --steps 1
+
+The model is built here with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads,
+intermediate 4864, vocabulary 151,936, tied embeddings) and random bf16 weights, saved as a
+Hugging Face directory (`outputs/bench-memory/model`, reused), with the quickstart's small
+word-level tokenizer (the embedding rows are still all allocated). Each run is the real trainer
+as `asyncrl-launch --config-name grpo` runs it: generation of 128-token responses by the native
+engine, old and reference log-probs, the update, the final checkpoint and HF export.
+
+Per rank: `peak` = the worker process's peak resident memory (VmHWM), `estimate` = the
+preflight's estimate of its peak (rank 0 also writes the export), `floor` = what the rank must
+hold at the generation phase with nothing else: fp32 master + Adam + gradient shards, the
+reference shard and the full fp32 generation weights. The training state's share (master, grads,
+Adam) halves from 2 ranks to 4. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GIB = float(1 << 30)
+OUT = Path("outputs/bench-memory")
+QWEN05_SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                "tie_word_embeddings": True}
+
+
+def build_model(out: Path) -> Path:
+    """A Qwen2.5-0.5B-shaped model with random bf16 weights and a small tokenizer at `out`."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Qwen2Config(**QWEN05_SHAPE, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def overrides(model: Path, world: int, steps: int, run_dir: Path) -> list[str]:
+    return [f"model.path={model}", f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
+            f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}",
+            f"trainer.save_every={steps}", "trainer.loggers=[jsonl]", "trainer.resume=none",
+            "data.batch_size=4", "rollout.n=2", "rollout.max_tokens=128", "data.max_prompt_len=32",
+            "data.synthetic.n_val=4", "actor.ppo_mini_batches=1", "trainer.torch_threads=1"]
+
+
+async def run(model: Path, world: int, steps: int) -> dict:
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+    from asyncrl.plan.memory import worker_memory
+    from asyncrl.plan.workload import model_spec
+    from asyncrl.single_controller.context import local_cluster
+    from asyncrl.trainer import Trainer
+    from asyncrl.trainer import main as trainer_main
+
+    run_dir = OUT / f"run-dp{world}"
+    cfg = load_config("grpo", overrides(model, world, steps, run_dir))
+    typed = rl_config(cfg)
+    estimate = worker_memory(typed, model_spec(str(model)), on_gpu=False)
+    trainers: list[Trainer] = []
+    t0 = time.monotonic()
+    async with local_cluster(cpu_devices=world, log_dir=run_dir / "logs", cfg=cfg) as ctx:
+        summary = await trainer_main(ctx, on_setup=trainers.append)
+        stats = await trainers[0].roles.actor.memory_stats()
+    wall = time.monotonic() - t0
+    spec = model_spec(str(model))
+    dp = world
+    state = 16 * spec.params / dp  # fp32 master + gradients + Adam's two moments
+    floor = state + 4 * spec.params / dp + 4 * spec.params  # + fp32 reference shard + full generation weights
+    steps_s = [h["timing/step_s"] for h in trainers[0].history]
+    return {"world": world, "peak_gib": [round(s["peak_rss"] / GIB, 3) for s in stats],
+            "estimate_gib": round(estimate.total / GIB, 3), "estimate_phase": estimate.peak_phase,
+            "estimate": estimate.to_json(), "floor_gib": round(floor / GIB, 3), "state_gib": round(state / GIB, 3),
+            "step_s": round(statistics.median(steps_s), 1), "wall_s": round(wall, 1), "steps": summary.get("steps")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="gloo CPU ranks of each run")
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    model = build_model(OUT / "model")
+    out: dict = {"model": "Qwen2.5-0.5B shape", "params": None}
+    for world in args.worlds:
+        r = asyncio.run(run(model, world, args.steps))
+        print(json.dumps(r), flush=True)
+        tag = f"dp{world}"
+        out["params"] = None
+        out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],
+                    f"estimate_gib_{tag}": r["estimate_gib"], f"floor_gib_{tag}": r["floor_gib"],
+                    f"state_gib_{tag}": r["state_gib"], f"step_s_{tag}": r["step_s"],
+                    f"estimate_ratio_{tag}": round(max(r["peak_gib"]) / r["estimate_gib"], 3)})
+    from asyncrl.plan.workload import model_spec
+
+    out["params"] = model_spec(str(model)).params
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
