@@ -33,6 +33,33 @@ def check_inputs(cfg: RLConfig) -> None:
     check_files(cfg)
     _check_tp_fits_model(cfg)
     _check_context_fits_model(cfg)
+    check_memory(cfg)
+
+
+def check_memory(cfg: RLConfig) -> None:
+    """Log the estimated peak memory of an actor worker (`asyncrl.plan.memory`) and, on CPU
+    nodes, refuse a run whose workers would not fit the node's memory together: the kernel would
+    kill one mid-step. GPU memory is not checked here (the driver never touches CUDA):
+    `asyncrl-plan` compares the same estimate with the device profile."""
+    from asyncrl.plan.memory import worker_memory
+    from asyncrl.plan.workload import model_spec
+    from objectstore.memory import node_memory_bytes
+
+    if cfg.trainer.placement != "colocated" or cfg.actor.parallel.pp > 1:
+        return
+    on_gpu = cfg.cluster.gpus_per_node > 0 or Path("/dev/nvidiactl").exists()  # no CUDA call on the driver
+    estimate = worker_memory(cfg, model_spec(cfg.model.path), on_gpu=on_gpu)
+    log.info("memory per actor worker (estimate, asyncrl.plan.memory): %.2f GiB at %s",
+             estimate.total / 2**30, estimate.peak_phase)
+    per_node = min(cfg.trainer.n_workers, cfg.cluster.cpu_devices) if not on_gpu else 0
+    need, have = per_node * estimate.total, node_memory_bytes()
+    if per_node and need > have:
+        raise ConfigError(
+            f"the {per_node} workers on this node need about {need / 2**30:.1f} GiB together "
+            f"({estimate.total / 2**30:.2f} GiB each at {estimate.peak_phase}), more than its "
+            f"{have / 2**30:.1f} GiB:\n" + "\n".join(estimate.lines()) + "\nlower trainer.n_workers per node, "
+            "actor.micro_batch_size (or set actor.max_tokens_per_micro_batch), set "
+            "actor.gradient_checkpointing=true, or use model.dtype=bfloat16")
 
 
 def _check_context_fits_model(cfg: RLConfig) -> None:

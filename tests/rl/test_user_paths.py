@@ -105,3 +105,16 @@ def test_a_null_ground_truth_is_fine_when_a_reward_model_scores(tiny_model):  # 
 def test_a_typo_in_a_top_level_key_gets_the_closest_key(tmp_path, override, hint):
     r = _run([str(BIN / "asyncrl-launch"), "--config-name", "grpo", override], tmp_path)
     assert r.returncode == 2 and hint in r.stderr, r.stderr
+
+
+def test_workers_that_cannot_fit_the_nodes_memory_are_refused_at_start(tmp_path, tiny_model, monkeypatch):  # noqa: F811
+    """The preflight's memory estimate against the node's memory (made small here)."""
+    from asyncrl import preflight
+    from asyncrl.config import rl_config
+    from daemons.errors import ConfigError
+
+    cfg = rl_config({"model": {"path": str(tiny_model)}, "trainer": {"n_workers": 2}})
+    preflight.check_memory(cfg)  # the tiny model fits
+    monkeypatch.setattr("objectstore.memory.node_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match=r"(?s)the 2 workers on this node need about .* GiB together.*trainer.n_workers"):
+        preflight.check_memory(cfg)
