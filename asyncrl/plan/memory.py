@@ -52,7 +52,7 @@ class MemoryEstimate:
     def lines(self) -> list[str]:
         """A readable breakdown: one part per line, GiB."""
         rows = [f"  {name:<40} {b / GIB:8.2f} GiB" for name, b in self.parts.items()]
-        rows.append(f"  {'peak (' + self.peak_phase + ')':<34} {self.total / GIB:8.2f} GiB")
+        rows.append(f"  {'peak (' + self.peak_phase + ')':<40} {self.total / GIB:8.2f} GiB")
         return rows
 
     def to_json(self) -> dict[str, Any]:
