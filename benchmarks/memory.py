@@ -9,12 +9,14 @@ intermediate 4864, vocabulary 151,936, tied embeddings) and random bf16 weights,
 Hugging Face directory (`outputs/bench-memory/model`, reused), with the quickstart's small
 word-level tokenizer (the embedding rows are still all allocated). Each run is the real trainer
 as `asyncrl-launch --config-name grpo` runs it: generation of 128-token responses by the native
-engine, old and reference log-probs, the update, the final checkpoint and HF export.
+engine, old and reference log-probs, the update, the final checkpoint and HF export, with what a
+real model trains with: `model.dtype=bfloat16` and `actor.gradient_checkpointing=true` (flags
+turn them off; in fp32 without checkpointing 4 ranks need more than this 24 GiB machine has).
 
 Per rank: `peak` = the worker process's peak resident memory (VmHWM), `estimate` = the
 preflight's estimate of its peak (rank 0 also writes the export), `floor` = what the rank must
 hold at the generation phase with nothing else: fp32 master + Adam + gradient shards, the
-reference shard and the full fp32 generation weights. The training state's share (master, grads,
+reference shard and the full fp32 generation weights (the process's own ~0.75 GiB aside). The training state's share (master, grads,
 Adam) halves from 2 ranks to 4. The last line printed is one JSON object.
 """
 
@@ -57,15 +59,17 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def overrides(model: Path, world: int, steps: int, run_dir: Path) -> list[str]:
-    return [f"model.path={model}", f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
+def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "bfloat16",
+              checkpointing: bool = True) -> list[str]:
+    return [f"model.path={model}", f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
+            f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
             f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}",
             f"trainer.save_every={steps}", "trainer.loggers=[jsonl]", "trainer.resume=none",
             "data.batch_size=4", "rollout.n=2", "rollout.max_tokens=128", "data.max_prompt_len=32",
             "data.synthetic.n_val=4", "actor.ppo_mini_batches=1", "trainer.torch_threads=1"]
 
 
-async def run(model: Path, world: int, steps: int) -> dict:
+async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool) -> dict:
     from asyncrl.config import rl_config
     from asyncrl.launch import load_config
     from asyncrl.plan.memory import worker_memory
@@ -75,7 +79,7 @@ async def run(model: Path, world: int, steps: int) -> dict:
     from asyncrl.trainer import main as trainer_main
 
     run_dir = OUT / f"run-dp{world}"
-    cfg = load_config("grpo", overrides(model, world, steps, run_dir))
+    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing))
     typed = rl_config(cfg)
     estimate = worker_memory(typed, model_spec(str(model)), on_gpu=False)
     trainers: list[Trainer] = []
@@ -87,7 +91,8 @@ async def run(model: Path, world: int, steps: int) -> dict:
     spec = model_spec(str(model))
     dp = world
     state = 16 * spec.params / dp  # fp32 master + gradients + Adam's two moments
-    floor = state + 4 * spec.params / dp + 4 * spec.params  # + fp32 reference shard + full generation weights
+    ref_bytes = 2 if dtype == "bfloat16" else 4
+    floor = state + ref_bytes * spec.params / dp + 4 * spec.params  # + reference shard + full fp32 generation weights
     steps_s = [h["timing/step_s"] for h in trainers[0].history]
     return {"world": world, "peak_gib": [round(s["peak_rss"] / GIB, 3) for s in stats],
             "estimate_gib": round(estimate.total / GIB, 3), "estimate_phase": estimate.peak_phase,
@@ -99,15 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="gloo CPU ranks of each run")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
+                   help="model.dtype (bfloat16: what a real model trains in)")
+    p.add_argument("--no-checkpointing", action="store_true", help="actor.gradient_checkpointing=false")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = build_model(OUT / "model")
-    out: dict = {"model": "Qwen2.5-0.5B shape", "params": None}
+    out: dict = {"model": "Qwen2.5-0.5B shape", "params": None, "dtype": args.dtype,
+                 "gradient_checkpointing": not args.no_checkpointing}
     for world in args.worlds:
-        r = asyncio.run(run(model, world, args.steps))
+        r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing))
         print(json.dumps(r), flush=True)
         tag = f"dp{world}"
-        out["params"] = None
         out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],
                     f"estimate_gib_{tag}": r["estimate_gib"], f"floor_gib_{tag}": r["floor_gib"],
                     f"state_gib_{tag}": r["state_gib"], f"step_s_{tag}": r["step_s"],

@@ -43,6 +43,7 @@ from asyncrl.train import (
     rng_state,
     set_rng_state,
 )
+from asyncrl.train.fsdp import release_host_memory
 from asyncrl.train.load import copy_shards, load_sharded, materialize, skeleton
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
@@ -204,6 +205,7 @@ class ActorRolloutRefWorker(Worker):
         elif self.generation.bound:
             self.generation.unbind()
             self.resharder.release()
+            release_host_memory()  # the full generation weights' pages back to the OS
 
     @register(THREE_D_ALL_MICRO_DP)
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -288,6 +290,7 @@ class ActorRolloutRefWorker(Worker):
                     return None, None
             else:
                 outs = [forward(engine.model, mb) for mb in mbs]
+                engine.release_unsharded()  # no backward follows a forward-only pass to reshard it
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
         if by_tokens:  # trimmed micro-batches of sorted rows: back to the batch's rows and width
             width = batch["responses"].shape[1]
@@ -353,6 +356,7 @@ class ActorRolloutRefWorker(Worker):
 
         self._release_generation_weights()
         out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
+        release_host_memory()  # the update's transient pages back to the OS before generation
         self.update_steps += 1
         out["actor/lr"] = out.pop("lr", 0.0)
         out["actor/grad_norm"] = out.pop("grad_norm", 0.0)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from asyncrl.config import OptimConfig
@@ -58,35 +58,70 @@ LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-EXPORT_SHARD_BYTES = 5 << 30  # the HF export's safetensors files: one up to this size, else shards and an index
+EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files: rank 0 holds at most one shard
+
+
+class ShardWriter:
+    """Safetensors files of at most `max_shard_bytes`, written as tensors are added: one file,
+    `model.safetensors`, or `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`
+    (the layout `save_pretrained` writes and `from_pretrained` reads)."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
+        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+        self.current: dict[str, Tensor] = {}
+        self.size = self.total = 0
+        self.written: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.size + nbytes > self.max_shard_bytes:
+            self._flush()
+        self.current[name] = tensor
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        path = self.out_dir / f".shard-{len(self.written) + 1:05d}.safetensors"
+        save_file(self.current, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.current)))
+        self.current, self.size = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write what is left and name the files; returns them."""
+        if self.current or not self.written:
+            self._flush()
+        if len(self.written) == 1:
+            final = self.out_dir / "model.safetensors"
+            self.written[0][0].rename(final)
+            return [final]
+        files, weight_map = [], {}
+        for i, (path, names) in enumerate(self.written, 1):
+            final = self.out_dir / f"model-{i:05d}-of-{len(self.written):05d}.safetensors"
+            path.rename(final)
+            files.append(final)
+            weight_map.update(dict.fromkeys(names, final.name))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return files
 
 
 def write_safetensors(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes: int) -> list[Path]:
-    """`tensors` as `model.safetensors`, or, past `max_shard_bytes`, as
-    `model-0000k-of-0000n.safetensors` files with `model.safetensors.index.json` (the layout
-    `save_pretrained` writes and `from_pretrained` reads). Returns the files written."""
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
+    """`tensors` as `ShardWriter` files."""
+    writer = ShardWriter(out_dir, max_shard_bytes)
     for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return [out_dir / "model.safetensors"]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        files.append(out_dir / name)
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return files
+        writer.add(name, t)
+    return writer.close()
+
+
+def release_host_memory() -> None:
+    """Return the C allocator's free pages to the OS (glibc keeps large freed blocks mapped, so
+    a process's resident memory stays at its peak long after tensors are gone)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 class EngineError(RuntimeError):
@@ -348,6 +383,14 @@ class TrainEngine:
             sd = {k: v.cpu() for k, v in sd.items()}
         return sd
 
+    def release_unsharded(self) -> None:
+        """Free the parameters a forward-only pass left gathered (FSDP2 reshards them in the
+        backward, which a no-grad pass never runs) and give freed host memory back to the OS."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        release_host_memory()
+
     def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
         """Load an unsharded state dict; with broadcast_from_rank0 only rank 0 needs to hold it."""
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
@@ -380,9 +423,12 @@ class TrainEngine:
             },
             path / f"rank{self.rank}.pt",
         )
-        full = self.full_state_dict(rank0_only=True)
-        if self.rank == 0:
-            self._export_hf(path / "hf", full, tokenizer, export_dtype)
+        if self.pipelined:  # the stages' dicts meet on rank 0
+            full = self.full_state_dict(rank0_only=True)
+            if self.rank == 0:
+                self._export_hf(path / "hf", full, tokenizer, export_dtype)
+        else:
+            self._export_hf_streamed(path / "hf", tokenizer, export_dtype)
         dist.barrier()  # the default group is the layout's ranks (ParallelLayout.device_mesh)
         log.info("saved checkpoint %s", path)
 
@@ -453,6 +499,39 @@ class TrainEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_STATE_OPTIONS)
         return {"model": model_sd, "optim": optim_sd}
 
+    def _export_hf_streamed(self, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:
+        """The HF export gathered one tensor at a time (a collective: every rank runs it), rank 0
+        writing a file whenever a shard is full: never the whole model on one rank."""
+        if not hasattr(getattr(self.model, "config", None), "save_pretrained"):  # the same answer on every rank
+            log.warning("%s has no HF config; skipping the HF export", type(self.model).__name__)
+            return
+        writer = ShardWriter(out_dir, EXPORT_SHARD_BYTES) if self.rank == 0 else None
+        if writer is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        for name, value in self.model.state_dict().items():
+            if name in self._tied_names:
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if writer is not None:
+                cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+                writer.add(name, full.detach().to("cpu", cast).contiguous())
+            del full
+        if writer is not None:
+            writer.close()
+            self._write_hf_files(out_dir, tokenizer, dtype)
+
+    def _write_hf_files(self, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:
+        """config.json (with the export's dtype), generation_config.json and the tokenizer."""
+        config = self.model.config
+        if dtype is not None:  # what from_pretrained(dtype="auto") loads it as
+            config.torch_dtype = dtype
+        config.save_pretrained(out_dir)
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+
     def _export_hf(self, out_dir: Path, full_sd: dict[str, Tensor], tokenizer: Any,
                    dtype: torch.dtype | None = None) -> None:
         config = getattr(self.model, "config", None)
@@ -462,15 +541,8 @@ class TrainEngine:
         out_dir.mkdir(parents=True, exist_ok=True)
         tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
                    for k, v in full_sd.items() if k not in self._tied_names}
-        if dtype is not None:  # what from_pretrained(dtype="auto") loads it as
-            config.torch_dtype = dtype
-        config.save_pretrained(out_dir)
-        generation_config = getattr(self.model, "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(out_dir)
         write_safetensors(tensors, out_dir, EXPORT_SHARD_BYTES)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
+        self._write_hf_files(out_dir, tokenizer, dtype)
 
     # -- RNG (per process; not collective) ----------------------------------------------------
 

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncrl.train.fsdp import release_host_memory
+
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +78,8 @@ def load_sharded(engine: Any, path: str) -> None:
     dtype = next(engine.model.parameters()).dtype
     full = read_checkpoint(path, tied_aliases(engine.model), dtype) if dist.get_rank() == 0 else {}
     engine.load_full_state_dict(full, broadcast_from_rank0=True)
+    del full
+    release_host_memory()  # rank 0's read of the files, back to the OS
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
