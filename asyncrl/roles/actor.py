@@ -85,34 +85,7 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
                             RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
-        mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
-        engine_cls = TrainEngine
-        if layout.size("pp") > 1:
-            engine_cls = PipelineEngine
-            if base.get_output_embeddings() is not None and \
-                    base.get_output_embeddings().weight is base.get_input_embeddings().weight:
-                log.warning("actor.parallel.pp=%d: the model ties its input and output embeddings, which "
-                            "live on different pipeline stages; they now train as two weights (the "
-                            "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
-                untie_embeddings(base)
-        ref_dtype = compute_dtype(self.device, cfg.model.dtype)  # forward only: no master copy
-        if "ref" in self.roles and not one_copy:
-            ref = copy.deepcopy(base).to(ref_dtype)
-            self.ref = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=self.device)
-        if "actor" in self.roles:
-            if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model = parallelize(base, layout, mp)
-            if one_copy:
-                materialize(model, self.device)
-            self.actor = engine_cls(model, layout, optim=cfg.actor.optim, device=self.device)
-            if one_copy:
-                load_sharded(self.actor, cfg.model.path)
-        if "ref" in self.roles and one_copy:  # the actor's shards, in the compute dtype
-            ref = parallelize(skeleton(cfg.model.path, ref_dtype), layout, mp)
-            materialize(ref, self.device)
-            copy_shards(self.actor.model, ref)
-            self.ref = engine_cls(ref, layout, optim=None, device=self.device)
+        self._build_engines(base, layout, one_copy)
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
         if "rollout" in self.roles and self.actor is not None:
@@ -142,6 +115,41 @@ class ActorRolloutRefWorker(Worker):
             self.batcher = ContinuousBatcher(self.rollout, self._slots(), _StagedWeights(self))
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
+
+
+    def _build_engines(self, base: torch.nn.Module, layout: ParallelLayout, one_copy: bool) -> None:
+        """The actor's training engine and the reference policy's forward-only one over `layout`;
+        with `one_copy`, `base` is a meta skeleton filled from rank 0's read of the checkpoint and
+        the reference is copied from the actor's shards."""
+        cfg = self.cfg
+        mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
+        engine_cls = TrainEngine
+        if layout.size("pp") > 1:
+            engine_cls = PipelineEngine
+            if base.get_output_embeddings() is not None and \
+                    base.get_output_embeddings().weight is base.get_input_embeddings().weight:
+                log.warning("actor.parallel.pp=%d: the model ties its input and output embeddings, which "
+                            "live on different pipeline stages; they now train as two weights (the "
+                            "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
+                untie_embeddings(base)
+        ref_dtype = compute_dtype(self.device, cfg.model.dtype)  # forward only: no master copy
+        if "ref" in self.roles and not one_copy:
+            ref = copy.deepcopy(base).to(ref_dtype)
+            self.ref = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=self.device)
+        if "actor" in self.roles:
+            if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = parallelize(base, layout, mp)
+            if one_copy:
+                materialize(model, self.device)
+            self.actor = engine_cls(model, layout, optim=cfg.actor.optim, device=self.device)
+            if one_copy:
+                load_sharded(self.actor, cfg.model.path)
+        if "ref" in self.roles and one_copy:  # the actor's shards, in the compute dtype
+            ref = parallelize(skeleton(cfg.model.path, ref_dtype), layout, mp)
+            materialize(ref, self.device)
+            copy_shards(self.actor.model, ref)
+            self.ref = engine_cls(ref, layout, optim=None, device=self.device)
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:
