@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-checkpointing", action="store_true", help="actor.gradient_checkpointing=false")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from asyncrl.plan.workload import model_spec
+
     model = build_model(OUT / "model")
-    out: dict = {"model": "Qwen2.5-0.5B shape", "params": None, "dtype": args.dtype,
+    out: dict = {"model": "Qwen2.5-0.5B shape", "params": model_spec(str(model)).params, "dtype": args.dtype,
                  "gradient_checkpointing": not args.no_checkpointing}
     for world in args.worlds:
         r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing))
@@ -120,9 +122,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"estimate_gib_{tag}": r["estimate_gib"], f"floor_gib_{tag}": r["floor_gib"],
                     f"state_gib_{tag}": r["state_gib"], f"step_s_{tag}": r["step_s"],
                     f"estimate_ratio_{tag}": round(max(r["peak_gib"]) / r["estimate_gib"], 3)})
-    from asyncrl.plan.workload import model_spec
-
-    out["params"] = model_spec(str(model)).params
     print(json.dumps(out), flush=True)
     return 0
 

@@ -26,7 +26,7 @@ from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import response_forward
 from asyncrl.roles.process import load_causal_lm, setup_process
-from asyncrl.roles.update import micro_batches, ppo_update, token_micro_batches, unpermute
+from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.rollout.continuous import ContinuousBatcher
 from asyncrl.rollout.tp import GenerationModel
@@ -282,11 +282,8 @@ class ActorRolloutRefWorker(Worker):
         ac, temp = self.cfg.actor, self._temperature(batch)
         self._release_generation_weights()  # this step's generations are done: free their memory
         engine.model.eval()
-        by_tokens = ac.log_prob_max_tokens_per_micro_batch > 0 and len(batch) > 0  # never pipelined (checked)
-        if by_tokens:
-            mbs, order = token_micro_batches(batch, ac.log_prob_max_tokens_per_micro_batch, ac.log_prob_micro_batch_size)
-        else:
-            mbs = micro_batches(batch, ac.log_prob_micro_batch_size)
+        # by tokens never with pipeline stages (the config checks it)
+        mbs, join = row_micro_batches(batch, ac.log_prob_micro_batch_size, ac.log_prob_max_tokens_per_micro_batch)
 
         def forward(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
             return response_forward(model, mb, temp, with_entropy)
@@ -299,12 +296,10 @@ class ActorRolloutRefWorker(Worker):
             else:
                 outs = [forward(engine.model, mb) for mb in mbs]
                 engine.release_unsharded()  # no backward follows a forward-only pass to reshard it
+        if not outs:
+            return torch.zeros(0, device=engine.device), None
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
-        if by_tokens:  # trimmed micro-batches of sorted rows: back to the batch's rows and width
-            width = batch["responses"].shape[1]
-            return unpermute(logps, order, width), (unpermute(ents, order, width) if with_entropy else None)
-        logp = torch.cat(logps) if logps else torch.zeros(0, device=engine.device)
-        return logp, (torch.cat(ents) if with_entropy and ents else None)
+        return join(logps), (join(ents) if with_entropy else None)
 
     @register(THREE_D_PROTO)
     @timed("old_log_prob")

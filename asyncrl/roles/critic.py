@@ -14,7 +14,7 @@ from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import values_forward
 from asyncrl.roles.process import same_init_on_every_rank, setup_process
-from asyncrl.roles.update import micro_batches, ppo_update, token_micro_batches, unpermute
+from asyncrl.roles.update import ppo_update, row_micro_batches
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
@@ -52,14 +52,10 @@ class CriticWorker(Worker):
     def compute_values(self, batch: Batch) -> Batch:
         cc = self.cfg.critic
         self.critic.model.eval()
-        by_tokens = cc.max_tokens_per_micro_batch > 0 and len(batch) > 0
-        if by_tokens:
-            mbs, order = token_micro_batches(batch, cc.max_tokens_per_micro_batch, cc.micro_batch_size)
-        else:
-            mbs = micro_batches(batch, cc.micro_batch_size)
+        mbs, join = row_micro_batches(batch, cc.micro_batch_size, cc.max_tokens_per_micro_batch)
         with torch.no_grad():
-            values = [values_forward(self.critic.model, mb) for mb in mbs]
-        values = unpermute(values, order, batch["responses"].shape[1]) if by_tokens else torch.cat(values)
+            values = join([values_forward(self.critic.model, mb) for mb in mbs])
+            self.critic.release_unsharded()  # no backward follows a forward-only pass to reshard it
         return Batch({"values": values * batch["response_mask"].float()})
 
     @register(THREE_D_PROTO)

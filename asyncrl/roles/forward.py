@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -68,7 +69,12 @@ def _chunk_logprobs(chunk: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 def _keeps_logits(model: torch.nn.Module) -> bool:
     """Whether `model`'s forward takes `logits_to_keep` (Hugging Face causal LMs since 4.50)."""
-    forward = getattr(model, "forward", None)
+    return _forward_takes_logits_to_keep(type(model))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:  # once per class, not per micro-batch
+    forward = getattr(cls, "forward", None)
     try:
         return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
     except (TypeError, ValueError):

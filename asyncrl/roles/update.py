@@ -17,6 +17,19 @@ MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")  # prompt + response wide
 
 
+def row_micro_batches(batch: Batch, max_rows: int, max_tokens: int = 0
+                      ) -> tuple[list[Batch], Callable[[list[torch.Tensor]], torch.Tensor]]:
+    """Micro-batches of `batch` for a forward-only pass with per-row outputs [rows_i, width_i],
+    and how to join those outputs back into the batch's rows: by tokens when `max_tokens` > 0
+    (`token_micro_batches`: sorted, trimmed; outputs padded back and unpermuted), else `max_rows`
+    rows in order."""
+    if max_tokens and len(batch):
+        mbs, order = token_micro_batches(batch, max_tokens, max_rows)
+        width = batch["responses"].shape[1]
+        return mbs, lambda parts: unpermute(parts, order, width)
+    return micro_batches(batch, max_rows), torch.cat
+
+
 def micro_batches(batch: Batch, size: int, trim: bool = False) -> list[Batch]:
     """`batch` in micro-batches of `size` rows; `trim` drops each one's padding columns."""
     mbs = batch.split(size) if len(batch) else []  # size >= 1: the config checks it
