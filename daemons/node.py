@@ -169,6 +169,7 @@ class NodeDaemon:
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
+        self._handed_ports: dict[int, float] = {}  # port -> when free_port gave it out
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
                                 name=f"node-{node_rank}")
         self.coordinator = RpcClient(coordinator, curve=curve, insecure=insecure, name="node->coordinator",
@@ -380,7 +381,13 @@ class NodeDaemon:
 
     @expose
     def free_port(self) -> int:
-        return _free_port(self.host)
+        """A port for a rendezvous listener, never one handed out in the last 10 minutes (two
+        pools asking at once must not get the same port before either binds it)."""
+        now = time.monotonic()
+        self._handed_ports = {p: t for p, t in self._handed_ports.items() if now - t < 600}
+        port = _free_port(self.host, avoid=self._handed_ports)
+        self._handed_ports[port] = now
+        return port
 
     @expose
     def shutdown(self) -> None:

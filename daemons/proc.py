@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Collection
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -73,10 +75,50 @@ def run_spawned(target: Any, args_per_process: list[tuple], timeout_s: float) ->
     return [p.exitcode for p in procs]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_LISTEN_PORTS = (20000, 32768)  # below Linux's default ephemeral range
+
+
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free on `host` now, for a listener that binds it a little later.
+
+    A port from bind(0) comes from the kernel's ephemeral range, the range outgoing connections
+    take their local ports from: on a busy host one of them can take it before the listener
+    binds (EADDRINUSE in a rendezvous). So the port is drawn outside that range where there is
+    room, skipping `avoid` (ports handed out but perhaps not bound yet).
+    """
+    span = _outside_ephemeral()
+    for _ in range(200 if span else 0):
+        port = random.randrange(*span)
+        if port not in avoid and _bindable(host, port):
+            return port
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise OSError(f"no free port on {host} outside {sorted(avoid)[:5]}…")
+
+
+def _outside_ephemeral() -> tuple[int, int] | None:
+    """(low, high) for listener ports below the ephemeral range; None where it leaves no room."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            first = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _LISTEN_PORTS
+    high = min(first, _LISTEN_PORTS[1])
+    return (_LISTEN_PORTS[0], high) if high - _LISTEN_PORTS[0] >= 1000 else None
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def route_ip(peer_host: str, peer_port: int = 9) -> str:

@@ -91,7 +91,8 @@ class ActorRolloutRefWorker(Worker):
         if "rollout" in self.roles and self.actor is not None:
             self.gen_tp_group = self._generation_tp_group()
             self.generation = GenerationModel(base.config, self.actor.model, self.gen_tp_group)
-            self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model)
+            self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model,
+                                       dtype=compute_dtype(self.device, cfg.model.dtype))
             if cfg.rollout.engine == "vllm":  # weights arrive from the reshard before the first generate
                 self.rollout = self._vllm_engine(base.config, load_format="dummy")
             else:

@@ -14,6 +14,10 @@ Where the layouts coincide (a group of one rank) the generation weights are the 
 shards themselves, without a copy. Weights split along dim 0 with d = 1 are gathered straight
 into the generation buffer; others go through a bucket and are copied into place.
 
+The generation weights are in the compute dtype (`dtype`: bf16 when training bf16 over fp32
+master weights): each rank casts its shard before the gather, so the bytes moved and held are
+half the fp32 ones, and where the layouts coincide the cast is the only copy.
+
 Switching back to training needs no communication: `release()` drops the generation buffer.
 All methods are collectives over the whole training group, called in the same order.
 """
@@ -97,7 +101,8 @@ class Resharder:
     for the generation layout `gen` (see `asyncrl.single_controller.parallel.generation_layout`)."""
 
     def __init__(self, model: nn.Module, train: ParallelLayout, gen: ParallelLayout, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, full_model: nn.Module | None = None) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, full_model: nn.Module | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.p = train.size("pp")
         if self.p > 1 and gen.size("pp") > 1:
             raise EngineError("pipeline-parallel generation (rollout.parallel.pp > 1) is not implemented; "
@@ -120,6 +125,9 @@ class Resharder:
         self.micro_dp = len(gen.group_of(self.rank, MICRO_DP_DIMS))
         self.params = dict(model.named_parameters())
         self.full_model = full_model
+        stored = next(iter(self.params.values())).dtype
+        self.dtype = dtype or stored  # the generation weights' (bf16 from fp32 masters: half the bytes moved)
+        self.cast = self.dtype != stored
         self.plans, self.buffer_numel = self._plan()
         self.stage_spans = self._stage_spans()
         self.stats = ReshardStats()
@@ -148,12 +156,12 @@ class Resharder:
                 gen_shape[k] = shape[k] // self.tg
             chunk = math.ceil(local[0] / self.d) if local else 1
             group = len(self.gather_ranks if k is not None else self.dp_ranks)
-            if group == 1 and self.p == 1:  # the training shard is the generation shard
-                plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, itemsize=p.element_size()))
+            itemsize = self.dtype.itemsize
+            if group == 1 and self.p == 1 and not self.cast:  # the training shard is the generation shard
+                plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, itemsize=itemsize))
                 continue
             direct = k in (0, None) and local[0] % self.d == 0 if local else False
-            plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, offset, direct, stage,
-                                   p.element_size()))
+            plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, offset, direct, stage, itemsize))
             offset += math.prod(gen_shape)
         return plans, offset
 
@@ -195,9 +203,14 @@ class Resharder:
         return plan.itemsize
 
     # the reshard ------------------------------------------------------------------------------
-    def _local(self, name: str) -> Tensor:
+    def _shard(self, name: str) -> Tensor:
+        """This rank's training shard of `name`, as stored."""
         p = self.params[name]
         return (p.to_local() if isinstance(p, DTensor) else p).detach()
+
+    def _local(self, name: str) -> Tensor:
+        """This rank's training shard of `name` in the generation dtype (itself when they match)."""
+        return self._shard(name).to(self.dtype)
 
     def _all_gather(self, out: Tensor, inp: Tensor, ranks: list[int], group: dist.ProcessGroup | None) -> None:
         dist.all_gather_single(out, inp, group=group)
@@ -220,8 +233,7 @@ class Resharder:
         self.release()
         self.stats = ReshardStats()
         device = next(iter(self.params.values())).device
-        dtype = next(iter(self.params.values())).dtype
-        buffer = torch.empty(self.buffer_numel, dtype=dtype, device=device)
+        buffer = torch.empty(self.buffer_numel, dtype=self.dtype, device=device)
         self._buffer = buffer
         self.stats.buffer_bytes = self.stats.peak_extra_bytes = buffer.numel() * buffer.element_size()
         out: dict[str, Tensor] = {}
@@ -285,7 +297,7 @@ class Resharder:
     def staging_bytes(self) -> int:
         """The bucket budget (input + gathered output): `bucket_bytes`, and at most 1/32 of the
         generation buffer so the reshard's peak stays within ~3 % of it."""
-        return min(self.bucket_bytes, max(64 << 10, self.buffer_numel * 4 // 32))
+        return min(self.bucket_bytes, max(64 << 10, self.buffer_numel * self.dtype.itemsize // 32))
 
     def _gather_direct(self, plan: ParamPlan, view: Tensor) -> None:
         """A weight split evenly along dim 0: every member's shard is a row block of the
@@ -311,11 +323,10 @@ class Resharder:
         ranks, group = self._group_for(bucket[0][0])
         widths = [(b - a) * math.prod(plan.local_shape[1:]) for plan, a, b in bucket]
         numel = sum(widths)
-        first = self._local(bucket[0][0].name)
-        inp = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        inp = torch.zeros(numel, dtype=self.dtype, device=self._shard(bucket[0][0].name).device)
         at = 0
         for (plan, a, b), width in zip(bucket, widths, strict=True):
-            rows = self._local(plan.name)[a:b].reshape(-1)  # FSDP's last chunks may be short: zero padded
+            rows = self._shard(plan.name)[a:b].reshape(-1)  # FSDP's last chunks may be short: zero padded
             inp[at: at + rows.numel()].copy_(rows)
             at += width
         gathered = torch.empty(len(ranks) * numel, dtype=inp.dtype, device=inp.device)

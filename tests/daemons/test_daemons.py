@@ -253,3 +253,19 @@ async def test_head_node_passes_shm_pool_to_worker_stores(tmp_path):
         pid = worker.info.pid
     assert list((tmp_path / "st").iterdir()) == []
     assert _pids_alive([pid]) == []
+
+
+def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
+    """A rendezvous port from bind(0) can be taken by an outgoing connection's local port before
+    rank 0 listens on it (CI saw EADDRINUSE); the node hands out ports below the ephemeral range
+    and never the same one twice while it may still be unbound."""
+    from daemons.proc import _outside_ephemeral, free_port
+
+    span = _outside_ephemeral()
+    node = NodeDaemon.__new__(NodeDaemon)
+    node.host, node._handed_ports = "127.0.0.1", {}
+    ports = [node.free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    if span is not None:
+        assert all(span[0] <= p < span[1] for p in ports)
+    assert free_port(avoid=set(ports)) not in ports

@@ -170,7 +170,20 @@ def _reshard_scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
                     q.mul_(0.5)
                 for q in model.parameters():
                     q.to_local().mul_(0.5)
+        # the same reshard in bf16 from the fp32 masters: the cast shards, half the bytes
+        half = Resharder(model, train, gen, full_model=generation.model, dtype=torch.bfloat16)
+        shards = half.reshard()
+        bf16_wrong = [pname for pname, full in plain.named_parameters()
+                      if shards[pname].dtype != torch.bfloat16 or not torch.equal(shards[pname], (
+                          full if (k := planned_shard_dim(pname, plain, t)) is None
+                          else full.chunk(tg, dim=k)[gen.coord(rank, "tp")]).to(torch.bfloat16))]
+        generation.bind(shards)
+        bf16_out = engine.generate(prompts, mask, greedy)
+        generation.unbind()
         results[name] = {
+            "bf16_mismatched": bf16_wrong, "bf16_received": half.stats.bytes_received,
+            "bf16_expected": half.expected_bytes_received(), "bf16_buffer": half.stats.buffer_bytes,
+            "bf16_logp_finite": bool(torch.isfinite(bf16_out["rollout_log_probs"]).all()),
             "mismatched": mismatched, "tokens_equal": torch.equal(out["responses"], ref["responses"]),
             "logp_diff": (out["rollout_log_probs"] - ref["rollout_log_probs"]).abs().max().item(),
             "received": stats.bytes_received, "expected": resharder.expected_bytes_received(),
@@ -212,6 +225,17 @@ def test_reshard_bytes_match_hybridflow_table_2(reshard_job):
     for r in reshard_job:
         for name in SCENARIOS:
             assert r[name]["received"] == r[name]["expected"]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_bf16_generation_weights_from_fp32_masters_move_half_the_bytes(reshard_job, name):
+    """Training in bf16 over fp32 master weights, the generation weights are the masters cast to
+    bf16 on each rank before the gather: the same values, half the bytes received and held."""
+    for rank, res in enumerate(reshard_job):
+        got = res[name]
+        assert got["bf16_mismatched"] == [], f"rank {rank}"
+        assert got["bf16_received"] == got["bf16_expected"] == got["received"] // 2
+        assert got["bf16_buffer"] * 2 >= got["buffer"] and got["bf16_logp_finite"]
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
