@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.single_controller.config import LaunchConfig
 from asyncrl.single_controller.parallel import (
     GenerationParallelConfig,
@@ -177,6 +178,8 @@ class RolloutConfig:
     # split, native engine: rows one rollout worker decodes together (continuous batching);
     # 0 = the rows of one batch on one rollout worker
     decode_slots: int = 0
+    # trajectories of several turns with an environment (tools, games): asyncrl.agents
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def check(self, at: str) -> None:
         _one_of(at + "engine", self.engine, ROLLOUT_ENGINES)
@@ -189,6 +192,10 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, at + "top_p", self.top_p, "must be in (0, 1]")
         _positive(at + "top_k", self.top_k, allow_zero=True)
         _positive(at + "max_tokens", self.max_tokens)
+        if self.multi_turn.enable:  # a TP group's ranks would have to decode the same waves in lock step
+            _check(self.parallel.tp == 1, at + "multi_turn.enable", True,
+                   f"multi-turn rollouts need {at}parallel.tp=1 (each rank runs its own trajectories); "
+                   f"got tp={self.parallel.tp}")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.single_controller.memory import phase as memory_phase
 from daemons.errors import ConfigError
 
 log = logging.getLogger("asyncrl.metrics")
@@ -35,13 +36,15 @@ def json_line(value: Any) -> str:
 
 def timed(phase: str) -> Callable:
     """Time a worker method: `timing/<phase>_s` goes into its returned Batch's meta or metric dict
-    (the trainer logs the per-phase breakdown of every step from these)."""
+    (the trainer logs the per-phase breakdown of every step from these); its peak memory is
+    recorded as the phase's (`Worker.memory_stats()["phases"]`)."""
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
+            with memory_phase(phase, getattr(args[0], "device", "cpu") if args else "cpu"):
+                out = fn(*args, **kwargs)
             key, dt = f"timing/{phase}_s", time.perf_counter() - t0
             if isinstance(out, dict):
                 out[key] = out.get(key, 0.0) + dt

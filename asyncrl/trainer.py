@@ -43,6 +43,7 @@ from asyncrl.single_controller.group import WorkerCallError
 from daemons.errors import ConfigError, DaemonError, PlacementError
 
 log = logging.getLogger("asyncrl.trainer")
+GIB = float(1 << 30)
 
 
 class NonFiniteLossError(DaemonError, ValueError):
@@ -123,7 +124,17 @@ class Trainer:
         metrics.update(self.generations.done(self.step) if self.generations else {"async/staleness": 0.0})
         self.step += 1
         metrics["timing/weight_sync_s"] = await self.sync_weights()
+        metrics.update(await self._memory())
         return self._timed(metrics, time.monotonic() - t0)
+
+    async def _memory(self) -> dict[str, float]:
+        """The actor's largest rank so far: peak resident memory, and on a GPU torch's peak allocation (GiB)."""
+        stats = await self.roles.actor.memory_stats()
+        out = {"perf/peak_rss_gib": max(s["peak_rss"] for s in stats) / GIB}
+        cuda = [s["cuda_peak_allocated"] for s in stats if "cuda_peak_allocated" in s]
+        if cuda:
+            out["perf/max_memory_allocated_gib"] = max(cuda) / GIB
+        return out
 
     def _timed(self, metrics: dict[str, float], dt: float) -> dict[str, float]:
         """The controllers' update and the step's time: total, outside worker phases, tokens/s."""

@@ -16,8 +16,10 @@ turn them off; in fp32 without checkpointing 4 ranks need more than this 24 GiB 
 Per rank: `peak` = the worker process's peak resident memory (VmHWM), `estimate` = the
 preflight's estimate of its peak (rank 0 also writes the export), `floor` = what the rank must
 hold at the generation phase with nothing else: fp32 master + Adam + gradient shards, the
-reference shard and the full fp32 generation weights (the process's own ~0.75 GiB aside). The training state's share (master, grads,
-Adam) halves from 2 ranks to 4. The last line printed is one JSON object.
+reference shard and the full generation weights in the compute dtype (the process's own ~0.75 GiB
+aside). The training state's share (master, grads, Adam) halves from 2 ranks to 4. Each phase's
+peak (the largest rank's, `Worker.memory_stats()["phases"]`) is printed beside the estimate's
+phase. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -91,12 +93,16 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     spec = model_spec(str(model))
     dp = world
     state = 16 * spec.params / dp  # fp32 master + gradients + Adam's two moments
-    ref_bytes = 2 if dtype == "bfloat16" else 4
-    floor = state + ref_bytes * spec.params / dp + 4 * spec.params  # + reference shard + full fp32 generation weights
+    cb = 2 if dtype == "bfloat16" else 4
+    floor = state + cb * spec.params / dp + cb * spec.params  # + reference shard + full generation weights
+    phases = sorted({name for s in stats for name in s["phases"]})
+    phase_peaks = {name: round(max(s["phases"].get(name, {}).get("peak_rss", 0.0) for s in stats) / GIB, 3)
+                   for name in phases}
     steps_s = [h["timing/step_s"] for h in trainers[0].history]
     return {"world": world, "peak_gib": [round(s["peak_rss"] / GIB, 3) for s in stats],
             "estimate_gib": round(estimate.total / GIB, 3), "estimate_phase": estimate.peak_phase,
-            "estimate": estimate.to_json(), "floor_gib": round(floor / GIB, 3), "state_gib": round(state / GIB, 3),
+            "estimate": estimate.to_json(), "phase_peak_gib": phase_peaks,
+            "floor_gib": round(floor / GIB, 3), "state_gib": round(state / GIB, 3),
             "step_s": round(statistics.median(steps_s), 1), "wall_s": round(wall, 1), "steps": summary.get("steps")}
 
 
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],
                     f"estimate_gib_{tag}": r["estimate_gib"], f"floor_gib_{tag}": r["floor_gib"],
                     f"state_gib_{tag}": r["state_gib"], f"step_s_{tag}": r["step_s"],
+                    f"phase_peak_gib_{tag}": r["phase_peak_gib"],
                     f"estimate_ratio_{tag}": round(max(r["peak_gib"]) / r["estimate_gib"], 3)})
     print(json.dumps(out), flush=True)
     return 0

@@ -7,13 +7,14 @@ allocates (generation, the log-prob passes, the update):
     resident   fp32 master shard + fp32 gradient shard + Adam's two moments (16 bytes per parameter
                over dp x tp ranks), the reference policy's shard in the compute dtype
     generate   the generation weights (the reshard's full tensors over rollout.parallel.tp, in the
-               training dtype) + the native engine's KV cache for this rank's rows
+               compute dtype) + the native engine's KV cache for this rank's rows
     log-probs  one micro-batch's logits at the response positions + an fp32 chunk + two gathered layers
     update     one micro-batch's saved activations (one layer's when checkpointing) + its logits
                and their gradient + fp32 chunks + two gathered layers
 
 plus the process's own footprint (Python, torch and transformers loaded: `RUNTIME_BYTES`); rank 0
-also reads the checkpoint at load and gathers the full model for the HF export.
+also reads the checkpoint at load, and at a save holds the HF export's current file (at most
+`EXPORT_SHARD_BYTES`) plus one gathered fp32 tensor.
 `benchmarks/memory.py` measures the peak against this estimate.
 """
 
@@ -25,8 +26,9 @@ from typing import Any
 from asyncrl.plan.workload import ModelSpec
 
 GIB = float(1 << 30)
+EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files (asyncrl.train.fsdp writes them): rank 0 holds one
 RUNTIME_BYTES = 0.75 * GIB  # a worker process with torch, transformers and asyncrl loaded (measured on CPU)
-LOGIT_CHUNK_TOKENS = 1024  # asyncrl.roles.forward's fp32 chunk
+LOGIT_CHUNK_TOKENS = 1024  # positions whose fp32 logits exist at once in asyncrl.roles.forward (x vocab x 4 bytes)
 # bytes of saved activations per token per layer, in units of the compute dtype's width: attention
 # and MLP inputs and outputs, norms, the gated MLP's three ffn-wide tensors (Korthikanti et al. 2022
 # count 34 x hidden for GPT without flash attention; a gated MLP adds its third projection)
@@ -85,7 +87,7 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
         parts["vLLM (weights + KV cache)"] = rc.vllm.gpu_memory_utilization * device_bytes
         generation = parts["vLLM (weights + KV cache)"]
     else:
-        parts["generation weights (full, / rollout tp)"] = 4 * spec.params / rc.parallel.tp
+        parts["generation weights (full, / rollout tp)"] = cb * spec.params / rc.parallel.tp
         parts["KV cache (native engine)"] = gen_rows * seq * spec.kv_bytes_per_token / 2 * cb / rc.parallel.tp
         generation = parts["generation weights (full, / rollout tp)"] + parts["KV cache (native engine)"]
     lp_rows = min(ac.log_prob_micro_batch_size, rows)
@@ -110,10 +112,10 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
         "log-probs": resident + parts["log-prob logits"] + parts["gathered layers (FSDP)"],
         "update": resident + parts["update activations"] + parts["update logits and their gradient"]
         + parts["gathered layers (FSDP)"],
-        # rank 0 reads the checkpoint (its tensors, and each file's as read) and later gathers the
-        # full fp32 state dict for the HF export (a cast copy when exporting in bf16)
+        # rank 0 reads the checkpoint (its tensors, and each file's as read); at a save it gathers
+        # one tensor at a time in fp32 and keeps the export's current file in the compute dtype
         "load (rank 0)": 4 * shard + 6 * spec.params + RUNTIME_BYTES,
-        "save (rank 0)": resident + 4 * spec.params + (cb * spec.params if cb != 4 else 0),
+        "save (rank 0)": resident + min(cb * spec.params, EXPORT_SHARD_BYTES) + 4 * spec.vocab * spec.hidden,
     }
     return MemoryEstimate(parts, phases)
 

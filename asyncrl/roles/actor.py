@@ -21,6 +21,12 @@ from typing import Any
 
 import torch
 
+from asyncrl.agents.rollout import (
+    BatcherGenerator,
+    MultiTurnRollout,
+    WaveGenerator,
+    trajectories_to_tensors,
+)
 from asyncrl.algorithms import core
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
@@ -32,6 +38,7 @@ from asyncrl.rollout.continuous import ContinuousBatcher
 from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.memory import phase as memory_phase
 from asyncrl.single_controller.parallel import ParallelLayout, generation_layout, pure_dp
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
@@ -43,7 +50,7 @@ from asyncrl.train import (
     rng_state,
     set_rng_state,
 )
-from asyncrl.train.fsdp import release_host_memory
+from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, materialize, skeleton
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
@@ -85,6 +92,7 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
                             RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
+        warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy)
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
@@ -114,6 +122,9 @@ class ActorRolloutRefWorker(Worker):
         self.batcher: ContinuousBatcher | None = None
         if isinstance(self.rollout, RolloutEngine) and self.actor is None and cfg.trainer.placement == "split":
             self.batcher = ContinuousBatcher(self.rollout, self._slots(), _StagedWeights(self))
+        # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
+        self.agent = (MultiTurnRollout(cfg.rollout.multi_turn, self.tokenizer)
+                      if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
 
@@ -224,7 +235,8 @@ class ActorRolloutRefWorker(Worker):
         group; the outputs of generation-TP rank 0 are kept. prompts.meta may override
         sampling: n, temperature, top_p, top_k, max_tokens, greedy, seed.
         """
-        return self._generate(prompts)
+        with memory_phase("generate", self.device):
+            return self._generate(prompts)
 
     @register(THREE_D_ALL_MICRO_DP, blocking=False)
     def generate_stream(self, prompts: Batch) -> Batch:
@@ -251,7 +263,9 @@ class ActorRolloutRefWorker(Worker):
         shard = self.gen_layout.data_index(self.rank)
         gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + shard)
                if seed is not None else self.sample_gen)
-        if self.batcher is not None:
+        if self.agent is not None:
+            out = self._generate_turns(prompts, params, gen)
+        elif self.batcher is not None:
             out = self.batcher.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
         else:
             versions = [self._policy_version()]  # of token 0; one more per decode step
@@ -269,6 +283,17 @@ class ActorRolloutRefWorker(Worker):
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
         timing = {"timing/sync_s": t1 - t0, "timing/gen_s": time.perf_counter() - t1}
         return Batch(out, rest.non_tensors, {**prompts.meta, "n": params.n, **timing})
+
+    def _generate_turns(self, prompts: Batch, params: SamplingParams, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """`rollout.multi_turn`: n trajectories per prompt, each turn a request to the engine."""
+        ids, mask = prompts["input_ids"], prompts["attention_mask"]
+        plain = [[t for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids.tolist(), mask.tolist(), strict=True)]
+        rows = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(plain))]
+        turns = (BatcherGenerator(self.batcher, params, gen) if self.batcher is not None
+                 else WaveGenerator(self.rollout, params, gen, version=self._policy_version))
+        trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens)
+        out = trajectories_to_tensors(trajs, ids.cpu(), mask.cpu(), params.max_tokens, self.tokenizer.pad_token_id)
+        return {k: v.to(ids.device) for k, v in out.items()}
 
     # log-probs -------------------------------------------------------------------------------------
     def _temperature(self, batch: Batch) -> float:
@@ -474,8 +499,9 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         extra = {**(extra or {}), "rng": rng_state(), "update_steps": self.update_steps,
                  "shuffle_gen": self.shuffle_gen.get_state(), "sample_gen": self.sample_gen.get_state()}
-        self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer,
-                                   export_dtype=compute_dtype(self.device, self.cfg.model.dtype))
+        with memory_phase("save", self.device):
+            self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer,
+                                       export_dtype=compute_dtype(self.device, self.cfg.model.dtype))
         return str(Path(path) / "actor" / "hf")
 
     @register(ONE_TO_ALL)

@@ -11,11 +11,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algorithms.core import entropy_from_logits, logprobs_from_logits
+from asyncrl.plan.memory import LOGIT_CHUNK_TOKENS
 from asyncrl.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
 
-LOGIT_CHUNK_TOKENS = 1024  # positions whose fp32 logits exist at once (x vocab x 4 bytes)
 
 
 def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0,
@@ -89,7 +89,17 @@ def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     return out.logits[:, -r - 1:-1, 0].float()
 
 
+def response_span(batch: Batch) -> torch.Tensor:
+    """Attended response columns per row [B]: the model's tokens and, in a multi-turn trajectory,
+    the observations between its turns (what the length budget counts)."""
+    width = batch["responses"].shape[1]
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:, -width:].sum(-1) if width else batch["responses"].new_zeros(len(batch))
+    return batch["response_mask"].sum(-1)
+
+
 def decode_responses(tokenizer: Any, batch: Batch) -> list[str]:
-    mask = batch["response_mask"].bool()
-    return [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
-            for ids, m in zip(batch["responses"], mask, strict=True)]
+    """Each row's whole response as text: in a multi-turn trajectory every turn and observation."""
+    lengths = response_span(batch).tolist()
+    return [tokenizer.decode(ids[:int(k)].tolist(), skip_special_tokens=True)
+            for ids, k in zip(batch["responses"], lengths, strict=True)]

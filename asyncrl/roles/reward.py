@@ -23,7 +23,7 @@ from asyncrl.rewards import (
     checked_score,
     load_reward_fn,
 )
-from asyncrl.roles.forward import decode_responses
+from asyncrl.roles.forward import decode_responses, response_span
 from asyncrl.roles.process import check_node_paths, same_init_on_every_rank, setup_process
 from asyncrl.roles.update import micro_batches
 from asyncrl.single_controller.batch import Batch
@@ -56,15 +56,18 @@ class RuleRewardWorker(Worker):
         scores, extras = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else
                                      "the built-in reward (reward.fn=null: by data_source)", texts, batch,
                                      batched=self.cfg.reward.batched)
-        rc = self.cfg.reward
+        if "env_reward" in batch:  # a multi-turn environment's reward, where it gave one, is the score
+            env = batch["env_reward"].to(scores.device)
+            scores = torch.where(torch.isfinite(env), env, scores)
+        rc, lengths = self.cfg.reward, response_span(batch)
         if rc.overlong_buffer > 0:
-            penalty = overlong_penalty(mask.sum(-1), self.cfg.rollout.max_tokens, rc.overlong_buffer,
+            penalty = overlong_penalty(lengths, self.cfg.rollout.max_tokens, rc.overlong_buffer,
                                        rc.overlong_penalty_factor)
             scores = scores + penalty
             extras[REWARD_EXTRA + "overlong_penalty"] = penalty
         out = {"scores": scores, "token_level_scores": scores_to_tokens(scores, mask), **extras,
                # responses cut by the budget, not ended by the model (logged as response/clip_ratio)
-               "response_clipped": (mask.sum(-1) >= self.cfg.rollout.max_tokens).float()}
+               "response_clipped": (lengths >= self.cfg.rollout.max_tokens).float()}
         if self.cost_fn is not None:
             costs, _ = self._score(self.cost_fn, f"reward.cost_fn={self.cfg.reward.cost_fn}", texts, batch)
             out.update(costs=costs, token_level_costs=scores_to_tokens(costs, mask))

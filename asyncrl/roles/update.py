@@ -92,7 +92,8 @@ def trim_padding(mb: Batch) -> Batch:
         return mb
     width = mb["responses"].shape[1]
     prompt = mb["attention_mask"].shape[1] - width
-    keep = max(1, int(mb["response_mask"].sum(-1).max()))
+    trained = mb["response_mask"].any(0).nonzero()  # the last column any row trains on (masks may have holes)
+    keep = int(trained[-1]) + 1 if len(trained) else 1
     used = mb["attention_mask"][:, :prompt].any(0).nonzero()
     first = int(used[0]) if len(used) else 0
     if keep == width and first == 0:

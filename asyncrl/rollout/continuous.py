@@ -85,16 +85,22 @@ class ContinuousBatcher:
         requests = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
             prompt = [t for t, m in zip(ids, mask, strict=True) if m]
-            requests.append(_Request(prompt, params, generator, Future()))
+            requests.append(self.submit(prompt, params, generator))
+        for r in requests:
+            r.future.result()
+        return self._outputs(input_ids, attention_mask, requests)
+
+    def submit(self, prompt: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> _Request:
+        """Queue one prompt (token ids, no padding); its `future` completes when its `params.n`
+        samples are in `tokens`, `logprobs` and `versions` (one list per sample)."""
+        request = _Request(list(prompt), params, generator, Future())
         with self._cv:
-            self._queue.extend(requests)
+            self._queue.append(request)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="continuous-batcher", daemon=True)
                 self._thread.start()
             self._cv.notify()
-        for r in requests:
-            r.future.result()
-        return self._outputs(input_ids, attention_mask, requests)
+        return request
 
     def _outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  requests: list[_Request]) -> dict[str, torch.Tensor]:

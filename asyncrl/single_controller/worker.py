@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from asyncrl.single_controller.memory import process_memory
 from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
 from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
@@ -173,9 +174,10 @@ class Worker:
 
     # every worker's own methods ------------------------------------------------------------------
     @register(ONE_TO_ALL)
-    def memory_stats(self) -> dict[str, float]:
+    def memory_stats(self) -> dict:
         """This worker process's memory in bytes: resident now (`rss`), its peak so far
-        (`peak_rss`), and on a GPU torch's peak allocation (`cuda_peak_allocated`)."""
+        (`peak_rss`), on a GPU torch's peak allocation (`cuda_peak_allocated`), and the peaks of
+        the phases its methods recorded (`phases`; see `asyncrl.single_controller.memory`)."""
         return process_memory(self.device)
 
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
@@ -215,21 +217,3 @@ class Worker:
         layouts = self.asyncrl_layouts() if self._layout_reported != self._layout_version else None
         return [out, layouts, warning_relay().drain() if _relay is not None else []]
 
-
-def process_memory(device: str = "cpu") -> dict[str, float]:
-    """Resident and peak resident bytes of this process (Linux /proc, else getrusage), and
-    torch's peak CUDA allocation on a GPU `device`."""
-    out: dict[str, float] = {}
-    try:
-        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-        out = {"rss": float(status["VmRSS"].split()[0]) * 1024, "peak_rss": float(status["VmHWM"].split()[0]) * 1024}
-    except (OSError, KeyError, ValueError):
-        import resource
-
-        peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-        out = {"rss": peak, "peak_rss": peak}
-    if str(device).startswith("cuda"):
-        import torch
-
-        out["cuda_peak_allocated"] = float(torch.cuda.max_memory_allocated(torch.device(device)))
-    return out

@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from asyncrl.config import OptimConfig
+from asyncrl.plan.memory import EXPORT_SHARD_BYTES
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 
@@ -58,7 +59,6 @@ LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files: rank 0 holds at most one shard
 
 
 class ShardWriter:
@@ -200,6 +200,21 @@ def compute_dtype(device: str | torch.device, dtype: str = "auto") -> torch.dtyp
     if dtype == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+def warn_if_bf16_is_slow(device: str | torch.device, dtype: str = "auto") -> None:
+    """Log a warning where bf16 compute runs on a CPU without native bf16 matrix kernels (no
+    AVX512-BF16 or AMX): its backward matmuls there run tens of times slower than fp32."""
+    if compute_dtype(device, dtype) != torch.bfloat16 or torch.device(device).type != "cpu":
+        return
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = True  # cannot tell: say nothing
+    if not native:
+        log.warning("model.dtype=bfloat16 on a CPU without native bf16 kernels (no AVX512-BF16/AMX): "
+                    "training matmuls run tens of times slower than in float32 here; use "
+                    "model.dtype=float32 on this machine (bf16 is for GPUs and bf16-capable CPUs)")
 
 
 def mixed_precision_policy(device: str | torch.device, enabled: bool = True, dtype: str = "auto") -> MixedPrecisionPolicy:

@@ -71,9 +71,12 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
              "critic.gradient_checkpointing=true"]),
     # bf16 compute over fp32 master weights on CPU ranks, the reference policy stored in bf16
     ("grpo", ["model.dtype=bfloat16", "actor.use_kl_loss=true"]),
+    # two-turn trajectories with an environment: observation tokens masked out of the loss
+    ("grpo", ["rollout.multi_turn.enable=true", "rollout.multi_turn.env=tests/helpers/agent_envs.py:CountOnes",
+              "rollout.multi_turn.max_turn_tokens=4", "rollout.max_tokens=16", "actor.use_kl_loss=true"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
         "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing",
-        "grpo_bf16"])
+        "grpo_bf16", "grpo_multi_turn"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""
@@ -92,6 +95,9 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert losses and all(math.isfinite(v) for v in losses), steps
     assert all(r["timing/gen_s"] > 0 and r["timing/update_actor_s"] > 0 and r["timing/overhead_s"] >= 0
                for r in steps)
+    assert all(0.1 < r["perf/peak_rss_gib"] < 20 for r in steps)  # the actor's largest rank, logged each step
+    if "rollout.multi_turn.enable=true" in extra:  # every trajectory ran its two turns
+        assert all(r["agent/num_turns_mean"] == 2.0 for r in steps), steps
     before, after = _weights(tiny_model), _weights(Path(summary["checkpoint"]))
     if "model.dtype=bfloat16" in extra:  # the export is in the compute dtype, and says so
         config = json.loads((Path(summary["checkpoint"]) / "config.json").read_text())

@@ -1,0 +1,242 @@
+"""Multi-turn rollouts, token in and token out: one asyncio task per trajectory.
+
+A trajectory's ids are the prompt's, then turn by turn exactly the ids the engine generated
+(never decoded and re-encoded) and the ids of the environment's observation, rendered by the
+chat template as the delta that follows the model's stop token (the observation message and the
+next generation prompt). Model tokens have `response_mask` 1 and their sampling log-probs;
+observation tokens have mask 0 (no loss, KL, entropy or advantage) and attention 1.
+
+Each turn is a request for tokens: `WaveGenerator` serves an engine that decodes batches (the
+colocated `RolloutEngine`): the requests waiting when a decode starts go in together, and a
+trajectory that is waiting on its environment does not hold one back; `BatcherGenerator` hands
+each turn to the continuous batcher of a rollout pool of its own, where a finished row's slot is
+taken at once. Environment steps run concurrently (sync environments on a bounded thread pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+
+from asyncrl.agents.config import MultiTurnConfig
+from asyncrl.agents.env import Action, Environment, StepResult, call, load_environment
+from asyncrl.rollout.engine import SamplingParams, positions_from_mask
+
+TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_s", "env_reward")
+
+
+@dataclass
+class Trajectory:
+    """One rollout: the ids after the prompt (model and observation tokens) and what they were."""
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)  # 1: the model's, 0: an observation's
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    env_reward: float = math.nan  # nan: the environment gave none (the reward function scores)
+    counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRAJECTORY_METRICS[:-1], 0.0))
+
+    def add(self, ids: list[int], model: bool, logprobs: list[float] | None = None,
+            versions: list[int] | None = None) -> None:
+        self.tokens += ids
+        self.mask += [int(model)] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        # an observation's tokens carry the version of the turn before them (they are never trained)
+        self.versions += versions if versions is not None else [self.versions[-1] if self.versions else 0] * len(ids)
+
+    def reward(self, value: float | None) -> None:
+        if value is not None:
+            self.env_reward = (0.0 if math.isnan(self.env_reward) else self.env_reward) + float(value)
+
+
+class TurnGenerator(Protocol):
+    """Tokens for one turn: (token ids, their log-probs, the policy version of each)."""
+
+    async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]: ...
+
+
+class WaveGenerator:
+    """Turns served by `RolloutEngine.generate` in waves: every request waiting when a decode
+    starts goes into it; requests arriving meanwhile wait for the next one."""
+
+    def __init__(self, engine: Any, params: SamplingParams, generator: torch.Generator | None,
+                 version: Any = lambda: 0) -> None:
+        self.engine, self.params, self.generator, self.version = engine, params, generator, version
+        self.waiting: list[tuple[list[int], int, asyncio.Future]] = []
+        self.runner: asyncio.Task | None = None
+        self.waves = 0
+
+    async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((ids, max_tokens, future))
+        if self.runner is None or self.runner.done():
+            self.runner = asyncio.create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        while self.waiting:
+            wave, self.waiting = self.waiting, []
+            try:
+                outs = await asyncio.to_thread(self._decode, [(ids, m) for ids, m, _ in wave])
+            except BaseException as e:  # every waiting trajectory gets the engine's error
+                for *_, f in wave:
+                    if not f.done():
+                        f.set_exception(e)
+                raise
+            for (_, _, f), out in zip(wave, outs, strict=True):
+                if not f.done():
+                    f.set_result(out)
+
+    def _decode(self, requests: list[tuple[list[int], int]]) -> list[tuple[list[int], list[float], list[int]]]:
+        self.waves += 1
+        width = max(len(ids) for ids, _ in requests)
+        pad = self.engine.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in requests])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in requests])
+        version = self.version()
+        params = replace(self.params, n=1, max_tokens=max(m for _, m in requests))
+        out = self.engine.generate(input_ids, mask, params, generator=self.generator)
+        results = []
+        for row, (_, budget) in enumerate(requests):
+            k = min(budget, int(out["response_mask"][row].sum()))
+            results.append((out["responses"][row, :k].tolist(), out["rollout_log_probs"][row, :k].tolist(),
+                            [version] * k))
+        return results
+
+
+class BatcherGenerator:
+    """Turns served by a `ContinuousBatcher` (a rollout pool of its own): one request per turn."""
+
+    def __init__(self, batcher: Any, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.batcher, self.params, self.generator = batcher, params, generator
+
+    async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
+        request = self.batcher.submit(ids, replace(self.params, n=1, max_tokens=max_tokens), self.generator)
+        await asyncio.wrap_future(request.future)
+        return request.tokens[0], request.logprobs[0], request.versions[0]
+
+
+class ObservationRenderer:
+    """The ids of an observation message plus the next generation prompt, as the chat template
+    renders them after an assistant turn that ended with the tokenizer's end-of-turn token."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int) -> None:
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self.base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        before = tokenizer.apply_chat_template(self.base, tokenize=False)
+        end = before.rfind(tokenizer.eos_token) if tokenizer.eos_token else -1
+        self.cut = end + len(tokenizer.eos_token) if end >= 0 else len(before)
+        self.prefix = before[:self.cut]
+
+    def __call__(self, text: str, role: str = "tool") -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > self.max_tokens:  # the observation's own ids, cut; never the model's
+            text = self.tokenizer.decode(ids[:self.max_tokens]) + " ...[truncated]"
+        full = self.tokenizer.apply_chat_template([*self.base, {"role": role, "content": text}],
+                                                  tokenize=False, add_generation_prompt=True)
+        if not full.startswith(self.prefix):
+            raise ValueError("the chat template renders the conversation differently once an observation "
+                             "follows; multi-turn rollouts need a template that appends messages")
+        return self.tokenizer.encode(full[self.cut:], add_special_tokens=False)
+
+
+async def run_trajectory(env: Environment, row: dict[str, Any], prompt: list[int], generate: TurnGenerator,
+                         render: ObservationRenderer, cfg: MultiTurnConfig, budget: int, pool: Any) -> Trajectory:
+    """Model turns and environment steps until done, `max_turns`, or the token budget."""
+    traj = Trajectory(list(prompt))
+    await call(pool, env.reset, row)
+    for turn in range(cfg.max_turns):
+        room = budget - len(traj.tokens)
+        if room <= 0:
+            break
+        tokens, logprobs, versions = await generate(traj.prompt + traj.tokens, min(room, cfg.max_turn_tokens or room))
+        traj.add(tokens, True, logprobs, versions)
+        traj.counts["num_turns"] += 1
+        text = render.tokenizer.decode(tokens, skip_special_tokens=True)
+        result = await _step(env, Action(tuple(tokens), text), cfg, pool, traj)
+        traj.reward(result.reward)
+        if result.done or turn == cfg.max_turns - 1 or not result.observation:
+            break
+        obs = render(result.observation, result.role)
+        if len(traj.tokens) + len(obs) >= budget:  # no room to answer after it: stop here
+            break
+        traj.add(obs, False)
+    return traj
+
+
+async def _step(env: Environment, action: Action, cfg: MultiTurnConfig, pool: Any, traj: Trajectory) -> StepResult:
+    t0 = time.monotonic()
+    try:
+        result = await asyncio.wait_for(call(pool, env.step, action), cfg.step_timeout_s)
+    except TimeoutError:
+        result = StepResult(f"error: the environment step took more than {cfg.step_timeout_s} s", done=True,
+                            info={"tool_errors": 1.0})
+    traj.counts["env_s"] += time.monotonic() - t0
+    if not isinstance(result, StepResult):
+        raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}; return a StepResult")
+    for k, v in result.info.items():
+        traj.counts[k] = traj.counts.get(k, 0.0) + float(v)
+    return result
+
+
+class MultiTurnRollout:
+    """Rolls out `n` trajectories per prompt row of a batch, each with a new environment."""
+
+    def __init__(self, cfg: MultiTurnConfig, tokenizer: Any) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.factory = load_environment(cfg.env)
+        self.render = ObservationRenderer(tokenizer, cfg.max_observation_tokens)
+        self.pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="env")
+
+    def rollout(self, prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
+                generate: TurnGenerator, budget: int) -> list[Trajectory]:
+        """Every trajectory (B*n, interleaved like single-turn samples) within `budget` tokens
+        after its prompt, run on an event loop of its own (the worker method runs on a thread)."""
+        return asyncio.run(self._all(prompts, rows, n, generate, budget))
+
+    async def _all(self, prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
+                   generate: TurnGenerator, budget: int) -> list[Trajectory]:
+        gate = asyncio.Semaphore(self.cfg.concurrency)
+
+        async def one(prompt: list[int], row: dict[str, Any]) -> Trajectory:
+            async with gate:
+                env = self.factory(**self.cfg.env_kwargs)
+                return await run_trajectory(env, row, prompt, generate, self.render, self.cfg, budget, self.pool)
+
+        return await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def trajectories_to_tensors(trajs: list[Trajectory], prompts: torch.Tensor, prompt_mask: torch.Tensor,
+                            width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """The rollout batch of single-turn generation, with holes in `response_mask` where
+    observations are, plus the per-trajectory metrics as [rows] tensors."""
+    rows = len(trajs)
+    responses = torch.full((rows, width), pad_id, dtype=torch.long)
+    resp_mask = torch.zeros((rows, width), dtype=torch.long)
+    attn = torch.zeros((rows, width), dtype=torch.long)
+    logps = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.zeros((rows, width), dtype=torch.long)
+    for i, t in enumerate(trajs):
+        k = len(t.tokens)
+        responses[i, :k], resp_mask[i, :k], attn[i, :k] = torch.tensor(t.tokens), torch.tensor(t.mask), 1
+        logps[i, :k], versions[i, :k] = torch.tensor(t.logprobs), torch.tensor(t.versions)
+    n = rows // max(1, prompts.shape[0])
+    prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.long().repeat_interleave(n, 0)
+    mask = torch.cat([prompt_mask, attn], dim=1)
+    out = {"prompts": prompts, "responses": responses, "response_mask": resp_mask,
+           "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
+           "position_ids": positions_from_mask(mask), "rollout_log_probs": logps, "behav_versions": versions}
+    for name in TRAJECTORY_METRICS:
+        out[name] = torch.tensor([t.env_reward if name == "env_reward" else t.counts.get(name, 0.0) for t in trajs],
+                                 dtype=torch.float32)
+    return out
