@@ -15,14 +15,9 @@ rollout's event loop. One environment object serves one trajectory (a new one pe
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-from daemons.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -60,32 +55,6 @@ class Environment:
     def tools_schema(self) -> list[dict] | None:
         """Tool descriptions for the chat template's `tools=` (None: no tools)."""
         return None
-
-
-def load_environment(spec: str, kwargs: dict[str, Any] | None = None) -> type[Environment] | Any:
-    """The environment factory `spec` names: a built-in name or `path/to/file.py:Class`."""
-    from asyncrl.agents.tools import BUILTIN_ENVIRONMENTS
-
-    if spec in BUILTIN_ENVIRONMENTS:
-        return BUILTIN_ENVIRONMENTS[spec]
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py"):
-        raise ConfigError(f"rollout.multi_turn.env={spec!r}: not a built-in environment "
-                          f"({', '.join(sorted(BUILTIN_ENVIRONMENTS))}) and not path/to/file.py:Class")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"rollout.multi_turn.env={spec!r}: no file {file.resolve()}")
-    module_name = f"asyncrl_env_{abs(hash(str(file.resolve())))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        loader = importlib.util.spec_from_file_location(module_name, file)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module
-        loader.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if factory is None or not callable(factory):
-        raise ConfigError(f"rollout.multi_turn.env={spec!r}: {file} has no class or function {name!r}")
-    return factory
 
 
 async def call(pool: Any, fn: Any, *args: Any) -> Any:

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.agents.config import MultiTurnConfig
-from asyncrl.agents.env import Action, Environment, StepResult, call, load_environment
+from asyncrl.agents.env import Action, Environment, StepResult, call
+from asyncrl.agents.tools import load_environment
 from asyncrl.rollout.engine import SamplingParams, positions_from_mask
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_s", "env_reward")
@@ -57,31 +58,53 @@ class Trajectory:
 
 
 class TurnGenerator(Protocol):
-    """Tokens for one turn: (token ids, their log-probs, the policy version of each)."""
+    """Tokens for one turn: (token ids, their log-probs, the policy version of each); told how
+    many trajectories are live (`begin` as each starts, `retire` as it ends)."""
 
     async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]: ...
+
+    def begin(self, trajectories: int) -> None: ...
+
+    def retire(self) -> None: ...
 
 
 class WaveGenerator:
     """Turns served by `RolloutEngine.generate` in waves: every request waiting when a decode
-    starts goes into it; requests arriving meanwhile wait for the next one."""
+    starts goes into it; requests arriving meanwhile wait for the next one.
+
+    `lockstep=True` is the baseline other trainers run (TRL's GRPOTrainer): a decode waits until
+    every live trajectory has asked, so turn t of all rows ends before any row's turn t + 1."""
 
     def __init__(self, engine: Any, params: SamplingParams, generator: torch.Generator | None,
-                 version: Any = lambda: 0) -> None:
+                 version: Any = lambda: 0, lockstep: bool = False) -> None:
         self.engine, self.params, self.generator, self.version = engine, params, generator, version
+        self.lockstep = lockstep
         self.waiting: list[tuple[list[int], int, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
-        self.waves = 0
+        self.waves = self.live = 0
+
+    def begin(self, trajectories: int) -> None:
+        self.live += trajectories
+
+    def retire(self) -> None:
+        self.live -= 1
+        self._kick()
 
     async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((ids, max_tokens, future))
-        if self.runner is None or self.runner.done():
-            self.runner = asyncio.create_task(self._run())
+        self._kick()
         return await future
 
+    def _ready(self) -> bool:
+        return bool(self.waiting) and (not self.lockstep or len(self.waiting) >= self.live)
+
+    def _kick(self) -> None:
+        if self._ready() and (self.runner is None or self.runner.done()):
+            self.runner = asyncio.create_task(self._run())
+
     async def _run(self) -> None:
-        while self.waiting:
+        while self._ready():
             wave, self.waiting = self.waiting, []
             try:
                 outs = await asyncio.to_thread(self._decode, [(ids, m) for ids, m, _ in wave])
@@ -116,6 +139,12 @@ class BatcherGenerator:
 
     def __init__(self, batcher: Any, params: SamplingParams, generator: torch.Generator | None) -> None:
         self.batcher, self.params, self.generator = batcher, params, generator
+
+    def begin(self, trajectories: int) -> None:
+        pass
+
+    def retire(self) -> None:
+        pass
 
     async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
         request = self.batcher.submit(ids, replace(self.params, n=1, max_tokens=max_tokens), self.generator)
@@ -207,8 +236,12 @@ class MultiTurnRollout:
 
         async def one(prompt: list[int], row: dict[str, Any]) -> Trajectory:
             async with gate:
-                env = self.factory(**self.cfg.env_kwargs)
-                return await run_trajectory(env, row, prompt, generate, self.render, self.cfg, budget, self.pool)
+                generate.begin(1)
+                try:
+                    env = self.factory(**self.cfg.env_kwargs)
+                    return await run_trajectory(env, row, prompt, generate, self.render, self.cfg, budget, self.pool)
+                finally:
+                    generate.retire()
 
         return await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)))
 

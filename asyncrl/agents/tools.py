@@ -15,16 +15,20 @@ come back to the model as error text, counted in `tool_errors`.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import json
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncrl.agents.env import Action, Environment, StepResult
 from asyncrl.agents.sandbox import SandboxLimits, run_python
+from daemons.errors import ConfigError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -124,3 +128,27 @@ class PythonToolEnvironment(ToolEnvironment):
 
 
 BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"python_tool": PythonToolEnvironment}
+
+
+def load_environment(spec: str, kwargs: dict[str, Any] | None = None) -> type[Environment] | Any:
+    """The environment factory `spec` names: a built-in name or `path/to/file.py:Class`."""
+    if spec in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[spec]
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        raise ConfigError(f"rollout.multi_turn.env={spec!r}: not a built-in environment "
+                          f"({', '.join(sorted(BUILTIN_ENVIRONMENTS))}) and not path/to/file.py:Class")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"rollout.multi_turn.env={spec!r}: no file {file.resolve()}")
+    module_name = f"asyncrl_env_{abs(hash(str(file.resolve())))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader = importlib.util.spec_from_file_location(module_name, file)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[module_name] = module
+        loader.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if factory is None or not callable(factory):
+        raise ConfigError(f"rollout.multi_turn.env={spec!r}: {file} has no class or function {name!r}")
+    return factory

@@ -8,9 +8,11 @@ allocates (generation, the log-prob passes, the update):
                over dp x tp ranks), the reference policy's shard in the compute dtype
     generate   the generation weights (the reshard's full tensors over rollout.parallel.tp, in the
                compute dtype) + the native engine's KV cache for this rank's rows
-    log-probs  one micro-batch's logits at the response positions + an fp32 chunk + two gathered layers
+    log-probs  one micro-batch's logits at the response positions + an fp32 chunk + two gathered
+               layers + the gathered embedding (FSDP's root unit)
     update     one micro-batch's saved activations (one layer's when checkpointing) + its logits
-               and their gradient + fp32 chunks + two gathered layers
+               and their gradient + fp32 chunks + two gathered layers + the gathered embedding
+               and its unsharded gradient (compute dtype, and the fp32 copy FSDP reduces)
 
 plus the process's own footprint (Python, torch and transformers loaded: `RUNTIME_BYTES`); rank 0
 also reads the checkpoint at load, and at a save holds the HF export's current file (at most
@@ -102,6 +104,11 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     parts["update logits and their gradient"] = (2 * mb_rows * width * spec.vocab / par.tp * cb
                                                  + 3 * _chunk(spec, mb_rows * width))
     parts["gathered layers (FSDP)"] = 2 * layer
+    # FSDP's root unit (embedding, LM head when untied) gathered for the whole forward and, in the
+    # update, its unsharded gradient in the compute dtype plus the fp32 copy reduced from it
+    embed = spec.vocab * spec.hidden * (1 if spec.tied else 2) / par.tp
+    parts["gathered embedding (FSDP root)"] = cb * embed
+    parts["embedding gradient (unsharded)"] = (cb + 4) * embed
     parts["process (python, torch)"] = RUNTIME_BYTES
 
     resident = sum(parts[k] for k in ("actor weights (fp32 master shard)", "gradients (fp32 shard)",
@@ -109,9 +116,11 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
                                       "process (python, torch)"))
     phases = {
         "generate": resident + generation,
-        "log-probs": resident + parts["log-prob logits"] + parts["gathered layers (FSDP)"],
+        "log-probs": resident + parts["log-prob logits"] + parts["gathered layers (FSDP)"]
+        + parts["gathered embedding (FSDP root)"],
         "update": resident + parts["update activations"] + parts["update logits and their gradient"]
-        + parts["gathered layers (FSDP)"],
+        + parts["gathered layers (FSDP)"] + parts["gathered embedding (FSDP root)"]
+        + parts["embedding gradient (unsharded)"],
         # rank 0 reads the checkpoint (its tensors, and each file's as read); at a save it gathers
         # one tensor at a time in fp32 and keeps the export's current file in the compute dtype
         "load (rank 0)": 4 * shard + 6 * spec.params + RUNTIME_BYTES,

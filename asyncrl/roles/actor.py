@@ -290,7 +290,8 @@ class ActorRolloutRefWorker(Worker):
         plain = [[t for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids.tolist(), mask.tolist(), strict=True)]
         rows = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(plain))]
         turns = (BatcherGenerator(self.batcher, params, gen) if self.batcher is not None
-                 else WaveGenerator(self.rollout, params, gen, version=self._policy_version))
+                 else WaveGenerator(self.rollout, params, gen, version=self._policy_version,
+                                    lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep"))
         trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens)
         out = trajectories_to_tensors(trajs, ids.cpu(), mask.cpu(), params.max_tokens, self.tokenizer.pad_token_id)
         return {k: v.to(ids.device) for k, v in out.items()}

@@ -126,7 +126,7 @@ def tiny(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def _rollout(tiny, monkeypatch, latency_s=0.0, turns=3, budget=40, n=2):
+def _rollout(tiny, monkeypatch, latency_s=0.0, turns=3, budget=40, n=2, lockstep=False):
     from asyncrl.rollout import RolloutEngine, SamplingParams
 
     model, tok = tiny
@@ -147,7 +147,8 @@ def _rollout(tiny, monkeypatch, latency_s=0.0, turns=3, budget=40, n=2):
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"sort {i} 2"}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)
                for i in range(3)]
-    wave = WaveGenerator(engine, SamplingParams(temperature=1.0, max_tokens=8), torch.Generator().manual_seed(0))
+    wave = WaveGenerator(engine, SamplingParams(temperature=1.0, max_tokens=8), torch.Generator().manual_seed(0),
+                         lockstep=lockstep)
     t0 = time.monotonic()
     trajs = agent.rollout(prompts, [{"i": i} for i in range(3)], n, wave, budget)
     agent.close()
@@ -211,6 +212,12 @@ def test_a_trajectory_waiting_on_its_environment_does_not_hold_the_others(tiny, 
     assert wave.waves <= 3 * 6 / 2  # turns of different trajectories share decodes
 
 
+def test_lockstep_decodes_every_trajectorys_turn_together(tiny, monkeypatch):
+    trajs, _, generated, _, wave, _ = _rollout(tiny, monkeypatch, lockstep=True)
+    assert all(t.counts["num_turns"] == 3 for t in trajs)
+    assert wave.waves == 3 and len(generated) == 18  # three decodes of all six rows
+
+
 def test_pipeline_handles_holes_in_the_response_mask():
     from asyncrl.roles.forward import decode_responses, response_span
     from asyncrl.roles.update import trim_padding
@@ -239,3 +246,17 @@ def test_multi_turn_config_is_checked():
                    "actor": {"parallel": {"tp": 2}}, "trainer": {"n_workers": 2}})
     with pytest.raises(ConfigError, match="max_turns"):
         rl_config({"rollout": {"multi_turn": {"max_turns": 0}}})
+
+
+def test_a_bad_environment_name_says_what_to_write(tmp_path):
+    from asyncrl.agents.tools import load_environment
+    from daemons.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="python_tool"):
+        load_environment("pyhton_tool")
+    with pytest.raises(ConfigError, match="no file"):
+        load_environment(str(tmp_path / "missing.py") + ":Env")
+    (tmp_path / "envs.py").write_text("class Env: pass\n")
+    with pytest.raises(ConfigError, match="no class or function 'Other'"):
+        load_environment(str(tmp_path / "envs.py") + ":Other")
+    assert load_environment(str(tmp_path / "envs.py") + ":Env").__name__ == "Env"

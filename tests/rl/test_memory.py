@@ -185,7 +185,7 @@ def test_model_dtype_picks_the_compute_dtype_and_keeps_fp32_masters():
 def test_a_big_export_is_sharded_with_an_index_and_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.train.fsdp import write_safetensors
+    from asyncrl.train.export import write_safetensors
 
     model = _model()
     model.config.torch_dtype = torch.bfloat16
