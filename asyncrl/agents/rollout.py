@@ -30,6 +30,7 @@ from asyncrl.agents.tools import load_environment
 from asyncrl.rollout.engine import SamplingParams, positions_from_mask
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_s", "env_reward")
+GATHER_S = 0.005  # the longest a decode waits for turns still arriving
 
 
 @dataclass
@@ -103,8 +104,19 @@ class WaveGenerator:
         if self._ready() and (self.runner is None or self.runner.done()):
             self.runner = asyncio.create_task(self._run())
 
+    async def _gather(self) -> None:
+        """Before a decode, let turns that are arriving now join it: wait while each pass of the
+        event loop brings new requests (environments that answer at once), at most `GATHER_S`."""
+        loop = asyncio.get_running_loop()
+        deadline, seen = loop.time() + GATHER_S, -1
+        while len(self.waiting) != seen and len(self.waiting) < self.live and loop.time() < deadline:
+            seen = len(self.waiting)
+            for _ in range(3):
+                await asyncio.sleep(0)
+
     async def _run(self) -> None:
         while self._ready():
+            await self._gather()
             wave, self.waiting = self.waiting, []
             try:
                 outs = await asyncio.to_thread(self._decode, [(ids, m) for ids, m, _ in wave])

@@ -117,6 +117,21 @@ def test_split_placement_runs_ahead_within_the_staleness_bound(tiny_model, tmp_p
     assert all(r["timing/weight_sync_s"] > 0 for r in steps)
 
 
+def test_multi_turn_trajectories_on_a_rollout_pool_of_their_own(tiny_model, tmp_path):
+    """Each turn is a request to the rollout worker's continuous batcher; trajectories generated
+    ahead of training carry per-token policy versions (the decoupled objective uses them)."""
+    out = tmp_path / "agents"
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1",
+                                            "rollout.max_staleness=1", "trainer.total_steps=3", "trainer.eval_every=3",
+                                            "rollout.multi_turn.enable=true", "rollout.max_tokens=16",
+                                            "rollout.multi_turn.env=tests/helpers/agent_envs.py:CountOnes",
+                                            "rollout.multi_turn.max_turn_tokens=4", "trainer.loggers=[console,jsonl]"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(steps) == 3 and all(r["agent/num_turns_mean"] == 2.0 for r in steps), steps
+    assert max(r["async/staleness"] for r in steps) == 1
+
+
 def test_config_refuses_what_split_placement_cannot_do(tiny_model, tmp_path):
     for extra, key in ((["rollout.interrupt_on_update=true"], "rollout.interrupt_on_update"),
                        (["trainer.placement=split", "actor.parallel.pp=2"], "actor.parallel.pp"),

@@ -242,6 +242,22 @@ def test_grpo_with_tensor_parallel_vllm_trains(tmp_path):
     assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 3
 
 
+def test_multi_turn_trajectories_with_vllm(tmp_path):
+    """rollout.multi_turn with the vLLM engine: each wave of turns is one vLLM generate call."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from tests.rl.test_rl import _launch
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", sft_steps=0, **TINY)
+    out = tmp_path / "agents"
+    res = _launch("grpo", out, model, ["rollout.engine=vllm", "rollout.multi_turn.enable=true", "rollout.max_tokens=16",
+                                       "rollout.multi_turn.env=tests/helpers/agent_envs.py:CountOnes",
+                                       "rollout.multi_turn.max_turn_tokens=4", "trainer.total_steps=2",
+                                       "trainer.loggers=[console,jsonl]"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(steps) == 2 and all(r["agent/num_turns_mean"] == 2.0 for r in steps), steps
+
+
 def test_vllm_layouts_are_checked_on_startup(tmp_path):
     from asyncrl.config import rl_config
     from daemons.errors import ConfigError
