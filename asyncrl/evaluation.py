@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RLConfig
+from asyncrl.roles.forward import response_span
 from asyncrl.rundir import new_eval_file
 from daemons.errors import ConfigError
 
@@ -53,14 +54,15 @@ class Evaluator:
         prompts = self.data.put(self.data.val_prompts, {"greedy": greedy, "n": n})
         gen = self.roles.rollout.generate_sequences(prompts)
         scored = self.roles.reward.compute_reward(gen)
-        out = await (await gen).select("responses", "response_mask", meta=False).fetch()
+        out = await (await gen).select("responses", "response_mask", "attention_mask", meta=False).fetch()
         scores = (await (await scored).select("scores", meta=False).fetch())["scores"].float().tolist()
+        spans, model_tokens = response_span(out).tolist(), out["response_mask"].sum(-1).tolist()
         rows = []
-        for i, (resp, m, score) in enumerate(zip(out["responses"], out["response_mask"].bool(), scores, strict=True)):
+        for i, (resp, span, score) in enumerate(zip(out["responses"], spans, scores, strict=True)):
             p = i // n  # a prompt's n samples are consecutive rows
             rows.append({"prompt_index": p, "sample": i % n, "data_source": self.data.val_prompts["data_source"][p],
-                         "ground_truth": self.data.val_prompts["ground_truth"][p], "response_ids": resp[m].tolist(),
-                         "score": score})
+                         "ground_truth": self.data.val_prompts["ground_truth"][p],
+                         "response_ids": resp[:int(span)].tolist(), "turns": model_tokens[i] < span, "score": score})
         return rows
 
     def _decoded(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -69,9 +71,10 @@ class Evaluator:
         out = []
         for r in rows:
             p = r["prompt_index"]
+            # a multi-turn trajectory keeps its role markers, so its turns and observations show
             text = {"prompt": self.data.tokenizer.decode(ids[p][mask[p]].tolist()),
-                    "response": self.data.tokenizer.decode(r["response_ids"], skip_special_tokens=True)}
-            out.append({**{k: v for k, v in r.items() if k != "response_ids"}, **text})
+                    "response": self.data.tokenizer.decode(r["response_ids"], skip_special_tokens=not r["turns"])}
+            out.append({**{k: v for k, v in r.items() if k not in ("response_ids", "turns")}, **text})
         return out
 
     async def evaluate_only(self) -> dict[str, Any]:
