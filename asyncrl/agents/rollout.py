@@ -16,6 +16,7 @@ taken at once. Environment steps run concurrently (sync environments on a bounde
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,12 @@ from asyncrl.agents.env import Action, Environment, StepResult, call
 from asyncrl.agents.tools import load_environment
 from asyncrl.rollout.engine import SamplingParams, positions_from_mask
 
-TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_s", "env_reward")
+TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s", "env_reward")
+log = logging.getLogger(__name__)
+
+
+class EnvironmentStepError(RuntimeError):
+    """Every trajectory's environment step raised: the environment is broken, not the model."""
 GATHER_S = 0.005  # the longest a decode waits for turns still arriving
 
 
@@ -43,6 +49,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     env_reward: float = math.nan  # nan: the environment gave none (the reward function scores)
+    error: str | None = None  # what the environment raised, if it did
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRAJECTORY_METRICS[:-1], 0.0))
 
     def add(self, ids: list[int], model: bool, logprobs: list[float] | None = None,
@@ -219,6 +226,11 @@ async def _step(env: Environment, action: Action, cfg: MultiTurnConfig, pool: An
     except TimeoutError:
         result = StepResult(f"error: the environment step took more than {cfg.step_timeout_s} s", done=True,
                             info={"tool_errors": 1.0})
+    except Exception as e:  # what the model wrote broke the environment: this trajectory ends, the rest go on
+        log.warning("%s.step raised %s: %s (the trajectory ends there; counted in agent/env_errors_mean)",
+                    type(env).__name__, type(e).__name__, e)
+        traj.error = f"{type(e).__name__}: {e}"
+        result = StepResult(done=True, info={"env_errors": 1.0})
     traj.counts["env_s"] += time.monotonic() - t0
     if not isinstance(result, StepResult):
         raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}; return a StepResult")
@@ -255,7 +267,11 @@ class MultiTurnRollout:
                 finally:
                     generate.retire()
 
-        return await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)))
+        trajs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)))
+        if trajs and all(t.error for t in trajs):  # not the model's doing: the environment itself is broken
+            raise EnvironmentStepError(f"{self.cfg.env}: every trajectory's step raised (first: {trajs[0].error}); "
+                                       "fix the environment (a model's odd output may end one trajectory, not all)")
+        return trajs
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

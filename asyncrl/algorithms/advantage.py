@@ -106,7 +106,7 @@ def _result(batch: Batch, adv: Tensor, ret: Tensor, rewards: Tensor, meta: dict[
     })
     if "response_clipped" in batch:
         meta["response/clip_ratio"] = float(batch["response_clipped"].float().mean())
-    for key in ("num_turns", "tool_calls", "tool_errors", "env_s"):  # multi-turn trajectories (asyncrl.agents)
+    for key in ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s"):  # multi-turn trajectories
         if key in batch:
             meta[f"agent/{key}_mean"] = float(batch[key].float().mean())
     for key in batch.keys():  # a dict-returning reward's extra numbers

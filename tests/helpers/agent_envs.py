@@ -39,3 +39,23 @@ class CountOnes(Environment):
         if self.turns == 2:
             return StepResult(reward=self.words.count("1") / max(1, len(self.words)), done=True)
         return StepResult("sort 1 1", role="user")
+
+
+class Flaky(Environment):
+    """Every other trajectory's first step raises (a model's output the environment cannot parse)."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        Flaky.made += 1
+        self.breaks = Flaky.made % 2 == 0
+
+    async def step(self, action: Action) -> StepResult:
+        if self.breaks:
+            raise ValueError(f"cannot parse {action.text!r}")
+        return StepResult(reward=1.0, done=True)
+
+
+class Broken(Environment):
+    def step(self, action: Action) -> StepResult:
+        raise KeyError("answer")

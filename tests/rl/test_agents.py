@@ -126,7 +126,7 @@ def tiny(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def _rollout(tiny, monkeypatch, latency_s=0.0, turns=3, budget=40, n=2, lockstep=False):
+def _rollout(tiny, monkeypatch, latency_s=0.0, turns=3, budget=40, n=2, lockstep=False, env="Countdown"):
     from asyncrl.rollout import RolloutEngine, SamplingParams
 
     model, tok = tiny
@@ -141,7 +141,8 @@ def _rollout(tiny, monkeypatch, latency_s=0.0, turns=3, budget=40, n=2, lockstep
         return out
 
     monkeypatch.setattr(engine, "generate", spy)
-    cfg = MultiTurnConfig(enable=True, env=f"{ENVS}:Countdown", env_kwargs={"turns": turns, "latency_s": latency_s},
+    kwargs = {"turns": turns, "latency_s": latency_s} if env == "Countdown" else {}
+    cfg = MultiTurnConfig(enable=True, env=f"{ENVS}:{env}", env_kwargs=kwargs,
                           max_turns=turns, max_turn_tokens=8)
     agent = MultiTurnRollout(cfg, tok)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"sort {i} 2"}], tokenize=False,
@@ -216,6 +217,22 @@ def test_lockstep_decodes_every_trajectorys_turn_together(tiny, monkeypatch):
     trajs, _, generated, _, wave, _ = _rollout(tiny, monkeypatch, lockstep=True)
     assert all(t.counts["num_turns"] == 3 for t in trajs)
     assert wave.waves == 3 and len(generated) == 18  # three decodes of all six rows
+
+
+def test_an_environment_that_raises_ends_that_trajectory_not_the_rollout(tiny, monkeypatch, caplog):
+    trajs, *_ = _rollout(tiny, monkeypatch, env="Flaky")
+    broken = [t for t in trajs if t.error]
+    assert len(broken) == 3 and all("ValueError: cannot parse" in t.error for t in broken)
+    assert all(t.counts["env_errors"] == 1 and math.isnan(t.env_reward) for t in broken)
+    assert all(t.env_reward == 1.0 for t in trajs if not t.error)
+    assert "Flaky.step raised ValueError" in caplog.text
+
+
+def test_an_environment_that_always_raises_is_reported_as_broken(tiny, monkeypatch):
+    from asyncrl.agents.rollout import EnvironmentStepError
+
+    with pytest.raises(EnvironmentStepError, match="every trajectory's step raised .first: KeyError"):
+        _rollout(tiny, monkeypatch, env="Broken")
 
 
 def test_pipeline_handles_holes_in_the_response_mask():

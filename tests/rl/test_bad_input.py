@@ -366,7 +366,11 @@ def test_a_worker_names_its_node_and_the_paths_it_lacks(tmp_path):
 
 
 def test_an_unsupported_vllm_version_is_refused_with_the_range(monkeypatch):
-    from asyncrl.rollout.vllm_engine import VLLMUnavailableError, _check_vllm_version, supported_vllm
+    from asyncrl.rollout.vllm_engine import (
+        VLLMUnavailableError,
+        _check_vllm_version,
+        supported_vllm,
+    )
 
     wanted = supported_vllm()
     assert wanted and ">=" in wanted  # pyproject's `vllm` extra, read from the installed metadata
