@@ -64,9 +64,15 @@ class TinyModelConfig:
     layers: int = 2
     heads: int = 2  # head_dim 32: vLLM's CPU attention takes multiples of 32
     sft_steps: int = 0
+    # the warm start's answers: "format" (random symbols of the right shape: RL learns the task)
+    # or "task" (the true answers; for `lookup`, a fifth of the conversations call the tool)
+    sft_targets: str = "format"
+    sft_lr: float = 1e-3
 
     def check(self, at: str) -> None:
         _one_of(at + "task", self.task, _synthetic_tasks())
+        _positive(at + "sft_lr", self.sft_lr)
+        _one_of(at + "sft_targets", self.sft_targets, ("format", "task"))
         for name in ("hidden", "layers", "heads"):
             _positive(at + name, getattr(self, name))
         _check(self.hidden % self.heads == 0, at + "hidden", self.hidden,

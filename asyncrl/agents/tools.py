@@ -28,6 +28,7 @@ from typing import Any
 
 from asyncrl.agents.env import Action, Environment, StepResult
 from asyncrl.agents.sandbox import SandboxLimits, run_python
+from asyncrl.agents.tasks import LookupEnvironment
 from daemons.errors import ConfigError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -127,7 +128,8 @@ class PythonToolEnvironment(ToolEnvironment):
         return result.observation()
 
 
-BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"python_tool": PythonToolEnvironment}
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"python_tool": PythonToolEnvironment,
+                                                               "lookup": LookupEnvironment}
 
 
 def load_environment(spec: str, kwargs: dict[str, Any] | None = None) -> type[Environment] | Any:

@@ -72,6 +72,20 @@ def _copy_tail(rng: random.Random) -> tuple[str, str]:
     return " ".join(["copy", *xs]), " ".join(xs)
 
 
+def lookup_value(key: str) -> str:
+    """The digit the `lookup` tool returns for `key`: a hash, so no model can work it out."""
+    import hashlib
+
+    return str(hashlib.sha256(f"asyncrl-lookup:{key}".encode()).digest()[0] % 10)
+
+
+def _lookup(rng: random.Random) -> tuple[str, str]:
+    # "lookup c a f" -> the digit only the tool knows (asyncrl.agents.tasks.LookupEnvironment): a
+    # model that answers without calling it is right one time in ten
+    key = " ".join(rng.choice(LETTERS) for _ in range(3))
+    return f"lookup {key}", lookup_value(key)
+
+
 TASKS: dict[str, SyntheticTask] = {
     t.name: t
     for t in (
@@ -81,6 +95,7 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("copy", (*LETTERS, "copy"), _copy, 4, LETTERS),
         SyntheticTask("reverse", (*LETTERS, "reverse"), _reverse, 4, LETTERS),
         SyntheticTask("copy_tail", (*LETTERS, "copy"), _copy_tail, 16, LETTERS),
+        SyntheticTask("lookup", (*LETTERS, *DIGITS, "lookup", "call"), _lookup, 1, DIGITS),
     )
 }
 

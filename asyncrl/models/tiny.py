@@ -84,7 +84,7 @@ def build_config(tokenizer, *, hidden: int, layers: int, heads: int):
     )
 
 
-def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str = "format"):
+def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str = "format", steps: int = 0):
     """Endless (input_ids, labels) batches of chat-formatted task examples; loss on the answer.
 
     targets="task" trains on the true answers; targets="format" on answers of the right shape
@@ -100,6 +100,12 @@ def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str =
         pairs = make_examples(task, batch_size, seed=10_000 * (seed + 1) + step)
         seqs, labels = [], []
         for prompt, answer in pairs:
+            if spec.name == "lookup":  # conversations with the tool (asyncrl.agents.tasks)
+                ids, lab = _lookup_demo(tokenizer, prompt, rng, _lookup_call_rate(targets, step, steps),
+                                        copy=targets == "task")
+                seqs.append(ids)
+                labels.append(lab)
+                continue
             if targets == "format":
                 answer = " ".join(rng.choice(spec.answer_symbols) for _ in answer.split())
             head = tokenizer.apply_chat_template(
@@ -117,6 +123,44 @@ def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str =
         step += 1
 
 
+def _lookup_call_rate(targets: str, step: int, steps: int) -> float:
+    """The share of `lookup` demonstrations that call the tool. "task": a fifth for the first 70 %
+    of the warm start (the model learns to call and to answer with the tool's digit), 3 % after
+    (it learns to guess, and seldom calls on its own: RL has that to change); "format": half."""
+    if targets == "format":
+        return 0.5
+    return 0.2 if step < 0.7 * steps else 0.03
+
+
+def _lookup_demo(tokenizer, prompt: str, rng: random.Random, call_rate: float,
+                 copy: bool = True) -> tuple[list[int], list[int]]:
+    """One `lookup` conversation as the multi-turn rollout's ids (the observation rendered as
+    `ObservationRenderer` does), loss on the assistant's tokens: it calls the tool with
+    probability `call_rate`; its answer is the tool's digit after a call with `copy`, else a
+    random digit (a guess: the task cannot be solved without the tool)."""
+    from asyncrl.agents.rollout import ObservationRenderer
+    from asyncrl.agents.tasks import lookup_demonstration
+
+    call = rng.random() < call_rate
+    guess = str(rng.randrange(10))
+    messages = lookup_demonstration(prompt, [guess], call)
+    if call and copy:
+        messages[-1]["content"] = messages[-2]["content"]
+    head = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(head, add_special_tokens=False)
+    labels = [-100] * len(ids)
+    render = ObservationRenderer(tokenizer, 256)
+    for m in messages[1:]:
+        if m["role"] == "assistant":
+            part = tokenizer.encode(m["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            labels += part
+        else:
+            part = render(m["content"], m["role"])
+            labels += [-100] * len(part)
+        ids += part
+    return ids, labels
+
+
 def sft_warm_start(
     model, tokenizer, task: str, *, steps: int, lr: float, batch_size: int = 64, seed: int = 0,
     targets: str = "format",
@@ -125,7 +169,7 @@ def sft_warm_start(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss_val = float("nan")
-    batches = sft_batches(tokenizer, task, batch_size, seed, targets)
+    batches = sft_batches(tokenizer, task, batch_size, seed, targets, steps)
     for _ in range(steps):
         ids, labels = next(batches)
         mask = (ids != tokenizer.pad_token_id).long()
