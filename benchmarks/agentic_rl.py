@@ -15,8 +15,16 @@ environment (a Python loop holding the GIL) instead of waiting: there overlap bu
 Per setting: rollout seconds (median of repeats), the share of trajectory time spent waiting on
 the environment, model tokens/s and decode waves. The last line is one JSON object with
 `speedup_per_traj_<m>ms` (lock-step seconds / per-trajectory seconds) for every median.
-Not measured here yet: the trainer-level comparison of asynchronous RL against the best
-synchronous placement on a learnable tool task (issue 28).
+
+    python -m benchmarks.agentic_rl --trainer 100     # asynchronous vs synchronous RL, 100 ms tool calls
+
+`--trainer MS` instead trains `--config-name tool_quickstart` (the tiny model learns to call a
+lookup tool) with each tool call waiting a log-normal MS median, as `benchmarks.async_rl` runs its
+placements: `sync` (colocated on 2 workers), `sync_reseeded` (seed + 1: the noise), `split_k0`
+(1 training + 1 rollout worker, synchronous), `async_k1`, `async_k2` (the same pools with
+generation up to k versions ahead, interruptible, decoupled PPO), the same samples each. Its JSON:
+`speedup_async_<MS>ms` (the best synchronous loop seconds / the best asynchronous), `success_sync`,
+`success_async` (held-out success at the end) and `success_noise` (|sync - sync_reseeded|).
 """
 
 from __future__ import annotations
@@ -101,16 +109,54 @@ def run_once(model: object, tok: object, median_ms: float, schedule: str, cpu: b
             "turns_mean": statistics.mean(t.counts["num_turns"] for t in trajs)}
 
 
+def trainer_comparison(latency_ms: float, steps: int, ks: list[int], seed: int = 0) -> dict:
+    """`asyncrl-launch --config-name tool_quickstart` with `latency_ms` per tool call: synchronous
+    (colocated; split k=0) against asynchronous (split, k = 1, 2, interruptible, decoupled PPO),
+    the same samples each; and a reseeded synchronous run for how much success differs by chance."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from asyncrl.launch import load_config
+    from asyncrl.models.tiny import ensure_tiny_model
+    from benchmarks.async_rl import launch, runs
+
+    model = ensure_tiny_model(OUT / "lookup-model",
+                              **OmegaConf.to_container(load_config("tool_quickstart", []).model.build_tiny))
+    common = [f"model.path={model}", "model.build_tiny=null", f"seed={seed}", f"trainer.total_steps={steps}",
+              f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.loggers=[console,jsonl]",
+              f"rollout.multi_turn.env_kwargs={{latency_ms: {latency_ms}}}"]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-agentic-") as tmp:
+        for name, extra in runs(2, ks, seed).items():
+            results[name] = launch(name, [*common, *extra], Path(tmp), timeout_s=1200, config="tool_quickstart")
+            print(json.dumps({"run": name, "latency_ms": latency_ms, **results[name]}), flush=True)
+    sync_best = min(results["sync"]["loop_s"], results["split_k0"]["loop_s"])
+    best = min((f"async_k{k}" for k in ks), key=lambda n: results[n]["loop_s"])
+    tag = f"{int(latency_ms)}ms"
+    return {f"speedup_async_{tag}": round(sync_best / results[best]["loop_s"], 3), f"best_async_{tag}": best,
+            "success_sync": results["sync"]["reward_end"], "success_async": results[best]["reward_end"],
+            "success_noise": round(abs(results["sync"]["reward_end"] - results["sync_reseeded"]["reward_end"]), 4),
+            f"loop_s_{tag}": {n: r["loop_s"] for n, r in results.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.agentic_rl", description=__doc__.splitlines()[0])
     p.add_argument("--latencies", type=float, nargs="+", default=[0, 25, 100, 400], help="median ms per step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-control", action="store_true", help="skip the CPU-bound control (100 ms)")
+    p.add_argument("--trainer", type=float, default=None, metavar="MS",
+                   help="instead: synchronous vs asynchronous RL on tool_quickstart at this median tool latency")
+    p.add_argument("--steps", type=int, default=40, help="--trainer: training steps of every run")
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2], help="--trainer: staleness bounds to try")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if args.trainer is not None:
+        print(json.dumps(trainer_comparison(args.trainer, args.steps, args.ks)), flush=True)
+        return 0
     path = build_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     settings = [(m, False) for m in args.latencies] + ([] if args.no_control else [(100.0, True)])

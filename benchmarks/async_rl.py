@@ -66,10 +66,11 @@ def runs(devices: int, ks: list[int], seed: int) -> dict[str, list[str]]:
     return out
 
 
-def launch(name: str, overrides: list[str], workdir: Path, timeout_s: float) -> dict[str, Any]:
+def launch(name: str, overrides: list[str], workdir: Path, timeout_s: float,
+           config: str = "quickstart") -> dict[str, Any]:
     """One run in its own process group; its summary and per-step metrics."""
     out_dir = workdir / name
-    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "quickstart", *overrides,
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", config, *overrides,
            f"trainer.output_dir={out_dir}", "trainer.resume=none"]
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(workdir / "state")}
     stdout, stderr = workdir / f"{name}.stdout", workdir / f"{name}.stderr"

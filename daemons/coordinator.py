@@ -57,6 +57,7 @@ from transport import (
 )
 from transport.peers import ServerLimits
 
+SHUTDOWN_REPLY_S = 0.5  # `shutdown` replies before the teardown begins
 log = logging.getLogger(__name__)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a node id usable as a folder
 
@@ -614,9 +615,10 @@ class Coordinator:
 
     @expose
     def shutdown(self, reason: str = "asyncrl shutdown") -> bool:
-        """End this coordinator's process (a daemon: every job it runs, then the daemon)."""
+        """End this coordinator's process (a daemon: every job it runs, then the daemon). The
+        teardown starts a moment after this returns, so the caller gets its reply first."""
         self.stop_reason = reason
-        self.stop_requested.set()
+        asyncio.get_running_loop().call_later(SHUTDOWN_REPLY_S, self.stop_requested.set)
         return True
 
 

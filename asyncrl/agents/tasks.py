@@ -8,7 +8,9 @@ when its first word is the digit. Without the tool a model is right one time in 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import random
 from typing import Any
 
 from asyncrl.agents.env import Action, Environment, StepResult
@@ -18,15 +20,24 @@ CALL = "call"
 
 
 class LookupEnvironment(Environment):
-    """The `lookup` task's tool: `call` in a turn looks the prompt's key up."""
+    """The `lookup` task's tool: `call` in a turn looks the prompt's key up. `latency_ms` > 0
+    makes each tool call wait a log-normal time of that median (σ = 1), as a remote tool would
+    (`benchmarks.agentic_rl` sweeps it); the waits are seeded by `seed` and the key."""
+
+    def __init__(self, latency_ms: float = 0.0, seed: int = 0) -> None:
+        self.latency_s, self.seed = latency_ms / 1000, seed
+        self.calls = 0
 
     def reset(self, row: dict[str, Any]) -> None:
         self.truth = str(row.get("ground_truth", ""))
         self.key = _key(row)
+        self.rng = random.Random(f"{self.seed}:{self.key}")
 
-    def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         words = action.text.split()
         if CALL in words:
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s * self.rng.lognormvariate(0.0, 1.0))
             return StepResult(lookup_value(self.key) if self.key else "unknown key", role="user",
                               info={"tool_calls": 1.0})
         return StepResult(reward=float(bool(words) and words[0] == self.truth), done=True,
