@@ -125,7 +125,7 @@ def trainer_comparison(latency_ms: float, steps: int, ks: list[int], seed: int =
                               **OmegaConf.to_container(load_config("tool_quickstart", []).model.build_tiny))
     common = [f"model.path={model}", "model.build_tiny=null", f"seed={seed}", f"trainer.total_steps={steps}",
               f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.loggers=[console,jsonl]",
-              f"rollout.multi_turn.env_kwargs={{latency_ms: {latency_ms}}}"]
+              f"+rollout.multi_turn.env_kwargs.latency_ms={latency_ms}"]
     results = {}
     with tempfile.TemporaryDirectory(prefix="asyncrl-agentic-") as tmp:
         for name, extra in runs(2, ks, seed).items():

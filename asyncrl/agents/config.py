@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from daemons.errors import check, check_one_of, check_positive
 
@@ -19,7 +20,7 @@ class MultiTurnConfig:
     env: str = "python_tool"
     """The environment: a built-in name (`python_tool`: Python code run in the sandbox through
     Hermes-style `<tool_call>` tags) or `path/to/file.py:Class` (an `asyncrl.agents.Environment`)."""
-    env_kwargs: dict = field(default_factory=dict)
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the environment's constructor."""
     max_turns: int = 4
     """Model turns per trajectory at most (the last turn's observation is not appended). All

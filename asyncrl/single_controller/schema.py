@@ -148,6 +148,23 @@ def valid_keys(schema: type, path: str) -> list[str]:
     return [f.name for f in fields(node)] if is_dataclass(node) else []
 
 
+def _is_mapping(schema: type, path: str) -> bool:
+    """Whether dotted `path` in `schema` is a dict-typed field (free-form keys)."""
+    import typing
+
+    section, _, name = path.rpartition(".")
+    node: Any = schema
+    for part in [p for p in section.split(".") if p]:
+        hit = next((f for f in fields(node) if f.name == part), None) if is_dataclass(node) else None
+        node = _dataclass_of(hit.type, node) if hit is not None else None
+        if node is None:
+            return False
+    if not is_dataclass(node) or name not in {f.name for f in fields(node)}:
+        return False
+    hint = typing.get_type_hints(node)[name]
+    return (typing.get_origin(hint) or hint) is dict
+
+
 def _dataclass_of(annotation: Any, owner: type) -> type | None:
     import typing
 
@@ -198,6 +215,8 @@ def explain(e: BaseException, schema: type | None, files: dict[str, str] | None 
         msg += " (set on the command line)"
     if schema is None:
         schema = _schema_of(key, text)
+    if schema is not None and key and "not in struct" in text and _is_mapping(schema, key.rpartition(".")[0]):
+        return msg + f"; {key.rpartition('.')[0]} is a free-form mapping: add a key with +{key}=VALUE"
     if schema is not None and key and ("not in" in text or "Could not override" in text):
         best = closest_key(schema, key)
         section = key.rpartition(".")[0]

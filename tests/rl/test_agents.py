@@ -303,3 +303,14 @@ def test_the_tiny_model_learns_to_call_the_tool(tmp_path):
     assert summary["val_reward_start"] <= 0.2 and summary["val_reward_end"] >= 0.7, summary
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert steps[0]["agent/tool_calls_mean"] < 0.2 < 0.8 < steps[-1]["agent/tool_calls_mean"], steps
+
+
+def test_environment_arguments_from_the_command_line():
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+    from daemons.errors import ConfigError
+
+    cfg = rl_config(load_config("tool_quickstart", ["+rollout.multi_turn.env_kwargs.latency_ms=100"]))
+    assert cfg.rollout.multi_turn.env_kwargs == {"latency_ms": 100}
+    with pytest.raises(ConfigError, match=r"free-form mapping: add a key with \+rollout.multi_turn.env_kwargs.latency_ms"):
+        load_config("tool_quickstart", ["rollout.multi_turn.env_kwargs={latency_ms: 100}"])
