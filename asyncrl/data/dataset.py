@@ -215,6 +215,7 @@ class PromptDataset:
         prompt_key: str = "prompt",
         answer_key: str | None = None,
         require_answer: bool = True,  # False: a learned reward model scores, null answers are fine
+        tools: list[dict] | None = None,  # tool descriptions the chat template shows (multi-turn with tools)
     ) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
@@ -232,7 +233,7 @@ class PromptDataset:
                                    f"{EXPECTED_COLUMNS}") from None
             if apply_chat_template:
                 text = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
+                    messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {})
                 )
                 ids = tokenizer.encode(text, add_special_tokens=False)
             else:

@@ -43,6 +43,7 @@ class RunData:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         dc = self.cfg.data
+        tools = environment_tools(self.cfg.rollout.multi_turn)
 
         def tokenised(where: str, load: Callable[[], list[dict]]) -> PromptDataset | None:
             """The prompts of `load()`'s rows (None for no rows); a bad file or row is a ConfigError."""
@@ -50,7 +51,7 @@ class RunData:
                 rows = load()
                 return (PromptDataset(rows, self.tokenizer, dc.max_prompt_len, dc.apply_chat_template,
                                       prompt_key=dc.prompt_key, answer_key=dc.answer_key,
-                                      require_answer=not self.cfg.reward.model_path) if rows else None)
+                                      require_answer=not self.cfg.reward.model_path, tools=tools) if rows else None)
             except DatasetError as e:
                 raise ConfigError(f"{where}: {e}") from None
 
@@ -116,3 +117,13 @@ class RunData:
             mask[i, p - len(it.input_ids):p + len(a)] = 1
         return self.put({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
                           "responses": ids[:, p:], "response_mask": mask[:, p:]}, {})
+
+
+def environment_tools(mt: Any) -> list[dict] | None:
+    """The tool descriptions of `rollout.multi_turn`'s environment, for the prompts' chat template
+    (None without multi-turn or tools)."""
+    if not mt.enable:
+        return None
+    from asyncrl.agents.tools import load_environment
+
+    return load_environment(mt.env)(**mt.env_kwargs).tools_schema()

@@ -66,6 +66,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("codellama/CodeLlama-34b-hf", 48, 8192, 64, 8, 22016, 32000),
         ModelSpec("Qwen/Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936, tied=True),
         ModelSpec("Qwen/Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936, tied=True),
+        ModelSpec("Qwen/Qwen2.5-3B", 36, 2048, 16, 2, 11008, 151936, tied=True),
         ModelSpec("Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
         ModelSpec("Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
         ModelSpec("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),

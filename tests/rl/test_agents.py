@@ -314,3 +314,20 @@ def test_environment_arguments_from_the_command_line():
     assert cfg.rollout.multi_turn.env_kwargs == {"latency_ms": 100}
     with pytest.raises(ConfigError, match=r"free-form mapping: add a key with \+rollout.multi_turn.env_kwargs.latency_ms"):
         load_config("tool_quickstart", ["rollout.multi_turn.env_kwargs={latency_ms: 100}"])
+
+
+def test_the_environments_tools_reach_the_prompt_through_the_chat_template():
+    from asyncrl.agents.config import MultiTurnConfig
+    from asyncrl.data.dataset import PromptDataset
+    from asyncrl.data.prompts import environment_tools
+    from asyncrl.models.tiny import CHAT_TEMPLATE, build_tokenizer
+
+    tools = environment_tools(MultiTurnConfig(enable=True, env="python_tool"))
+    assert [t["function"]["name"] for t in tools] == ["python"]
+    assert environment_tools(MultiTurnConfig(enable=False)) is None
+    tok = build_tokenizer()  # a template that lists the tools in a system turn, as Qwen2.5's does
+    tok.chat_template = "{% if tools %}{{ '<|system|> ' + tools[0]['function']['name'] + ' <eos> ' }}{% endif %}" + CHAT_TEMPLATE
+    row = {"prompt": [{"role": "user", "content": "sort 1 2"}], "reward_model": {"ground_truth": "1 2"}}
+    with_tools = PromptDataset([row], tok, 64, tools=tools).items[0].raw_prompt
+    plain = PromptDataset([row], tok, 64).items[0].raw_prompt
+    assert "<|system|> python <eos>" in with_tools and "<|system|>" not in plain
