@@ -27,6 +27,9 @@ class SyntheticTask:
     make: Callable[[random.Random], tuple[str, str]]
     max_answer_tokens: int
     answer_symbols: tuple[str, ...]
+    # words only this task uses, kept out of the shared vocabulary (a tiny model built for another
+    # task keeps the vocabulary, and so the random init, it had before the task was added)
+    own_words: tuple[str, ...] = ()
 
     @property
     def data_source(self) -> str:
@@ -95,7 +98,7 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("copy", (*LETTERS, "copy"), _copy, 4, LETTERS),
         SyntheticTask("reverse", (*LETTERS, "reverse"), _reverse, 4, LETTERS),
         SyntheticTask("copy_tail", (*LETTERS, "copy"), _copy_tail, 16, LETTERS),
-        SyntheticTask("lookup", (*LETTERS, *DIGITS, "lookup", "call"), _lookup, 1, DIGITS),
+        SyntheticTask("lookup", (*LETTERS, *DIGITS), _lookup, 1, DIGITS, own_words=("lookup", "call")),
     )
 }
 
@@ -108,11 +111,14 @@ def get_task(name: str) -> SyntheticTask:
     return TASKS[key]
 
 
-def all_symbols() -> list[str]:
-    """Every symbol of every task, in a stable order (the tiny tokenizer's content vocabulary)."""
+def all_symbols(task: str | None = None) -> list[str]:
+    """Every task's shared symbols in a stable order (the tiny tokenizer's content vocabulary),
+    then `task`'s own words."""
     seen: dict[str, None] = {}
-    for task in TASKS.values():
-        seen.update(dict.fromkeys(task.symbols))
+    for spec in TASKS.values():
+        seen.update(dict.fromkeys(spec.symbols))
+    if task is not None:
+        seen.update(dict.fromkeys(get_task(task).own_words))
     return list(seen)
 
 

@@ -206,7 +206,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(all_symbols(task))
     loss = None
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(seed)
