@@ -213,6 +213,43 @@ def test_a_trajectory_waiting_on_its_environment_does_not_hold_the_others(tiny, 
     assert wave.waves <= 3 * 6 / 2  # turns of different trajectories share decodes
 
 
+def test_turns_on_the_continuous_batcher_keep_the_engines_ids_and_versions(tiny):
+    """A rollout pool of its own: each turn is a request to the continuous batcher; the tokens,
+    log-probs and per-token versions come back as the batcher produced them."""
+    from asyncrl.agents.rollout import BatcherGenerator
+    from asyncrl.rollout import RolloutEngine, SamplingParams
+    from asyncrl.rollout.continuous import ContinuousBatcher
+    from asyncrl.rollout.engine import score
+
+    class Weights:
+        version, interrupt = 7, False
+
+        def pending(self):
+            return False
+
+    model, tok = tiny
+    engine = RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = MultiTurnConfig(enable=True, env=f"{ENVS}:Countdown", env_kwargs={"turns": 2, "latency_s": 0.05},
+                          max_turns=2, max_turn_tokens=6)
+    agent = MultiTurnRollout(cfg, tok)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"sort {i} 1"}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for i in range(3)]
+    turns = BatcherGenerator(ContinuousBatcher(engine, slots=4, weights=Weights()),
+                             SamplingParams(temperature=1.0, max_tokens=6), torch.Generator().manual_seed(0))
+    trajs = agent.rollout(prompts, [{"i": i} for i in range(3)], 2, turns, 30)
+    agent.close()
+    assert len(trajs) == 6 and all(t.counts["num_turns"] == 2 for t in trajs)
+    assert all(v == 7 for t in trajs for v in t.versions)
+    p = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (p - len(q)) + q for q in prompts])
+    mask = torch.tensor([[0] * (p - len(q)) + [1] * len(q) for q in prompts])
+    out = trajectories_to_tensors(trajs, ids, mask, 30, tok.pad_token_id)
+    m = out["response_mask"].bool()
+    logp = score(model, out["input_ids"], out["attention_mask"], out["position_ids"], 30)
+    assert torch.allclose(logp[m], out["rollout_log_probs"][m], atol=1e-5)
+
+
 def test_lockstep_decodes_every_trajectorys_turn_together(tiny, monkeypatch):
     trajs, _, generated, _, wave, _ = _rollout(tiny, monkeypatch, lockstep=True)
     assert all(t.counts["num_turns"] == 3 for t in trajs)

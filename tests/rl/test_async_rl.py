@@ -117,6 +117,7 @@ def test_split_placement_runs_ahead_within_the_staleness_bound(tiny_model, tmp_p
     assert all(r["timing/weight_sync_s"] > 0 for r in steps)
 
 
+@pytest.mark.slow  # ~50 s; tests/rl/test_agents.py covers the batcher's turns in process
 def test_multi_turn_trajectories_on_a_rollout_pool_of_their_own(tiny_model, tmp_path):
     """Each turn is a request to the rollout worker's continuous batcher; trajectories generated
     ahead of training carry per-token policy versions (the decoupled objective uses them)."""

@@ -242,6 +242,7 @@ def test_grpo_with_tensor_parallel_vllm_trains(tmp_path):
     assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 3
 
 
+@pytest.mark.slow  # the waves are the native engine's (tests/rl/test_agents.py); this runs them on vLLM
 def test_multi_turn_trajectories_with_vllm(tmp_path):
     """rollout.multi_turn with the vLLM engine: each wave of turns is one vLLM generate call."""
     from asyncrl.models.tiny import ensure_tiny_model
