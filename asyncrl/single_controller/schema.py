@@ -137,15 +137,19 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 # error messages ------------------------------------------------------------------------------------
 def valid_keys(schema: type, path: str) -> list[str]:
     """The field names of the section at dotted `path` in `schema` (empty when it is no section)."""
+    node = _section(schema, path)
+    return [f.name for f in fields(node)] if node is not None else []
+
+
+def _section(schema: type, path: str) -> type | None:
+    """The dataclass of the section at dotted `path` in `schema` (None when it is no section)."""
     node: Any = schema
     for part in [p for p in path.split(".") if p]:
         hit = next((f for f in fields(node) if f.name == part), None) if is_dataclass(node) else None
-        if hit is None:
-            return []
-        node = _dataclass_of(hit.type, node)
+        node = _dataclass_of(hit.type, node) if hit is not None else None
         if node is None:
-            return []
-    return [f.name for f in fields(node)] if is_dataclass(node) else []
+            return None
+    return node if is_dataclass(node) else None
 
 
 def _is_mapping(schema: type, path: str) -> bool:
@@ -153,13 +157,8 @@ def _is_mapping(schema: type, path: str) -> bool:
     import typing
 
     section, _, name = path.rpartition(".")
-    node: Any = schema
-    for part in [p for p in section.split(".") if p]:
-        hit = next((f for f in fields(node) if f.name == part), None) if is_dataclass(node) else None
-        node = _dataclass_of(hit.type, node) if hit is not None else None
-        if node is None:
-            return False
-    if not is_dataclass(node) or name not in {f.name for f in fields(node)}:
+    node = _section(schema, section)
+    if node is None or name not in {f.name for f in fields(node)}:
         return False
     hint = typing.get_type_hints(node)[name]
     return (typing.get_origin(hint) or hint) is dict
