@@ -2,7 +2,7 @@
 
     class Guess(Environment):
         async def reset(self, row):
-            self.secret = int(row["reward_model"]["ground_truth"])
+            self.secret = int(row["ground_truth"])
         async def step(self, action):
             guess = int(action.text.split()[-1])
             if guess == self.secret:
@@ -47,7 +47,7 @@ class Environment:
     """Base class: override `reset` and `step` (async or plain)."""
 
     def reset(self, row: dict[str, Any]) -> None:
-        """Start a trajectory for this dataset row (its prompt, `reward_model`, `extra_info`)."""
+        """Start a trajectory for this row (`ground_truth`, `data_source`, `extra_info`, `raw_prompt`)."""
 
     def step(self, action: Action) -> StepResult:
         raise NotImplementedError(f"{type(self).__name__} must implement step(action) -> StepResult")
