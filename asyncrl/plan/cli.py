@@ -21,6 +21,7 @@ from typing import Any
 
 from asyncrl.config import ConfigError
 from asyncrl.plan.hardware import DeviceProfile, load_profile
+from asyncrl.plan.memory import Knobs
 from asyncrl.plan.search import (
     ROLLOUT,
     Plan,
@@ -168,7 +169,8 @@ def plan_main(args: argparse.Namespace) -> int:
     spec = config_model_spec(cfg)
     w = workload_from_config(cfg, spec)
     w = replace(w, micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, cfg.actor.micro_batch_size})))
-    space = SearchSpace(w, profile, nnodes, per_node, deployable=True)
+    knobs = Knobs.from_config(cfg, on_gpu=profile.kind == "gpu", device_bytes=profile.mem_bytes)
+    space = SearchSpace(w, profile, nnodes, per_node, deployable=True, knobs=knobs)
     result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
     if result.best is None:
         floor = 16 * spec.params / (nnodes * per_node) / 2**30  # fp32 master, gradients, Adam: fully sharded

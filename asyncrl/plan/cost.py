@@ -4,9 +4,9 @@ estimator). Pure arithmetic on a `DeviceProfile`, microseconds per call, so a se
 millions of plans.
 
 Conventions: FLOPs of a forward pass are 2·params per token plus attention; training is 3× a
-forward; weights move at the profile's `bytes_per_param`; training state (weights, gradients,
-fp32 master and Adam moments) is 16 bytes per parameter, sharded over data-parallel ranks
-(FSDP); collectives are ring collectives, inside a node unless the group spans nodes.
+forward; weights move at the profile's `bytes_per_param`; collectives are ring collectives,
+inside a node unless the group spans nodes. Memory is `asyncrl.plan.memory`'s terms (the
+preflight's and `asyncrl-plan`'s breakdown: one model of it), priced with the config's `Knobs`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 
 from asyncrl.plan.hardware import DeviceProfile
+from asyncrl.plan.memory import Knobs, forward_only_weights, forward_pass, generation, training_state, update_pass
 from asyncrl.plan.workload import Call, ModelSpec, Workload
 
-TRAIN_STATE_BYTES = 16  # per parameter: weights + grads (bf16) + fp32 master, exp_avg, exp_avg_sq
-ACTIVATION_BYTES_PER_HIDDEN = 34  # per token per layer per hidden unit kept for backward (Megatron's count, 16-bit)
+TRAIN_STATE_BYTES = 16  # per parameter: fp32 master, gradients, exp_avg, exp_avg_sq (the optimizer's traffic)
 INFEASIBLE = math.inf
 
 
@@ -81,14 +81,14 @@ class CallCost:
     memory_bytes: float  # transient, on top of the model's resident state
 
 
-def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, profile: DeviceProfile) -> float:
+def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs) -> float:
     """What a model keeps on each device between calls: training state, or sharded weights."""
-    per_param = TRAIN_STATE_BYTES if trained else profile.bytes_per_param
-    return model.params * per_param / (s.tp * s.pp * s.dp)
+    shards = s.tp * s.pp * s.dp
+    return sum(training_state(model, shards).values()) if trained else forward_only_weights(model, shards, knobs)
 
 
 def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mesh: Mesh,
-                     profile: DeviceProfile) -> CallCost:
+                     profile: DeviceProfile, knobs: Knobs | None = None) -> CallCost:
     """A training call (`call.kind == "train"`) or a forward-only one (`"infer"`) over the batch."""
     train = call.kind == "train"
     passes = 3.0 if train else 1.0  # backward costs two forwards
@@ -122,27 +122,32 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
     if train:  # the optimizer reads and writes the state shard
         per_step += 2 * model.params * TRAIN_STATE_BYTES / (s.tp * s.pp * s.dp) / (profile.mem_bw * profile.mem_bw_efficiency)
     time_s = steps * per_step + profile.call_overhead_s
-    layers_here = model.layers / s.pp
-    kept = ACTIVATION_BYTES_PER_HIDDEN / 2 * profile.bytes_per_param * model.hidden / s.tp * layers_here * tokens
-    in_flight = min(s.pp, micro) if train else 1
-    out_width = 1 if model.value_head else model.vocab / s.tp
-    logits = tokens * out_width * 4 * (2 if train else 1)
-    gathered = 2 * model.layer_params * profile.bytes_per_param / s.tp  # FSDP unshards a layer or two at a time
-    memory = (kept * in_flight if train else act * 4) + logits + gathered
-    return CallCost(time_s, memory)
+    knobs = knobs or Knobs(compute_bytes=profile.bytes_per_param)
+    width = w.response_len + 1  # the scored positions
+    if train:
+        parts = update_pass(model, rows, w.seq_len, width, s.tp, knobs, layers=model.layers / s.pp,
+                            in_flight=min(s.pp, micro))
+    else:
+        parts = forward_pass(model, rows, width, s.tp, knobs)
+    return CallCost(time_s, sum(parts.values()))
 
 
 def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: DeviceProfile,
-             free_bytes: float) -> CallCost:
+             free_bytes: float, knobs: Knobs | None = None) -> CallCost:
     """The rollout: `devices / gen_tp` engine replicas share the sequences; each prefills its
-    prompts and decodes `response_len` steps, as many rows at once as its KV cache holds
-    (`free_bytes` per device is what the colocated models leave)."""
+    prompts and decodes `response_len` steps, as many rows at once as its KV cache holds: vLLM's
+    share of the device, all of them (the native engine), or what the colocated models leave
+    (`free_bytes` per device; `Knobs()`)."""
+    knobs = knobs or Knobs(compute_bytes=profile.bytes_per_param)
     tg = s.gen_tp
     replicas = mesh.devices // tg
     rows = math.ceil(w.sequences / replicas)
     weights = model.params * profile.bytes_per_param / tg
     kv_row = model.kv_bytes_per_token * profile.bytes_per_param / 2 / tg * w.seq_len
-    kv_budget = free_bytes - weights - 0.05 * profile.mem_bytes  # activations and workspace
+    engine = knobs.vllm_bytes or free_bytes
+    kv_budget = engine - weights - 0.05 * profile.mem_bytes  # activations and workspace
+    if knobs.all_rows:
+        kv_budget = rows * kv_row if weights + rows * kv_row <= free_bytes else 0.0
     if kv_budget < kv_row:
         return CallCost(INFEASIBLE, INFEASIBLE)
     waves = math.ceil(rows / max(1, int(kv_budget // kv_row)))
@@ -161,7 +166,7 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     step = (max(step_compute, step_memory) + profile.decode_step_overhead_s + model.layers * profile.layer_overhead_s
             + 2 * model.layers * _ring(profile, batch * model.hidden * profile.bytes_per_param, tg, spans, tp=True))
     time_s = waves * (prefill + w.response_len * step) + profile.call_overhead_s
-    return CallCost(time_s, weights + batch * kv_row)
+    return CallCost(time_s, sum(generation(model, batch, w.seq_len, tg, knobs).values()))
 
 
 def reshard(model: ModelSpec, s: Strategy, mesh: Mesh, profile: DeviceProfile) -> float:

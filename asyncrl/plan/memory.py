@@ -16,7 +16,11 @@ allocates (generation, the log-prob passes, the update):
 
 plus the process's own footprint (Python, torch and transformers loaded: `RUNTIME_BYTES`); rank 0
 also reads the checkpoint at load, and at a save holds the HF export's current file (at most
-`EXPORT_SHARD_BYTES`) plus one gathered fp32 tensor.
+`EXPORT_SHARD_BYTES`) plus one gathered fp32 tensor (host memory: the device's own on a CPU).
+
+The terms (`training_state`, `forward_pass`, `update_pass`, `generation`, ...) are shared: the
+preflight's `worker_memory` composes them from a config, and `asyncrl-plan`'s search
+(`asyncrl.plan.cost`) from each candidate strategy, so both price a plan alike (a test checks it).
 `benchmarks/memory.py` measures the peak against this estimate.
 """
 
@@ -43,7 +47,8 @@ class MemoryEstimate:
     """Bytes per worker: each part, the phase that peaks, and the total."""
 
     parts: dict[str, float] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # on the device
+    host: dict[str, float] = field(default_factory=dict)  # rank 0's host memory at load and save
 
     @property
     def peak_phase(self) -> str:
@@ -57,76 +62,143 @@ class MemoryEstimate:
         """A readable breakdown: one part per line, GiB."""
         rows = [f"  {name:<40} {b / GIB:8.2f} GiB" for name, b in self.parts.items()]
         rows.append(f"  {'peak (' + self.peak_phase + ')':<40} {self.total / GIB:8.2f} GiB")
+        if self.host and not set(self.host) <= set(self.phases):
+            rows += [f"  {'host memory at ' + name:<40} {b / GIB:8.2f} GiB" for name, b in self.host.items()]
         return rows
 
     def to_json(self) -> dict[str, Any]:
         return {"parts_gib": {k: round(v / GIB, 3) for k, v in self.parts.items()},
                 "phases_gib": {k: round(v / GIB, 3) for k, v in self.phases.items()},
+                "host_gib": {k: round(v / GIB, 3) for k, v in self.host.items()},
                 "peak_phase": self.peak_phase, "memory_gib_per_device": round(self.total / GIB, 3)}
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """What besides the parallel layout decides a device's memory: the config's knobs, so that
+    `asyncrl-plan`'s search and the preflight price a plan with the same terms."""
+
+    compute_bytes: float = 2.0  # the compute dtype's width (bf16 2, fp32 4)
+    gradient_checkpointing: bool = False
+    max_tokens_per_micro_batch: int = 0  # 0 = rows decide the micro-batch
+    vllm_bytes: float = 0.0  # vLLM's share of the device (weights + KV cache)
+    # the native engine decodes all its rows at once; neither: a paged engine that fills what
+    # the colocated models leave, in waves (HybridFlow's simulator; the planner benchmarks')
+    all_rows: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None) -> Knobs:
+        vllm = rollout_vllm_bytes(cfg, on_gpu, device_bytes)
+        bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
+        return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
+                   vllm, all_rows=not vllm)
+
+
+def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
+    """The device bytes vLLM takes (it sizes itself from `gpu_memory_utilization`, and sleeps while
+    the actor trains); 0 for the native engine and off a GPU."""
+    if cfg.rollout.engine == "vllm" and on_gpu and device_bytes:
+        return cfg.rollout.vllm.gpu_memory_utilization * device_bytes
+    return 0.0
+
+
+# the terms: each a few named parts, bytes per device ------------------------------------------
+def training_state(spec: ModelSpec, shards: int) -> dict[str, float]:
+    """A trained model's FSDP shard: fp32 master weights, fp32 gradients, Adam's two moments."""
+    shard = spec.params / shards
+    return {"weights (fp32 master shard)": 4 * shard, "gradients (fp32 shard)": 4 * shard,
+            "Adam moments (fp32 shard)": 8 * shard}
+
+
+def forward_only_weights(spec: ModelSpec, shards: int, knobs: Knobs) -> float:
+    """A forward-only model (reference policy, reward model): sharded like the actor, compute dtype."""
+    return knobs.compute_bytes * spec.params / shards
+
+
+def forward_pass(spec: ModelSpec, rows: float, width: float, tp: int, knobs: Knobs) -> dict[str, float]:
+    """A log-prob (or value) pass over `rows` rows of `width` scored positions: the logits there and
+    an fp32 chunk, two gathered layers, and the gathered embedding (FSDP's root unit)."""
+    cb = knobs.compute_bytes
+    return {"log-prob logits": rows * width * _outputs(spec) / tp * cb + 2 * _chunk(spec, rows * width),
+            **_gathered(spec, tp, cb)}
+
+
+def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int, knobs: Knobs,
+                layers: float | None = None, in_flight: int = 1) -> dict[str, float]:
+    """A training micro-batch of `rows` rows of `seq` tokens (`width` scored): its saved
+    activations (`in_flight` micro-batches of them on a pipeline stage of `layers` layers; one
+    layer's when checkpointing), its logits and their gradient, the gathered layers and embedding
+    and the embedding's unsharded gradient (compute dtype, and the fp32 copy FSDP reduces)."""
+    cb, layers = knobs.compute_bytes, spec.layers if layers is None else layers
+    if knobs.max_tokens_per_micro_batch:
+        rows = min(rows, max(1.0, knobs.max_tokens_per_micro_batch / seq))
+    tokens = rows * seq
+    per_layer = tokens * (ACTIVATION_HIDDENS * spec.hidden + ACTIVATION_FFNS * spec.ffn) * cb / tp
+    kept = tokens * spec.hidden * cb * layers + per_layer if knobs.gradient_checkpointing else per_layer * layers
+    gathered = _gathered(spec, tp, cb)
+    return {"update activations": kept * in_flight,
+            "update logits and their gradient": 2 * rows * width * _outputs(spec) / tp * cb
+            + 3 * _chunk(spec, rows * width),
+            **gathered, "embedding gradient (unsharded)": (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
+
+
+def generation(spec: ModelSpec, rows: float, seq: float, gen_tp: int, knobs: Knobs) -> dict[str, float]:
+    """The rollout on one device: vLLM's share of it, or the native engine's weights (the
+    reshard's full tensors over the generation TP group, compute dtype) and its KV cache for
+    `rows` rows of `seq` tokens."""
+    if knobs.vllm_bytes:
+        return {"vLLM (weights + KV cache)": knobs.vllm_bytes}
+    cb = knobs.compute_bytes
+    return {"generation weights (full, / rollout tp)": cb * spec.params / gen_tp,
+            "KV cache (native engine)": rows * seq * spec.kv_bytes_per_token / 2 * cb / gen_tp}
+
+
+def checkpoint_phases(spec: ModelSpec, shards: int, knobs: Knobs, resident: float) -> dict[str, float]:
+    """Rank 0's host memory at load (its shard, the checkpoint's tensors and each file's as read)
+    and at a save (one gathered fp32 tensor at a time and the export's current file, in the
+    compute dtype, on top of what it holds)."""
+    return {"load (rank 0)": 4 * spec.params / shards + 6 * spec.params + RUNTIME_BYTES,
+            "save (rank 0)": resident + min(knobs.compute_bytes * spec.params, EXPORT_SHARD_BYTES)
+            + 4 * spec.vocab * spec.hidden}
+
+
+def _outputs(spec: ModelSpec) -> int:
+    return 1 if spec.value_head else spec.vocab
+
+
+def _gathered(spec: ModelSpec, tp: int, cb: float) -> dict[str, float]:
+    """What FSDP unshards during a pass: a layer or two at a time (prefetch), and its root unit
+    (embedding, and the LM head when untied) for the whole forward."""
+    embed = spec.vocab * spec.hidden * (1 if spec.tied else 2) / tp
+    return {"gathered layers (FSDP)": 2 * spec.layer_params * cb / tp, "gathered embedding (FSDP root)": cb * embed}
+
+
+# one worker of the colocated actor ------------------------------------------------------------
 def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float | None = None) -> MemoryEstimate:
     """The estimate for one rank of the actor's pool of `cfg` (an RLConfig) and model `spec`
     (`device_bytes`: a GPU's memory, which vLLM takes its `gpu_memory_utilization` share of)."""
     ac, rc, dc = cfg.actor, cfg.rollout, cfg.data
     par = ac.parallel
+    knobs = Knobs.from_config(cfg, on_gpu, device_bytes)
     dp = par.dp or max(1, cfg.trainer.n_workers // (par.tp * par.pp))
-    shard = spec.params / (dp * par.tp * par.pp)
-    cb = 2.0 if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu) else 4.0
+    shards = dp * par.tp * par.pp
     seq = dc.max_prompt_len + rc.max_tokens
     width = rc.max_tokens + 1  # the response positions whose logits are computed
     rows = dc.batch_size * rc.n / dp  # this rank's rows of a step
-    gen_rows = rows * par.tp / rc.parallel.tp  # a generation TP group shares its rows
-    layer = spec.layer_params * cb / par.tp
+    gen_rows = rows * rc.parallel.tp / par.tp  # a TP group's rows, over its tp / rollout tp replicas
 
-    parts = {
-        "actor weights (fp32 master shard)": 4 * shard,
-        "gradients (fp32 shard)": 4 * shard,
-        "Adam moments (fp32 shard)": 8 * shard,
-        "reference policy (shard)": cb * shard,
-    }
-    if rc.engine == "vllm" and on_gpu and device_bytes:  # vLLM sizes itself, and sleeps while training
-        parts["vLLM (weights + KV cache)"] = rc.vllm.gpu_memory_utilization * device_bytes
-        generation = parts["vLLM (weights + KV cache)"]
-    else:
-        parts["generation weights (full, / rollout tp)"] = cb * spec.params / rc.parallel.tp
-        parts["KV cache (native engine)"] = gen_rows * seq * spec.kv_bytes_per_token / 2 * cb / rc.parallel.tp
-        generation = parts["generation weights (full, / rollout tp)"] + parts["KV cache (native engine)"]
-    lp_rows = min(ac.log_prob_micro_batch_size, rows)
-    parts["log-prob logits"] = lp_rows * width * spec.vocab / par.tp * cb + 2 * _chunk(spec, lp_rows * width)
-    mb_rows = min(ac.micro_batch_size, rows)
-    if ac.max_tokens_per_micro_batch:
-        mb_rows = min(mb_rows, max(1.0, ac.max_tokens_per_micro_batch / seq))
-    tokens = mb_rows * seq
-    per_layer = tokens * (ACTIVATION_HIDDENS * spec.hidden + ACTIVATION_FFNS * spec.ffn) * cb / par.tp
-    kept = (tokens * spec.hidden * cb * spec.layers + per_layer) if ac.gradient_checkpointing else per_layer * spec.layers
-    parts["update activations"] = kept
-    parts["update logits and their gradient"] = (2 * mb_rows * width * spec.vocab / par.tp * cb
-                                                 + 3 * _chunk(spec, mb_rows * width))
-    parts["gathered layers (FSDP)"] = 2 * layer
-    # FSDP's root unit (embedding, LM head when untied) gathered for the whole forward and, in the
-    # update, its unsharded gradient in the compute dtype plus the fp32 copy reduced from it
-    embed = spec.vocab * spec.hidden * (1 if spec.tied else 2) / par.tp
-    parts["gathered embedding (FSDP root)"] = cb * embed
-    parts["embedding gradient (unsharded)"] = (cb + 4) * embed
-    parts["process (python, torch)"] = RUNTIME_BYTES
-
-    resident = sum(parts[k] for k in ("actor weights (fp32 master shard)", "gradients (fp32 shard)",
-                                      "Adam moments (fp32 shard)", "reference policy (shard)",
-                                      "process (python, torch)"))
-    phases = {
-        "generate": resident + generation,
-        "log-probs": resident + parts["log-prob logits"] + parts["gathered layers (FSDP)"]
-        + parts["gathered embedding (FSDP root)"],
-        "update": resident + parts["update activations"] + parts["update logits and their gradient"]
-        + parts["gathered layers (FSDP)"] + parts["gathered embedding (FSDP root)"]
-        + parts["embedding gradient (unsharded)"],
-        # rank 0 reads the checkpoint (its tensors, and each file's as read); at a save it gathers
-        # one tensor at a time in fp32 and keeps the export's current file in the compute dtype
-        "load (rank 0)": 4 * shard + 6 * spec.params + RUNTIME_BYTES,
-        "save (rank 0)": resident + min(cb * spec.params, EXPORT_SHARD_BYTES) + 4 * spec.vocab * spec.hidden,
-    }
-    return MemoryEstimate(parts, phases)
+    resident = {**training_state(spec, shards), "reference policy (shard)": forward_only_weights(spec, shards, knobs),
+                "process (python, torch)": RUNTIME_BYTES}
+    gen = generation(spec, gen_rows, seq, rc.parallel.tp, knobs)
+    lp = forward_pass(spec, min(ac.log_prob_micro_batch_size, rows), width, par.tp, knobs)
+    up = update_pass(spec, min(ac.micro_batch_size, rows / ac.ppo_mini_batches), seq, width, par.tp, knobs)
+    base = sum(resident.values())
+    phases = {"generate": base + sum(gen.values()), "log-probs": base + sum(lp.values()),
+              "update": base + sum(up.values())}
+    host = checkpoint_phases(spec, shards, knobs, base)
+    if not on_gpu:  # the checkpoint's bytes are host memory: the device's own on a CPU
+        phases.update(host)
+    return MemoryEstimate({**resident, **gen, **lp, **up}, phases, host)
 
 
 def _chunk(spec: ModelSpec, tokens: float) -> float:

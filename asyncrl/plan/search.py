@@ -32,6 +32,7 @@ from asyncrl.plan.cost import (
     weight_broadcast,
 )
 from asyncrl.plan.hardware import DeviceProfile
+from asyncrl.plan.memory import RUNTIME_BYTES, Knobs, checkpoint_phases
 from asyncrl.plan.workload import Stage, Workload
 
 ROLLOUT = "rollout"  # the generation engine as a unit of its own (asyncrl's trainer.placement=split)
@@ -95,11 +96,13 @@ class SearchSpace:
     rollout on a pool of its own (split, whole-model replicas, no pipeline-parallel training);
     the reference model shares the actor's layout; generation TP divides the actor's TP; value
     models train without pipeline stages. `deployable=False` is HybridFlow's and REAL's space:
-    any placement, a free strategy per model."""
+    any placement, a free strategy per model. `knobs`: the config's memory knobs (dtype,
+    checkpointing, the rollout engine); by default the profile's width and a paged engine."""
 
     def __init__(self, workload: Workload, profile: DeviceProfile, nnodes: int, per_node: int,
-                 deployable: bool = True, allow_split: bool = True) -> None:
+                 deployable: bool = True, allow_split: bool = True, knobs: Knobs | None = None) -> None:
         self.w, self.profile = workload, profile
+        self.knobs = knobs or Knobs(compute_bytes=profile.bytes_per_param)
         self.nnodes, self.per_node = nnodes, per_node
         self.total = nnodes * per_node
         self.deployable = deployable
@@ -163,7 +166,7 @@ class SearchSpace:
     def _call_cost(self, index: int, s: Strategy, devices: int) -> CallCost:
         call = self.w.calls[index]
         model = self.w.models[call.model]
-        return forward_backward(model, s, self.w, call, Mesh(devices, self.per_node), self.profile)
+        return forward_backward(model, s, self.w, call, Mesh(devices, self.per_node), self.profile, self.knobs)
 
     def cost(self, plan: Plan) -> PlanCost:
         """HybridFlow's d_cost of one RL step under `plan` (inf when a set does not fit)."""
@@ -180,7 +183,8 @@ class SearchSpace:
         gen_set = plan.set_of(ROLLOUT) if ROLLOUT in self.units else plan.set_of("actor")
         for i, (units, devices) in enumerate(zip(plan.sets, plan.devices, strict=True)):
             models = [u for u in units if u != ROLLOUT]
-            resident = sum(resident_bytes(w.models[m], strat[m], m in self.trained, profile) for m in models)
+            resident = RUNTIME_BYTES + sum(resident_bytes(w.models[m], strat[m], m in self.trained, self.knobs)
+                                           for m in models)
             transient = 0.0
             for index, call in enumerate(w.calls):
                 if call.model not in models or call.kind == "generate":
@@ -193,11 +197,14 @@ class SearchSpace:
             if i == gen_set:
                 unit = ROLLOUT if units == (ROLLOUT,) else "actor"
                 g = generate(w.models["actor"], strat[unit], w, Mesh(devices, self.per_node), profile,
-                             self.usable - resident)
+                             self.usable - resident, self.knobs)
                 calls["actor.generate"] = g.time_s
                 busy[(Stage.GENERATE, i)] = g.time_s
                 transient = max(transient, g.memory_bytes)
             peak = resident + transient
+            if profile.kind == "cpu" and "actor" in models:  # a CPU's memory holds the checkpoint's bytes too
+                shards = strat["actor"].devices
+                peak = max(peak, *checkpoint_phases(w.models["actor"], shards, self.knobs, resident).values())
             memory["+".join(units)] = peak
             if peak > self.usable:
                 return PlanCost(INFEASIBLE, calls=calls, memory=memory,
@@ -221,20 +228,21 @@ class SearchSpace:
         """One unit's own calls summed (HybridFlow's per-model simulation), generation at full memory."""
         if unit == ROLLOUT:
             return generate(self.w.models["actor"], s, self.w, Mesh(devices, self.per_node), self.profile,
-                            self.usable).time_s
+                            self.usable - RUNTIME_BYTES, self.knobs).time_s
         total = 0.0
         for index, call in enumerate(self.w.calls):
             if call.model == unit and call.kind != "generate":
                 total += self._call(index, s, devices).time_s
         if unit == "actor" and ROLLOUT not in self.units:
             total += generate(self.w.models["actor"], s, self.w, Mesh(devices, self.per_node), self.profile,
-                              self.usable - resident_bytes(self.w.models["actor"], s, True, self.profile)).time_s
+                              self.usable - RUNTIME_BYTES - self.unit_memory("actor", s), self.knobs).time_s
         return total
 
     def unit_memory(self, unit: str, s: Strategy) -> float:
+        """What a unit keeps on each device between calls (the process itself not counted)."""
         if unit == ROLLOUT:
             return 0.0
-        return resident_bytes(self.w.models[unit], s, unit in self.trained, self.profile)
+        return resident_bytes(self.w.models[unit], s, unit in self.trained, self.knobs)
 
     def unit_transient(self, unit: str, s: Strategy, devices: int) -> float:
         """The most a unit's training and forward calls hold beyond its resident state."""
@@ -289,7 +297,7 @@ def hybridflow(space: SearchSpace, top_k: int = 4, keep: int = 4) -> SearchResul
         options = []
         for u in space.free_units(units):
             fits = [s for s in space.strategies(u, devices)
-                    if space.unit_memory(u, s) + space.unit_transient(u, s, devices) <= space.usable]
+                    if RUNTIME_BYTES + space.unit_memory(u, s) + space.unit_transient(u, s, devices) <= space.usable]
             ranked = sorted(fits, key=lambda s, u=u: space.unit_time(u, s, devices))
             if not ranked:
                 cache[key] = None
@@ -301,7 +309,7 @@ def hybridflow(space: SearchSpace, top_k: int = 4, keep: int = 4) -> SearchResul
             chosen = dict(combo)
             if "ref" in units and "ref" not in chosen:
                 chosen["ref"] = chosen["actor"]
-            mem = sum(space.unit_memory(u, s) for u, s in chosen.items())
+            mem = RUNTIME_BYTES + sum(space.unit_memory(u, s) for u, s in chosen.items())
             mem += max(space.unit_transient(u, s, devices) for u, s in chosen.items())
             if mem > space.usable:
                 continue

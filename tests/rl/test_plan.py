@@ -142,6 +142,26 @@ def test_the_7b_recipe_fits_8_h100s_by_the_numbers(capsys):
     assert "vLLM (weights + KV cache)" in parts and out["peak_phase"] in out["phases_gib"]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "native"])
+def test_the_search_prices_memory_with_the_preflights_model(engine, capsys):
+    """The `GiB/dev` the search ranks plans by is `asyncrl.plan.memory`'s estimate of the same plan
+    (one memory model): for every plan it prints, the config it launches gives the same bytes."""
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+    from asyncrl.plan.memory import worker_memory
+
+    user = ["model.path=Qwen/Qwen2.5-7B-Instruct", "cluster.nnodes=1", "cluster.gpus_per_node=8", "plan.device=h100",
+            f"rollout.engine={engine}", "plan.runners_up=3"] + (["data.batch_size=64"] if engine == "native" else [])
+    assert plan_main(["--config-dir", str(EXAMPLES), "--config-name", "grpo_math_qwen7b", "--json", *user]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = rl_config(load_config("grpo_math_qwen7b", [*user, *out["overrides"]], str(EXAMPLES)))
+    estimate = worker_memory(cfg, KNOWN_MODELS["Qwen/Qwen2.5-7B-Instruct"], on_gpu=True, device_bytes=H100.mem_bytes)
+    (searched,) = out["memory"].values()
+    assert searched == pytest.approx(estimate.total, rel=1e-6), (searched / 2**30, estimate.phases)
+    assert out["memory_gib_per_device"] == pytest.approx(searched / 2**30, abs=1e-3)
+    assert ("vLLM (weights + KV cache)" in estimate.parts) == (engine == "vllm")
+
+
 def test_a_model_that_cannot_fit_exits_nonzero_with_the_number_and_the_knob(tmp_path, capsys):
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 8192,
               "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -171,4 +191,5 @@ def test_the_memory_estimate_follows_the_knobs():
     assert est(4, gradient_checkpointing=True).parts["update activations"] < dp4.parts["update activations"] / 5
     small = est(4, max_tokens_per_micro_batch=1536)  # two rows of 768 tokens instead of eight
     assert small.parts["update logits and their gradient"] < 0.6 * dp4.parts["update logits and their gradient"]
-    assert dp4.total == max(dp4.phases.values()) and len(dp4.lines()) == len(dp4.parts) + 1
+    assert dp4.total == max(dp4.phases.values()) and len(dp4.lines()) == len(dp4.parts) + 1 + len(dp4.host)
+    assert set(dp4.host) == {"load (rank 0)", "save (rank 0)"}  # on a GPU: host memory, not the device's
