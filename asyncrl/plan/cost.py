@@ -15,7 +15,14 @@ import math
 from dataclasses import dataclass
 
 from asyncrl.plan.hardware import DeviceProfile
-from asyncrl.plan.memory import Knobs, forward_only_weights, forward_pass, generation, training_state, update_pass
+from asyncrl.plan.memory import (
+    Knobs,
+    forward_only_weights,
+    forward_pass,
+    generation,
+    training_state,
+    update_pass,
+)
 from asyncrl.plan.workload import Call, ModelSpec, Workload
 
 TRAIN_STATE_BYTES = 16  # per parameter: fp32 master, gradients, exp_avg, exp_avg_sq (the optimizer's traffic)
