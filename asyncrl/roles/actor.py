@@ -16,6 +16,7 @@ import copy
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +80,18 @@ class ActorRolloutRefWorker(Worker):
         # a rollout-only pool (trainer.placement=split) is data parallel over its own ranks
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size)
                                     if "actor" in self.roles else pure_dp(self.world_size))
-        # an actor without pipeline stages loads one copy of the weights per node (rank 0 reads,
-        # every rank keeps its shards); pipeline stages and a rollout-only replica read the whole model
         one_copy = "actor" in self.roles and layout.size("pp") == 1
-        base = skeleton(cfg.model.path, torch.float32) if one_copy else load_causal_lm(cfg.model.path)
-        self.sync_specs = specs_of(base)  # what a weight sync between pools carries, in order
+        base = self._base_model(one_copy)
+        # what a weight sync between pools carries, in order: the generation copy's dtype
+        self.sync_dtype = compute_dtype(self.device, cfg.model.dtype)
+        self.sync_specs = [replace(s, dtype=self.sync_dtype) for s in specs_of(base)]
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
         if "rollout" in self.roles and "actor" not in self.roles:  # a generation-only copy of the weights
             if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
                 raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
                                  "and actor.parallel.tp=1, or host the actor in the same worker")
             self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
-                            RolloutEngine(copy.deepcopy(base), eos_token_id=self.tokenizer.eos_token_id,
+                            RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy)
@@ -128,6 +129,19 @@ class ActorRolloutRefWorker(Worker):
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
 
+
+    def _base_model(self, one_copy: bool) -> torch.nn.Module:
+        """The model this worker starts from: an actor without pipeline stages builds it on the
+        meta device (rank 0 reads the checkpoint, every rank keeps its shards: one copy per node);
+        a rollout-only replica holds the whole model in the compute dtype (vLLM reads the files
+        itself: a skeleton for the shapes); pipeline stages read the whole model in fp32."""
+        path, dtype = self.cfg.model.path, compute_dtype(self.device, self.cfg.model.dtype)
+        if one_copy:
+            return skeleton(path, torch.float32)
+        if "actor" not in self.roles:
+            return skeleton(path, dtype) if self.cfg.rollout.engine == "vllm" else \
+                load_causal_lm(path, str(dtype).removeprefix("torch."))
+        return load_causal_lm(path)
 
     def _build_engines(self, base: torch.nn.Module, layout: ParallelLayout, one_copy: bool) -> None:
         """The actor's training engine and the reference policy's forward-only one over `layout`;
@@ -442,7 +456,7 @@ class ActorRolloutRefWorker(Worker):
                 self._apply_staged_weights()
             named = dict(self.rollout.model.named_parameters())
             return [float(named[s.name].double().sum()) for s in self.sync_specs]
-        return [float(t.double().sum()) for t in full_tensors(self.actor.model)]
+        return [float(t.to(self.sync_dtype).double().sum()) for t in full_tensors(self.actor.model)]
 
     @register(ONE_TO_ALL)
     def bridge_listen(self, size: int) -> list | None:
@@ -469,7 +483,7 @@ class ActorRolloutRefWorker(Worker):
         """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
         rank 0 to the rollout pool; returns the version sent and the time taken."""
         t0 = time.perf_counter()
-        tensors = full_tensors(self.actor.model)
+        tensors = (t.to(self.sync_dtype) for t in full_tensors(self.actor.model))  # the rollout's dtype
         if self.bridge is not None:
             self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
         else:

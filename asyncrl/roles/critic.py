@@ -20,16 +20,9 @@ from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import TrainEngine, mixed_precision_policy, parallelize
+from asyncrl.train.load import load_sharded, materialize, skeleton
 
-
-def load_value_model(path: str) -> torch.nn.Module:
-    """The model at `path` with a fresh 1-output token-classification head (verl's critic layout);
-    no dropout, so training-mode values match the eval-mode values they are clipped against."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0
-    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+VALUE_HEAD = ("score.", "classifier.")  # the token head transformers adds: not in a causal LM checkpoint
 
 
 class CriticWorker(Worker):
@@ -39,11 +32,16 @@ class CriticWorker(Worker):
         setup_process(cfg, self.rank)
         same_init_on_every_rank(cfg)
         layout = self.register_mesh(ParallelLayout.from_config(cfg.critic.parallel, self.world_size))
-        model = load_value_model(cfg.critic.model_path or cfg.model.path)
+        # the model's body with a fresh one-output token head (verl's critic layout), built on the
+        # meta device and filled from rank 0's read of the checkpoint: one copy per node
+        path = cfg.critic.model_path or cfg.model.path
+        model = skeleton(path, torch.float32, value_head=True)
         if cfg.critic.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.critic = TrainEngine(parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype)),
-                                  layout, optim=cfg.critic.optim, device=self.device)
+        model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
+        materialize(model, self.device)
+        self.critic = TrainEngine(model, layout, optim=cfg.critic.optim, device=self.device)
+        load_sharded(self.critic, path, fresh=VALUE_HEAD)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
 

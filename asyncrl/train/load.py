@@ -1,5 +1,5 @@
-"""Loading a checkpoint into a sharded model with one copy of the weights per node, not one per
-rank: every rank builds the model's skeleton with its parameters on the meta device, shards it
+"""Loading a checkpoint into a sharded model (the actor, the reference, the critic) with one copy
+of the weights per node, not one per rank: every rank builds the model's skeleton with its parameters on the meta device, shards it
 (`parallelize`), allocates only its own shards (`materialize`), and rank 0 alone reads the
 checkpoint files and broadcasts each tensor, every rank keeping its slice (`load_sharded`).
 
@@ -44,13 +44,18 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def skeleton(path: str, dtype: torch.dtype) -> nn.Module:
-    """The causal LM of `path`'s config.json with parameters on the meta device, in `dtype`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def skeleton(path: str, dtype: torch.dtype, value_head: bool = False) -> nn.Module:
+    """The causal LM of `path`'s config.json with parameters on the meta device, in `dtype`
+    (`value_head`: the body with a one-output token head instead, the critic's layout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(path)
+    if value_head:  # no dropout: training-mode values match the eval-mode ones they are clipped against
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+    else:
+        config = AutoConfig.from_pretrained(path)
     with parameters_on_meta():  # rotary tables stay fp32 whatever `dtype` is, as from_pretrained keeps them
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return (AutoModelForTokenClassification if value_head else AutoModelForCausalLM).from_config(config, dtype=dtype)
 
 
 def copy_shards(src: nn.Module, dst: nn.Module) -> None:
@@ -72,11 +77,22 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
         (model.get_submodule(owner) if owner else model)._buffers[leaf] = buf.to(device)
 
 
-def load_sharded(engine: Any, path: str) -> None:
+def load_sharded(engine: Any, path: str, fresh: tuple[str, ...] = ()) -> None:
     """Fill `engine`'s sharded model from the checkpoint at `path`: rank 0 reads it (one copy on
-    the node) and broadcasts it tensor by tensor; the other ranks hold one tensor at a time."""
-    dtype = next(engine.model.parameters()).dtype
-    full = read_checkpoint(path, tied_aliases(engine.model), dtype) if dist.get_rank() == 0 else {}
+    the node) and broadcasts it tensor by tensor; the other ranks hold one tensor at a time.
+    `fresh`: name prefixes of modules the checkpoint may lack (a new value head), which rank 0
+    initialises as transformers does (weights normal(0, initializer_range), biases 0)."""
+    model = engine.model
+    dtype = next(model.parameters()).dtype
+    full = {}
+    if dist.get_rank() == 0:
+        full = read_checkpoint(path, tied_aliases(model), dtype, missing_ok=fresh)
+        std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+        for name, p in model.named_parameters():
+            name = _plain(name)
+            if name not in full and name.startswith(fresh):
+                init = torch.zeros if name.endswith("bias") else lambda *shape, **kw: torch.randn(*shape, **kw) * std
+                full[name] = init(*p.shape, dtype=dtype)
     engine.load_full_state_dict(full, broadcast_from_rank0=True)
     del full
     release_host_memory()  # rank 0's read of the files, back to the OS
@@ -90,9 +106,11 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names for names in by_param.values()}
 
 
-def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype) -> dict[str, Tensor]:
+def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype,
+                    missing_ok: tuple[str, ...] = ()) -> dict[str, Tensor]:
     """The checkpoint's tensors by the model's parameter names in `dtype`, safetensors files read
-    one at a time; a tied weight stored once is given under each of its names."""
+    one at a time; a tied weight stored once is given under each of its names (names starting
+    with a `missing_ok` prefix may be absent)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -108,7 +126,7 @@ def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype
             if present is not None and n not in sd:
                 sd[n] = sd[present]
     wanted = {n for names in aliases.values() for n in names}
-    missing = sorted(wanted - set(sd))
+    missing = sorted(n for n in wanted - set(sd) if not (missing_ok and n.startswith(missing_ok)))
     if missing:
         raise KeyError(f"{path}: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
                        "(its tensor names differ from the model's)")

@@ -236,3 +236,18 @@ def test_continuous_batcher_matches_the_engine_alone_and_across_concurrent_calls
             assert out["behav_versions"].eq(0).all()
         if slots == 16:
             assert batcher.steps < 2 * 9, batcher.steps  # the two calls shared decode steps
+
+
+def test_split_weight_sync_carries_the_compute_dtype(tiny_model, tmp_path):
+    """With model.dtype=bfloat16 a rollout-only replica holds the model in bf16 and the sync
+    sends bf16 (half fp32's bytes): after training, every rollout worker generates with exactly
+    the training pool's weights cast to bf16."""
+    out = tmp_path / "bf16"
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2", "cluster.cpu_devices=3",
+                                            "model.dtype=bfloat16", "trainer.total_steps=2", "trainer.eval_every=2",
+                                            "job.entry=tests/helpers/sync_probe.py:main"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    train, rollouts = summary["train_checksum"], summary["rollout_checksums"]
+    assert len(rollouts) == 2 and all(r == train for r in rollouts), (train, rollouts)
+    assert summary["steps"] == 2

@@ -266,3 +266,47 @@ def test_sharded_load_reads_one_copy_and_matches_the_checkpoint(tmp_path):
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / name)
         for n, b in plain.named_buffers():
             assert torch.equal(buffers[n], b), (name, tp, n)
+
+
+def _critic_job(rank: int, world_size: int, out: Path) -> dict:
+    from asyncrl.roles.critic import VALUE_HEAD
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import (
+        OptimConfig,
+        TrainEngine,
+        init_distributed,
+        mixed_precision_policy,
+        parallelize,
+    )
+    from asyncrl.train.load import load_sharded, materialize, skeleton
+
+    init_distributed()
+    results = {}
+    for tp in (1, 2):
+        torch.manual_seed(100 + rank)  # a head drawn on any rank but 0 would differ between ranks
+        layout = ParallelLayout.from_config(ParallelConfig(tp=tp), world_size)
+        model = parallelize(skeleton(str(out / "tiedTrue"), torch.float32, value_head=True), layout,
+                            mixed_precision_policy("cpu"))
+        materialize(model, "cpu")
+        engine = TrainEngine(model, layout, optim=OptimConfig(), device="cpu")
+        load_sharded(engine, str(out / "tiedTrue"), fresh=VALUE_HEAD)
+        results[tp] = engine.full_state_dict(rank0_only=False)
+    return results
+
+
+def test_the_critic_loads_one_copy_with_a_fresh_value_head(tmp_path):
+    """The critic (a causal LM's body with a one-output token head) built on the meta device and
+    filled from rank 0's read of a causal LM checkpoint: the body as saved, the new head drawn
+    once (the same on every rank, weights ~ N(0, initializer_range), bias 0), at dp2 and tp2."""
+    from tests.helpers.gloo_ranks import run_ranks
+
+    saved = _save_checkpoints(tmp_path)["tiedTrue"]
+    per_rank = run_ranks(_critic_job, 2, tmp_path, 120)
+    for tp in (1, 2):
+        full = per_rank[0][tp]
+        body = {k: v for k, v in saved.items() if k.startswith("model.")}
+        assert body and all(torch.equal(full[k], v) for k, v in body.items()), tp
+        head = full["score.weight"]
+        assert head.shape == (1, 32) and 0.005 < float(head.std()) < 0.05, tp
+        assert "score.bias" not in full or torch.equal(full["score.bias"], torch.zeros(1)), tp
+        assert all(torch.equal(per_rank[1][tp][k], v) for k, v in full.items()), tp

@@ -49,7 +49,7 @@ def tiny_critic(seed: int = 0):
     from transformers import LlamaForTokenClassification
 
     config = llama_config(CRITIC_VOCAB, num_labels=1)
-    config.classifier_dropout = 0.0  # as asyncrl.roles.critic.load_value_model builds it
+    config.classifier_dropout = 0.0  # as asyncrl.roles.critic builds it (asyncrl.train.load.skeleton)
     torch.manual_seed(seed)
     return LlamaForTokenClassification(config)
 
