@@ -482,6 +482,10 @@ class TrainerConfig:
     eval_every: int = 25
     save_every: int = 50
     keep_checkpoints: int = 2
+    # write the sharded training state (dcp/) in a background thread while training goes on: the
+    # state is first copied to host memory (one more copy of each rank's shard while it writes);
+    # the checkpoint counts as complete once the write ends (at the next save, or the run's end)
+    async_save: bool = False
     resume: str = "auto"  # auto | none | path/to/checkpoints/step_N
     output_dir: str = "outputs/${job.name}"
     # where each step's metrics go: metrics.jsonl (jsonl, the run's record: resume, plots and

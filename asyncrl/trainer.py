@@ -70,6 +70,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.val_log: list[list[float]] = []
         self.tokens, self.step_time = 0.0, 0.0  # generated tokens and seconds of the steps run here
+        self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
 
     # the loop -------------------------------------------------------------------------------------
     async def fit(self, start: Path | None) -> dict[str, Any]:
@@ -97,8 +98,9 @@ class Trainer:
                     metrics.update(await self._evaluate(writer))
                 self._record(writer, metrics)
                 bar.update(metrics)
+                await self.complete_save(only_if_written=True)
                 if self.step % tc.save_every == 0 and self.step < tc.total_steps:
-                    await self.save()
+                    await self.save(wait=False)
             return await self._finish(writer, t_start)
         finally:
             if bar is not None:
@@ -251,7 +253,10 @@ class Trainer:
         return max(r["timing/weight_sync_s"] for r in pushed)
 
     # checkpoints ----------------------------------------------------------------------------------
-    async def save(self) -> Path:
+    async def save(self, wait: bool = True) -> Path:
+        """Checkpoint this step; with trainer.async_save and not `wait`, the sharded state is
+        still being written when this returns and the checkpoint is marked complete later."""
+        await self.complete_save()
         path = self.ckpt_dir / f"step_{self.step}"
         if path.exists():  # an incomplete save of this run's own step (we only name step_N dirs)
             shutil.rmtree(path)
@@ -262,12 +267,36 @@ class Trainer:
         loader = self.generations.loader_state(self.step) if self.generations else self.data.loader.state_dict()
         state = {"step": self.step, "loader": loader, "history": self.history,
                  "controllers": self.ctl.state_dict(), "val": self.val_log, "hf": hf}
+        self._saving = (path, state)
+        if wait or not self.cfg.trainer.async_save:
+            await self.complete_save()
+        return Path(hf)
+
+    async def complete_save(self, only_if_written: bool = False) -> None:
+        """Wait for the last save's background writes (`only_if_written`: not at all, unless they
+        are done), then mark it complete (the marker last: a checkpoint without it is
+        incomplete) and drop the oldest beyond trainer.keep_checkpoints."""
+        if self._saving is None:
+            return
+        if only_if_written and await self._still_writing():
+            return
+        (path, state), self._saving = self._saving, None
+        waited = max(await self.roles.actor.finish_checkpoint())
+        if self.roles.critic is not None:
+            waited = max(waited, *await self.roles.critic.finish_checkpoint())
+        if waited:
+            log.info("checkpoint %s: waited %.1f s for its background write", path, waited)
         (path / "trainer_state.json").write_text(json.dumps(state))
-        (path / DONE_MARKER).write_text("")  # last: a checkpoint without it is incomplete
+        (path / DONE_MARKER).write_text("")
         older = [p for p in complete_checkpoints(self.out_dir) if p != path]
         for old in older[:max(0, len(older) - (self.cfg.trainer.keep_checkpoints - 1))]:
             shutil.rmtree(old, ignore_errors=True)
-        return Path(hf)
+
+    async def _still_writing(self) -> bool:
+        pending = await self.roles.actor.checkpoint_pending()
+        if self.roles.critic is not None:
+            pending += await self.roles.critic.checkpoint_pending()
+        return any(pending)
 
     async def load(self, path: Path) -> None:
         """Restore from `path`, a complete checkpoint (`RunDir.claim` checked it)."""

@@ -85,13 +85,14 @@ class Knobs:
     # the native engine decodes all its rows at once; neither: a paged engine that fills what
     # the colocated models leave, in waves (HybridFlow's simulator; the planner benchmarks')
     all_rows: bool = False
+    async_save: bool = False  # trainer.async_save: a save copies the training state to host memory first
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None) -> Knobs:
         vllm = rollout_vllm_bytes(cfg, on_gpu, device_bytes)
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
-                   vllm, all_rows=not vllm)
+                   vllm, all_rows=not vllm, async_save=cfg.trainer.async_save)
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -156,10 +157,11 @@ def generation(spec: ModelSpec, rows: float, seq: float, gen_tp: int, knobs: Kno
 def checkpoint_phases(spec: ModelSpec, shards: int, knobs: Knobs, resident: float) -> dict[str, float]:
     """Rank 0's host memory at load (its shard, the checkpoint's tensors and each file's as read)
     and at a save (one gathered fp32 tensor at a time and the export's current file, in the
-    compute dtype, on top of what it holds)."""
+    compute dtype, on top of what it holds; an asynchronous save's host copy of the training state)."""
+    staged = sum(training_state(spec, shards).values()) if knobs.async_save else 0.0
     return {"load (rank 0)": 4 * spec.params / shards + 6 * spec.params + RUNTIME_BYTES,
             "save (rank 0)": resident + min(knobs.compute_bytes * spec.params, EXPORT_SHARD_BYTES)
-            + 4 * spec.vocab * spec.hidden}
+            + 4 * spec.vocab * spec.hidden + staged}
 
 
 def _outputs(spec: ModelSpec) -> int:

@@ -516,8 +516,19 @@ class ActorRolloutRefWorker(Worker):
                  "shuffle_gen": self.shuffle_gen.get_state(), "sample_gen": self.sample_gen.get_state()}
         with memory_phase("save", self.device):
             self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer,
-                                       export_dtype=compute_dtype(self.device, self.cfg.model.dtype))
+                                       export_dtype=compute_dtype(self.device, self.cfg.model.dtype),
+                                       asynchronous=self.cfg.trainer.async_save)
         return str(Path(path) / "actor" / "hf")
+
+    @register(ONE_TO_ALL)
+    def checkpoint_pending(self) -> bool:
+        """Whether an asynchronous save is still writing its sharded state (no wait)."""
+        return self.actor.checkpoint_pending()
+
+    @register(ONE_TO_ALL)
+    def finish_checkpoint(self) -> float:
+        """Wait for an asynchronous save's write (trainer.async_save); the seconds waited."""
+        return self.actor.finish_checkpoint()
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:

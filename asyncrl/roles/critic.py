@@ -74,8 +74,19 @@ class CriticWorker(Worker):
 
     @register(ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        self.critic.save_checkpoint(Path(path) / "critic", {**(extra or {}), "gen": self.shuffle_gen.get_state()})
+        self.critic.save_checkpoint(Path(path) / "critic", {**(extra or {}), "gen": self.shuffle_gen.get_state()},
+                                    asynchronous=self.cfg.trainer.async_save)
         return str(Path(path) / "critic")
+
+    @register(ONE_TO_ALL)
+    def checkpoint_pending(self) -> bool:
+        """Whether an asynchronous save is still writing its sharded state (no wait)."""
+        return self.critic.checkpoint_pending()
+
+    @register(ONE_TO_ALL)
+    def finish_checkpoint(self) -> float:
+        """Wait for an asynchronous save's write (trainer.async_save); the seconds waited."""
+        return self.critic.finish_checkpoint()
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -244,6 +245,8 @@ class TrainEngine:
         self.optim_config = optim
         # the HF export writes each tied tensor once
         self._tied_names = tied_parameter_names(model)
+        self._pending_save: Any = None  # an asynchronous save's future (save_checkpoint)
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
         if optim is None:
             model.requires_grad_(False)
@@ -361,7 +364,7 @@ class TrainEngine:
 
     def save_checkpoint(
         self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
-        export_dtype: torch.dtype | None = None,
+        export_dtype: torch.dtype | None = None, asynchronous: bool = False,
     ) -> None:
         """Write a resumable checkpoint under `path`, plus an HF export in `path/hf` (rank 0).
 
@@ -372,10 +375,22 @@ class TrainEngine:
         model.safetensors or shards of at most `EXPORT_SHARD_BYTES` with their index, in
         `export_dtype` when given, tokenizer). `extra` must hold tensors and plain Python
         containers/scalars (loaded weights_only).
+
+        `asynchronous`: the sharded state is copied to host memory and `dcp/` written by a
+        background thread while training goes on (`torch.distributed.checkpoint.async_save`, over
+        a gloo group of its own); `finish_checkpoint()` waits for it, and the next save or load
+        does first. The other parts are written before this returns.
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        dcp.save(self._sharded_state(), checkpoint_id=path / "dcp")
+        self.finish_checkpoint()
+        if asynchronous:
+            if self._checkpoint_group is None:  # the background thread's collectives: never on the training group
+                self._checkpoint_group = dist.new_group(backend="gloo")
+            self._pending_save = dcp.async_save(self._sharded_state(), checkpoint_id=path / "dcp",
+                                                process_group=self._checkpoint_group)
+        else:
+            dcp.save(self._sharded_state(), checkpoint_id=path / "dcp")
         torch.save(
             {
                 "layout": self.layout.to_wire(),
@@ -394,6 +409,20 @@ class TrainEngine:
         dist.barrier()  # the default group is the layout's ranks (ParallelLayout.device_mesh)
         log.info("saved checkpoint %s", path)
 
+    def checkpoint_pending(self) -> bool:
+        """Whether an asynchronous save is still writing (no wait)."""
+        return self._pending_save is not None and not self._pending_save.done()
+
+    def finish_checkpoint(self) -> float:
+        """Wait for an asynchronous save's background write; returns the seconds waited (0 when
+        none is pending). A failed write raises here."""
+        if self._pending_save is None:
+            return 0.0
+        t0 = time.perf_counter()
+        pending, self._pending_save = self._pending_save, None
+        pending.result()
+        return time.perf_counter() - t0
+
     def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
         """Restore model, optimizer and scheduler from `save_checkpoint(path)`; return its extra.
 
@@ -404,6 +433,7 @@ class TrainEngine:
         per-rank RNG streams are not restored.
         """
         path = Path(path)
+        self.finish_checkpoint()
         meta = self._read_meta(path)
         if meta.get("tied") is False and self._tied_names:
             raise EngineError(

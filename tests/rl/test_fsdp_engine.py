@@ -118,12 +118,15 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     ckpt = out_dir / "ckpt"
     torch.manual_seed(1234 + rank)
     tok = tiny_tokenizer() if rank == 0 else None
-    a.save_checkpoint(ckpt, extra={"step": STEPS, "rng": rng_state()}, tokenizer=tok)
+    # asynchronous: the sharded state is written in the background while the next step trains
+    # (and changes it); the checkpoint must hold the state as it was at the save
+    a.save_checkpoint(ckpt, extra={"step": STEPS, "rng": rng_state()}, tokenizer=tok, asynchronous=True)
     probe = step_batch(99)
     with torch.no_grad():
         res["fsdp_logits"] = a.model(input_ids=probe).logits
     res["cont_metrics"] = a.train_step(noisy_step(), loss_fn)
     res["cont_sd"] = a.full_state_dict()
+    res["async_waited"] = a.finish_checkpoint() >= 0 and a.finish_checkpoint() == 0.0  # a second wait is free
     del a
     d = build_engine(tiny_model(99), OPTIM, layout)
     extra = d.load_checkpoint(ckpt)
@@ -275,7 +278,9 @@ def test_non_finite_grad_norm_skips_step(job):
 
 
 def test_checkpoint_resume_matches_continuing(job):
+    """Saved asynchronously, training on while the state is written: resuming matches continuing."""
     for r in job:
+        assert r["async_waited"]
         assert r["resumed_extra_step"] == STEPS
         assert r["resumed_metrics"] == r["cont_metrics"]
     assert_sd_close(job[0]["resumed_sd"], job[0]["cont_sd"], atol=0)

@@ -136,10 +136,12 @@ def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
 
 
 def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
+    """Saved asynchronously (the step-2 checkpoint is marked complete once its background write
+    ends, while training goes on), killed with SIGKILL, resumed from step 2."""
     out = tmp_path / "resume"
     args = [*LAUNCH, "--config-name", "quickstart", f"trainer.output_dir={out}", f"model.path={tiny_model}",
             "model.build_tiny=null", *SMALL, "trainer.total_steps=4", "trainer.save_every=2",
-            "trainer.eval_every=2", "trainer.loggers=[console,jsonl]"]
+            "trainer.eval_every=2", "trainer.loggers=[console,jsonl]", "trainer.async_save=true"]
     proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
