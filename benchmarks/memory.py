@@ -3,6 +3,7 @@
 
     python -m benchmarks.memory                    # 4 ranks, then 2 (about 15 minutes on 2 cores)
     python -m benchmarks.memory --worlds 2 --steps 1
+    python -m benchmarks.memory --worlds 1 --steps 1 --engine vllm   # on one GPU (tests/rl/test_memory_gpu.py)
 
 The model is built here with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings) and random bf16 weights, saved as a
@@ -62,8 +63,9 @@ def build_model(out: Path) -> Path:
 
 
 def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "bfloat16",
-              checkpointing: bool = True) -> list[str]:
+              checkpointing: bool = True, engine: str = "native") -> list[str]:
     return [f"model.path={model}", f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
+            f"rollout.engine={engine}",
             f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
             f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}",
             f"trainer.save_every={steps}", "trainer.loggers=[jsonl]", "trainer.resume=none",
@@ -71,7 +73,9 @@ def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "
             "data.synthetic.n_val=4", "actor.ppo_mini_batches=1", "trainer.torch_threads=1"]
 
 
-async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool) -> dict:
+async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool, engine: str = "native") -> dict:
+    """One run of the trainer on `world` ranks (GPUs where this machine has them, else gloo CPU
+    ranks); on a GPU also torch's peak allocation per phase (`cuda_phase_peak_gib`)."""
     from asyncrl.config import rl_config
     from asyncrl.launch import load_config
     from asyncrl.plan.memory import worker_memory
@@ -81,9 +85,11 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     from asyncrl.trainer import main as trainer_main
 
     run_dir = OUT / f"run-dp{world}"
-    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing))
+    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing, engine))
     typed = rl_config(cfg)
-    estimate = worker_memory(typed, model_spec(str(model)), on_gpu=False)
+    on_gpu = torch.cuda.is_available()
+    device_bytes = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
+    estimate = worker_memory(typed, model_spec(str(model)), on_gpu=on_gpu, device_bytes=device_bytes)
     trainers: list[Trainer] = []
     t0 = time.monotonic()
     async with local_cluster(cpu_devices=world, log_dir=run_dir / "logs", cfg=cfg) as ctx:
@@ -99,7 +105,11 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     phase_peaks = {name: round(max(s["phases"].get(name, {}).get("peak_rss", 0.0) for s in stats) / GIB, 3)
                    for name in phases}
     steps_s = [h["timing/step_s"] for h in trainers[0].history]
-    return {"world": world, "peak_gib": [round(s["peak_rss"] / GIB, 3) for s in stats],
+    cuda = {name: round(max(s["phases"].get(name, {}).get("cuda_peak_allocated", 0.0) for s in stats) / GIB, 3)
+            for name in phases} if on_gpu else {}
+    return {"world": world, "device": "cuda" if on_gpu else "cpu", "cuda_phase_peak_gib": cuda,
+            "estimate_phase_gib": {k: round(v / GIB, 3) for k, v in estimate.phases.items()},
+            "hf": summary.get("checkpoint"), "peak_gib": [round(s["peak_rss"] / GIB, 3) for s in stats],
             "estimate_gib": round(estimate.total / GIB, 3), "estimate_phase": estimate.peak_phase,
             "estimate": estimate.to_json(), "phase_peak_gib": phase_peaks,
             "floor_gib": round(floor / GIB, 3), "state_gib": round(state / GIB, 3),
@@ -113,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "auto"],
                    help="model.dtype (bfloat16: what a real model trains in)")
     p.add_argument("--no-checkpointing", action="store_true", help="actor.gradient_checkpointing=false")
+    p.add_argument("--engine", default="native", choices=["native", "vllm"], help="rollout.engine")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from asyncrl.plan.workload import model_spec
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"model": "Qwen2.5-0.5B shape", "params": model_spec(str(model)).params, "dtype": args.dtype,
                  "gradient_checkpointing": not args.no_checkpointing}
     for world in args.worlds:
-        r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing))
+        r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing, args.engine))
         print(json.dumps(r), flush=True)
         tag = f"dp{world}"
         out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],
