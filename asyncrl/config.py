@@ -181,8 +181,9 @@ class RolloutConfig:
     n_workers: int = 1  # the rollout pool's workers (devices) with trainer.placement=split
     interrupt_on_update: bool = False  # split: load new weights between decode steps, not only between batches
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
-    # split, native engine: rows one rollout worker decodes together (continuous batching);
-    # 0 = the rows of one batch on one rollout worker
+    # native engine: rows a worker decodes together, the KV cache it holds (colocated: a call's
+    # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
+    # of a call (split: of one batch on one rollout worker)
     decode_slots: int = 0
     # trajectories of several turns with an environment (tools, games): asyncrl.agents
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -153,8 +153,9 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     kv_row = model.kv_bytes_per_token * profile.bytes_per_param / 2 / tg * w.seq_len
     engine = knobs.vllm_bytes or free_bytes
     kv_budget = engine - weights - 0.05 * profile.mem_bytes  # activations and workspace
-    if knobs.all_rows:
-        kv_budget = rows * kv_row if weights + rows * kv_row <= free_bytes else 0.0
+    if knobs.all_rows:  # the native engine: every row at once, or waves of rollout.decode_slots
+        at_once = min(rows, knobs.decode_rows) if knobs.decode_rows else rows
+        kv_budget = at_once * kv_row if weights + at_once * kv_row <= free_bytes else 0.0
     if kv_budget < kv_row:
         return CallCost(INFEASIBLE, INFEASIBLE)
     waves = math.ceil(rows / max(1, int(kv_budget // kv_row)))

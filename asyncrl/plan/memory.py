@@ -85,6 +85,7 @@ class Knobs:
     # the native engine decodes all its rows at once; neither: a paged engine that fills what
     # the colocated models leave, in waves (HybridFlow's simulator; the planner benchmarks')
     all_rows: bool = False
+    decode_rows: int = 0  # the native engine's rows at once (rollout.decode_slots; 0 = all)
     async_save: bool = False  # trainer.async_save: a save copies the training state to host memory first
 
     @classmethod
@@ -92,7 +93,7 @@ class Knobs:
         vllm = rollout_vllm_bytes(cfg, on_gpu, device_bytes)
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
-                   vllm, all_rows=not vllm, async_save=cfg.trainer.async_save)
+                   vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save)
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -188,6 +189,8 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     width = rc.max_tokens + 1  # the response positions whose logits are computed
     rows = dc.batch_size * rc.n / dp  # this rank's rows of a step
     gen_rows = rows * rc.parallel.tp / par.tp  # a TP group's rows, over its tp / rollout tp replicas
+    if knobs.decode_rows:  # decoded in waves of at most this many rows
+        gen_rows = min(gen_rows, knobs.decode_rows)
 
     resident = {**training_state(spec, shards), "reference policy (shard)": forward_only_weights(spec, shards, knobs),
                 "process (python, torch)": RUNTIME_BYTES}

@@ -277,26 +277,46 @@ class ActorRolloutRefWorker(Worker):
         shard = self.gen_layout.data_index(self.rank)
         gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + shard)
                if seed is not None else self.sample_gen)
+        waves = 1
         if self.agent is not None:
             out = self._generate_turns(prompts, params, gen)
         elif self.batcher is not None:
             out = self.batcher.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
         else:
-            versions = [self._policy_version()]  # of token 0; one more per decode step
-
-            def before_step(step: int) -> None:
-                if self.cfg.rollout.interrupt_on_update:
-                    self._apply_staged_weights()
-                versions.append(self._policy_version())
-
-            hook = {"before_step": before_step} if isinstance(self.rollout, RolloutEngine) else {}
-            out = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen, **hook)
-            out["behav_versions"] = _token_versions(versions, out["responses"].shape, out["responses"].device)
+            out, waves = self._generate_waves(prompts["input_ids"], prompts["attention_mask"], params, gen)
         out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
         timing = {"timing/sync_s": t1 - t0, "timing/gen_s": time.perf_counter() - t1}
-        return Batch(out, rest.non_tensors, {**prompts.meta, "n": params.n, **timing})
+        return Batch(out, rest.non_tensors, {**prompts.meta, "n": params.n, "gen_waves": waves, **timing})
+
+    def _generate_waves(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                        gen: torch.Generator) -> tuple[dict[str, torch.Tensor], int]:
+        """The native engine decodes at most rollout.decode_slots rows at once (the KV cache it
+        may hold; 0 = every row of the call): the prompts in waves, the outputs joined (and how
+        many waves)."""
+        slots = self.cfg.rollout.decode_slots if isinstance(self.rollout, RolloutEngine) else 0
+        per_wave = max(1, slots // params.n) if slots else len(ids)
+        outs = [self._generate_wave(ids[i:i + per_wave], mask[i:i + per_wave], params, gen)
+                for i in range(0, len(ids), per_wave)]
+        if len(outs) == 1:
+            return outs[0], 1
+        outs = [_pad_responses(o, params.max_tokens, self.tokenizer.pad_token_id) for o in outs]
+        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}, len(outs)
+
+    def _generate_wave(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
+                       gen: torch.Generator) -> dict[str, torch.Tensor]:
+        versions = [self._policy_version()]  # of token 0; one more per decode step
+
+        def before_step(step: int) -> None:
+            if self.cfg.rollout.interrupt_on_update:
+                self._apply_staged_weights()
+            versions.append(self._policy_version())
+
+        hook = {"before_step": before_step} if isinstance(self.rollout, RolloutEngine) else {}
+        out = self.rollout.generate(ids, mask, params, generator=gen, **hook)
+        out["behav_versions"] = _token_versions(versions, out["responses"].shape, out["responses"].device)
+        return out
 
     def _generate_turns(self, prompts: Batch, params: SamplingParams, gen: torch.Generator) -> dict[str, torch.Tensor]:
         """`rollout.multi_turn`: n trajectories per prompt, each turn a request to the engine."""

@@ -193,6 +193,9 @@ def test_the_memory_estimate_follows_the_knobs():
     assert small.parts["update logits and their gradient"] < 0.6 * dp4.parts["update logits and their gradient"]
     assert dp4.total == max(dp4.phases.values()) and len(dp4.lines()) == len(dp4.parts) + 1 + len(dp4.host)
     assert set(dp4.host) == {"load (rank 0)", "save (rank 0)"}  # on a GPU: host memory, not the device's
+    waves = rl_config({**base, "trainer": {"n_workers": 4}, "rollout": {**base["rollout"], "decode_slots": 4}})
+    kv = "KV cache (native engine)"
+    assert worker_memory(waves, spec, on_gpu=True).parts[kv] == pytest.approx(dp4.parts[kv] / 4)  # 16 rows -> 4
     staged = sum(dp4.parts[k] for k in ("weights (fp32 master shard)", "gradients (fp32 shard)", "Adam moments (fp32 shard)"))
     cfg = rl_config({**base, "trainer": {"n_workers": 4, "async_save": True}})
     assert worker_memory(cfg, spec, on_gpu=True).host["save (rank 0)"] == pytest.approx(dp4.host["save (rank 0)"] + staged)
