@@ -52,7 +52,7 @@ from asyncrl.train import (
     set_rng_state,
 )
 from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
-from asyncrl.train.load import copy_shards, load_sharded, materialize, skeleton
+from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
 from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
@@ -80,7 +80,7 @@ class ActorRolloutRefWorker(Worker):
         # a rollout-only pool (trainer.placement=split) is data parallel over its own ranks
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size)
                                     if "actor" in self.roles else pure_dp(self.world_size))
-        one_copy = "actor" in self.roles and layout.size("pp") == 1
+        one_copy = "actor" in self.roles
         base = self._base_model(one_copy)
         # what a weight sync between pools carries, in order: the generation copy's dtype
         self.sync_dtype = compute_dtype(self.device, cfg.model.dtype)
@@ -131,17 +131,16 @@ class ActorRolloutRefWorker(Worker):
 
 
     def _base_model(self, one_copy: bool) -> torch.nn.Module:
-        """The model this worker starts from: an actor without pipeline stages builds it on the
-        meta device (rank 0 reads the checkpoint, every rank keeps its shards: one copy per node);
-        a rollout-only replica holds the whole model in the compute dtype (vLLM reads the files
-        itself: a skeleton for the shapes); pipeline stages read the whole model in fp32."""
+        """The model this worker starts from: an actor builds it on the meta device (rank 0 reads
+        the checkpoint, every rank keeps its shards: one copy per node); a rollout-only replica
+        holds the whole model in the compute dtype (vLLM reads the files itself: a skeleton for
+        the shapes)."""
         path, dtype = self.cfg.model.path, compute_dtype(self.device, self.cfg.model.dtype)
         if one_copy:
             return skeleton(path, torch.float32)
-        if "actor" not in self.roles:
-            return skeleton(path, dtype) if self.cfg.rollout.engine == "vllm" else \
-                load_causal_lm(path, str(dtype).removeprefix("torch."))
-        return load_causal_lm(path)
+        if self.cfg.rollout.engine == "vllm":
+            return skeleton(path, dtype)
+        return load_causal_lm(path, str(dtype).removeprefix("torch."))
 
     def _build_engines(self, base: torch.nn.Module, layout: ParallelLayout, one_copy: bool) -> None:
         """The actor's training engine and the reference policy's forward-only one over `layout`;
@@ -152,8 +151,7 @@ class ActorRolloutRefWorker(Worker):
         engine_cls = TrainEngine
         if layout.size("pp") > 1:
             engine_cls = PipelineEngine
-            if base.get_output_embeddings() is not None and \
-                    base.get_output_embeddings().weight is base.get_input_embeddings().weight:
+            if _tied(base):
                 log.warning("actor.parallel.pp=%d: the model ties its input and output embeddings, which "
                             "live on different pipeline stages; they now train as two weights (the "
                             "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
@@ -169,10 +167,13 @@ class ActorRolloutRefWorker(Worker):
             if one_copy:
                 materialize(model, self.device)
             self.actor = engine_cls(model, layout, optim=cfg.actor.optim, device=self.device)
-            if one_copy:
-                load_sharded(self.actor, cfg.model.path)
+            if one_copy:  # pipeline stages: each rank holds its stage only, so tensors stream from rank 0
+                (load_streamed if layout.size("pp") > 1 else load_sharded)(self.actor, cfg.model.path)
         if "ref" in self.roles and one_copy:  # the actor's shards, in the compute dtype
-            ref = parallelize(skeleton(cfg.model.path, ref_dtype), layout, mp)
+            ref = skeleton(cfg.model.path, ref_dtype)
+            if layout.size("pp") > 1 and _tied(ref):
+                untie_embeddings(ref)
+            ref = parallelize(ref, layout, mp)
             materialize(ref, self.device)
             copy_shards(self.actor.model, ref)
             self.ref = engine_cls(ref, layout, optim=None, device=self.device)
@@ -580,6 +581,11 @@ class _StagedWeights:
 
     def apply(self) -> None:
         self.worker._apply_staged_weights()
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
 
 
 def _token_versions(versions: list[int], shape: torch.Size, device: torch.device) -> torch.Tensor:

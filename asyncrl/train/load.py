@@ -98,6 +98,74 @@ def load_sharded(engine: Any, path: str, fresh: tuple[str, ...] = ()) -> None:
     release_host_memory()  # rank 0's read of the files, back to the OS
 
 
+def load_streamed(engine: Any, path: str) -> None:
+    """Fill a pipeline stage's sharded model (every rank holds only its stage, so no rank has the
+    whole state dict to broadcast): rank 0 reads the checkpoint one tensor at a time and
+    broadcasts each; the ranks whose stage owns it keep their shard. One tensor in flight per
+    rank; one reader per node. A checkpoint with tied embeddings fills the untied LM head from
+    the embedding."""
+    from safetensors import safe_open
+
+    from asyncrl.train.pipeline import broadcast_value
+
+    own = {_plain(n): t for n, t in engine.model.state_dict().items()}
+    dtype = next(engine.model.parameters()).dtype
+    device = next(engine.model.parameters()).device
+    comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    index = _tensor_index(sorted(Path(path).glob("*.safetensors"))) if dist.get_rank() == 0 else None
+    index = broadcast_value(index, 0, None, comm)  # names, files and shapes (msgpack, no pickle)
+    if index is None:
+        raise FileNotFoundError(f"{path} holds no *.safetensors files; save the model with "
+                                "save_pretrained(safe_serialization=True)")
+    targets = {name: [name] for name in index}
+    if "lm_head.weight" not in index and "model.embed_tokens.weight" in index:
+        targets["model.embed_tokens.weight"].append("lm_head.weight")  # tied in the checkpoint, untied here
+    missing = sorted(set(own) - {t for ts in targets.values() for t in ts})
+    if missing:
+        raise KeyError(f"{path}: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                       "(its tensor names differ from the model's)")
+    handles: dict[str, Any] = {}
+    for name, (file, shape) in index.items():
+        if dist.get_rank() == 0:
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt")
+            full = handles[file].get_tensor(name).to(device=comm, dtype=dtype)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=comm)
+        dist.broadcast(full, src=0)
+        for target in targets[name]:
+            if target in own:
+                _copy_into(own[target], full)
+        del full
+    release_host_memory()
+
+
+def _tensor_index(files: list[Path]) -> dict[str, tuple[str, list[int]]] | None:
+    """name -> (file, shape) over a checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    if not files:
+        return None
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                out[name] = (str(f), list(handle.get_slice(name).get_shape()))
+    return out
+
+
+@torch.no_grad()
+def _copy_into(target: Tensor, full: Tensor) -> None:
+    """This rank's part of `full` into `target` (a DTensor shard, sliced locally, or a plain tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        part = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(part.to_local())
+    else:
+        target.copy_(full)
+
+
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     """Each parameter's names (tied weights share one parameter under several names)."""
     by_param: dict[int, list[str]] = {}
