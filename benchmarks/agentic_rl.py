@@ -109,7 +109,7 @@ def run_once(model: object, tok: object, median_ms: float, schedule: str, cpu: b
             "turns_mean": statistics.mean(t.counts["num_turns"] for t in trajs)}
 
 
-def trainer_comparison(latency_ms: float, steps: int, ks: list[int], seed: int = 0) -> dict:
+def trainer_comparison(latency_ms: float, steps: int | None, ks: list[int], seed: int = 0) -> dict:
     """`asyncrl-launch --config-name tool_quickstart` with `latency_ms` per tool call: synchronous
     (colocated; split k=0) against asynchronous (split, k = 1, 2, interruptible, decoupled PPO),
     the same samples each; and a reseeded synchronous run for how much success differs by chance."""
@@ -121,8 +121,9 @@ def trainer_comparison(latency_ms: float, steps: int, ks: list[int], seed: int =
     from asyncrl.models.tiny import ensure_tiny_model
     from benchmarks.async_rl import launch, runs
 
-    model = ensure_tiny_model(OUT / "lookup-model",
-                              **OmegaConf.to_container(load_config("tool_quickstart", []).model.build_tiny))
+    defaults = load_config("tool_quickstart", [])
+    model = ensure_tiny_model(OUT / "lookup-model", **OmegaConf.to_container(defaults.model.build_tiny))
+    steps = steps or defaults.trainer.total_steps  # as `asyncrl-launch --config-name tool_quickstart` trains
     common = [f"model.path={model}", "model.build_tiny=null", f"seed={seed}", f"trainer.total_steps={steps}",
               f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.loggers=[console,jsonl]",
               f"+rollout.multi_turn.env_kwargs.latency_ms={latency_ms}"]
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-control", action="store_true", help="skip the CPU-bound control (100 ms)")
     p.add_argument("--trainer", type=float, default=None, metavar="MS",
                    help="instead: synchronous vs asynchronous RL on tool_quickstart at this median tool latency")
-    p.add_argument("--steps", type=int, default=40, help="--trainer: training steps of every run")
+    p.add_argument("--steps", type=int, default=None,
+                   help="--trainer: training steps of every run (default: tool_quickstart's trainer.total_steps)")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2], help="--trainer: staleness bounds to try")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
