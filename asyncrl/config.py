@@ -261,6 +261,31 @@ class PPOUpdateConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the actor (asyncrl/train/lora.py): only they train, the reference policy is
+    the base with them switched off (no second copy), generation uses W0 + (alpha / rank) B A.
+    LoRA usually wants ~10x full fine-tuning's learning rate."""
+
+    rank: int = 0  # 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    # leaf names of the linear layers to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj for Llama/Qwen), or all-linear: every linear layer but the LM head
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+    def check(self, at: str) -> None:
+        _positive(at + "rank", self.rank, allow_zero=True)
+        _positive(at + "alpha", self.alpha)
+        _check(0 <= self.dropout < 1, at + "dropout", self.dropout, "must be in [0, 1)")
+        _check(bool(self.target_modules), at + "target_modules", self.target_modules,
+               "name at least one module (or all-linear)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class ActorConfig(PPOUpdateConfig):
     log_prob_micro_batch_size: int = 128
     log_prob_max_tokens_per_micro_batch: int = 0  # > 0: the log-prob passes' micro-batches by tokens
@@ -279,9 +304,15 @@ class ActorConfig(PPOUpdateConfig):
     # truncated importance sampling to the behaviour policy. For rollout.max_staleness > 0.
     policy_loss: str = "ppo"
     behav_imp_weight_cap: float = 5.0  # decoupled: tokens above it are dropped; tis: weights clipped to it
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters instead of full fine-tuning (rank > 0)
 
     def check(self, at: str) -> None:
         super().check(at)
+        self.lora.check(at + "lora.")
+        if self.lora.enabled:  # what the adapters' merge into generation weights handles today
+            _check(self.parallel.tp == 1 and self.parallel.pp == 1, at + "lora.rank", self.lora.rank,
+                   f"LoRA trains with {at}parallel.tp=1 and pp=1 for now (FSDP over every rank); "
+                   f"got tp={self.parallel.tp}, pp={self.parallel.pp}")
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
         _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
         _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
@@ -573,6 +604,9 @@ class RLConfig(LaunchConfig):
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
         split = self.trainer.placement == "split"
+        _check(not (split and self.actor.lora.enabled), at + "actor.lora.rank", self.actor.lora.rank,
+               "LoRA with trainer.placement=split is not supported yet (adapter-only weight sync); "
+               "use trainer.placement=colocated")
         if not split:
             _check(not self.rollout.interrupt_on_update, at + "rollout.interrupt_on_update", True,
                    "only applies with trainer.placement=split (a colocated rollout shares the actor's "

@@ -53,6 +53,13 @@ from asyncrl.train import (
 )
 from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
+from asyncrl.train.lora import (
+    adapter_scales,
+    adapters_disabled,
+    apply_lora,
+    fresh_adapter,
+    merged_weight,
+)
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
 from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
@@ -160,15 +167,26 @@ class ActorRolloutRefWorker(Worker):
         if "ref" in self.roles and not one_copy:
             ref = copy.deepcopy(base).to(ref_dtype)
             self.ref = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=self.device)
+        lora = cfg.actor.lora
         if "actor" in self.roles:
+            if lora.enabled:  # adapters before FSDP wraps the layers; everything else frozen
+                apply_lora(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
             if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model = parallelize(base, layout, mp)
             if one_copy:
                 materialize(model, self.device)
             self.actor = engine_cls(model, layout, optim=cfg.actor.optim, device=self.device)
+            if lora.enabled:
+                self.actor.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                                   "targets": lora.target_modules, "base_model": cfg.model.path}
             if one_copy:  # pipeline stages: each rank holds its stage only, so tensors stream from rank 0
-                (load_streamed if layout.size("pp") > 1 else load_sharded)(self.actor, cfg.model.path)
+                if layout.size("pp") > 1:
+                    load_streamed(self.actor, cfg.model.path)
+                else:  # the adapters are new: drawn on rank 0 (B = 0: the model starts as the base)
+                    load_sharded(self.actor, cfg.model.path, fresh=fresh_adapter if lora.enabled else None)
+        if lora.enabled:  # the reference policy is the actor with its adapters switched off
+            return
         if "ref" in self.roles and one_copy:  # the actor's shards, in the compute dtype
             ref = skeleton(cfg.model.path, ref_dtype)
             if layout.size("pp") > 1 and _tied(ref):
@@ -210,12 +228,27 @@ class ActorRolloutRefWorker(Worker):
             return
         if isinstance(self.rollout, VLLMRolloutEngine):
             if not self.rollout_current:
-                shards = self.resharder.reshard()
+                shards = self._merge_adapters(self.resharder.reshard())
                 self.rollout.load_weights(shards if self.gen_layout.size("tp") == 1 else self._full_weights(shards))
                 self.resharder.release()
                 self.rollout_current = True
         elif not self.generation.bound:
-            self.generation.bind(self.resharder.reshard())
+            self.generation.bind(self._merge_adapters(self.resharder.reshard()))
+
+    def _merge_adapters(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """LoRA: each adapted weight's generation tensor as W0 + (alpha / rank) B A, computed in
+        fp32 from the frozen base and cast once, as a new tensor (the base, which a single rank's
+        reshard hands over without a copy, is never written). Gathers A and B (collectives)."""
+        scales = adapter_scales(self.actor.model)
+        if not scales:
+            return shards
+        state = self.actor.model.state_dict()
+        for module, scale in scales.items():
+            a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t
+                    for t in (state[f"{module}.lora_A"], state[f"{module}.lora_B"]))
+            key = f"{module}.weight"
+            shards[key] = merged_weight(shards[key], a, b, scale, shards[key].dtype)
+        return shards
 
     def _full_weights(self, shards: dict[str, torch.Tensor]):
         """Generation-TP shards, all-gathered one tensor at a time within the generation-TP
@@ -373,7 +406,11 @@ class ActorRolloutRefWorker(Worker):
     @register(THREE_D_PROTO)
     @timed("ref_log_prob")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        logp, _ = self._log_probs(self.ref, batch, with_entropy=False)
+        if self.ref is None and self.cfg.actor.lora.enabled:  # LoRA: the base is the reference
+            with adapters_disabled(self.actor.model):
+                logp, _ = self._log_probs(self.actor, batch, with_entropy=False)
+        else:
+            logp, _ = self._log_probs(self.ref, batch, with_entropy=False)
         return Batch({"ref_log_prob": logp}) if logp is not None else None
 
     # training ------------------------------------------------------------------------------------
@@ -450,6 +487,17 @@ class ActorRolloutRefWorker(Worker):
             return {}
         mask = batch["response_mask"].float()
         return {"sft_loss": float(-core.masked_mean(logp, mask)), "tokens": float(mask.sum())}
+
+    @register(ONE_TO_ALL)
+    def held_models(self) -> dict[str, Any]:
+        """What this worker holds: which engines exist, and the actor's trainable and total
+        parameters on this rank (with LoRA: only the adapters train, and no reference model)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.actor.model.parameters()] \
+            if self.actor is not None else []
+        return {"actor": self.actor is not None, "ref": self.ref is not None, "rollout": self.rollout is not None,
+                "trainable_params": sum(p.numel() for p, q in zip(local, self.actor.model.parameters(), strict=True)
+                                        if q.requires_grad) if local else 0,
+                "params": sum(p.numel() for p in local)}
 
     # weights between pools (trainer.placement=split) --------------------------------------------
     def _policy_version(self) -> int:

@@ -20,7 +20,7 @@ from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import TrainEngine, mixed_precision_policy, parallelize
-from asyncrl.train.load import load_sharded, materialize, skeleton
+from asyncrl.train.load import load_sharded, materialize, new_head, skeleton
 
 VALUE_HEAD = ("score.", "classifier.")  # the token head transformers adds: not in a causal LM checkpoint
 
@@ -41,7 +41,7 @@ class CriticWorker(Worker):
         model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
         materialize(model, self.device)
         self.critic = TrainEngine(model, layout, optim=cfg.critic.optim, device=self.device)
-        load_sharded(self.critic, path, fresh=VALUE_HEAD)
+        load_sharded(self.critic, path, fresh=new_head(VALUE_HEAD, model.config.initializer_range))
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
 

@@ -45,6 +45,7 @@ from asyncrl.plan.memory import EXPORT_SHARD_BYTES
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.train.export import ShardWriter, write_safetensors
+from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class TrainEngine:
         # the HF export writes each tied tensor once
         self._tied_names = tied_parameter_names(model)
         self._pending_save: Any = None  # an asynchronous save's future (save_checkpoint)
+        self.lora: dict[str, Any] | None = None  # LoRA settings for the adapter export (rank, alpha, ...)
         self._checkpoint_group: dist.ProcessGroup | None = None
 
         if optim is None:
@@ -500,10 +502,18 @@ class TrainEngine:
         writer = ShardWriter(out_dir, EXPORT_SHARD_BYTES) if self.rank == 0 else None
         if writer is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
-        for name, value in self.model.state_dict().items():
-            if name in self._tied_names:
+        adapted = {f"{module}.weight": module for module in adapter_scales(self.model)}  # LoRA: merged
+        adapter: dict[str, Tensor] = {}
+        state = self.model.state_dict()
+        for name, value in state.items():
+            if name in self._tied_names or is_lora_param(name):
                 continue
             full = value.full_tensor() if isinstance(value, DTensor) else value
+            if name in adapted:  # W0 + (alpha / rank) B A, in fp32 from the frozen base, cast once
+                module = adapted[name]
+                a, b = (_full(state[f"{module}.{leaf}"]) for leaf in ("lora_A", "lora_B"))
+                full = merged_weight(full, a, b, adapter_scales(self.model)[module], torch.float32)
+                adapter.update({f"{module}.lora_A": a, f"{module}.lora_B": b})
             if writer is not None:
                 cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
                 writer.add(name, full.detach().to("cpu", cast).contiguous())
@@ -511,6 +521,9 @@ class TrainEngine:
         if writer is not None:
             writer.close()
             self._write_hf_files(out_dir, tokenizer, dtype)
+            if adapter and self.lora is not None:  # the adapter alone, as PEFT loads it
+                save_peft_adapter(out_dir.parent / "adapter", adapter, base_model=self.lora["base_model"],
+                                  **{k: v for k, v in self.lora.items() if k != "base_model"})
 
     def _write_hf_files(self, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:
         """config.json (with the export's dtype), generation_config.json and the tokenizer."""
@@ -545,6 +558,11 @@ class TrainEngine:
     @staticmethod
     def set_rng_state(state: dict[str, Any]) -> None:
         set_rng_state(state)
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor of a (possibly sharded) parameter: a collective for a DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _local(t: Tensor) -> Tensor:

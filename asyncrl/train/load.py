@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,22 +77,23 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
         (model.get_submodule(owner) if owner else model)._buffers[leaf] = buf.to(device)
 
 
-def load_sharded(engine: Any, path: str, fresh: tuple[str, ...] = ()) -> None:
+Fresh = Callable[[str, tuple[int, ...], torch.dtype], "Tensor | None"]
+
+
+def load_sharded(engine: Any, path: str, fresh: Fresh | None = None) -> None:
     """Fill `engine`'s sharded model from the checkpoint at `path`: rank 0 reads it (one copy on
     the node) and broadcasts it tensor by tensor; the other ranks hold one tensor at a time.
-    `fresh`: name prefixes of modules the checkpoint may lack (a new value head), which rank 0
-    initialises as transformers does (weights normal(0, initializer_range), biases 0)."""
+    `fresh(name, shape, dtype)`: the initial value of a parameter the checkpoint does not hold (a
+    new value head, LoRA adapters), drawn on rank 0; None for a name it does not know."""
     model = engine.model
     dtype = next(model.parameters()).dtype
     full = {}
     if dist.get_rank() == 0:
-        full = read_checkpoint(path, tied_aliases(model), dtype, missing_ok=fresh)
-        std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
-        for name, p in model.named_parameters():
-            name = _plain(name)
-            if name not in full and name.startswith(fresh):
-                init = torch.zeros if name.endswith("bias") else lambda *shape, **kw: torch.randn(*shape, **kw) * std
-                full[name] = init(*p.shape, dtype=dtype)
+        shapes = {_plain(n): tuple(p.shape) for n, p in model.named_parameters()}
+        new = {n: fresh(n, shape, dtype) for n, shape in shapes.items()} if fresh is not None else {}
+        new = {n: t for n, t in new.items() if t is not None}
+        full = read_checkpoint(path, tied_aliases(model), dtype, missing_ok=lambda n: n in new)
+        full.update({n: t for n, t in new.items() if n not in full})
     engine.load_full_state_dict(full, broadcast_from_rank0=True)
     del full
     release_host_memory()  # rank 0's read of the files, back to the OS
@@ -166,6 +167,16 @@ def _copy_into(target: Tensor, full: Tensor) -> None:
         target.copy_(full)
 
 
+def new_head(prefixes: tuple[str, ...], std: float) -> Fresh:
+    """A new head (names starting with `prefixes`) initialised as transformers does: weights
+    normal(0, std), biases 0."""
+    def init(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+        if not name.startswith(prefixes):
+            return None
+        return torch.zeros(shape, dtype=dtype) if name.endswith("bias") else torch.randn(shape, dtype=dtype) * std
+    return init
+
+
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     """Each parameter's names (tied weights share one parameter under several names)."""
     by_param: dict[int, list[str]] = {}
@@ -175,10 +186,10 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype,
-                    missing_ok: tuple[str, ...] = ()) -> dict[str, Tensor]:
+                    missing_ok: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
     """The checkpoint's tensors by the model's parameter names in `dtype`, safetensors files read
-    one at a time; a tied weight stored once is given under each of its names (names starting
-    with a `missing_ok` prefix may be absent)."""
+    one at a time; a tied weight stored once is given under each of its names (names for which
+    `missing_ok` says so may be absent)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -194,7 +205,7 @@ def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype
             if present is not None and n not in sd:
                 sd[n] = sd[present]
     wanted = {n for names in aliases.values() for n in names}
-    missing = sorted(n for n in wanted - set(sd) if not (missing_ok and n.startswith(missing_ok)))
+    missing = sorted(n for n in wanted - set(sd) if not (missing_ok and missing_ok(n)))
     if missing:
         raise KeyError(f"{path}: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
                        "(its tensor names differ from the model's)")

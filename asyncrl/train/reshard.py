@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.single_controller.parallel import MICRO_DP_DIMS, ParallelLayout
 from asyncrl.train.fsdp import EngineError
+from asyncrl.train.lora import is_lora_param
 from asyncrl.train.tp import planned_shard_dim, tp_shard_dim
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ class Resharder:
         # the stages' generation shards then travel inside the micro-DP group across stages
         self.stage_ranks, self.stage_group = _new_groups(gen.groups(("micro_pp",)), self.rank)
         self.micro_dp = len(gen.group_of(self.rank, MICRO_DP_DIMS))
-        self.params = dict(model.named_parameters())
+        # the generation model's weights (LoRA adapters are merged by the caller: asyncrl.train.lora)
+        self.params = {n: p for n, p in model.named_parameters() if not is_lora_param(n)}
         self.full_model = full_model
         stored = next(iter(self.params.values())).dtype
         self.dtype = dtype or stored  # the generation weights' (bf16 from fp32 masters: half the bytes moved)

@@ -278,7 +278,7 @@ def _critic_job(rank: int, world_size: int, out: Path) -> dict:
         mixed_precision_policy,
         parallelize,
     )
-    from asyncrl.train.load import load_sharded, materialize, skeleton
+    from asyncrl.train.load import load_sharded, materialize, new_head, skeleton
 
     init_distributed()
     results = {}
@@ -289,7 +289,7 @@ def _critic_job(rank: int, world_size: int, out: Path) -> dict:
                             mixed_precision_policy("cpu"))
         materialize(model, "cpu")
         engine = TrainEngine(model, layout, optim=OptimConfig(), device="cpu")
-        load_sharded(engine, str(out / "tiedTrue"), fresh=VALUE_HEAD)
+        load_sharded(engine, str(out / "tiedTrue"), fresh=new_head(VALUE_HEAD, 0.02))
         results[tp] = engine.full_state_dict(rank0_only=False)
     return results
 

@@ -1,0 +1,158 @@
+"""LoRA adapters on a causal LM's linear layers, kept beside the base weights it leaves untouched.
+
+`apply_lora(model, rank, alpha, ...)` gives each target `nn.Linear` two trainable parameters,
+`lora_A` [rank, in] and `lora_B` [out, rank] (B starts at zero, so the adapted model starts as the
+base), and a forward hook adding `(alpha / rank) * x A^T B^T`; every other parameter is frozen.
+The base weights keep their Hugging Face names, so the sharded load, the reshard into generation
+weights and the HF export see the model they know; the adapter's parameters are the ones whose
+last name is `lora_A` / `lora_B`.
+
+    apply_lora(model, rank=32, alpha=64)            # before FSDP2 wrapping (asyncrl.train.parallelize)
+    with adapters_disabled(model): ...               # the base model: the reference policy, no second copy
+    merged = merged_weight(base_w, a, b, scale)      # W0 + (alpha / rank) B A in fp32, cast once
+
+`save_peft_adapter` writes the adapter as a PEFT directory (`PeftModel.from_pretrained(base, dir)`
+loads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+LORA_PARAMS = ("lora_A", "lora_B")
+
+
+def is_lora_param(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LORA_PARAMS
+
+
+def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
+    """The linear layers `targets` names: leaf names (`q_proj`, `v_proj`, ...) or `all-linear`
+    (every linear layer but the output head, as PEFT means it)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if "all-linear" in targets or name.rsplit(".", 1)[-1] in targets:
+            out[name] = module
+    return out
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
+               targets: list[str] | None = None) -> list[str]:
+    """Add adapters to `model`'s target linears in place and freeze everything else; returns the
+    adapted modules' names. Parameters are created on the device (and meta-ness) of each base
+    weight; `init_adapters` draws A as PEFT does (B stays zero)."""
+    found = target_linears(model, targets or ["all-linear"])
+    if not found:
+        raise ValueError(f"actor.lora.target_modules={targets}: no linear layer of "
+                         f"{type(model).__name__} matches; use leaf names such as q_proj, v_proj, or all-linear")
+    model.requires_grad_(False)
+    for module in found.values():
+        w = module.weight
+        module.lora_A = nn.Parameter(torch.zeros(rank, module.in_features, dtype=w.dtype, device=w.device))
+        module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, dtype=w.dtype, device=w.device))
+        module.lora_scale = alpha / rank
+        module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        module.lora_off = False
+        module.register_forward_hook(_add_adapter)
+    init_adapters(model)
+    return list(found)
+
+
+def init_adapters(model: nn.Module, generator: torch.Generator | None = None) -> None:
+    """A ~ kaiming-uniform(a=sqrt(5)) (PEFT's and nn.Linear's default), B = 0: the adapted model
+    equals the base until the first update. Skipped for parameters on the meta device."""
+    with torch.no_grad():
+        for module in model.modules():
+            a = getattr(module, "lora_A", None)
+            if a is None or a.is_meta:
+                continue
+            bound = 1.0 / math.sqrt(a.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [rank, in]
+            a.uniform_(-bound, bound, generator=generator)
+            module.lora_B.zero_()
+
+
+def fresh_adapter(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+    """An adapter parameter's initial value for a sharded load (`asyncrl.train.load.load_sharded`:
+    drawn on rank 0, which broadcasts it): A as `init_adapters` draws it, B = 0; None otherwise."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "lora_A":
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape, dtype=dtype).uniform_(-bound, bound)
+    if leaf == "lora_B":
+        return torch.zeros(shape, dtype=dtype)
+    return None
+
+
+def _add_adapter(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    if module.lora_off:
+        return output
+    x = module.lora_dropout(args[0])
+    a, b = module.lora_A, module.lora_B
+    return output + (x.to(a.dtype) @ a.t() @ b.t()).to(output.dtype) * module.lora_scale
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model for the duration (the reference policy with LoRA): adapters are skipped."""
+    adapted = [m for m in model.modules() if hasattr(m, "lora_off")]
+    for m in adapted:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.lora_off = False
+
+
+def merged_weight(base: Tensor, a: Tensor, b: Tensor, scale: float, dtype: torch.dtype | None = None) -> Tensor:
+    """W0 + scale * B A computed in fp32 from the untouched base and cast once to `dtype` (never a
+    merge into the base and an unmerge: in bf16 that rounds the update away)."""
+    out = base.float() + scale * (b.float() @ a.float())
+    return out.to(dtype or base.dtype)
+
+
+def adapter_scales(model: nn.Module) -> dict[str, float]:
+    """Each adapted module's name (without wrappers' prefixes) and its alpha / rank."""
+    return {_plain(name): m.lora_scale for name, m in model.named_modules() if hasattr(m, "lora_scale")}
+
+
+def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int, alpha: float, dropout: float,
+                      targets: list[str], base_model: str) -> Path:
+    """Write `adapter` ({module.lora_A|lora_B: full tensor}) as a PEFT LoRA directory:
+    adapter_config.json and adapter_model.safetensors with PEFT's tensor names."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"base_model.model.{name}.weight": t.detach().contiguous().cpu() for name, t in adapter.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    leaves = sorted({name.rsplit(".", 2)[-2] for name in adapter})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "lora_dropout": dropout, "target_modules": leaves if "all-linear" not in targets else leaves,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+              "modules_to_save": None, "use_rslora": False, "base_model_name_or_path": base_model}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _plain(name: str) -> str:
+    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def lora_summary(model: nn.Module) -> dict[str, Any]:
+    """Trainable (adapter) and frozen parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"trainable": trainable, "total": sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,130 @@
+"""LoRA (actor.lora, asyncrl/train/lora.py): the adapted model starts as the base, the reference
+is the base with the adapters off (no second model), generation uses the merged weights, the
+adapter exports as PEFT loads it."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from asyncrl.single_controller.batch import Batch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", task="sort", hidden=64,
+                             layers=2, heads=4, sft_steps=0)
+
+
+def _lora_model(path, rank=4, alpha=8.0):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.train.lora import apply_lora
+
+    base = AutoModelForCausalLM.from_pretrained(path)
+    model = copy.deepcopy(base)
+    return base, model, apply_lora(model, rank, alpha)
+
+
+def test_adapters_start_as_the_base_and_switch_off(tiny_model):
+    from asyncrl.train.lora import adapters_disabled
+
+    base, model, adapted = _lora_model(tiny_model)
+    assert adapted and all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, model(ids).logits)  # B = 0
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.normal_(0, 0.1)
+        changed = model(ids).logits
+        with adapters_disabled(model):
+            off = model(ids).logits
+    assert (changed - base(ids).logits).abs().max() > 1e-3 and torch.equal(off, base(ids).logits)
+
+
+def test_merged_weights_and_the_peft_export_give_the_adapted_model(tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
+
+    _, model, _ = _lora_model(tiny_model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.normal_(0, 0.1)
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        want = model(ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model)
+    state = dict(model.named_parameters())
+    with torch.no_grad():
+        for module, scale in adapter_scales(model).items():
+            w = merged.get_submodule(module).weight
+            w.copy_(merged_weight(w, state[f"{module}.lora_A"], state[f"{module}.lora_B"], scale))
+        torch.testing.assert_close(merged(ids).logits, want, atol=1e-5, rtol=1e-5)
+    adapter = {n: p for n, p in model.named_parameters() if is_lora_param(n)}
+    out = save_peft_adapter(tmp_path / "adapter", adapter, rank=4, alpha=8.0, dropout=0.0,
+                            targets=["all-linear"], base_model=str(tiny_model))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out)
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+async def test_lora_actor_reference_and_rollout_agree(tiny_model, tmp_path):
+    """Two FSDP ranks: with B = 0 the actor's, the reference's (adapters off) and the rollout's
+    log-probs are the base model's; no reference model exists and only the adapters train;
+    after updates the rollout (merged weights) reproduces the trainer's log-probs and both differ
+    from the reference's."""
+    from asyncrl.roles.actor import ActorRolloutRefWorker
+    from asyncrl.single_controller.context import local_cluster
+
+    cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
+           "rollout": {"n": 2, "max_tokens": 5},
+           "actor": {"optim": {"lr": 5e-2}, "pretrain_coef": 1.0, "use_kl_loss": True, "lora": {"rank": 4}}}
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 5, 6], [0, 0, 4]])
+    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True) as ctx:
+        actor = await ctx.spawn_group(ctx.create_pool("a", world_size=2), ActorRolloutRefWorker, cfg,
+                                      ("actor", "rollout", "ref"))
+        held = await actor.held_models()
+        assert all(h["actor"] and not h["ref"] for h in held)
+        assert all(0 < h["trainable_params"] < 0.2 * h["params"] for h in held), held
+
+        async def probe(seed: int) -> dict[str, torch.Tensor]:
+            prompts = ctx.put(Batch({"input_ids": ids, "attention_mask": (ids != 0).long()},
+                                    {"uid": list("abcd")}, {"seed": seed}))
+            gen = await actor.generate_sequences(prompts)
+            old, ref = await actor.compute_log_prob(gen), await actor.compute_ref_log_prob(gen)
+            batch = await gen.fetch()
+            return {"gen": gen, "mask": batch["response_mask"].bool(), "rollout": batch["rollout_log_probs"],
+                    "old": (await old.fetch())["old_log_probs"], "ref": (await ref.fetch())["ref_log_prob"]}
+
+        first = await probe(1)
+        m = first["mask"]
+        torch.testing.assert_close(first["old"][m], first["ref"][m], atol=1e-6, rtol=0)
+        torch.testing.assert_close(first["rollout"][m], first["old"][m], atol=1e-5, rtol=0)
+        for _ in range(4):
+            await actor.update_pretrain(first["gen"])
+        after = await probe(2)
+        m = after["mask"]
+        torch.testing.assert_close(after["rollout"][m], after["old"][m], atol=1e-4, rtol=0)
+        assert (after["old"][m] - after["ref"][m]).abs().max() > 1e-3
+        assert math.isfinite(float(after["old"][m].sum()))
+
+
+@pytest.mark.parametrize("bad", [{"parallel": {"tp": 2}}, {"parallel": {"pp": 2}}])
+def test_lora_refuses_what_it_cannot_do_yet(bad):
+    from asyncrl.config import rl_config
+    from daemons.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="actor.lora.rank"):
+        rl_config({"trainer": {"n_workers": 2}, "actor": {"lora": {"rank": 4}, **bad}})
+    with pytest.raises(ConfigError, match="trainer.placement=split"):
+        rl_config({"trainer": {"placement": "split", "n_workers": 1}, "actor": {"lora": {"rank": 4}}})
