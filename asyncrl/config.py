@@ -604,9 +604,9 @@ class RLConfig(LaunchConfig):
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
         split = self.trainer.placement == "split"
-        _check(not (split and self.actor.lora.enabled), at + "actor.lora.rank", self.actor.lora.rank,
-               "LoRA with trainer.placement=split is not supported yet (adapter-only weight sync); "
-               "use trainer.placement=colocated")
+        _check(not (split and self.actor.lora.enabled and self.rollout.engine == "vllm"), at + "actor.lora.rank",
+               self.actor.lora.rank, "LoRA with trainer.placement=split and rollout.engine=vllm is not supported "
+               "yet (vLLM's in-memory adapters); use rollout.engine=native or trainer.placement=colocated")
         if not split:
             _check(not self.rollout.interrupt_on_update, at + "rollout.interrupt_on_update", True,
                    "only applies with trainer.placement=split (a colocated rollout shares the actor's "

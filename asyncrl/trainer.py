@@ -126,6 +126,8 @@ class Trainer:
         metrics.update(self.generations.done(self.step) if self.generations else {"async/staleness": 0.0})
         self.step += 1
         metrics["timing/weight_sync_s"] = await self.sync_weights()
+        if self.cfg.trainer.placement == "split":
+            metrics["perf/weight_sync_mb"] = self.sync_bytes / 2**20
         metrics.update(await self._memory())
         return self._timed(metrics, time.monotonic() - t0)
 
@@ -241,6 +243,8 @@ class Trainer:
         host, port = (await actor.bridge_listen(size))[0]
         await asyncio.gather(actor.bridge_join(host, port, size), self.rollout.bridge_join(host, port, size))
 
+    sync_bytes = 0  # what one weight sync carries (split placement; LoRA: the adapters only)
+
     async def sync_weights(self) -> float:
         """Split placement: broadcast the actor's weights (version = its update count) to the
         rollout pool, which stages them beside a running generate; returns the seconds taken."""
@@ -250,6 +254,7 @@ class Trainer:
         push = self.roles.actor.push_weights(mb)
         receive = self.rollout.receive_weights(self.step, mb)
         pushed, _ = await asyncio.gather(push, receive)
+        self.sync_bytes = int(pushed[0]["bytes"])
         return max(r["timing/weight_sync_s"] for r in pushed)
 
     # checkpoints ----------------------------------------------------------------------------------

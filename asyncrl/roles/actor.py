@@ -16,6 +16,7 @@ import copy
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
 from asyncrl.train.lora import (
     adapter_scales,
+    adapter_shapes,
     adapters_disabled,
     apply_lora,
     fresh_adapter,
@@ -62,7 +64,14 @@ from asyncrl.train.lora import (
 )
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
-from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors, specs_of
+from asyncrl.train.weight_sync import (
+    TensorSpec,
+    WeightBridge,
+    bridge_host,
+    digest,
+    full_tensors,
+    specs_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +101,11 @@ class ActorRolloutRefWorker(Worker):
         # what a weight sync between pools carries, in order: the generation copy's dtype
         self.sync_dtype = compute_dtype(self.device, cfg.model.dtype)
         self.sync_specs = [replace(s, dtype=self.sync_dtype) for s in specs_of(base)]
+        lora = cfg.actor.lora
+        if lora.enabled:  # only the adapters cross between pools; the rollout side merges them into its base
+            self.sync_specs = [TensorSpec(name, shape, self.sync_dtype)
+                               for name, shape in adapter_shapes(base, lora.rank, lora.target_modules)]
+        self._pristine: dict[str, torch.Tensor] = {}  # LoRA, rollout-only: the adapted weights' base values
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
         if "rollout" in self.roles and "actor" not in self.roles:  # a generation-only copy of the weights
             if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
@@ -100,6 +114,9 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
                             RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
+            if lora.enabled:
+                self._pristine = {s.name.rsplit(".", 1)[0]: self.rollout.model.get_submodule(
+                    s.name.rsplit(".", 1)[0]).weight.detach().clone() for s in self.sync_specs[::2]}
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy)
         self.resharder: Resharder | None = None
@@ -524,8 +541,20 @@ class ActorRolloutRefWorker(Worker):
             if self.batcher is None:
                 self._apply_staged_weights()
             named = dict(self.rollout.model.named_parameters())
-            return [float(named[s.name].double().sum()) for s in self.sync_specs]
+            return [float(named[name].double().sum()) for name in self._synced_weights()]
+        if self.cfg.actor.lora.enabled:  # the adapted weights as the rollout merges them
+            scales, state = adapter_scales(self.actor.model), self.actor.model.state_dict()
+            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
+            return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(self.sync_dtype),
+                                        full[f"{m}.lora_B"].to(self.sync_dtype), scales[m], self.sync_dtype)
+                          .double().sum()) for m in scales]
         return [float(t.to(self.sync_dtype).double().sum()) for t in full_tensors(self.actor.model)]
+
+    def _synced_weights(self) -> list[str]:
+        """The rollout model's weights a sync sets (LoRA: the adapted ones, merged)."""
+        if self._pristine:
+            return [f"{m}.weight" for m in self._pristine]
+        return [s.name for s in self.sync_specs]
 
     @register(ONE_TO_ALL)
     def bridge_listen(self, size: int) -> list | None:
@@ -552,13 +581,15 @@ class ActorRolloutRefWorker(Worker):
         """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
         rank 0 to the rollout pool; returns the version sent and the time taken."""
         t0 = time.perf_counter()
-        tensors = (t.to(self.sync_dtype) for t in full_tensors(self.actor.model))  # the rollout's dtype
+        tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
+                                                   else full_tensors(self.actor.model)))  # the rollout's dtype
         if self.bridge is not None:
             self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
         else:
             for _ in tensors:  # the gathers are collectives: every rank walks the list
                 pass
-        return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0}
+        return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0,
+                "bytes": float(sum(s.nbytes for s in self.sync_specs))}
 
     @register(ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int, bucket_mb: int) -> None:
@@ -571,11 +602,24 @@ class ActorRolloutRefWorker(Worker):
             self.bridge.receive(specs, self._staged, bucket_mb << 20)
             self._staged_version = version
 
+    def _adapter_tensors(self) -> Iterator[torch.Tensor]:
+        """The actor's adapters in full, in `sync_specs` order (collectives over the training pool)."""
+        state = self.actor.model.state_dict()
+        for spec in self.sync_specs:
+            t = state[spec.name]
+            yield t.full_tensor() if hasattr(t, "full_tensor") else t
+
     def _apply_staged_weights(self) -> None:
         if self._staged_version is None:
             return
         with self._weights_lock:
-            self.rollout.load_weights([(s.name, t) for s, t in zip(self.sync_specs, self._staged, strict=True)])
+            staged = list(zip(self.sync_specs, self._staged, strict=True))
+            if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
+                scale = self.cfg.actor.lora.alpha / self.cfg.actor.lora.rank
+                staged = [(f"{a.name.rsplit('.', 1)[0]}.weight",
+                           merged_weight(self._pristine[a.name.rsplit(".", 1)[0]], ta, tb, scale))
+                          for (a, ta), (_, tb) in zip(staged[::2], staged[1::2], strict=True)]
+            self.rollout.load_weights(staged)
             self.weights_version, self._staged_version = self._staged_version, None
 
     # checkpoints -----------------------------------------------------------------------------------

@@ -152,6 +152,16 @@ def _plain(name: str) -> str:
     return name
 
 
+def adapter_shapes(model: nn.Module, rank: int, targets: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """The adapter tensors `apply_lora` gives `model` (an unadapted model of the same
+    architecture, on any device, meta too), in module order: (module.lora_A, [rank, in]),
+    (module.lora_B, [out, rank]). What a split weight sync carries with LoRA."""
+    out = []
+    for name, m in target_linears(model, targets).items():
+        out += [(f"{name}.lora_A", (rank, m.in_features)), (f"{name}.lora_B", (m.out_features, rank))]
+    return out
+
+
 def lora_summary(model: nn.Module) -> dict[str, Any]:
     """Trainable (adapter) and frozen parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
