@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 # by param-group index: pipeline stages hold different parameters in their "group 0", and DCP
 # would otherwise keep one rank's group for all.
 OPTIM_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+ADAPTER_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # LoRA: no base weights
 
 LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 
@@ -460,7 +461,7 @@ class TrainEngine:
                 self.optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
-                options=OPTIM_STATE_OPTIONS,
+                options=OPTIM_STATE_OPTIONS if self.lora is None else ADAPTER_STATE_OPTIONS,
             )
         else:
             set_model_state_dict(self.model, state["model"])
@@ -491,6 +492,8 @@ class TrainEngine:
         # Note: on a fresh optimizer this initialises AdamW state with a zero-grad, lr=0 step
         # (needed so dcp.load has tensors to fill), which sets its step counter to 1.
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_STATE_OPTIONS)
+        if self.lora is not None:  # the adapters and their optimizer state: the base is model.path's
+            model_sd = {k: v for k, v in model_sd.items() if is_lora_param(k)}
         return {"model": model_sd, "optim": optim_sd}
 
     def _export_hf_streamed(self, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:

@@ -158,3 +158,64 @@ def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):
     params = json.loads((Path(tiny_model) / "asyncrl_tiny.json").read_text())["params"]
     assert all(0 < r["perf/weight_sync_mb"] * 2**20 < 0.2 * 4 * params for r in rows), rows
     assert any(r["actor/grad_norm"] > 0 for r in rows)  # the adapters moved: the merge is not the base
+    # the final checkpoint: the merged export loads in transformers, the adapter in peft, alike
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = out / "checkpoints" / "step_2" / "actor"
+    merged = AutoModelForCausalLM.from_pretrained(ckpt / "hf")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), ckpt / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+        assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-6
+
+
+def _resume_job(rank: int, world_size: int, out) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed
+    from asyncrl.train.lora import apply_lora, init_adapters, is_lora_param
+    from tests.rl.test_fsdp_engine import OPTIM, build_engine, loss_fn, rank_rows, split, step_batch, tiny_model
+
+    init_distributed()
+    layout = ParallelLayout.from_config(ParallelConfig(), world_size)
+
+    def engine():
+        model = tiny_model(0)
+        apply_lora(model, 4, 8.0)
+        init_adapters(model, torch.Generator().manual_seed(7))  # alike on every rank (the actor: rank 0's)
+        return build_engine(model, OPTIM, layout)
+
+    def step(e, s):
+        return e.train_step(split(rank_rows(step_batch(s), rank, world_size), 2), loss_fn)
+
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["all-linear"], "base_model": "tiny"}
+    a = engine()
+    a.lora = lora
+    for s in range(2):
+        step(a, s)
+    a.save_checkpoint(out / "ckpt")
+    cont = [step(a, s) for s in (2, 3)]
+    want = a.full_state_dict(rank0_only=False)
+    b = engine()
+    b.lora = lora
+    b.load_checkpoint(out / "ckpt")
+    resumed = [step(b, s) for s in (2, 3)]
+    saved = set(dcp.FileSystemReader(str(out / "ckpt" / "dcp")).read_metadata().state_dict_metadata)
+    model_keys = {k.split(".", 1)[1] for k in saved if k.startswith("model.")}
+    return {"cont": cont, "resumed": resumed, "equal": all(torch.equal(want[k], v) for k, v in
+                                                           b.full_state_dict(rank0_only=False).items()),
+            "only_adapters": bool(model_keys) and all(is_lora_param(k) for k in model_keys)}
+
+
+def test_a_resumed_lora_run_continues_exactly(tmp_path):
+    """The checkpoint holds the adapters and their optimizer state only (the base is the model's
+    own files); a resumed engine's next steps equal the uninterrupted ones."""
+    from tests.helpers.gloo_ranks import run_ranks
+
+    for r in run_ranks(_resume_job, 2, tmp_path, 120):
+        assert r["only_adapters"] and r["equal"], r
+        assert r["resumed"] == r["cont"]
