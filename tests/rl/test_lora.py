@@ -178,7 +178,15 @@ def _resume_job(rank: int, world_size: int, out) -> dict:
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
     from asyncrl.train import init_distributed
     from asyncrl.train.lora import apply_lora, init_adapters, is_lora_param
-    from tests.rl.test_fsdp_engine import OPTIM, build_engine, loss_fn, rank_rows, split, step_batch, tiny_model
+    from tests.rl.test_fsdp_engine import (
+        OPTIM,
+        build_engine,
+        loss_fn,
+        rank_rows,
+        split,
+        step_batch,
+        tiny_model,
+    )
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
