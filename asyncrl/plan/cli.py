@@ -169,7 +169,7 @@ def plan_main(args: argparse.Namespace) -> int:
     spec = config_model_spec(cfg)
     w = workload_from_config(cfg, spec)
     w = replace(w, micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, cfg.actor.micro_batch_size})))
-    knobs = Knobs.from_config(cfg, on_gpu=profile.kind == "gpu", device_bytes=profile.mem_bytes)
+    knobs = Knobs.from_config(cfg, on_gpu=profile.kind == "gpu", device_bytes=profile.mem_bytes, spec=spec)
     space = SearchSpace(w, profile, nnodes, per_node, deployable=True, knobs=knobs)
     result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
     if result.best is None:

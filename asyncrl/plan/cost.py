@@ -88,10 +88,16 @@ class CallCost:
     memory_bytes: float  # transient, on top of the model's resident state
 
 
-def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs) -> float:
-    """What a model keeps on each device between calls: training state, or sharded weights."""
+def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, unit: str = "") -> float:
+    """What a model keeps on each device between calls: training state, or sharded weights (with
+    LoRA the actor trains its adapters only and the reference is the actor's base: no copy)."""
     shards = s.tp * s.pp * s.dp
-    return sum(training_state(model, shards).values()) if trained else forward_only_weights(model, shards, knobs)
+    if knobs.lora_params and unit == "ref":
+        return 0.0
+    if trained:
+        lora = knobs.lora_params if unit == "actor" else 0
+        return sum(training_state(model, shards, lora or None).values())
+    return forward_only_weights(model, shards, knobs)
 
 
 def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mesh: Mesh,

@@ -87,13 +87,16 @@ class Knobs:
     all_rows: bool = False
     decode_rows: int = 0  # the native engine's rows at once (rollout.decode_slots; 0 = all)
     async_save: bool = False  # trainer.async_save: a save copies the training state to host memory first
+    lora_params: int = 0  # actor.lora: the adapters' parameters (they alone train; no reference model)
 
     @classmethod
-    def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None) -> Knobs:
+    def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
+                    spec: ModelSpec | None = None) -> Knobs:
         vllm = rollout_vllm_bytes(cfg, on_gpu, device_bytes)
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
-                   vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save)
+                   vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
+                   lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0)
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -104,12 +107,28 @@ def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> fl
     return 0.0
 
 
+LORA_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(spec: ModelSpec, lora: Any) -> int:
+    """The adapters' parameters: rank x (in + out) for each adapted linear of every layer."""
+    if not getattr(lora, "rank", 0):
+        return 0
+    h, kv, f = spec.hidden, spec.hidden * spec.kv_heads // spec.heads, spec.ffn
+    sizes = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
+             "gate_proj": h + f, "up_proj": h + f, "down_proj": f + h}
+    leaves = LORA_LEAVES if "all-linear" in lora.target_modules else [t for t in lora.target_modules if t in sizes]
+    return spec.layers * lora.rank * sum(sizes[leaf] for leaf in leaves)
+
+
 # the terms: each a few named parts, bytes per device ------------------------------------------
-def training_state(spec: ModelSpec, shards: int) -> dict[str, float]:
-    """A trained model's FSDP shard: fp32 master weights, fp32 gradients, Adam's two moments."""
+def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -> dict[str, float]:
+    """A trained model's FSDP shard: fp32 master weights, fp32 gradients, Adam's two moments
+    (`trained`: the parameters that train, when not all do: LoRA's adapters)."""
     shard = spec.params / shards
-    return {"weights (fp32 master shard)": 4 * shard, "gradients (fp32 shard)": 4 * shard,
-            "Adam moments (fp32 shard)": 8 * shard}
+    grads = (spec.params if trained is None else trained) / shards
+    return {"weights (fp32 master shard)": 4 * shard, "gradients (fp32 shard)": 4 * grads,
+            "Adam moments (fp32 shard)": 8 * grads}
 
 
 def forward_only_weights(spec: ModelSpec, shards: int, knobs: Knobs) -> float:
@@ -141,7 +160,9 @@ def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int,
     return {"update activations": kept * in_flight,
             "update logits and their gradient": 2 * rows * width * _outputs(spec) / tp * cb
             + 3 * _chunk(spec, rows * width),
-            **gathered, "embedding gradient (unsharded)": (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
+            **gathered,  # LoRA: the embedding is frozen, no gradient
+            "embedding gradient (unsharded)": 0.0 if knobs.lora_params else
+            (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
 
 
 def generation(spec: ModelSpec, rows: float, seq: float, gen_tp: int, knobs: Knobs) -> dict[str, float]:
@@ -182,7 +203,7 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     (`device_bytes`: a GPU's memory, which vLLM takes its `gpu_memory_utilization` share of)."""
     ac, rc, dc = cfg.actor, cfg.rollout, cfg.data
     par = ac.parallel
-    knobs = Knobs.from_config(cfg, on_gpu, device_bytes)
+    knobs = Knobs.from_config(cfg, on_gpu, device_bytes, spec)
     dp = par.dp or max(1, cfg.trainer.n_workers // (par.tp * par.pp))
     shards = dp * par.tp * par.pp
     seq = dc.max_prompt_len + rc.max_tokens
@@ -192,7 +213,9 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     if knobs.decode_rows:  # decoded in waves of at most this many rows
         gen_rows = min(gen_rows, knobs.decode_rows)
 
-    resident = {**training_state(spec, shards), "reference policy (shard)": forward_only_weights(spec, shards, knobs),
+    lora = knobs.lora_params  # the reference is the base with the adapters off: no copy
+    resident = {**training_state(spec, shards, lora or None),
+                "reference policy (shard)": 0.0 if lora else forward_only_weights(spec, shards, knobs),
                 "process (python, torch)": RUNTIME_BYTES}
     gen = generation(spec, gen_rows, seq, rc.parallel.tp, knobs)
     lp = forward_pass(spec, min(ac.log_prob_micro_batch_size, rows), width, par.tp, knobs)

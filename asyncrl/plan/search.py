@@ -135,7 +135,10 @@ class SearchSpace:
         return [a for a in itertools.product(sizes, repeat=len(part)) if sum(a) == self.total]
 
     def strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
-        return self._strategies(unit, devices)
+        found = self._strategies(unit, devices)
+        if self.knobs.lora_params and unit in ("actor", "ref"):  # LoRA trains over FSDP alone for now
+            found = tuple(s for s in found if s.tp == 1 and s.pp == 1)
+        return found
 
     def _enumerate_strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
         model = self.w.models["actor" if unit == ROLLOUT else unit]
@@ -183,7 +186,7 @@ class SearchSpace:
         gen_set = plan.set_of(ROLLOUT) if ROLLOUT in self.units else plan.set_of("actor")
         for i, (units, devices) in enumerate(zip(plan.sets, plan.devices, strict=True)):
             models = [u for u in units if u != ROLLOUT]
-            resident = RUNTIME_BYTES + sum(resident_bytes(w.models[m], strat[m], m in self.trained, self.knobs)
+            resident = RUNTIME_BYTES + sum(resident_bytes(w.models[m], strat[m], m in self.trained, self.knobs, m)
                                            for m in models)
             transient = 0.0
             for index, call in enumerate(w.calls):
@@ -242,7 +245,7 @@ class SearchSpace:
         """What a unit keeps on each device between calls (the process itself not counted)."""
         if unit == ROLLOUT:
             return 0.0
-        return resident_bytes(self.w.models[unit], s, unit in self.trained, self.knobs)
+        return resident_bytes(self.w.models[unit], s, unit in self.trained, self.knobs, unit)
 
     def unit_transient(self, unit: str, s: Strategy, devices: int) -> float:
         """The most a unit's training and forward calls hold beyond its resident state."""

@@ -142,7 +142,7 @@ def test_the_7b_recipe_fits_8_h100s_by_the_numbers(capsys):
     assert "vLLM (weights + KV cache)" in parts and out["peak_phase"] in out["phases_gib"]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "native"])
+@pytest.mark.parametrize("engine", ["vllm", "native", "lora"])
 def test_the_search_prices_memory_with_the_preflights_model(engine, capsys):
     """The `GiB/dev` the search ranks plans by is `asyncrl.plan.memory`'s estimate of the same plan
     (one memory model): for every plan it prints, the config it launches gives the same bytes."""
@@ -151,7 +151,9 @@ def test_the_search_prices_memory_with_the_preflights_model(engine, capsys):
     from asyncrl.plan.memory import worker_memory
 
     user = ["model.path=Qwen/Qwen2.5-7B-Instruct", "cluster.nnodes=1", "cluster.gpus_per_node=8", "plan.device=h100",
-            f"rollout.engine={engine}", "plan.runners_up=3"] + (["data.batch_size=64"] if engine == "native" else [])
+            f"rollout.engine={'vllm' if engine == 'lora' else engine}", "plan.runners_up=3"]
+    user += {"native": ["data.batch_size=64"],
+             "lora": ["actor.lora.rank=32", "actor.parallel.tp=1", "rollout.parallel.tp=1"]}.get(engine, [])
     assert plan_main(["--config-dir", str(EXAMPLES), "--config-name", "grpo_math_qwen7b", "--json", *user]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cfg = rl_config(load_config("grpo_math_qwen7b", [*user, *out["overrides"]], str(EXAMPLES)))
@@ -159,7 +161,11 @@ def test_the_search_prices_memory_with_the_preflights_model(engine, capsys):
     (searched,) = out["memory"].values()
     assert searched == pytest.approx(estimate.total, rel=1e-6), (searched / 2**30, estimate.phases)
     assert out["memory_gib_per_device"] == pytest.approx(searched / 2**30, abs=1e-3)
-    assert ("vLLM (weights + KV cache)" in estimate.parts) == (engine == "vllm")
+    assert ("vLLM (weights + KV cache)" in estimate.parts) == (engine != "native")
+    if engine == "lora":  # adapters train, the base is the reference: Adam's share a few percent of the base's
+        parts = estimate.parts
+        assert parts["reference policy (shard)"] == 0.0
+        assert parts["Adam moments (fp32 shard)"] < 0.05 * 2 * parts["weights (fp32 master shard)"]
 
 
 def test_a_model_that_cannot_fit_exits_nonzero_with_the_number_and_the_knob(tmp_path, capsys):
