@@ -1,0 +1,148 @@
+"""LoRA against full fine-tuning: optimizer state and weight-sync bytes on a real model's shape,
+held-out gain on the tool task, and trainer-vs-rollout log-probs.
+
+    python -m benchmarks.lora                  # about 5 minutes on 2 cores
+    python -m benchmarks.lora --skip-training  # the 0.5B shape's numbers only
+
+- On Qwen2.5-0.5B's shape (built here, random fp32 weights): one AdamW step of full fine-tuning and
+  one of LoRA (rank 32, all-linear) after a backward on a small batch; the optimizer state's bytes
+  as torch holds them (`optim_state_ratio` = LoRA / full), and the bytes one split-placement
+  weight sync carries, from the sync's own tensor lists (`sync_bytes_ratio`).
+- `asyncrl-launch --config-name tool_quickstart` (a warm-started tiny model learning to call a
+  tool) with full fine-tuning (its lr) and with LoRA (rank 8, 10x the lr), the same steps and
+  seed: `gain_ratio` = LoRA's held-out gain / full fine-tuning's. The same on `quickstart`, whose
+  tiny model is random-initialised (`gain_ratio_quickstart`): LoRA adapts a model, it does not
+  teach an untrained one (the policy stays near uniform), so expect little there.
+- Two FSDP ranks of the actor with LoRA: after four updates, the largest difference between the
+  rollout's log-probs (generated with the merged weights) and the trainer's on the same tokens
+  (`logprob_max_diff`), and whether a reference model was allocated (`ref_model_allocated`).
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+QWEN05 = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+          "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 512, "tie_word_embeddings": True}
+RANK = 32
+
+
+def optimizer_state_bytes(model: torch.nn.Module) -> int:
+    """One AdamW step after a backward on 2 x 8 tokens; the state's bytes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    ids = torch.randint(0, QWEN05["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    total = sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    del opt
+    return total
+
+
+def shape_numbers() -> dict[str, float]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.train.lora import adapter_shapes, apply_lora
+    from asyncrl.train.weight_sync import specs_of
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN05))
+    full_sync = sum(s.nbytes for s in specs_of(model)) // 2  # the sync sends the compute dtype: bf16 here
+    lora_sync = sum(torch.Size(shape).numel() * 2 for _, shape in adapter_shapes(model, RANK, ["all-linear"]))
+    full_state = optimizer_state_bytes(model)
+    model.zero_grad(set_to_none=True)
+    apply_lora(model, RANK, 2.0 * RANK)
+    lora_state = optimizer_state_bytes(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params": sum(p.numel() for p in model.parameters()) - trainable, "lora_params": trainable,
+            "optim_state_gib_full": round(full_state / 2**30, 3), "optim_state_gib_lora": round(lora_state / 2**30, 4),
+            "optim_state_ratio": round(lora_state / full_state, 4),
+            "sync_mib_full": round(full_sync / 2**20, 1), "sync_mib_lora": round(lora_sync / 2**20, 2),
+            "sync_bytes_ratio": round(lora_sync / full_sync, 4)}
+
+
+def gain(config: str, extra: list[str], workdir: Path, name: str) -> dict[str, float]:
+    from benchmarks.async_rl import launch
+
+    r = launch(name, ["trainer.loggers=[jsonl]", "seed=0", *extra], workdir, timeout_s=1800, config=config)
+    return {"start": r["reward_start"], "end": r["reward_end"], "loop_s": r["loop_s"]}
+
+
+def training_numbers(workdir: Path) -> dict[str, float]:
+    lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=1e-2"]
+    out: dict[str, float] = {}
+    for config in ("tool_quickstart", "quickstart"):
+        full = gain(config, [], workdir, f"{config}-full")
+        adapted = gain(config, lora, workdir, f"{config}-lora")
+        print(json.dumps({"config": config, "full": full, "lora": adapted}), flush=True)
+        ratio = (adapted["end"] - adapted["start"]) / max(1e-9, full["end"] - full["start"])
+        key = "gain_ratio" if config == "tool_quickstart" else "gain_ratio_quickstart"
+        out[key] = round(ratio, 3)
+        out[f"{config}_full"], out[f"{config}_lora"] = full, adapted
+    return out
+
+
+async def agreement(model: Path, logs: Path) -> dict[str, float]:
+    from asyncrl.models.tiny import ensure_tiny_model  # noqa: F401 - the model is built by the caller
+    from asyncrl.roles.actor import ActorRolloutRefWorker
+    from asyncrl.single_controller.batch import Batch
+    from asyncrl.single_controller.context import local_cluster
+
+    cfg = {"model": {"path": str(model)}, "seed": 0, "trainer": {"torch_threads": 1},
+           "rollout": {"n": 4, "max_tokens": 8},
+           "actor": {"optim": {"lr": 5e-2}, "pretrain_coef": 1.0, "use_kl_loss": True, "lora": {"rank": 8}}}
+    ids = torch.tensor([[0, 5, 6, 7], [7, 8, 9, 4], [4, 5, 6, 9], [0, 0, 4, 5]])
+    async with local_cluster(cpu_devices=2, log_dir=logs, insecure=True) as ctx:
+        actor = await ctx.spawn_group(ctx.create_pool("a", world_size=2), ActorRolloutRefWorker, cfg,
+                                      ("actor", "rollout", "ref"))
+        held = await actor.held_models()
+
+        async def sample(seed: int):
+            prompts = ctx.put(Batch({"input_ids": ids, "attention_mask": (ids != 0).long()}, {"uid": list("abcd")},
+                                    {"seed": seed}))
+            return await actor.generate_sequences(prompts)
+
+        gen = await sample(1)
+        for _ in range(4):
+            await actor.update_pretrain(gen)
+        after = await sample(2)
+        old, ref = await actor.compute_log_prob(after), await actor.compute_ref_log_prob(after)
+        batch, old, ref = await after.fetch(), (await old.fetch())["old_log_probs"], (await ref.fetch())["ref_log_prob"]
+        mask = batch["response_mask"].bool()
+        return {"logprob_max_diff": float((batch["rollout_log_probs"][mask] - old[mask]).abs().max()),
+                "logprob_diff_to_base": float((ref[mask] - old[mask]).abs().max()),
+                "ref_model_allocated": any(h["ref"] for h in held),
+                "trainable_share": round(held[0]["trainable_params"] / held[0]["params"], 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.splitlines()[0])
+    p.add_argument("--skip-training", action="store_true", help="only the 0.5B shape's optimizer and sync bytes")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    out: dict = {"rank": RANK, **shape_numbers()}
+    print(json.dumps(out), flush=True)
+    if not args.skip_training:
+        from asyncrl.models.tiny import ensure_tiny_model
+
+        with tempfile.TemporaryDirectory(prefix="asyncrl-lora-") as tmp:
+            out.update(training_numbers(Path(tmp)))
+            model = ensure_tiny_model(Path(tmp) / "tiny", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
+            out.update(asyncio.run(agreement(model, Path(tmp) / "logs")))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
