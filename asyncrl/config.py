@@ -264,7 +264,8 @@ class PPOUpdateConfig:
 class LoRAConfig:
     """LoRA adapters on the actor (asyncrl/train/lora.py): only they train, the reference policy is
     the base with them switched off (no second copy), generation uses W0 + (alpha / rank) B A.
-    LoRA usually wants ~10x full fine-tuning's learning rate."""
+    LoRA wants a higher learning rate than full fine-tuning: ~10x on real models; the tiny tool
+    task learns at 3-5x and diverges at 10-20x (benchmarks/lora.py)."""
 
     rank: int = 0  # 0 = off (full fine-tuning)
     alpha: float = 16.0  # the update is scaled by alpha / rank

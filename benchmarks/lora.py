@@ -9,7 +9,7 @@ held-out gain on the tool task, and trainer-vs-rollout log-probs.
   as torch holds them (`optim_state_ratio` = LoRA / full), and the bytes one split-placement
   weight sync carries, from the sync's own tensor lists (`sync_bytes_ratio`).
 - `asyncrl-launch --config-name tool_quickstart` (a warm-started tiny model learning to call a
-  tool) with full fine-tuning (its lr) and with LoRA (rank 8, 10x the lr), the same steps and
+  tool) with full fine-tuning (its lr) and with LoRA (rank 8, alpha 16, 5x the lr), the same steps and
   seed: `gain_ratio` = LoRA's held-out gain / full fine-tuning's. The same on `quickstart`, whose
   tiny model is random-initialised (`gain_ratio_quickstart`): LoRA adapts a model, it does not
   teach an untrained one (the policy stays near uniform), so expect little there.
@@ -80,7 +80,7 @@ def gain(config: str, extra: list[str], workdir: Path, name: str) -> dict[str, f
 
 
 def training_numbers(workdir: Path) -> dict[str, float]:
-    lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=1e-2"]
+    lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=5e-3"]
     out: dict[str, float] = {}
     for config in ("tool_quickstart", "quickstart"):
         full = gain(config, [], workdir, f"{config}-full")
