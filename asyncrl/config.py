@@ -17,12 +17,15 @@ Workers get the config as a plain dict over the wire and rebuild the typed value
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
 from asyncrl.agents.config import MultiTurnConfig
+from asyncrl.data.config import DataConfig, synthetic_tasks
+from asyncrl.data.config import (
+    SyntheticDataConfig as SyntheticDataConfig,  # re-exported: a section of the schema
+)
 from asyncrl.single_controller.config import LaunchConfig
 from asyncrl.single_controller.parallel import (
     GenerationParallelConfig,
@@ -47,13 +50,6 @@ MODEL_DTYPES = ("auto", "bfloat16", "float32")
 KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
 
 
-def _synthetic_tasks() -> tuple[str, ...]:
-    """asyncrl.data.synthetic's tasks, imported when checked (the schema loads no generator)."""
-    from asyncrl.data.synthetic import TASKS
-
-    return tuple(TASKS)
-
-
 # the RL job --------------------------------------------------------------------------------------
 @dataclass
 class TinyModelConfig:
@@ -70,7 +66,7 @@ class TinyModelConfig:
     sft_lr: float = 1e-3
 
     def check(self, at: str) -> None:
-        _one_of(at + "task", self.task, _synthetic_tasks())
+        _one_of(at + "task", self.task, synthetic_tasks())
         _positive(at + "sft_lr", self.sft_lr)
         _one_of(at + "sft_targets", self.sft_targets, ("format", "task"))
         for name in ("hidden", "layers", "heads"):
@@ -94,52 +90,6 @@ class ModelConfig:
         _check(bool(self.path.strip()), at + "path", self.path,
                "must name a local Hugging Face model directory (or a cached Hub name such as Qwen/Qwen2.5-0.5B)")
         _one_of(at + "dtype", self.dtype, MODEL_DTYPES)
-
-
-@dataclass
-class SyntheticDataConfig:
-    task: str = "sort"
-    n_train: int = 4096
-    n_val: int = 128
-    seed: int = 0
-
-    def check(self, at: str) -> None:
-        _one_of(at + "task", self.task, _synthetic_tasks())
-        _positive(at + "n_train", self.n_train)
-        _positive(at + "n_val", self.n_val, allow_zero=True)
-
-
-@dataclass
-class DataConfig:
-    train_files: str | None = None  # parquet/jsonl (verl layout); None = the built-in synthetic task
-    val_files: str | None = None
-    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-    batch_size: int = 32  # prompts per step
-    max_prompt_len: int = 32
-    apply_chat_template: bool = True
-    shuffle: bool = True
-    prompt_key: str = "prompt"  # the column holding the prompt (a string or chat messages)
-    # the column holding the reference answer, dotted for nested ones; None = verl's
-    # reward_model.ground_truth, or a flat ground_truth or answer column
-    answer_key: str | None = None
-
-    def check(self, at: str) -> None:
-        _positive(at + "batch_size", self.batch_size)
-        _positive(at + "max_prompt_len", self.max_prompt_len)
-        for name in ("train_files", "val_files"):
-            value = getattr(self, name)
-            _check(value is None or bool(value.strip()), at + name, value,
-                   "must name a .parquet or .jsonl file (or be null for the built-in synthetic task)")
-        for name in ("prompt_key", "answer_key"):
-            value = getattr(self, name)
-            _check(value is None or re.fullmatch(r"\w+(\.\w+)*", value) is not None, at + name, value,
-                   "must be a column name (dotted for a nested field, e.g. reward_model.ground_truth)")
-
-    def check_val_only(self, at: str, mode: str) -> None:
-        if self.val_files and not self.train_files and mode != "eval":
-            raise ConfigError(f"bad configuration: {at}val_files={self.val_files!r} is set but {at}train_files "
-                              "is not, so training would use the built-in synthetic task and ignore it; set "
-                              f"{at}train_files too (or {at}val_files=null)")
 
 
 @dataclass

@@ -16,7 +16,6 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from asyncrl.algorithms import core
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import response_forward
+from asyncrl.roles.pools import PoolWeights, StagedWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
@@ -67,9 +67,6 @@ from asyncrl.train.reshard import Resharder
 from asyncrl.train.weight_sync import (
     TensorSpec,
     WeightBridge,
-    bridge_host,
-    digest,
-    full_tensors,
     specs_of,
 )
 
@@ -78,7 +75,7 @@ log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "greedy")
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(PoolWeights, Worker):
     """`roles` picks what this process hosts: any of "actor", "rollout", "ref"."""
 
     def __init__(self, config: RLConfig | dict[str, Any], roles: tuple[str, ...] = ("actor", "rollout", "ref")) -> None:
@@ -115,8 +112,8 @@ class ActorRolloutRefWorker(Worker):
                             RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
             if lora.enabled:
-                self._pristine = {s.name.rsplit(".", 1)[0]: self.rollout.model.get_submodule(
-                    s.name.rsplit(".", 1)[0]).weight.detach().clone() for s in self.sync_specs[::2]}
+                adapted = [spec.name.rsplit(".", 1)[0] for spec in self.sync_specs[::2]]  # each module's lora_A
+                self._pristine = {m: self.rollout.model.get_submodule(m).weight.detach().clone() for m in adapted}
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy)
         self.resharder: Resharder | None = None
@@ -146,7 +143,7 @@ class ActorRolloutRefWorker(Worker):
         # a rollout-only worker's native engine serves every call from one continuous batch
         self.batcher: ContinuousBatcher | None = None
         if isinstance(self.rollout, RolloutEngine) and self.actor is None and cfg.trainer.placement == "split":
-            self.batcher = ContinuousBatcher(self.rollout, self._slots(), _StagedWeights(self))
+            self.batcher = ContinuousBatcher(self.rollout, self._slots(), StagedWeights(self))
         # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
         self.agent = (MultiTurnRollout(cfg.rollout.multi_turn, self.tokenizer)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
@@ -509,118 +506,11 @@ class ActorRolloutRefWorker(Worker):
     def held_models(self) -> dict[str, Any]:
         """What this worker holds: which engines exist, and the actor's trainable and total
         parameters on this rank (with LoRA: only the adapters train, and no reference model)."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.actor.model.parameters()] \
-            if self.actor is not None else []
+        params = list(self.actor.model.parameters()) if self.actor is not None else []
+        sizes = [(p.to_local() if hasattr(p, "to_local") else p).numel() for p in params]  # this rank's shards
         return {"actor": self.actor is not None, "ref": self.ref is not None, "rollout": self.rollout is not None,
-                "trainable_params": sum(p.numel() for p, q in zip(local, self.actor.model.parameters(), strict=True)
-                                        if q.requires_grad) if local else 0,
-                "params": sum(p.numel() for p in local)}
-
-    # weights between pools (trainer.placement=split) --------------------------------------------
-    def _policy_version(self) -> int:
-        """The policy version generating now: the updates this worker's actor has made, or the
-        version a rollout-only worker last applied."""
-        return self.update_steps if self.actor is not None else self.weights_version
-
-    def _slots(self) -> int:
-        """rollout.decode_slots, or (0) the rows of one batch on one rollout rank."""
-        rc = self.cfg.rollout
-        return rc.decode_slots or -(-self.cfg.data.batch_size // self.world_size) * rc.n
-
-    @register(ONE_TO_ALL)
-    def weight_sync_digest(self) -> str:
-        """A fingerprint of the tensors a sync carries (both pools must agree)."""
-        return digest(self.sync_specs)
-
-    @register(ONE_TO_ALL)
-    def weights_checksum(self) -> list[float]:
-        """Per synced tensor, the sum of its values in float64: the generating weights of a
-        rollout-only worker (after loading any staged version), the full training weights
-        otherwise (a collective over the training pool). Both pools agree after a sync."""
-        if self.actor is None:
-            if self.batcher is None:
-                self._apply_staged_weights()
-            named = dict(self.rollout.model.named_parameters())
-            return [float(named[name].double().sum()) for name in self._synced_weights()]
-        if self.cfg.actor.lora.enabled:  # the adapted weights as the rollout merges them
-            scales, state = adapter_scales(self.actor.model), self.actor.model.state_dict()
-            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
-            return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(self.sync_dtype),
-                                        full[f"{m}.lora_B"].to(self.sync_dtype), scales[m], self.sync_dtype)
-                          .double().sum()) for m in scales]
-        return [float(t.to(self.sync_dtype).double().sum()) for t in full_tensors(self.actor.model)]
-
-    def _synced_weights(self) -> list[str]:
-        """The rollout model's weights a sync sets (LoRA: the adapted ones, merged)."""
-        if self._pristine:
-            return [f"{m}.weight" for m in self._pristine]
-        return [s.name for s in self.sync_specs]
-
-    @register(ONE_TO_ALL)
-    def bridge_listen(self, size: int) -> list | None:
-        """Training rank 0: open the bridge's rendezvous; returns [host, port]."""
-        if self.rank != 0:
-            return None
-        self._bridge_store = WeightBridge.listen(size, self.cfg.worker.collective_timeout_s)
-        return [bridge_host(), self._bridge_store.port]
-
-    @register(ONE_TO_ALL)
-    def bridge_join(self, host: str, port: int, size: int) -> None:
-        """Build the bridge group: training rank 0 as bridge rank 0, rollout rank r as r + 1
-        (the other training ranks only take part in the gathers of `push_weights`)."""
-        timeout = self.cfg.worker.collective_timeout_s
-        if self.actor is not None:
-            if self.rank == 0:
-                self.bridge = WeightBridge(self._bridge_store, 0, size, self.device, timeout)
-            return
-        store = WeightBridge.connect(host, port, size, timeout)
-        self.bridge = WeightBridge(store, self.rank + 1, size, self.device, timeout)
-
-    @register(ONE_TO_ALL)
-    def push_weights(self, bucket_mb: int) -> dict[str, float]:
-        """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
-        rank 0 to the rollout pool; returns the version sent and the time taken."""
-        t0 = time.perf_counter()
-        tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
-                                                   else full_tensors(self.actor.model)))  # the rollout's dtype
-        if self.bridge is not None:
-            self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
-        else:
-            for _ in tensors:  # the gathers are collectives: every rank walks the list
-                pass
-        return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0,
-                "bytes": float(sum(s.nbytes for s in self.sync_specs))}
-
-    @register(ONE_TO_ALL, blocking=False)
-    def receive_weights(self, version: int, bucket_mb: int) -> None:
-        """Rollout pool, beside a running generate: receive a version into the staging copy; it
-        is applied before the next generate (or decode step, with rollout.interrupt_on_update)."""
-        specs = self.sync_specs
-        with self._weights_lock:
-            if self._staged is None:
-                self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-            self.bridge.receive(specs, self._staged, bucket_mb << 20)
-            self._staged_version = version
-
-    def _adapter_tensors(self) -> Iterator[torch.Tensor]:
-        """The actor's adapters in full, in `sync_specs` order (collectives over the training pool)."""
-        state = self.actor.model.state_dict()
-        for spec in self.sync_specs:
-            t = state[spec.name]
-            yield t.full_tensor() if hasattr(t, "full_tensor") else t
-
-    def _apply_staged_weights(self) -> None:
-        if self._staged_version is None:
-            return
-        with self._weights_lock:
-            staged = list(zip(self.sync_specs, self._staged, strict=True))
-            if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
-                scale = self.cfg.actor.lora.alpha / self.cfg.actor.lora.rank
-                staged = [(f"{a.name.rsplit('.', 1)[0]}.weight",
-                           merged_weight(self._pristine[a.name.rsplit(".", 1)[0]], ta, tb, scale))
-                          for (a, ta), (_, tb) in zip(staged[::2], staged[1::2], strict=True)]
-            self.rollout.load_weights(staged)
-            self.weights_version, self._staged_version = self._staged_version, None
+                "trainable_params": sum(n for n, p in zip(sizes, params, strict=True) if p.requires_grad),
+                "params": sum(sizes)}
 
     # checkpoints -----------------------------------------------------------------------------------
     @register(ONE_TO_ALL)
@@ -655,24 +545,6 @@ class ActorRolloutRefWorker(Worker):
             self.sample_gen.set_state(extra["sample_gen"])
         self.update_steps = int(extra.get("update_steps", 0))
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
-
-
-class _StagedWeights:
-    """A rollout-only worker's weights as its continuous batcher sees them."""
-
-    def __init__(self, worker: ActorRolloutRefWorker) -> None:
-        self.worker = worker
-        self.interrupt = worker.cfg.rollout.interrupt_on_update
-
-    @property
-    def version(self) -> int:
-        return self.worker.weights_version
-
-    def pending(self) -> bool:
-        return self.worker._staged_version is not None
-
-    def apply(self) -> None:
-        self.worker._apply_staged_weights()
 
 
 def _tied(model: torch.nn.Module) -> bool:

@@ -1,12 +1,91 @@
-"""Safetensors files as `save_pretrained` writes them, written while the tensors are gathered."""
+"""The HF export of a trained model: safetensors files as `save_pretrained` writes them, written
+while the tensors are gathered one at a time (with LoRA: the merged weights, and the adapter as a
+PEFT directory beside them)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from asyncrl.plan.memory import EXPORT_SHARD_BYTES
+from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
+
+log = logging.getLogger(__name__)
+
+
+def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: Any, dtype: torch.dtype | None,
+                    lora: dict[str, Any] | None = None) -> None:
+    """The HF export gathered one tensor at a time (a collective: every rank runs it), rank 0
+    writing a file whenever a shard is full: never the whole model on one rank. `tied`: names
+    written once under another; `lora`: the adapter's settings (its export beside `out_dir`)."""
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):  # the same answer on every rank
+        log.warning("%s has no HF config; skipping the HF export", type(model).__name__)
+        return
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    writer = ShardWriter(out_dir, EXPORT_SHARD_BYTES) if rank0 else None
+    if writer is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    scales = adapter_scales(model)  # LoRA: each adapted weight exported merged
+    adapter: dict[str, Tensor] = {}
+    state = model.state_dict()
+    for name, value in state.items():
+        if name in tied or is_lora_param(name):
+            continue
+        full = _full(value)
+        module = name.removesuffix(".weight")
+        if module in scales:  # W0 + (alpha / rank) B A, in fp32 from the frozen base, cast once
+            a, b = _full(state[f"{module}.lora_A"]), _full(state[f"{module}.lora_B"])
+            full = merged_weight(full, a, b, scales[module], torch.float32)
+            adapter.update({f"{module}.lora_A": a, f"{module}.lora_B": b})
+        if writer is not None:
+            cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
+            writer.add(name, full.detach().to("cpu", cast).contiguous())
+        del full
+    if writer is not None:
+        writer.close()
+        write_hf_files(model, out_dir, tokenizer, dtype)
+        if adapter and lora is not None:  # the adapter alone, as PEFT loads it
+            save_peft_adapter(out_dir.parent / "adapter", adapter, base_model=lora["base_model"],
+                              **{k: v for k, v in lora.items() if k != "base_model"})
+
+
+def export_full(model: nn.Module, out_dir: Path, full_sd: dict[str, Tensor], tied: set[str], tokenizer: Any,
+                dtype: torch.dtype | None = None) -> None:
+    """The HF export of a state dict already gathered on this rank (pipeline stages meet on rank 0)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        log.warning("%s has no HF config; skipping the HF export", type(model).__name__)
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+               for k, v in full_sd.items() if k not in tied}
+    write_safetensors(tensors, out_dir, EXPORT_SHARD_BYTES)
+    write_hf_files(model, out_dir, tokenizer, dtype)
+
+
+def write_hf_files(model: nn.Module, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:
+    """config.json (with the export's dtype), generation_config.json and the tokenizer."""
+    config = model.config
+    if dtype is not None:  # what from_pretrained(dtype="auto") loads it as
+        config.torch_dtype = dtype
+    config.save_pretrained(out_dir)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor of a (possibly sharded) parameter: a collective for a DTensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class ShardWriter:

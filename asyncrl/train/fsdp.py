@@ -41,11 +41,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from asyncrl.config import OptimConfig
-from asyncrl.plan.memory import EXPORT_SHARD_BYTES
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
-from asyncrl.train.export import ShardWriter, write_safetensors
-from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
+from asyncrl.train.export import export_full, export_streamed
+from asyncrl.train.lora import is_lora_param
 
 log = logging.getLogger(__name__)
 
@@ -406,9 +405,9 @@ class TrainEngine:
         if self.pipelined:  # the stages' dicts meet on rank 0
             full = self.full_state_dict(rank0_only=True)
             if self.rank == 0:
-                self._export_hf(path / "hf", full, tokenizer, export_dtype)
+                export_full(self.model, path / "hf", full, self._tied_names, tokenizer, export_dtype)
         else:
-            self._export_hf_streamed(path / "hf", tokenizer, export_dtype)
+            export_streamed(self.model, path / "hf", self._tied_names, tokenizer, export_dtype, lora=self.lora)
         dist.barrier()  # the default group is the layout's ranks (ParallelLayout.device_mesh)
         log.info("saved checkpoint %s", path)
 
@@ -496,62 +495,6 @@ class TrainEngine:
             model_sd = {k: v for k, v in model_sd.items() if is_lora_param(k)}
         return {"model": model_sd, "optim": optim_sd}
 
-    def _export_hf_streamed(self, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:
-        """The HF export gathered one tensor at a time (a collective: every rank runs it), rank 0
-        writing a file whenever a shard is full: never the whole model on one rank."""
-        if not hasattr(getattr(self.model, "config", None), "save_pretrained"):  # the same answer on every rank
-            log.warning("%s has no HF config; skipping the HF export", type(self.model).__name__)
-            return
-        writer = ShardWriter(out_dir, EXPORT_SHARD_BYTES) if self.rank == 0 else None
-        if writer is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        adapted = {f"{module}.weight": module for module in adapter_scales(self.model)}  # LoRA: merged
-        adapter: dict[str, Tensor] = {}
-        state = self.model.state_dict()
-        for name, value in state.items():
-            if name in self._tied_names or is_lora_param(name):
-                continue
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            if name in adapted:  # W0 + (alpha / rank) B A, in fp32 from the frozen base, cast once
-                module = adapted[name]
-                a, b = (_full(state[f"{module}.{leaf}"]) for leaf in ("lora_A", "lora_B"))
-                full = merged_weight(full, a, b, adapter_scales(self.model)[module], torch.float32)
-                adapter.update({f"{module}.lora_A": a, f"{module}.lora_B": b})
-            if writer is not None:
-                cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
-                writer.add(name, full.detach().to("cpu", cast).contiguous())
-            del full
-        if writer is not None:
-            writer.close()
-            self._write_hf_files(out_dir, tokenizer, dtype)
-            if adapter and self.lora is not None:  # the adapter alone, as PEFT loads it
-                save_peft_adapter(out_dir.parent / "adapter", adapter, base_model=self.lora["base_model"],
-                                  **{k: v for k, v in self.lora.items() if k != "base_model"})
-
-    def _write_hf_files(self, out_dir: Path, tokenizer: Any, dtype: torch.dtype | None) -> None:
-        """config.json (with the export's dtype), generation_config.json and the tokenizer."""
-        config = self.model.config
-        if dtype is not None:  # what from_pretrained(dtype="auto") loads it as
-            config.torch_dtype = dtype
-        config.save_pretrained(out_dir)
-        generation_config = getattr(self.model, "generation_config", None)
-        if generation_config is not None:
-            generation_config.save_pretrained(out_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-
-    def _export_hf(self, out_dir: Path, full_sd: dict[str, Tensor], tokenizer: Any,
-                   dtype: torch.dtype | None = None) -> None:
-        config = getattr(self.model, "config", None)
-        if config is None or not hasattr(config, "save_pretrained"):
-            log.warning("%s has no HF config; skipping the HF export", type(self.model).__name__)
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-                   for k, v in full_sd.items() if k not in self._tied_names}
-        write_safetensors(tensors, out_dir, EXPORT_SHARD_BYTES)
-        self._write_hf_files(out_dir, tokenizer, dtype)
-
     # -- RNG (per process; not collective) ----------------------------------------------------
 
     @staticmethod
@@ -561,11 +504,6 @@ class TrainEngine:
     @staticmethod
     def set_rng_state(state: dict[str, Any]) -> None:
         set_rng_state(state)
-
-
-def _full(t: Tensor) -> Tensor:
-    """The whole tensor of a (possibly sharded) parameter: a collective for a DTensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _local(t: Tensor) -> Tensor:

@@ -1,0 +1,145 @@
+"""The actor worker's weights between pools (trainer.placement=split): the training pool
+gathers its weights (with LoRA: only the adapters) and broadcasts them over a bridge group; a
+rollout-only worker stages a version beside a running generate and applies it before the next
+one, or between decode steps (`rollout.interrupt_on_update`). A mixin of
+`asyncrl.roles.actor.ActorRolloutRefWorker`, whose `__init__` sets the attributes used here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from asyncrl.single_controller.protocols import ONE_TO_ALL
+from asyncrl.single_controller.worker import register
+from asyncrl.train.lora import adapter_scales, merged_weight
+from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors
+
+
+class PoolWeights:
+    def _policy_version(self) -> int:
+        """The policy version generating now: the updates this worker's actor has made, or the
+        version a rollout-only worker last applied."""
+        return self.update_steps if self.actor is not None else self.weights_version
+
+    def _slots(self) -> int:
+        """rollout.decode_slots, or (0) the rows of one batch on one rollout rank."""
+        rc = self.cfg.rollout
+        return rc.decode_slots or -(-self.cfg.data.batch_size // self.world_size) * rc.n
+
+    @register(ONE_TO_ALL)
+    def weight_sync_digest(self) -> str:
+        """A fingerprint of the tensors a sync carries (both pools must agree)."""
+        return digest(self.sync_specs)
+
+    @register(ONE_TO_ALL)
+    def weights_checksum(self) -> list[float]:
+        """Per synced tensor, the sum of its values in float64: the generating weights of a
+        rollout-only worker (after loading any staged version), the full training weights
+        otherwise (a collective over the training pool). Both pools agree after a sync."""
+        if self.actor is None:
+            if self.batcher is None:
+                self._apply_staged_weights()
+            named = dict(self.rollout.model.named_parameters())
+            return [float(named[name].double().sum()) for name in self._synced_weights()]
+        if self.cfg.actor.lora.enabled:  # the adapted weights as the rollout merges them
+            scales, state = adapter_scales(self.actor.model), self.actor.model.state_dict()
+            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
+            return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(self.sync_dtype),
+                                        full[f"{m}.lora_B"].to(self.sync_dtype), scales[m], self.sync_dtype)
+                          .double().sum()) for m in scales]
+        return [float(t.to(self.sync_dtype).double().sum()) for t in full_tensors(self.actor.model)]
+
+    def _synced_weights(self) -> list[str]:
+        """The rollout model's weights a sync sets (LoRA: the adapted ones, merged)."""
+        if self._pristine:
+            return [f"{m}.weight" for m in self._pristine]
+        return [s.name for s in self.sync_specs]
+
+    @register(ONE_TO_ALL)
+    def bridge_listen(self, size: int) -> list | None:
+        """Training rank 0: open the bridge's rendezvous; returns [host, port]."""
+        if self.rank != 0:
+            return None
+        self._bridge_store = WeightBridge.listen(size, self.cfg.worker.collective_timeout_s)
+        return [bridge_host(), self._bridge_store.port]
+
+    @register(ONE_TO_ALL)
+    def bridge_join(self, host: str, port: int, size: int) -> None:
+        """Build the bridge group: training rank 0 as bridge rank 0, rollout rank r as r + 1
+        (the other training ranks only take part in the gathers of `push_weights`)."""
+        timeout = self.cfg.worker.collective_timeout_s
+        if self.actor is not None:
+            if self.rank == 0:
+                self.bridge = WeightBridge(self._bridge_store, 0, size, self.device, timeout)
+            return
+        store = WeightBridge.connect(host, port, size, timeout)
+        self.bridge = WeightBridge(store, self.rank + 1, size, self.device, timeout)
+
+    @register(ONE_TO_ALL)
+    def push_weights(self, bucket_mb: int) -> dict[str, float]:
+        """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
+        rank 0 to the rollout pool; returns the version sent and the time taken."""
+        t0 = time.perf_counter()
+        tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
+                                                   else full_tensors(self.actor.model)))  # the rollout's dtype
+        if self.bridge is not None:
+            self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
+        else:
+            for _ in tensors:  # the gathers are collectives: every rank walks the list
+                pass
+        return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0,
+                "bytes": float(sum(s.nbytes for s in self.sync_specs))}
+
+    @register(ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int, bucket_mb: int) -> None:
+        """Rollout pool, beside a running generate: receive a version into the staging copy; it
+        is applied before the next generate (or decode step, with rollout.interrupt_on_update)."""
+        specs = self.sync_specs
+        with self._weights_lock:
+            if self._staged is None:
+                self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+            self.bridge.receive(specs, self._staged, bucket_mb << 20)
+            self._staged_version = version
+
+    def _adapter_tensors(self) -> Iterator[torch.Tensor]:
+        """The actor's adapters in full, in `sync_specs` order (collectives over the training pool)."""
+        state = self.actor.model.state_dict()
+        for spec in self.sync_specs:
+            t = state[spec.name]
+            yield t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def _apply_staged_weights(self) -> None:
+        if self._staged_version is None:
+            return
+        with self._weights_lock:
+            staged = list(zip(self.sync_specs, self._staged, strict=True))
+            if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
+                scale = self.cfg.actor.lora.alpha / self.cfg.actor.lora.rank
+                staged = [(f"{a.name.rsplit('.', 1)[0]}.weight",
+                           merged_weight(self._pristine[a.name.rsplit(".", 1)[0]], ta, tb, scale))
+                          for (a, ta), (_, tb) in zip(staged[::2], staged[1::2], strict=True)]
+            self.rollout.load_weights(staged)
+            self.weights_version, self._staged_version = self._staged_version, None
+
+
+class StagedWeights:
+    """A rollout-only worker's weights as its continuous batcher sees them."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.interrupt = worker.cfg.rollout.interrupt_on_update
+
+    @property
+    def version(self) -> int:
+        return self.worker.weights_version
+
+    def pending(self) -> bool:
+        return self.worker._staged_version is not None
+
+    def apply(self) -> None:
+        self.worker._apply_staged_weights()
+
+
