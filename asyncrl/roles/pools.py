@@ -115,12 +115,12 @@ class PoolWeights:
         if self._staged_version is None:
             return
         with self._weights_lock:
-            staged = list(zip(self.sync_specs, self._staged, strict=True))
+            staged = [(spec.name, t) for spec, t in zip(self.sync_specs, self._staged, strict=True)]
             if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
                 scale = self.cfg.actor.lora.alpha / self.cfg.actor.lora.rank
-                staged = [(f"{a.name.rsplit('.', 1)[0]}.weight",
-                           merged_weight(self._pristine[a.name.rsplit(".", 1)[0]], ta, tb, scale))
-                          for (a, ta), (_, tb) in zip(staged[::2], staged[1::2], strict=True)]
+                modules = [name.rsplit(".", 1)[0] for name, _ in staged[::2]]  # each module's lora_A, then B
+                staged = [(f"{m}.weight", merged_weight(self._pristine[m], a, b, scale))
+                          for m, (_, a), (_, b) in zip(modules, staged[::2], staged[1::2], strict=True)]
             self.rollout.load_weights(staged)
             self.weights_version, self._staged_version = self._staged_version, None
 

@@ -238,6 +238,7 @@ def test_continuous_batcher_matches_the_engine_alone_and_across_concurrent_calls
             assert batcher.steps < 2 * 9, batcher.steps  # the two calls shared decode steps
 
 
+@pytest.mark.slow  # ~18 s; test_lora.py's split run covers the same sync path by default
 def test_split_weight_sync_carries_the_compute_dtype(tiny_model, tmp_path):
     """With model.dtype=bfloat16 a rollout-only replica holds the model in bf16 and the sync
     sends bf16 (half fp32's bytes): after training, every rollout worker generates with exactly
