@@ -321,6 +321,7 @@ def test_tensor_parallel_sizes_are_checked_against_the_model(tiny_model):
     check_inputs(rl_config({"model": {"path": str(tiny_model)}, "actor": {"parallel": {"tp": 2}}}))
 
 
+@pytest.mark.slow  # ~42 s (suite time); grpo_pp2 and tests/rl/test_memory.py cover pipeline loads by default
 def test_resume_in_another_parallel_layout(tiny_model, tmp_path):
     """A run saved with a pure-DP actor (dp=2, tied embeddings) resumes with pipeline stages
     (pp=2: the embedding and LM head untie, the head's optimizer state comes from the tied
