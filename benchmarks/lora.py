@@ -94,7 +94,6 @@ def training_numbers(workdir: Path) -> dict[str, float]:
 
 
 async def agreement(model: Path, logs: Path) -> dict[str, float]:
-    from asyncrl.models.tiny import ensure_tiny_model  # noqa: F401 - the model is built by the caller
     from asyncrl.roles.actor import ActorRolloutRefWorker
     from asyncrl.single_controller.batch import Batch
     from asyncrl.single_controller.context import local_cluster

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from asyncrl.train.fsdp import release_host_memory
+from asyncrl.train.lora import plain_name
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def load_sharded(engine: Any, path: str, fresh: Fresh | None = None) -> None:
     dtype = next(model.parameters()).dtype
     full = {}
     if dist.get_rank() == 0:
-        shapes = {_plain(n): tuple(p.shape) for n, p in model.named_parameters()}
+        shapes = {plain_name(n): tuple(p.shape) for n, p in model.named_parameters()}
         new = {n: fresh(n, shape, dtype) for n, shape in shapes.items()} if fresh is not None else {}
         new = {n: t for n, t in new.items() if t is not None}
         full = read_checkpoint(path, tied_aliases(model), dtype, missing_ok=lambda n: n in new)
@@ -109,7 +110,7 @@ def load_streamed(engine: Any, path: str) -> None:
 
     from asyncrl.train.pipeline import broadcast_value
 
-    own = {_plain(n): t for n, t in engine.model.state_dict().items()}
+    own = {plain_name(n): t for n, t in engine.model.state_dict().items()}
     dtype = next(engine.model.parameters()).dtype
     device = next(engine.model.parameters()).device
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -181,7 +182,7 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     """Each parameter's names (tied weights share one parameter under several names)."""
     by_param: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(_plain(name))
+        by_param.setdefault(id(p), []).append(plain_name(name))
     return {names[0]: names for names in by_param.values()}
 
 
@@ -210,10 +211,3 @@ def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype
         raise KeyError(f"{path}: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "
                        "(its tensor names differ from the model's)")
     return {k: v for k, v in sd.items() if k in wanted}
-
-
-def _plain(name: str) -> str:
-    """A parameter name without the wrappers' prefixes (activation checkpointing, compile)."""
-    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(prefix, "")
-    return name

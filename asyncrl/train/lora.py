@@ -22,7 +22,6 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -124,7 +123,7 @@ def merged_weight(base: Tensor, a: Tensor, b: Tensor, scale: float, dtype: torch
 
 def adapter_scales(model: nn.Module) -> dict[str, float]:
     """Each adapted module's name (without wrappers' prefixes) and its alpha / rank."""
-    return {_plain(name): m.lora_scale for name, m in model.named_modules() if hasattr(m, "lora_scale")}
+    return {plain_name(name): m.lora_scale for name, m in model.named_modules() if hasattr(m, "lora_scale")}
 
 
 def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int, alpha: float, dropout: float,
@@ -139,14 +138,15 @@ def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int,
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     leaves = sorted({name.rsplit(".", 2)[-2] for name in adapter})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "lora_dropout": dropout, "target_modules": leaves if "all-linear" not in targets else leaves,
+              "lora_dropout": dropout, "target_modules": leaves,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "use_rslora": False, "base_model_name_or_path": base_model}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
-def _plain(name: str) -> str:
+def plain_name(name: str) -> str:
+    """A parameter or module name without the wrappers' prefixes (activation checkpointing, compile)."""
     for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
     return name
@@ -160,9 +160,3 @@ def adapter_shapes(model: nn.Module, rank: int, targets: list[str]) -> list[tupl
     for name, m in target_linears(model, targets).items():
         out += [(f"{name}.lora_A", (rank, m.in_features)), (f"{name}.lora_B", (m.out_features, rank))]
     return out
-
-
-def lora_summary(model: nn.Module) -> dict[str, Any]:
-    """Trainable (adapter) and frozen parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"trainable": trainable, "total": sum(p.numel() for p in model.parameters())}
