@@ -101,8 +101,13 @@ class VLLMConfig:
     max_num_seqs: int = 256  # rows decoded together
     cuda_graphs: bool = True  # CUDA only (CPU runs eager)
     sleep: bool = True  # CUDA: free vLLM's weights and KV cache while the actor trains
+    # actor.lora: `adapter` serves each version's A and B over vLLM's frozen base (megabytes per
+    # sync; unmerged adapters cost decode time), `merged` loads W0 + (alpha/rank) B A as full
+    # weights (colocated only). A model vLLM has no LoRA support for falls back to merged.
+    lora: str = "adapter"
 
     def check(self, at: str) -> None:
+        _check(self.lora in ("adapter", "merged"), at + "lora", self.lora, "must be adapter or merged")
         _check(0 < self.gpu_memory_utilization <= 1, at + "gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         _positive(at + "kv_cache_gib", self.kv_cache_gib, allow_zero=True)
@@ -210,10 +215,19 @@ class PPOUpdateConfig:
         _one_of(at + "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
+def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
+    """LoRA trains over FSDP alone for now (the adapters' merge and gathers assume whole layers)."""
+    if section.lora.enabled:
+        _check(section.parallel.tp == 1 and section.parallel.pp == 1, at + "lora.rank", section.lora.rank,
+               f"LoRA trains with {at}parallel.tp=1 and pp=1 for now (FSDP over every rank); "
+               f"got tp={section.parallel.tp}, pp={section.parallel.pp}")
+
+
 @dataclass
 class LoRAConfig:
-    """LoRA adapters on the actor (asyncrl/train/lora.py): only they train, the reference policy is
-    the base with them switched off (no second copy), generation uses W0 + (alpha / rank) B A.
+    """LoRA adapters on the actor or the critic (asyncrl/train/lora.py): only they train (and the
+    critic's value head), the actor's reference policy is the base with them switched off (no
+    second copy), generation uses W0 + (alpha / rank) B A or vLLM's adapters (rollout.vllm.lora).
     LoRA wants a higher learning rate than full fine-tuning: ~10x on real models; the tiny tool
     task learns at 3-5x and diverges at 10-20x (benchmarks/lora.py)."""
 
@@ -260,10 +274,7 @@ class ActorConfig(PPOUpdateConfig):
     def check(self, at: str) -> None:
         super().check(at)
         self.lora.check(at + "lora.")
-        if self.lora.enabled:  # what the adapters' merge into generation weights handles today
-            _check(self.parallel.tp == 1 and self.parallel.pp == 1, at + "lora.rank", self.lora.rank,
-                   f"LoRA trains with {at}parallel.tp=1 and pp=1 for now (FSDP over every rank); "
-                   f"got tp={self.parallel.tp}, pp={self.parallel.pp}")
+        _check_lora_layout(self, at)
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
         _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
         _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
@@ -306,10 +317,14 @@ class ActorConfig(PPOUpdateConfig):
 class CriticConfig(PPOUpdateConfig):
     model_path: str | None = None  # None = the actor's model with a fresh value head
     cliprange_value: float = 0.5
+    # adapters on the value model's body (rank > 0); its fresh value head trains in full
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def check(self, at: str) -> None:
         super().check(at)
         _positive(at + "cliprange_value", self.cliprange_value)
+        self.lora.check(at + "lora.")
+        _check_lora_layout(self, at)
 
 
 @dataclass
@@ -555,9 +570,10 @@ class RLConfig(LaunchConfig):
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
         split = self.trainer.placement == "split"
-        _check(not (split and self.actor.lora.enabled and self.rollout.engine == "vllm"), at + "actor.lora.rank",
-               self.actor.lora.rank, "LoRA with trainer.placement=split and rollout.engine=vllm is not supported "
-               "yet (vLLM's in-memory adapters); use rollout.engine=native or trainer.placement=colocated")
+        _check(not (split and self.actor.lora.enabled and self.rollout.engine == "vllm"
+                    and self.rollout.vllm.lora == "merged"), at + "rollout.vllm.lora", "merged",
+               "a split rollout pool's vLLM has no pristine base to merge LoRA adapters into: use "
+               "rollout.vllm.lora=adapter (the default), or trainer.placement=colocated")
         if not split:
             _check(not self.rollout.interrupt_on_update, at + "rollout.interrupt_on_update", True,
                    "only applies with trainer.placement=split (a colocated rollout shares the actor's "

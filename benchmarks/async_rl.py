@@ -100,6 +100,7 @@ def launch(name: str, overrides: list[str], workdir: Path, timeout_s: float,
             "max_staleness_seen": max(r.get("async/staleness", 0.0) for r in steps),
             "response_len": round(sum(r.get("response/length_mean", 0.0) for r in steps) / len(steps), 2),
             "reward_end": summary["val_reward_end"], "reward_start": summary["val_reward_start"],
+            "logprob_diff_max": max(r.get("rollout/logprob_diff_max", 0.0) for r in steps),
             "wall_s": round(time.monotonic() - t0, 1)}
 
 

@@ -3,6 +3,7 @@ held-out gain on the tool task, and trainer-vs-rollout log-probs.
 
     python -m benchmarks.lora                  # about 5 minutes on 2 cores
     python -m benchmarks.lora --skip-training  # the 0.5B shape's numbers only
+    python -m benchmarks.lora --skip-gain      # the 0.5B shape's numbers and the log-prob agreement
 
 - On Qwen2.5-0.5B's shape (built here, random fp32 weights): one AdamW step of full fine-tuning and
   one of LoRA (rank 32, all-linear) after a backward on a small batch; the optimizer state's bytes
@@ -13,9 +14,13 @@ held-out gain on the tool task, and trainer-vs-rollout log-probs.
   seed: `gain_ratio` = LoRA's held-out gain / full fine-tuning's. The same on `quickstart`, whose
   tiny model is random-initialised (`gain_ratio_quickstart`): LoRA adapts a model, it does not
   teach an untrained one (the policy stays near uniform), so expect little there.
-- Two FSDP ranks of the actor with LoRA: after four updates, the largest difference between the
-  rollout's log-probs (generated with the merged weights) and the trainer's on the same tokens
-  (`logprob_max_diff`), and whether a reference model was allocated (`ref_model_allocated`).
+- Two FSDP ranks of the actor with LoRA, colocated: after four updates, the largest difference
+  between the rollout's log-probs and the trainer's on the same tokens, for the native engine
+  (merged weights), vLLM serving the adapter and vLLM with merged weights (`logprob_max_diff_*`);
+  and whether a reference model was allocated (`ref_model_allocated`). Split placement (one
+  training and one rollout worker, only A and B synced) with the native engine and vLLM: the
+  largest `rollout/logprob_diff_max` of four GRPO steps (`logprob_max_diff_split_*`).
+  `logprob_max_diff` is the largest of them all. vLLM cases need vLLM (`make vllm`).
 
 The last line printed is one JSON object.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -93,13 +99,20 @@ def training_numbers(workdir: Path) -> dict[str, float]:
     return out
 
 
-async def agreement(model: Path, logs: Path) -> dict[str, float]:
+ROLLOUTS = {"native": {}, "vllm_adapter": {"engine": "vllm"}, "vllm_merged": {"engine": "vllm", "vllm": {"lora": "merged"}}}
+
+
+def rollouts() -> list[str]:
+    return [r for r in ROLLOUTS if r == "native" or importlib.util.find_spec("vllm") is not None]
+
+
+async def agreement(model: Path, logs: Path, rollout: str) -> dict[str, float]:
     from asyncrl.roles.actor import ActorRolloutRefWorker
     from asyncrl.single_controller.batch import Batch
     from asyncrl.single_controller.context import local_cluster
 
     cfg = {"model": {"path": str(model)}, "seed": 0, "trainer": {"torch_threads": 1},
-           "rollout": {"n": 4, "max_tokens": 8},
+           "rollout": {"n": 4, "max_tokens": 8, **ROLLOUTS[rollout]},
            "actor": {"optim": {"lr": 5e-2}, "pretrain_coef": 1.0, "use_kl_loss": True, "lora": {"rank": 8}}}
     ids = torch.tensor([[0, 5, 6, 7], [7, 8, 9, 4], [4, 5, 6, 9], [0, 0, 4, 5]])
     async with local_cluster(cpu_devices=2, log_dir=logs, insecure=True) as ctx:
@@ -119,26 +132,49 @@ async def agreement(model: Path, logs: Path) -> dict[str, float]:
         old, ref = await actor.compute_log_prob(after), await actor.compute_ref_log_prob(after)
         batch, old, ref = await after.fetch(), (await old.fetch())["old_log_probs"], (await ref.fetch())["ref_log_prob"]
         mask = batch["response_mask"].bool()
-        return {"logprob_max_diff": float((batch["rollout_log_probs"][mask] - old[mask]).abs().max()),
-                "logprob_diff_to_base": float((ref[mask] - old[mask]).abs().max()),
+        return {f"logprob_max_diff_{rollout}": float((batch["rollout_log_probs"][mask] - old[mask]).abs().max()),
+                f"logprob_diff_to_base_{rollout}": float((ref[mask] - old[mask]).abs().max()),
                 "ref_model_allocated": any(h["ref"] for h in held),
                 "trainable_share": round(held[0]["trainable_params"] / held[0]["params"], 4)}
+
+
+def split_agreement(workdir: Path, engine: str) -> dict[str, float]:
+    from benchmarks.async_rl import launch
+
+    r = launch(f"split-{engine}", ["trainer.loggers=[jsonl]", "seed=0", "trainer.placement=split", "trainer.n_workers=1",
+                                   "rollout.n_workers=1", "cluster.cpu_devices=2", f"rollout.engine={engine}",
+                                   "model.build_tiny.heads=2", f"model.path={workdir / 'tiny-h2'}",
+                                   "actor.lora.rank=8", "actor.optim.lr=5e-2", "actor.recompute_log_prob=always",
+                                   "trainer.total_steps=4", "trainer.eval_every=4"], workdir, timeout_s=900)
+    return {f"logprob_max_diff_split_{engine}": r["logprob_diff_max"]}
+
+
+def agreements(tmp: Path) -> dict[str, float]:
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp / "tiny", task="sort", hidden=64, layers=2, heads=2, sft_steps=0)  # head_dim 32: vLLM
+    out: dict[str, float] = {}
+    for rollout in rollouts():
+        out.update(asyncio.run(agreement(model, tmp / "logs", rollout)))
+    for engine in ("native", "vllm") if "vllm_adapter" in rollouts() else ("native",):
+        out.update(split_agreement(tmp, engine))
+    out["logprob_max_diff"] = max(v for k, v in out.items() if k.startswith("logprob_max_diff_"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.splitlines()[0])
     p.add_argument("--skip-training", action="store_true", help="only the 0.5B shape's optimizer and sync bytes")
+    p.add_argument("--skip-gain", action="store_true", help="no full-vs-LoRA training runs (the agreement checks only)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     out: dict = {"rank": RANK, **shape_numbers()}
     print(json.dumps(out), flush=True)
     if not args.skip_training:
-        from asyncrl.models.tiny import ensure_tiny_model
-
         with tempfile.TemporaryDirectory(prefix="asyncrl-lora-") as tmp:
-            out.update(training_numbers(Path(tmp)))
-            model = ensure_tiny_model(Path(tmp) / "tiny", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
-            out.update(asyncio.run(agreement(model, Path(tmp) / "logs")))
+            if not args.skip_gain:
+                out.update(training_numbers(Path(tmp)))
+            out.update(agreements(Path(tmp)))
     print(json.dumps(out), flush=True)
     return 0
 

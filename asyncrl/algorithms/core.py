@@ -63,6 +63,13 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
     return masked_sum(x, mask, dim) / count.clamp_min(_TINY)
 
 
+def max_abs_diff(a: Tensor, b: Tensor, mask: Tensor) -> float:
+    """The largest |a - b| over masked-in entries (0 for an empty mask): e.g. the trainer's and the
+    rollout engine's log-probs of the same tokens."""
+    diff = (a.float() - b.float()).abs()[mask.bool()]
+    return float(diff.max()) if diff.numel() else 0.0
+
+
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance of `x` over all masked-in entries (Bessel-corrected when `unbiased`)."""
     mean = masked_mean(x, mask)

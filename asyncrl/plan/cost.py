@@ -90,12 +90,12 @@ class CallCost:
 
 def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, unit: str = "") -> float:
     """What a model keeps on each device between calls: training state, or sharded weights (with
-    LoRA the actor trains its adapters only and the reference is the actor's base: no copy)."""
+    LoRA the actor, or the critic, trains its adapters only; the actor's reference is its base: no copy)."""
     shards = s.tp * s.pp * s.dp
     if knobs.lora_params and unit == "ref":
         return 0.0
     if trained:
-        lora = knobs.lora_params if unit == "actor" else 0
+        lora = {"actor": knobs.lora_params, "critic": knobs.critic_lora_params}.get(unit, 0)
         return sum(training_state(model, shards, lora or None).values())
     return forward_only_weights(model, shards, knobs)
 

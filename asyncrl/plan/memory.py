@@ -88,6 +88,7 @@ class Knobs:
     decode_rows: int = 0  # the native engine's rows at once (rollout.decode_slots; 0 = all)
     async_save: bool = False  # trainer.async_save: a save copies the training state to host memory first
     lora_params: int = 0  # actor.lora: the adapters' parameters (they alone train; no reference model)
+    critic_lora_params: int = 0  # critic.lora: its adapters' parameters (they and the value head train)
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -96,7 +97,8 @@ class Knobs:
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
-                   lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0)
+                   lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
+                   critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0)
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:

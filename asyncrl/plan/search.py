@@ -136,7 +136,8 @@ class SearchSpace:
 
     def strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
         found = self._strategies(unit, devices)
-        if self.knobs.lora_params and unit in ("actor", "ref"):  # LoRA trains over FSDP alone for now
+        lora = self.knobs.lora_params and unit in ("actor", "ref") or self.knobs.critic_lora_params and unit == "critic"
+        if lora:  # LoRA trains over FSDP alone for now
             found = tuple(s for s in found if s.tp == 1 and s.pp == 1)
         return found
 

@@ -60,7 +60,9 @@ from asyncrl.train.lora import (
     adapters_disabled,
     apply_lora,
     fresh_adapter,
+    is_lora_param,
     merged_weight,
+    plain_name,
 )
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
@@ -90,6 +92,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         self.ref: TrainEngine | None = None
         self.rollout: RolloutEngine | VLLMRolloutEngine | None = None
         self.rollout_current = False  # the vLLM engine holds the actor's current weights
+        self.base_in_vllm = False  # LoRA adapters in vLLM: its frozen base came from the reshard
         # a rollout-only pool (trainer.placement=split) is data parallel over its own ranks
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size)
                                     if "actor" in self.roles else pure_dp(self.world_size))
@@ -111,7 +114,10 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
                             RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id, device=self.device))
-            if lora.enabled:
+            if lora.enabled and isinstance(self.rollout, VLLMRolloutEngine) and not self.rollout.lora_rank:
+                raise ValueError("this model has no LoRA support in vLLM, and a split rollout pool cannot merge "
+                                 "adapters into vLLM's base: use rollout.engine=native or trainer.placement=colocated")
+            if lora.enabled and not isinstance(self.rollout, VLLMRolloutEngine):
                 adapted = [spec.name.rsplit(".", 1)[0] for spec in self.sync_specs[::2]]  # each module's lora_A
                 self._pristine = {m: self.rollout.model.get_submodule(m).weight.detach().clone() for m in adapted}
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
@@ -233,14 +239,24 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             seed=cfg.seed * 1000 + self.gen_layout.data_index(self.rank), max_model_len=max_len,
             max_num_seqs=vc.max_num_seqs, gpu_memory_utilization=vc.gpu_memory_utilization,
             kv_cache_bytes=kv_bytes or None, cuda_graphs=vc.cuda_graphs, load_format=load_format,
-            enable_sleep_mode=vc.sleep, tp_size=self.gen_layout.size("tp"))
+            enable_sleep_mode=vc.sleep, tp_size=self.gen_layout.size("tp"),
+            lora_rank=cfg.actor.lora.rank if cfg.actor.lora.enabled and vc.lora == "adapter" else 0,
+            max_loras=cfg.rollout.max_staleness + 1)
 
     def _bind_generation_weights(self) -> None:
         """Reshard the training weights into this rank's generation shard (a collective over the
         group), unless the bound ones are still current; vLLM loads them into its own model."""
         if self.generation is None:
             return
-        if isinstance(self.rollout, VLLMRolloutEngine):
+        if isinstance(self.rollout, VLLMRolloutEngine) and self.rollout.lora_rank:
+            if not self.rollout_current:  # the frozen base once, then each version's adapters
+                if not self.base_in_vllm:
+                    self.rollout.load_weights(self.resharder.reshard())
+                    self.resharder.release()
+                    self.base_in_vllm = True
+                self.rollout.load_adapter(self.update_steps, self._full_adapters(), **self._adapter_settings())
+                self.rollout_current = True
+        elif isinstance(self.rollout, VLLMRolloutEngine):
             if not self.rollout_current:
                 shards = self._merge_adapters(self.resharder.reshard())
                 self.rollout.load_weights(shards if self.gen_layout.size("tp") == 1 else self._full_weights(shards))
@@ -263,6 +279,18 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             key = f"{module}.weight"
             shards[key] = merged_weight(shards[key], a, b, scale, shards[key].dtype)
         return shards
+
+    def _full_adapters(self) -> dict[str, torch.Tensor]:
+        """The actor's LoRA A and B in full, by module name (a collective over the actor's ranks)."""
+        state = self.actor.model.state_dict()
+        return {plain_name(k): v.full_tensor() if hasattr(v, "full_tensor") else v
+                for k, v in state.items() if is_lora_param(k)}
+
+    def _adapter_settings(self) -> dict[str, Any]:
+        """What vLLM needs besides the tensors: the rank, alpha and adapted leaf modules."""
+        lora = self.cfg.actor.lora
+        leaves = sorted({spec.name.rsplit(".", 2)[-2] for spec in self.sync_specs})  # sync_specs: the adapters
+        return {"rank": lora.rank, "alpha": lora.alpha, "targets": leaves}
 
     def _full_weights(self, shards: dict[str, torch.Tensor]):
         """Generation-TP shards, all-gathered one tensor at a time within the generation-TP
@@ -472,6 +500,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
         self._release_generation_weights()
         out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
+        if "rollout_log_probs" in batch and "old_log_probs" in batch:  # engine mismatch (+ staleness)
+            out["rollout/logprob_diff_max"] = core.max_abs_diff(batch["old_log_probs"], batch["rollout_log_probs"],
+                                                                batch["response_mask"])
         release_host_memory()  # the update's transient pages back to the OS before generation
         self.update_steps += 1
         out["actor/lr"] = out.pop("lr", 0.0)
@@ -510,7 +541,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         sizes = [(p.to_local() if hasattr(p, "to_local") else p).numel() for p in params]  # this rank's shards
         return {"actor": self.actor is not None, "ref": self.ref is not None, "rollout": self.rollout is not None,
                 "trainable_params": sum(n for n, p in zip(sizes, params, strict=True) if p.requires_grad),
-                "params": sum(sizes)}
+                "params": sum(sizes), "vllm_adapters": [a.lora_name for a in getattr(self.rollout, "adapters", [])]}
 
     # checkpoints -----------------------------------------------------------------------------------
     @register(ONE_TO_ALL)

@@ -20,7 +20,8 @@ from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import TrainEngine, mixed_precision_policy, parallelize
-from asyncrl.train.load import load_sharded, materialize, new_head, skeleton
+from asyncrl.train.load import either, load_sharded, materialize, new_head, skeleton
+from asyncrl.train.lora import apply_lora, fresh_adapter
 
 VALUE_HEAD = ("score.", "classifier.")  # the token head transformers adds: not in a causal LM checkpoint
 
@@ -36,12 +37,20 @@ class CriticWorker(Worker):
         # meta device and filled from rank 0's read of the checkpoint: one copy per node
         path = cfg.critic.model_path or cfg.model.path
         model = skeleton(path, torch.float32, value_head=True)
+        lora = cfg.critic.lora
+        if lora.enabled:  # adapters on the body before FSDP wraps the layers; the new head trains in full
+            apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, train=VALUE_HEAD)
         if cfg.critic.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
         materialize(model, self.device)
         self.critic = TrainEngine(model, layout, optim=cfg.critic.optim, device=self.device)
-        load_sharded(self.critic, path, fresh=new_head(VALUE_HEAD, model.config.initializer_range))
+        head = new_head(VALUE_HEAD, model.config.initializer_range)
+        if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)
+            # no PEFT export: the critic's export is the merged value model (the head is no adapter)
+            self.critic.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                                "targets": lora.target_modules, "base_model": None}
+        load_sharded(self.critic, path, fresh=either(fresh_adapter, head) if lora.enabled else head)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
 

@@ -116,6 +116,10 @@ class PoolWeights:
             return
         with self._weights_lock:
             staged = [(spec.name, t) for spec, t in zip(self.sync_specs, self._staged, strict=True)]
+            if self.cfg.actor.lora.enabled and getattr(self.rollout, "lora_rank", 0):  # vLLM serves the adapter
+                self.rollout.load_adapter(self._staged_version, dict(staged), **self._adapter_settings())
+                self.weights_version, self._staged_version = self._staged_version, None
+                return
             if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
                 scale = self.cfg.actor.lora.alpha / self.cfg.actor.lora.rank
                 modules = [name.rsplit(".", 1)[0] for name, _ in staged[::2]]  # each module's lora_A, then B

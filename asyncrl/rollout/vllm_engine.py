@@ -12,8 +12,14 @@ in place after every update.
 - `load_weights(named_tensors)` runs the model's own `load_weights` (it fuses q/k/v and
   gate/up) tensor by tensor on the engine's worker, then drops the prefix cache, whose
   blocks were computed with the old weights.
+- With `lora_rank` the engine serves LoRA adapters over its frozen base (`rollout.vllm.lora=adapter`):
+  `load_adapter(version, tensors)` hands one version's A and B to vLLM's adapter manager in memory
+  (no files), keeps the newest `max_loras` versions (the staleness window) and generates with the
+  newest; vLLM's rank is the adapter's rounded up to a size it accepts. A model vLLM has no LoRA
+  support for falls back to merged weights (`lora_rank` is then 0 and the caller merges).
 - On CUDA `sleep()` frees the weights and KV cache for training (vLLM sleep level 2; the next
-  `load_weights` brings new weights anyway) and `wake_up()` restores them; on CPU both are no-ops.
+  `load_weights` brings new weights anyway; level 1 with LoRA adapters, whose frozen base stays
+  in host memory) and `wake_up()` restores them; on CPU both are no-ops.
 
 vLLM is imported lazily: `pip install -e '.[vllm]'` (CPU: `make vllm`) provides it. In-process
 engines need `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before the import.
@@ -33,6 +39,16 @@ from asyncrl.rollout.engine import SamplingParams, WeightLoadError, rollout_outp
 log = logging.getLogger(__name__)
 
 EXTENSION = "asyncrl.rollout.vllm_engine.AsyncRLWorkerExtension"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds a rank-`rank` adapter."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise VLLMUnavailableError(f"actor.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}; "
+                               "use a smaller rank or rollout.vllm.lora=merged")
 
 
 class VLLMUnavailableError(RuntimeError):
@@ -170,6 +186,27 @@ class AsyncRLWorkerExtension:
                 owners[id(weight)] = module
         return count
 
+    def asyncrl_add_adapter(self, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict) -> list[int]:
+        # in memory, as vLLM's loader would build it from a PEFT directory (the tensors are the
+        # caller's copies: vLLM folds the scale into B in place)
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        workers = self.model_runner.lora_manager
+        manager = workers._adapter_manager
+        helper = PEFTHelper.from_dict(config)
+        helper.validate_legal(workers.lora_config)
+        lora = LoRAModel.from_lora_tensors(adapter_id, tensors, helper, device="cpu",
+                                           dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size)
+        if adapter_id in manager.list_adapters():
+            manager.remove_adapter(adapter_id)
+        manager.add_adapter(lora)
+        manager.activate_adapter(adapter_id)
+        return sorted(manager.list_adapters())
+
+    def asyncrl_remove_adapter(self, adapter_id: int) -> bool:
+        return self.model_runner.lora_manager.remove_adapter(adapter_id)
+
 
 class VLLMRolloutEngine:
     """A vLLM engine for one generation replica, with the native engine's interface. With
@@ -192,6 +229,8 @@ class VLLMRolloutEngine:
         load_format: str = "auto",
         enable_sleep_mode: bool | None = None,
         tp_size: int = 1,
+        lora_rank: int = 0,
+        max_loras: int = 1,
     ) -> None:
         vllm = _import_vllm()
         self.device = torch.device(device)
@@ -201,6 +240,7 @@ class VLLMRolloutEngine:
         self.pad_token_id = pad_token_id
         on_cuda = self.device.type == "cuda"
         self.sleep_enabled = on_cuda if enable_sleep_mode is None else enable_sleep_mode and on_cuda
+        self.sleep_level = 2
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         kwargs: dict[str, Any] = dict(
@@ -217,13 +257,22 @@ class VLLMRolloutEngine:
             kwargs["max_model_len"] = max_model_len
         if kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        # the CPU worker replaces torch.set_num_threads with a no-op for its thread binding, which
-        # an in-process engine does not do: keep the trainer's own thread setting working
-        set_threads = torch.set_num_threads
+        self.lora_rank, self.max_loras = lora_rank, max_loras
+        self.adapters: list[Any] = []  # the LoRARequests loaded, oldest first; generation uses the last
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=max_loras)
         try:
-            self.llm = vllm.LLM(**kwargs)
-        finally:
-            torch.set_num_threads = set_threads
+            self.llm = self._build(vllm, kwargs)
+        except ValueError as e:
+            if not lora_rank or "support LoRA" not in str(e):
+                raise
+            log.warning("vLLM has no LoRA support for %s (%s): generating with merged weights instead",
+                        model_path, e)
+            self.lora_rank = 0
+            self.llm = self._build(vllm, {k: v for k, v in kwargs.items()
+                                          if k not in ("enable_lora", "max_lora_rank", "max_loras")})
+        if self.lora_rank and self.sleep_enabled:
+            self.sleep_level = 1  # the frozen base is kept (offloaded to host) while the actor trains
         self._vllm = vllm
         # the reload names the tied LM head and the rotary buffers as "failed to load" on every
         # update: neither has checkpoint weights (the head is re-processed in asyncrl_load_weights)
@@ -232,6 +281,16 @@ class VLLMRolloutEngine:
         log.info("vLLM %s engine on %s: %d parameters, tensor parallel %d", vllm.__version__, self.device,
                  self.param_count, tp_size)
         self.asleep = False
+
+    @staticmethod
+    def _build(vllm: Any, kwargs: dict[str, Any]) -> Any:
+        # the CPU worker replaces torch.set_num_threads with a no-op for its thread binding, which
+        # an in-process engine does not do: keep the trainer's own thread setting working
+        set_threads = torch.set_num_threads
+        try:
+            return vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
 
     def _rpc(self, method: str, *args: Any) -> Any:
         return self.llm.collective_rpc(method, args=args)[0]
@@ -257,10 +316,38 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()
         return count
 
+    @torch.no_grad()
+    def load_adapter(self, version: int, tensors: Mapping[str, torch.Tensor], *, rank: int, alpha: float,
+                     targets: list[str]) -> int:
+        """Serve policy `version`'s LoRA adapter: `tensors` are the full A and B of each adapted
+        module (`<module>.lora_A` [rank, in], `<module>.lora_B` [out, rank], Hugging Face module
+        names), cast here to the engine's dtype. The adapter of `max_loras` versions ago is removed
+        first; later generates use this one. Returns the bytes handed over."""
+        if not self.lora_rank:
+            raise RuntimeError("this vLLM engine serves merged weights (no LoRA support): use load_weights")
+        if self.asleep:
+            self.wake_up()
+        dtype = self.llm.llm_engine.model_config.dtype
+        copies = {f"base_model.model.{name}.weight": t.detach().to(dtype=dtype, copy=True).contiguous()
+                  for name, t in tensors.items()}
+        config = {"r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none"}
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"asyncrl-v{version}", version + 1, f"asyncrl://v{version}")
+        while len(self.adapters) >= self.max_loras or request in self.adapters:
+            self._rpc("asyncrl_remove_adapter", self.adapters.pop(0).lora_int_id)
+        try:
+            self._rpc("asyncrl_add_adapter", request.lora_int_id, copies, config)
+        except (KeyError, AssertionError, ValueError) as e:
+            raise WeightLoadError(f"vLLM rejected the LoRA adapter ({type(e).__name__}: {e}); send the full "
+                                  "lora_A / lora_B tensors of Hugging Face-named linear modules") from e
+        self.adapters.append(request)
+        return sum(t.numel() * t.element_size() for t in copies.values())
+
     def sleep(self) -> None:
         """Free the weights and KV cache (CUDA; a no-op on CPU) until `wake_up`/`load_weights`."""
         if self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=self.sleep_level)
             self.asleep = True
 
     def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
@@ -307,7 +394,8 @@ class VLLMRolloutEngine:
         ids = input_ids.cpu()
         prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(batch)]
         sampling = [self._sampling(params, None if base is None else base + i * n) for i in range(batch)]
-        outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        adapter = self.adapters[-1] if self.adapters else None
+        outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=adapter)
         completions = [c for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]
         rows = batch * n
         steps = max((len(c.token_ids) for c in completions), default=0)

@@ -24,7 +24,7 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
                     lora: dict[str, Any] | None = None) -> None:
     """The HF export gathered one tensor at a time (a collective: every rank runs it), rank 0
     writing a file whenever a shard is full: never the whole model on one rank. `tied`: names
-    written once under another; `lora`: the adapter's settings (its export beside `out_dir`)."""
+    written once under another; `lora`: the adapter's settings (its PEFT export beside `out_dir` unless base_model is None)."""
     if not hasattr(getattr(model, "config", None), "save_pretrained"):  # the same answer on every rank
         log.warning("%s has no HF config; skipping the HF export", type(model).__name__)
         return
@@ -51,7 +51,7 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
     if writer is not None:
         writer.close()
         write_hf_files(model, out_dir, tokenizer, dtype)
-        if adapter and lora is not None:  # the adapter alone, as PEFT loads it
+        if adapter and lora is not None and lora["base_model"] is not None:  # the adapter alone, as PEFT loads it
             save_peft_adapter(out_dir.parent / "adapter", adapter, base_model=lora["base_model"],
                               **{k: v for k, v in lora.items() if k != "base_model"})
 

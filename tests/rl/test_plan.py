@@ -205,3 +205,21 @@ def test_the_memory_estimate_follows_the_knobs():
     staged = sum(dp4.parts[k] for k in ("weights (fp32 master shard)", "gradients (fp32 shard)", "Adam moments (fp32 shard)"))
     cfg = rl_config({**base, "trainer": {"n_workers": 4, "async_save": True}})
     assert worker_memory(cfg, spec, on_gpu=True).host["save (rank 0)"] == pytest.approx(dp4.host["save (rank 0)"] + staged)
+
+
+def test_a_lora_critic_is_priced_by_its_adapters():
+    """critic.lora: the planner prices the critic's training state by its adapters (a few percent
+    of full fine-tuning's) and keeps its strategies to FSDP alone, as it does the actor's."""
+    from asyncrl.config import rl_config
+    from asyncrl.plan.cost import resident_bytes
+    from asyncrl.plan.memory import Knobs
+
+    spec = KNOWN_MODELS["Qwen/Qwen2.5-7B-Instruct"]
+    cfg = rl_config({"algorithm": {"name": "ppo"}, "critic": {"lora": {"rank": 32}}})
+    knobs = Knobs.from_config(cfg, True, H100.mem_bytes, spec)
+    assert knobs.critic_lora_params > 0 and knobs.lora_params == 0
+    full = resident_bytes(spec, Strategy(8, 1), True, Knobs.from_config(rl_config({}), True, H100.mem_bytes, spec),
+                          unit="critic")
+    adapted = resident_bytes(spec, Strategy(8, 1), True, knobs, unit="critic")
+    actor = resident_bytes(spec, Strategy(8, 1), True, knobs, unit="actor")
+    assert actor == full and adapted < 0.4 * full  # the frozen body's bf16/fp32 shard stays
