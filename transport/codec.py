@@ -165,6 +165,21 @@ def split_frames(frames: list[Any]) -> list[Any]:
     return out
 
 
+def chunk_counts(frame: Any) -> list[int] | None:
+    """The chunk counts a `split_frames` header frame announces; None for any other frame (or a
+    malformed header, which `join_frames` reports)."""
+    mv = memoryview(frame).cast("B")
+    if mv.nbytes < 2 or mv[0] != _CHUNKED:
+        return None
+    try:
+        counts = msgpack.unpackb(mv[1:])
+    except Exception:
+        return None
+    if not isinstance(counts, list) or not counts or not all(type(n) is int and n > 0 for n in counts):
+        return None
+    return counts
+
+
 def join_frames(frames: Sequence[Any], first: int | None = None) -> list[Any]:
     """Undo `split_frames` (its output, or a message without a header, unchanged); with
     `first`, only the first `first` logical frames are joined and returned."""

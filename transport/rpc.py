@@ -184,7 +184,7 @@ class RpcServer:
         self._peers.bound(self.endpoint)
         self._peer_monitor = MessageSocket(self._peers.monitor, self._peers.on_event,
                                            name=f"{self.name}-peers")
-        self._sock = MessageSocket(sock, self._on_message, name=self.name)
+        self._sock = MessageSocket(sock, self._on_message, name=self.name, max_bytes=self.max_message_bytes)
         return self.endpoint
 
     @property
@@ -470,7 +470,7 @@ class RpcClient:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._monitor = MessageSocket(monitor, self._on_monitor_event, name=f"{self.name}-monitor")
         sock.connect(self.endpoint)
-        self._sock = MessageSocket(sock, self._on_message, name=self.name)
+        self._sock = MessageSocket(sock, self._on_message, name=self.name, max_bytes=DEFAULT_MAX_MESSAGE_BYTES)
         self._last_heard = self._loop.time()
         self._heartbeat_task = self._loop.create_task(self._heartbeat(), name=f"{self.name}-heartbeat")
         return self._sock

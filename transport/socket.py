@@ -4,6 +4,12 @@ zmq.asyncio wraps every send and receive in a Future; the RPC layer instead drai
 in one callback and hands each message to a handler, and sends without waiting (ROUTER and
 DEALER with an unlimited high-water mark never block). ZeroMQ's notification descriptor is
 edge-triggered, so after any send we re-check the socket's EVENTS before trusting it again.
+
+A message cut into chunks (`codec.split_frames`: no frame on the wire above `FRAME_BYTES`) is
+received chunk by chunk straight into one buffer per logical frame (`recv_into`), so a bulk
+message costs one copy out of ZeroMQ, as a single large frame would, instead of a Frame object
+per chunk and a join. The buffer is sized from the header's chunk counts only up to
+`max_bytes`; a larger claim takes the plain path, where the server refuses it by size.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
+
+from transport import codec
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +31,74 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 256
 
 
+class Joined:
+    """One logical frame received from its chunks: `buffer`, `bytes` and `len()` as a zmq.Frame
+    has them; `get` reads the message's metadata (the CURVE User-Id) from the header frame."""
+
+    __slots__ = ("buffer", "_header")
+
+    def __init__(self, buffer: memoryview, header: zmq.Frame) -> None:
+        self.buffer, self._header = buffer, header
+
+    def __len__(self) -> int:
+        return self.buffer.nbytes
+
+    @property
+    def bytes(self) -> bytes:
+        return self.buffer.tobytes()
+
+    def get(self, key: str) -> Any:
+        return self._header.get(key)
+
+
+def receive(sock: zmq.Socket, envelope: int, max_bytes: int) -> list[Any]:
+    """One multipart message (zmq.Again when none is waiting): its first `envelope` frames
+    (a ROUTER's peer identity) and small messages as zmq.Frames; a chunked message's logical
+    frames as `Joined` buffers, each filled by `recv_into` from its chunks."""
+    frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+    while frames[-1].more and len(frames) <= envelope:
+        frames.append(sock.recv(copy=False))
+    if len(frames) <= envelope or not frames[-1].more:
+        return frames
+    header = frames[-1]
+    counts = codec.chunk_counts(header.buffer)
+    if counts is None or sum(counts) * codec.FRAME_BYTES > max_bytes:
+        return _rest(sock, frames)
+    out = frames[:-1]
+    for i, n in enumerate(counts):
+        buf = np.empty(n * codec.FRAME_BYTES, dtype=np.uint8)  # numpy: huge pages for large buffers
+        view, at = memoryview(buf), 0
+        for j in range(n):
+            got = sock.recv_into(view[at:at + codec.FRAME_BYTES])
+            at += got
+            more = sock.getsockopt(zmq.RCVMORE)
+            last = i == len(counts) - 1 and j == n - 1
+            if got > codec.FRAME_BYTES or (got < codec.FRAME_BYTES and j < n - 1) or bool(more) == last:
+                while more:  # not what split_frames makes: drop the rest of the message
+                    sock.recv(copy=False)
+                    more = sock.getsockopt(zmq.RCVMORE)
+                return [*frames[:-1], header]  # a header without its chunks: decode reports it malformed
+        out.append(Joined(view[:at], header))
+    return out
+
+
+def _rest(sock: zmq.Socket, frames: list[Any]) -> list[Any]:
+    """`frames` and the rest of the message being received."""
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
+    return frames
+
+
 class MessageSocket:
     """Delivers each received multipart message to `on_message`; `send` never blocks."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None],
-                 loop: asyncio.AbstractEventLoop | None = None, name: str = "socket") -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, name: str = "socket",
+                 max_bytes: int = 0) -> None:
         self.sock = sock
         self.name = name
+        self._envelope = 1 if sock.type == zmq.ROUTER else 0
+        self._max_bytes = max_bytes  # the largest chunked message received into one buffer (0: none)
         self._on_message = on_message
         self._loop = loop or asyncio.get_running_loop()
         self._outbox: collections.deque[list[Any]] = collections.deque()
@@ -84,7 +154,8 @@ class MessageSocket:
                 self._schedule()
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = (receive(sock, self._envelope, self._max_bytes) if self._max_bytes else
+                          sock.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return
             except zmq.ZMQError as e:

@@ -237,6 +237,36 @@ def test_large_frames_are_cut_into_chunks_and_joined():
         codec.decode(frames[:-1])  # a chunk missing
 
 
+async def test_chunked_messages_are_received_into_one_buffer_and_bad_chunking_is_survived(calc_server, client):
+    """A chunked request arrives through recv_into, one buffer per logical frame (its tensor a
+    view of that buffer); headers that lie about their chunks (too many, too few, a short middle
+    chunk, more than the server's size limit) get a malformed-message error or are dropped, and
+    the server keeps answering."""
+    n = 3 * codec.FRAME_BYTES // 4 + 5
+    t = torch.arange(n, dtype=torch.float32)
+    assert torch.equal(await client.call("add", t, 1, timeout=10), t + 1)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(calc_server.endpoint)
+    frames = [bytes(f) for f in codec.encode([REQUEST, 41, "add", [t, 1], {}])]
+    header, chunks = frames[0], frames[1:]
+    counts = msgpack.unpackb(header[1:])
+    lies = {"too many": [bytes([0xC1]) + msgpack.packb([counts[0], counts[1] + 1]), *chunks],
+            "too few": [header, *chunks[:-1]],
+            "short middle chunk": [header, chunks[0], chunks[1][:100], *chunks[2:]],
+            "extra frames": [header, *chunks, b"x", b"y"],
+            "beyond the limit": [bytes([0xC1]) + msgpack.packb([1, 1 << 40]), *chunks]}
+    before = calc_server.stats["malformed"]
+    for bad in lies.values():
+        raw.send_multipart(bad)
+    raw.send_multipart(frames)  # well-formed: answered
+    reply = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, raw.recv_multipart), 10)
+    raw.close(0)
+    assert codec.decode(reply)[:2] == [2, 41], codec.decode(reply)
+    assert calc_server.stats["malformed"] >= before + len(lies)
+    assert await client.call("add", 1, 2) == 3
+
+
 async def test_malformed_cancel_and_ping_log_one_line_without_traceback(calc_server, client, caplog):
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.linger = 0
