@@ -10,8 +10,15 @@
 - overlap: two groups on disjoint single-rank pools each run the same fixed compute (float32
   matmuls, one torch thread per worker); issued back to back vs. one after the other (both
   measured here). On a machine with fewer than 2 free cores the ceiling is below 2.
-- call overhead: p50 of a no-op ONE_TO_ALL call on a 4-rank group vs. p50 of one raw RPC round
-  trip to one of those workers.
+- call overhead: p50 of a no-op ONE_TO_ALL call on a 4-rank group of worker processes vs. p50 of
+  one raw RPC round trip to one of those workers (`call_overhead_ratio`: the workers' own work
+  included, a thread hop each for a plain method, 4 processes on this machine's cores).
+- group calls at 4, 16 and 64 ranks, the controller's side (`call_ratio_N`): the driver's real
+  `WorkerGroup` and `WorkerHandle`s over RPC clients to N lightweight ranks, the N endpoints of
+  one ROUTER socket in a separate process that decodes each request and answers it as a worker
+  answers a no-op (`[None, None, []]`); against one raw round trip to the same server. The
+  driver's CPU per call (`call_cpu_us_N`, ZeroMQ's I/O thread included) is its side alone; on a
+  2-core machine the stand-in ranks' own work (one process for all N) also bounds the wall time.
 
 The last line printed is one JSON object.
 """
@@ -133,14 +140,105 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
 
 
+# lightweight ranks ---------------------------------------------------------------------------
+def serve_ranks(n: int, sockdir: str) -> None:
+    """N rank endpoints on one ROUTER socket: each request decoded and answered as a worker
+    answers a no-op call (`call_instance` -> [output, layouts, warnings]) or a ping."""
+    import zmq
+
+    from transport import codec
+    from transport.rpc import PING, PONG, REPLY
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger, sock.rcvhwm, sock.sndhwm = 0, 0, 0
+    endpoints = [f"ipc://{sockdir}/rank{r}.sock" for r in range(n)]
+    for endpoint in endpoints:
+        sock.bind(endpoint)
+    print(json.dumps(endpoints), flush=True)
+    while True:
+        identity, *body = sock.recv_multipart(copy=False)
+        msg = codec.decode([f.buffer for f in body])
+        if msg[0] == PING:
+            reply = [PONG, msg[1]]
+        else:
+            reply = [REPLY, msg[1], [None, None, []] if msg[2] == "call_instance" else "pong"]
+        sock.send_multipart([identity, *codec.encode(reply)], copy=False)
+
+
+class _Directory:
+    """What a WorkerHandle asks of its coordinator after a successful call: note the refs."""
+
+    def __init__(self) -> None:
+        from daemons.coordinator import Coordinator
+
+        self.objects: dict = {}
+        self.note_refs = Coordinator.note_refs.__get__(self)
+
+
+async def light_group_calls(n: int, reps: int) -> dict[str, float]:
+    import subprocess
+    import sys
+
+    from asyncrl.single_controller.group import ProcessSet, WorkerGroup
+    from daemons.coordinator import ResourcePool, WorkerInfo
+    from daemons.messages import WorkerState
+    from daemons.proc import kill_group
+    from daemons.worker_client import WorkerHandle
+    from transport import RpcClient
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-ranks-") as sockdir:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.dataflow", "--serve-ranks", str(n),
+                                 "--sockdir", sockdir], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        clients: list = []
+        try:
+            endpoints = json.loads(proc.stdout.readline())
+            clients = [RpcClient(e, insecure=True, name=f"rank{r}") for r, e in enumerate(endpoints)]
+            for c in clients:
+                await c.connect()
+            directory = _Directory()
+            handles = [WorkerHandle(directory, WorkerInfo(f"light-{r}", "bench", r, "light", "cpu",
+                                                          WorkerState.READY), c) for r, c in enumerate(clients)]
+            group = WorkerGroup("light", Consumer, ProcessSet(ResourcePool("light", [("bench", "cpu")] * n), handles))
+            noop, ping, noop_cpu, ping_cpu = [], [], 0.0, 0.0
+            for i in range(reps + 20):
+                t0, c0 = time.perf_counter(), time.process_time()
+                await group.noop()
+                t1, c1 = time.perf_counter(), time.process_time()
+                await clients[i % n].call("ping")
+                t2, c2 = time.perf_counter(), time.process_time()
+                if i >= 20:  # warm-up
+                    noop.append(t1 - t0)
+                    ping.append(t2 - t1)
+                    noop_cpu, ping_cpu = noop_cpu + c1 - c0, ping_cpu + c2 - c1
+        finally:
+            for c in clients:
+                await c.close()
+            kill_group(proc, grace_s=2)
+    noop_us, ping_us = statistics.median(noop) * 1e6, statistics.median(ping) * 1e6
+    return {f"call_us_{n}": round(noop_us, 1), f"round_trip_us_{n}": round(ping_us, 1),
+            f"call_ratio_{n}": round(noop_us / ping_us, 2),
+            # the driver process's CPU (its ZeroMQ I/O thread included) per group call and per rank
+            f"call_cpu_us_{n}": round(noop_cpu / reps * 1e6, 1), f"call_cpu_us_per_rank_{n}": round(noop_cpu / reps / n * 1e6, 1),
+            f"round_trip_cpu_us_{n}": round(ping_cpu / reps * 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--matmuls", type=int, default=300, help="matmuls per overlap task")
     ap.add_argument("--matmul-size", type=int, default=512)
+    ap.add_argument("--ranks", type=int, nargs="*", default=[4, 16, 64], help="lightweight group sizes")
+    ap.add_argument("--only-group-calls", action="store_true", help="skip the worker-process measurements")
+    ap.add_argument("--serve-ranks", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--sockdir", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    result = run(main_async(args))
+    if args.serve_ranks:
+        serve_ranks(args.serve_ranks, args.sockdir)
+        return
+    result = {} if args.only_group_calls else run(main_async(args))
+    for n in args.ranks:
+        result.update(run(light_group_calls(n, args.reps)))
     for k, v in result.items():
         print(f"{k:>30}: {v}")
     print(json.dumps(result))

@@ -24,6 +24,7 @@ messages above `max_message_bytes` answered with an error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import itertools
 import logging
@@ -63,6 +64,16 @@ _SECURITY_HINT = (
     "pass curve=CurveConfig.load(KEY_DIR) (keys from `asyncrl keys generate KEY_DIR`), or "
     "insecure=True for a local-only test setup"
 )
+
+
+# request ids, process-wide: one encoded request can go to several servers (a group call)
+_REQUEST_IDS = itertools.count(1)
+
+
+def encode_request(method: str, args: tuple | list = (), kwargs: dict | None = None) -> tuple[int, list[Any]]:
+    """A request's id and frames, for `RpcClient.send_request` to one or more servers."""
+    req_id = next(_REQUEST_IDS)
+    return req_id, codec.encode([REQUEST, req_id, method, args, kwargs or {}])
 
 
 def shared_context() -> zmq.Context:
@@ -432,7 +443,6 @@ class RpcClient:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self._ctx = context or shared_context()
-        self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._sock: MessageSocket | None = None
         self._monitor: MessageSocket | None = None
@@ -502,28 +512,29 @@ class RpcClient:
 
     async def call_with(self, method: str, args: tuple | list = (), kwargs: dict | None = None,
                         *, timeout: float | None = None) -> Any:
+        req_id, frames = encode_request(method, args, kwargs)
+        return await self.send_request(req_id, frames, method, timeout)
+
+    def send_request(self, req_id: int, frames: list[Any], method: str, timeout: float | None = None) -> asyncio.Future:
+        """Send a request made by `encode_request` (the same frames may go to several servers) and
+        return the future of its reply; cancelling the future cancels the call on the server."""
         sock = self._ensure_open()
         if self._auth_failure is not None:
             raise self._auth_failure
-        req_id = next(self._ids)
-        frames = codec.encode([REQUEST, req_id, method, args, kwargs or {}])
         fut = self._loop.create_future()
         if not self._pending:
             self._waiting_since = self._loop.time()
         self._pending[req_id] = fut
         sock.send(frames)
-        timer = None
         if timeout is not None:
             timer = self._loop.call_later(timeout, self._expire, req_id, method, timeout)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if self._pending.pop(req_id, None) is not None and self._sock is not None:
-                self._sock.send(codec.encode([CANCEL, req_id]))
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
+            fut.add_done_callback(lambda _: timer.cancel())
+        fut.add_done_callback(functools.partial(self._settled, req_id))
+        return fut
+
+    def _settled(self, req_id: int, fut: asyncio.Future) -> None:
+        if fut.cancelled() and self._pending.pop(req_id, None) is not None and self._sock is not None:
+            self._sock.send(codec.encode([CANCEL, req_id]))
 
     def notify(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Send a one-way message; no reply, no error back."""

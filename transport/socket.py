@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # Messages handled per callback before yielding to other work on the loop.
 MAX_BATCH = 256
+# plain ints: pyzmq's flag enums cost a microsecond per operation, several per message
+_POLLIN, _POLLOUT, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.EVENTS), int(zmq.NOBLOCK)
 
 
 class Joined:
@@ -55,7 +57,7 @@ def receive(sock: zmq.Socket, envelope: int, max_bytes: int) -> list[Any]:
     """One multipart message (zmq.Again when none is waiting): its first `envelope` frames
     (a ROUTER's peer identity) and small messages as zmq.Frames; a chunked message's logical
     frames as `Joined` buffers, each filled by `recv_into` from its chunks."""
-    frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+    frames = [sock.recv(_NOBLOCK, copy=False)]
     while frames[-1].more and len(frames) <= envelope:
         frames.append(sock.recv(copy=False))
     if len(frames) <= envelope or not frames[-1].more:
@@ -114,17 +116,21 @@ class MessageSocket:
         return self.sock.closed
 
     def send(self, frames: list[Any]) -> None:
-        if self.sock.closed:
+        sock = self.sock
+        if sock.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket is closed")
-        self.bytes_sent += sum(len(f) for f in frames)
+        self.bytes_sent += len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         if not self._outbox:
             try:
-                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                if len(frames) == 1:  # most messages: one frame, without send_multipart's loop
+                    sock.send(frames[0], _NOBLOCK, copy=False)
+                else:
+                    sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
             except zmq.Again:
                 self._outbox.append(frames)
         else:
             self._outbox.append(frames)
-        if self._outbox or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._outbox or sock.getsockopt(_EVENTS) & _POLLIN:
             self._schedule()
 
     def _schedule(self) -> None:
@@ -145,17 +151,17 @@ class MessageSocket:
         sock = self.sock
         handled = 0
         while not sock.closed:
-            events = sock.getsockopt(zmq.EVENTS)
-            if events & zmq.POLLOUT and self._outbox:
+            events = sock.getsockopt(_EVENTS)
+            if events & _POLLOUT and self._outbox:
                 self._flush()
-            if not events & zmq.POLLIN:
+            if not events & _POLLIN:
                 return
             if handled >= MAX_BATCH:
                 self._schedule()
                 return
             try:
                 frames = (receive(sock, self._envelope, self._max_bytes) if self._max_bytes else
-                          sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                          sock.recv_multipart(_NOBLOCK, copy=False))
             except zmq.Again:
                 return
             except zmq.ZMQError as e:

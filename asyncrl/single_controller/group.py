@@ -27,6 +27,7 @@ from daemons.errors import CallTimeoutError, DaemonError, WorkerDiedError
 from daemons.messages import WorkerState
 from daemons.worker_client import WorkerHandle
 from transport import RemoteError, RpcTimeout
+from transport.rpc import encode_request
 
 log = logging.getLogger(__name__)
 _relayed: set[str] = set()  # worker warnings already shown (the same one from every rank shows once)
@@ -240,55 +241,79 @@ class WorkerGroup:
 
     async def _fan_out(self, label: str, entry: str, head: list,
                        plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
+        """Send every rank its request without waiting (a ONE_TO_ALL call's arguments encoded once
+        for all), then gather the replies as they come."""
         timeout = self.procs.call_timeout_s or None
-
-        async def one(rank: int, a: tuple, k: dict) -> Any:
-            handle = self.handles[rank]
-            try:
-                out, layouts, *rest = await handle.call("call_instance", self.role, entry, [*head, list(a), k], {},
-                                                        timeout=timeout)
-            except RemoteError as e:
-                raise WorkerCallError(self.role, label, rank, e, self.procs.collective_timeout_s) from None
-            for warning in (rest[0] if rest else []):
-                relay_warning(self.role, rank, warning)
-            if layouts is not None:
-                self._update_layouts(rank, layouts)
-            if self.tracker is not None:
-                out = tree_map(self.tracker.track, out, DistBatch)
-            return out
-
-        tasks = {r: asyncio.ensure_future(one(r, a, k)) for r, (a, k) in plan.items()}
+        shared = len({(id(a), id(k)) for a, k in plan.values()}) == 1  # the same arguments for every rank
+        request = None
+        calls: dict[int, asyncio.Future] = {}
+        checked: set[int] = set()  # ranks sent through WorkerHandle.call_encoded (errors already explained)
+        for r, (a, k) in plan.items():
+            if request is None or not shared:
+                request = encode_request("call_instance", [self.role, entry, [*head, list(a), k], {}])
+            handle = self.handles[r]
+            fut = None if handle.info.state is WorkerState.DEAD else handle.start(*request, "call_instance", timeout)
+            if fut is None:
+                checked.add(r)
+                fut = asyncio.ensure_future(handle.call_encoded(*request, "call_instance", timeout))
+            calls[r] = fut
         try:
-            await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+            await asyncio.wait(calls.values(), return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
-            for t in tasks.values():
-                t.cancel()
+            for f in calls.values():
+                f.cancel()
             raise
 
-        def failures() -> dict[int, BaseException]:
-            return {r: t.exception() for r, t in tasks.items()
-                    if t.done() and not t.cancelled() and t.exception() is not None}
-
-        failed = failures()
+        failed = await self._failures(label, calls, checked, timeout)
         if failed and not any(isinstance(e, WorkerDiedError) for e in failed.values()):
             # a rank's death often reaches us second, as its peers' errors (a collective's
             # connection closed, an object it owned lost): ask the nodes whether a rank of this
             # pool died, so the error names the root cause
             lost_peer = any(_LOST_PEER.search(str(e)) for e in failed.values())
             await self._find_dead(DEATH_NOTICE_S if lost_peer else 0.0)
-            dead = [t for r, t in tasks.items() if not t.done() and self.handles[r].info.state is WorkerState.DEAD]
+            dead = [f for r, f in calls.items() if not f.done() and self.handles[r].info.state is WorkerState.DEAD]
             if dead:
                 await asyncio.wait(dead, timeout=1.0)  # their calls fail at once: let them
-            failed = failures()
+            failed = await self._failures(label, calls, checked, timeout)
         if failed:
             # raise at once; the other ranks finish (or fail) in the background and the pool's
             # next ordered call waits for them, so collectives never overlap two calls
-            pending = [t for t in tasks.values() if not t.done()]
-            for t in pending:
-                t.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
-            self.procs.unsettled.extend(pending)
-            raise self._root_cause(label, failed, tasks)
-        return {r: t.result() for r, t in tasks.items()}
+            for f in calls.values():  # also those that ended while an error was being explained
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+            self.procs.unsettled.extend(f for f in calls.values() if not f.done())
+            raise self._root_cause(label, failed, calls)
+        return {r: self._received(r, f.result(), r not in checked) for r, f in calls.items()}
+
+    async def _failures(self, label: str, calls: dict[int, asyncio.Future], checked: set[int],
+                        timeout: float | None) -> dict[int, BaseException]:
+        """The ranks' errors so far, as the caller sees them (a death explained, a worker's own
+        exception named by rank)."""
+        out = {}
+        for r, f in calls.items():
+            if not f.done() or f.cancelled() or f.exception() is None:
+                continue
+            e = f.exception()
+            if r not in checked:
+                e = await self.handles[r].failure(e, "call_instance", timeout)
+            if isinstance(e, RemoteError):
+                e = WorkerCallError(self.role, label, r, e, self.procs.collective_timeout_s)
+            out[r] = e
+        return out
+
+    def _received(self, rank: int, reply: list, note: bool) -> Any:
+        """A rank's reply [output, layouts update, warnings] taken in: its refs noted (`note`:
+        not done by WorkerHandle.call_encoded), warnings relayed, layouts updated, outputs tracked."""
+        handle = self.handles[rank]
+        if note:
+            handle.coordinator.note_refs(reply, handle.info)
+        out, layouts, *rest = reply
+        for warning in (rest[0] if rest else []):
+            relay_warning(self.role, rank, warning)
+        if layouts is not None:
+            self._update_layouts(rank, layouts)
+        if self.tracker is not None:
+            out = tree_map(self.tracker.track, out, DistBatch)
+        return out
 
     async def _find_dead(self, patience_s: float) -> None:
         """Ask the pool's node daemons whether its ranks still run (marking the dead ones), again
