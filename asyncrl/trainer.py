@@ -128,6 +128,7 @@ class Trainer:
         metrics["timing/weight_sync_s"] = await self.sync_weights()
         if self.cfg.trainer.placement == "split":
             metrics["perf/weight_sync_mb"] = self.sync_bytes / 2**20
+            metrics["perf/weight_sync_max_rank_share"] = self.sync_max_rank_share
         metrics.update(await self._memory())
         return self._timed(metrics, time.monotonic() - t0)
 
@@ -240,10 +241,13 @@ class Trainer:
             raise ConfigError(f"the training and rollout pools hold different models ({set(train)} vs "
                               f"{set(rollout)}); both load model.path={self.cfg.model.path}")
         size = 1 + self.cfg.rollout.n_workers
+        rows = await actor.source_rows()  # each training rank's shard rows: source-parallel sync
+        rows = rows if all(r is not None for r in rows) else None
         host, port = (await actor.bridge_listen(size))[0]
-        await asyncio.gather(actor.bridge_join(host, port, size), self.rollout.bridge_join(host, port, size))
+        await asyncio.gather(actor.bridge_join(host, port, size, rows), self.rollout.bridge_join(host, port, size, rows))
 
     sync_bytes = 0  # what one weight sync carries (split placement; LoRA: the adapters only)
+    sync_max_rank_share = 0.0  # the most one training rank sends of it (1/N + rounding when source-parallel)
 
     async def sync_weights(self) -> float:
         """Split placement: broadcast the actor's weights (version = its update count) to the
@@ -255,6 +259,7 @@ class Trainer:
         receive = self.rollout.receive_weights(self.step, mb)
         pushed, _ = await asyncio.gather(push, receive)
         self.sync_bytes = int(pushed[0]["bytes"])
+        self.sync_max_rank_share = max(r["sent_bytes"] for r in pushed) / max(1, self.sync_bytes)
         return max(r["timing/weight_sync_s"] for r in pushed)
 
     # checkpoints ----------------------------------------------------------------------------------

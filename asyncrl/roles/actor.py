@@ -142,6 +142,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         # worker receives a version into `_staged` while it may be generating, and applies it
         # before its next generate (or between decode steps with rollout.interrupt_on_update)
         self.bridge: WeightBridge | None = None
+        self._source_rows: list[list[int]] | None = None  # every training rank sends its own shards
         self.weights_version = 0
         self._staged: list[torch.Tensor] | None = None
         self._staged_version: int | None = None

@@ -1,6 +1,6 @@
 """The actor worker's weights between pools (trainer.placement=split): the training pool
-gathers its weights (with LoRA: only the adapters) and broadcasts them over a bridge group; a
-rollout-only worker stages a version beside a running generate and applies it before the next
+sends its weights (with LoRA: only the adapters) over bridge groups, each rank its own shards
+where FSDP alone shards them (rank 0 the gathered whole otherwise); a rollout-only worker stages a version beside a running generate and applies it before the next
 one, or between decode steps (`rollout.interrupt_on_update`). A mixin of
 `asyncrl.roles.actor.ActorRolloutRefWorker`, whose `__init__` sets the attributes used here."""
 
@@ -15,7 +15,14 @@ import torch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.lora import adapter_scales, merged_weight
-from asyncrl.train.weight_sync import WeightBridge, bridge_host, digest, full_tensors
+from asyncrl.train.weight_sync import (
+    WeightBridge,
+    bridge_host,
+    digest,
+    full_tensors,
+    local_pieces,
+    source_rows,
+)
 
 
 class PoolWeights:
@@ -67,31 +74,52 @@ class PoolWeights:
         return [bridge_host(), self._bridge_store.port]
 
     @register(ONE_TO_ALL)
-    def bridge_join(self, host: str, port: int, size: int) -> None:
-        """Build the bridge group: training rank 0 as bridge rank 0, rollout rank r as r + 1
-        (the other training ranks only take part in the gathers of `push_weights`)."""
+    def source_rows(self) -> list[int] | None:
+        """Training pool: this rank's rows of each synced tensor when it can send its own shards
+        (FSDP alone), else None (`asyncrl.train.weight_sync.source_rows`)."""
+        return source_rows(self._sync_tensors())
+
+    @register(ONE_TO_ALL)
+    def bridge_join(self, host: str, port: int, size: int, rows: list[list[int]] | None = None) -> None:
+        """Build the bridge groups, rollout rank r as bridge rank r + 1 in each: with `rows`
+        (every training rank's shard rows) one group per training rank, each sending its shards;
+        without, training rank 0's alone (the others take part in the gathers of `push_weights`)."""
         timeout = self.cfg.worker.collective_timeout_s
+        self._source_rows = rows
+        sources = len(rows) if rows else 1
         if self.actor is not None:
-            if self.rank == 0:
-                self.bridge = WeightBridge(self._bridge_store, 0, size, self.device, timeout)
+            if self.rank == 0 or rows:
+                store = self._bridge_store if self.rank == 0 else WeightBridge.connect(host, port, size, timeout)
+                self.bridge = WeightBridge(store, 0, size, self.device, timeout, sources, source=self.rank)
             return
         store = WeightBridge.connect(host, port, size, timeout)
-        self.bridge = WeightBridge(store, self.rank + 1, size, self.device, timeout)
+        self.bridge = WeightBridge(store, self.rank + 1, size, self.device, timeout, sources)
+
+    def _sync_tensors(self) -> list[torch.Tensor]:
+        """The training weights a sync carries, as this rank holds them (sharded), in sync order."""
+        if self.cfg.actor.lora.enabled:
+            state = self.actor.model.state_dict()
+            return [state[spec.name] for spec in self.sync_specs]
+        return [p.data for _, p in self.actor.model.named_parameters()]
 
     @register(ONE_TO_ALL)
     def push_weights(self, bucket_mb: int) -> dict[str, float]:
         """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
         rank 0 to the rollout pool; returns the version sent and the time taken."""
         t0 = time.perf_counter()
-        tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
-                                                   else full_tensors(self.actor.model)))  # the rollout's dtype
-        if self.bridge is not None:
-            self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
+        if self._source_rows:  # every rank sends its own shards: no gather
+            sent = self.bridge.send_pieces(local_pieces(self._sync_tensors(), self.sync_dtype))
         else:
-            for _ in tensors:  # the gathers are collectives: every rank walks the list
-                pass
+            tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
+                                                       else full_tensors(self.actor.model)))  # the rollout's dtype
+            if self.bridge is not None:
+                sent = self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
+            else:
+                sent = 0
+                for _ in tensors:  # the gathers are collectives: every rank walks the list
+                    pass
         return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0,
-                "bytes": float(sum(s.nbytes for s in self.sync_specs))}
+                "bytes": float(sum(s.nbytes for s in self.sync_specs)), "sent_bytes": float(sent)}
 
     @register(ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int, bucket_mb: int) -> None:
@@ -101,7 +129,10 @@ class PoolWeights:
         with self._weights_lock:
             if self._staged is None:
                 self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-            self.bridge.receive(specs, self._staged, bucket_mb << 20)
+            if self._source_rows:
+                self.bridge.receive_pieces(specs, self._source_rows, self._staged)
+            else:
+                self.bridge.receive(specs, self._staged, bucket_mb << 20)
             self._staged_version = version
 
     def _adapter_tensors(self) -> Iterator[torch.Tensor]:

@@ -1,13 +1,20 @@
 """Weights from the training pool to a separate rollout pool (`trainer.placement=split`).
 
-The two pools are separate worker groups with separate torch.distributed worlds. After each
-update the training pool's rank 0 broadcasts the full weights, bucketed, over a process group
-of its own that spans it and every rollout rank (`WeightBridge`: gloo on CPU, NCCL on GPU) —
-the bytes never pass through the driver, which only hands the rendezvous address around.
+The two pools are separate worker groups with separate torch.distributed worlds; the bytes
+never pass through the driver, which only hands the rendezvous address around.
+
+- **Source-parallel** (a training pool sharded by FSDP alone: every weight a dim-0 shard on a
+  1-D mesh): every training rank sends its own shard of every weight over a process group of
+  its own with the rollout ranks (`WeightBridge` with `sources=N`: group i = training rank i
+  and every rollout rank), all N at once, and each rollout rank receives the shards straight
+  into its staging copy. No rank gathers the model, and none sends more than its shard
+  (`source_rows` gives each rank's rows, `piece_offsets` where they go).
+- **Single source** (tensor or pipeline parallel layouts): every training rank gathers each
+  weight in full and rank 0 broadcasts it, bucketed: consecutive tensors of one dtype until a
+  bucket holds `bucket_bytes`.
 
 Both ends walk the same ordered tensor list (`TensorSpec`s from the same architecture's
-`named_parameters()`), so buckets line up without any per-bucket header: consecutive tensors
-of one dtype until a bucket holds `bucket_bytes`.
+`named_parameters()`, or the LoRA adapters'), so pieces and buckets line up without headers.
 """
 
 from __future__ import annotations
@@ -63,22 +70,94 @@ def buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
     return out
 
 
+def source_rows(tensors: Iterable[torch.Tensor]) -> list[int] | None:
+    """This training rank's rows of each tensor (in sync order) when every one is a DTensor
+    sharded on dim 0 over a 1-D mesh (FSDP alone): what a source-parallel sync sends from
+    here. None for any other layout (tensor or pipeline parallel): the single-source path."""
+    rows = []
+    for t in tensors:
+        if not hasattr(t, "to_local") or t.device_mesh.ndim != 1 or not t.placements[0].is_shard(0) or t.dim() == 0:
+            return None
+        rows.append(int(t.to_local().shape[0]))
+    return rows
+
+
+def local_pieces(tensors: Iterable[torch.Tensor], dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """This rank's shard of each tensor, in the sync's dtype (no gather)."""
+    for t in tensors:
+        yield t.to_local().detach().to(dtype).contiguous()
+
+
+def piece_offsets(specs: list[TensorSpec], rows: list[list[int]]) -> list[list[int]]:
+    """Where source i's rows of tensor t start (dim 0): the sources' shards in rank order, as
+    FSDP lays them out. Raises WeightSyncError when the rows do not add up to the shapes."""
+    offsets = [[0] * len(specs) for _ in rows]
+    for t, spec in enumerate(specs):
+        at = 0
+        for i, r in enumerate(rows):
+            offsets[i][t] = at
+            at += r[t]
+        if at != spec.shape[0]:
+            raise WeightSyncError(f"{spec.name}: the training ranks' shards hold {at} rows of {spec.shape[0]}")
+    return offsets
+
+
+def _group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> dist.ProcessGroup:
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+
+
 class WeightBridge:
-    """One process group over the training pool's rank 0 (bridge rank 0, the source) and the
-    rollout pool's ranks (bridge ranks 1..R). Rank 0 opens the rendezvous first (`listen`, whose
-    port the driver hands to the others); then every member builds the group at once."""
+    """Process groups from the training pool to the rollout pool's ranks (bridge ranks 1..R):
+    one per source, source i's group holding training rank i as its rank 0 (single source:
+    `sources=1`, training rank 0 alone). Training rank 0 opens the rendezvous first (`listen`,
+    whose port the driver hands to the others); every member then builds its groups at once,
+    the rollout ranks theirs in source order."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, device: str | torch.device,
-                 timeout_s: float) -> None:
-        self.rank, self.size = rank, size
+                 timeout_s: float, sources: int = 1, source: int = 0) -> None:
+        self.rank, self.size = rank, size  # rank 0 on a training rank (the source `source`)
         self.device = torch.device(device)
         self.store = store  # rank 0's listening socket lives as long as the bridge
-        if self.device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=timeout_s)
-            self.group = dist.ProcessGroupNCCL(store, rank, size, opts)
-        else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        mine = [source] if rank == 0 else list(range(sources))
+        self.groups = {i: _group(dist.PrefixStore(f"source{i}/", store), rank, size, self.device, timeout_s)
+                       for i in mine}
+        self.group = self.groups[mine[0]]
+
+    def send_pieces(self, pieces: Iterable[torch.Tensor]) -> int:
+        """A training rank: broadcast its shards (in sync order) over its group, all queued at
+        once; returns the bytes sent."""
+        works, sent = [], 0
+        for piece in pieces:
+            if piece.numel():
+                works.append(self._broadcast_async(self.group, piece.to(self.device)))
+                sent += piece.numel() * piece.element_size()
+        for w in works:
+            w.wait()
+        return sent
+
+    def receive_pieces(self, specs: list[TensorSpec], rows: list[list[int]], into: list[torch.Tensor]) -> int:
+        """A rollout rank: every source's shards straight into their rows of `into`, all sources
+        at once; returns the bytes received."""
+        works, received = [], 0
+        for i, (r, starts) in enumerate(zip(rows, piece_offsets(specs, rows), strict=True)):
+            for t, n in enumerate(r):
+                if n:
+                    view = into[t].narrow(0, starts[t], n)
+                    works.append(self._broadcast_async(self.groups[i], view))
+                    received += view.numel() * view.element_size()
+        for w in works:
+            w.wait()
+        return received
+
+    @staticmethod
+    def _broadcast_async(group: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return group.broadcast([buf], opts)
 
     @staticmethod
     def listen(size: int, timeout_s: float) -> dist.TCPStore:
@@ -122,10 +201,11 @@ class WeightBridge:
         return received
 
     def close(self) -> None:
-        try:
-            self.group.shutdown()
-        except Exception:  # noqa: BLE001 - a half-open group on teardown; nothing to keep
-            pass
+        for group in self.groups.values():
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001 - a half-open group on teardown; nothing to keep
+                pass
 
 
 def full_tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:

@@ -238,6 +238,22 @@ def test_continuous_batcher_matches_the_engine_alone_and_across_concurrent_calls
             assert batcher.steps < 2 * 9, batcher.steps  # the two calls shared decode steps
 
 
+def test_split_sync_is_source_parallel_over_fsdp_ranks(tiny_model, tmp_path):
+    """Two FSDP training ranks, two rollout workers: each training rank sends its own shard of
+    every weight (none sends more than half the model, plus rounding), and every rollout worker
+    ends up generating with exactly the training pool's weights."""
+    out = tmp_path / "sources"
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=2",
+                                            "cluster.cpu_devices=4", "trainer.total_steps=2", "trainer.eval_every=2",
+                                            "trainer.loggers=[jsonl]", "job.entry=tests/helpers/sync_probe.py:main"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    train, rollouts = summary["train_checksum"], summary["rollout_checksums"]
+    assert len(rollouts) == 2 and all(r == pytest.approx(train, rel=1e-6) for r in rollouts), (train, rollouts)
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(0.45 < r["perf/weight_sync_max_rank_share"] < 0.56 for r in steps), steps
+
+
 @pytest.mark.slow  # ~18 s; test_lora.py's split run covers the same sync path by default
 def test_split_weight_sync_carries_the_compute_dtype(tiny_model, tmp_path):
     """With model.dtype=bfloat16 a rollout-only replica holds the model in bf16 and the sync
