@@ -1,0 +1,256 @@
+"""Weight sync against its floor, measured in the same run on gloo CPU ranks.
+
+    python -m benchmarks.weight_sync                       # the 0.5B shape: bf16/fp32 x 2/4 training x 1/2 rollout ranks
+    python -m benchmarks.weight_sync --configs bf16:4:2    # one configuration (dtype:training ranks:rollout ranks)
+
+Every configuration spawns N training ranks (one torch.distributed world, Qwen2.5-0.5B's shape
+built on the meta device and sharded by FSDP2 with `asyncrl.train.parallelize`, random fp32
+master weights) and R rollout ranks (a staging copy of the model in the sync dtype each), and
+times, interleaved over `--reps` after a warm-up (max over ranks of each rank's wall time):
+
+- `split`: the split-placement sync as the trainer runs it (`asyncrl.train.weight_sync`): every
+  training rank sends its own shards (`WeightBridge.send_pieces`), the rollout ranks receive them
+  into their staging copies (`receive_pieces`);
+- `single_source`: the path before (and for TP/PP layouts): every training rank gathers each
+  weight (`full_tensors`), rank 0 broadcasts it bucketed (`WeightBridge.send`/`receive`);
+- `split_floor`: one raw broadcast of a flat buffer of the model's bytes from training rank 0 to
+  the rollout ranks over the same kind of gloo group: one link's limit;
+- `reshard`: the colocated reshard (`Resharder.reshard()` into full generation weights, tg = 1,
+  in the sync dtype, then `release()`), and `reshard_floor`: one raw all-gather of a flat buffer
+  of the model's bytes over the N training ranks (each contributing 1/N).
+
+Every rollout rank's staging copy is checked equal to the training weights (checksums) after
+each method. The last line printed is one JSON object: per configuration seconds, GB/s and the
+ratios floor / method (`split_vs_floor`, `reshard_vs_floor`; >= 1 beats the floor), and
+`max_rank_send_fraction` (the most one training rank sends / the model's bytes); the headline
+keys are the bf16 configuration with 4 training ranks and 2 rollout ranks (or the largest run).
+Ranks use one torch thread each; with more ranks than cores they share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN05 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+          "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+          "vocab_size": 151936, "max_position_embeddings": 512, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _barrier(group: Any) -> None:
+    group.barrier().wait()
+
+
+def _max(group: Any, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    opts = torch.distributed.AllreduceOptions()
+    opts.reduceOp = torch.distributed.ReduceOp.MAX
+    group.allreduce([t], opts).wait()
+    return float(t)
+
+
+def _timed(group: Any, fn: Any) -> float:
+    _barrier(group)
+    t0 = time.perf_counter()
+    fn()
+    return _max(group, time.perf_counter() - t0)
+
+
+def _training_model(model_dir: Path, world: int, dtype: torch.dtype) -> Any:
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import mixed_precision_policy, parallelize
+    from asyncrl.train.load import materialize, skeleton
+
+    layout = ParallelLayout.from_config(ParallelConfig(), world)
+    model = parallelize(skeleton(str(model_dir), torch.float32), layout, mixed_precision_policy("cpu", dtype=str(dtype)[6:]))
+    materialize(model, "cpu")
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02, generator=gen)
+    return model, layout
+
+
+def _rank(rank: int, n: int, r: int, dtype_name: str, model_dir: str, ports: tuple[int, int], reps: int,
+          out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from asyncrl.single_controller.parallel import GenerationParallelConfig, generation_layout
+    from asyncrl.train.reshard import Resharder
+    from asyncrl.train.weight_sync import (
+        TensorSpec,
+        WeightBridge,
+        full_tensors,
+        local_pieces,
+        source_rows,
+        specs_of,
+    )
+
+    torch.set_num_threads(1)
+    dtype = DTYPES[dtype_name]
+    training = rank < n
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", ports[1], n + r, is_master=rank == 0, timeout=timeout)
+    everyone = dist.ProcessGroupGloo(dist.PrefixStore("all/", store), rank, n + r, timeout)
+    results: dict[str, Any] = {}
+    if training:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=timeout)
+        model, layout = _training_model(Path(model_dir), n, dtype)
+        tensors = [p.data for _, p in model.named_parameters()]
+        rows = source_rows(tensors)
+        assert rows is not None
+        specs = [TensorSpec(s.name, s.shape, dtype) for s in specs_of(model)]
+        store.set(f"rows{rank}", json.dumps(rows))
+        bridge = WeightBridge(store, 0, r + 1, "cpu", 600, n, source=rank)
+        checks = [float(t.to(dtype).double().sum()) for t in full_tensors(model)]  # collective
+        if rank == 0:
+            store.set("checks", json.dumps(checks))
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        specs = [TensorSpec(s.name, s.shape, dtype) for s in specs_of(meta)]
+        bridge = WeightBridge(store, rank - n + 1, r + 1, "cpu", 600, n)
+        rows = [json.loads(store.get(f"rows{i}")) for i in range(n)]
+        staged = [torch.empty(s.shape, dtype=dtype) for s in specs]
+        checks = json.loads(store.get("checks"))
+    model_bytes = sum(s.nbytes for s in specs)
+    flat = torch.empty(model_bytes // dtype.itemsize, dtype=dtype) if rank == 0 or not training else None
+
+    def split() -> None:
+        if training:
+            results["sent"] = bridge.send_pieces(local_pieces(tensors, dtype))
+        else:
+            bridge.receive_pieces(specs, rows, staged)
+
+    def single() -> None:
+        if training:
+            it = (t.to(dtype) for t in full_tensors(model))
+            if rank == 0:
+                bridge.send(specs, it, 64 << 20)
+            else:
+                for _ in it:
+                    pass
+        else:
+            bridge.receive(specs, staged, 64 << 20)
+
+    def split_floor() -> None:
+        if rank == 0 or not training:
+            bridge._broadcast_async(bridge.groups[0], flat).wait()
+
+    def check(method: str) -> None:
+        if not training:
+            got = [float(t.double().sum()) for t in staged]
+            bad = [s.name for s, a, b in zip(specs, got, checks, strict=True) if a != b]
+            assert not bad, f"{method}: rollout rank {rank - n} differs in {bad[:3]}"
+            for t in staged:
+                t.zero_()
+
+    times: dict[str, list[float]] = {"split": [], "single_source": [], "split_floor": []}
+    for rep in range(reps + 1):
+        for name, fn in (("split", split), ("single_source", single), ("split_floor", split_floor)):
+            dt = _timed(everyone, fn)
+            if name != "split_floor":
+                check(name)
+            if rep:
+                times[name].append(dt)
+    flat = None  # noqa: F841 - freed
+    if not training:
+        del staged  # idle from here: room for the reshard's full copies
+    if training:  # the colocated reshard, the rollout ranks idle
+        gen = generation_layout(layout, GenerationParallelConfig())
+        resharder = Resharder(model, layout, gen, dtype=dtype)
+        piece = torch.ones(-(-model_bytes // dtype.itemsize // n), dtype=dtype)
+
+        def reshard() -> None:  # fresh full weights each time, as the trainer's generate phase gets them
+            resharder.reshard()
+            resharder.release()
+
+        def reshard_floor() -> None:  # the same bytes into a fresh buffer
+            gathered = torch.empty(piece.numel() * n, dtype=dtype)
+            dist.all_gather_into_tensor(gathered, piece)
+
+        times.update(reshard=[], reshard_floor=[])
+        for rep in range(reps + 1):
+            for name, fn in (("reshard", reshard), ("reshard_floor", reshard_floor)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                t = torch.tensor([dt], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                if rep:
+                    times[name].append(float(t))
+    _barrier(everyone)
+    if rank == 0:
+        sent = [sum(rr[i] * torch.Size(s.shape[1:]).numel() * dtype.itemsize for i, s in enumerate(specs))
+                for rr in [json.loads(store.get(f"rows{i}")) for i in range(n)]]
+        out = {k: statistics.median(v) for k, v in times.items()}
+        out.update(model_bytes=model_bytes, max_rank_send_fraction=max(sent) / model_bytes, sent_rank0=results["sent"])
+        Path(out_dir, "result.json").write_text(json.dumps(out))
+    _barrier(everyone)
+    bridge.close()
+    if training:
+        dist.destroy_process_group()
+
+
+def run_config(dtype: str, n: int, r: int, model_dir: Path, reps: int, timeout_s: float) -> dict[str, Any]:
+    from daemons.proc import free_port, run_spawned
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-wsync-") as out:
+        master = free_port()
+        ports = (master, free_port(avoid=[master]))
+        codes = run_spawned(_rank, [(k, n, r, dtype, str(model_dir), ports, reps, out) for k in range(n + r)], timeout_s)
+        if any(codes):
+            raise RuntimeError(f"{dtype}:{n}:{r}: ranks exited with {codes}")
+        raw = json.loads(Path(out, "result.json").read_text())
+    gb = raw["model_bytes"] / 1e9
+    row = {"config": f"{dtype}:{n}:{r}", "model_gb": round(gb, 3),
+           "max_rank_send_fraction": round(raw["max_rank_send_fraction"], 4)}
+    for k in ("split", "single_source", "split_floor", "reshard", "reshard_floor"):
+        row[f"{k}_s"] = round(raw[k], 4)
+        row[f"{k}_gbps"] = round(gb / raw[k], 3)
+    row["split_vs_floor"] = round(raw["split_floor"] / raw["split"], 3)
+    row["split_vs_single_source"] = round(raw["single_source"] / raw["split"], 3)
+    row["reshard_vs_floor"] = round(raw["reshard_floor"] / raw["reshard"], 3)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.weight_sync", description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="*", default=["bf16:2:1", "bf16:4:1", "bf16:2:2", "bf16:4:2",
+                                                     "fp32:2:1", "fp32:4:1", "fp32:2:2", "fp32:4:2"],
+                   help="dtype:training ranks:rollout ranks")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=1200)
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="asyncrl-qwen05-") as model_dir:
+        Path(model_dir, "config.json").write_text(json.dumps(QWEN05))
+        for spec in args.configs:
+            dtype, n, r = spec.split(":")
+            row = run_config(dtype, int(n), int(r), Path(model_dir), args.reps, args.timeout_s)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    head = next((x for x in rows if x["config"] == "bf16:4:2"), rows[-1])
+    print(json.dumps({"benchmark": "weight_sync", "model": "Qwen2.5-0.5B shape", "headline": head["config"],
+                      "split_vs_floor": head["split_vs_floor"], "reshard_vs_floor": head["reshard_vs_floor"],
+                      "max_rank_send_fraction": head["max_rank_send_fraction"],
+                      "split_vs_single_source": head["split_vs_single_source"], "configs": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
