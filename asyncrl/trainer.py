@@ -125,7 +125,10 @@ class Trainer:
         metrics = await self.algorithm.step(self.roles, self.cfg, self.ctl, prompts, **data)
         metrics.update(self.generations.done(self.step) if self.generations else {"async/staleness": 0.0})
         self.step += 1
-        metrics["timing/weight_sync_s"] = await self.sync_weights()
+        # split: the broadcast between pools; colocated: the reshard into generation weights
+        synced = await self.sync_weights()
+        metrics["timing/weight_sync_s"] = synced if self.cfg.trainer.placement == "split" else metrics.get(
+            "timing/sync_s", 0.0)
         if self.cfg.trainer.placement == "split":
             metrics["perf/weight_sync_mb"] = self.sync_bytes / 2**20
             metrics["perf/weight_sync_max_rank_share"] = self.sync_max_rank_share
