@@ -90,7 +90,8 @@ ROLLOUTS = {"native": {}, "vllm-adapter": {"engine": "vllm"},
             "vllm-merged": {"engine": "vllm", "vllm": {"lora": "merged"}}}
 
 
-@pytest.mark.parametrize("rollout", list(ROLLOUTS))
+@pytest.mark.parametrize("rollout", ["native", "vllm-adapter",
+                                     pytest.param("vllm-merged", marks=pytest.mark.slow)])  # ~20 s; the merge: native
 async def test_lora_actor_reference_and_rollout_agree(rollout, tiny_model, tiny_vllm_model, tmp_path):
     """Two FSDP ranks: with B = 0 the actor's, the reference's (adapters off) and the rollout's
     log-probs are the base model's; no reference model exists and only the adapters train;
@@ -308,6 +309,7 @@ def test_a_resumed_lora_run_continues_exactly(tmp_path):
         assert r["resumed"] == r["cont"]
 
 
+@pytest.mark.slow  # ~45 s (three runs); the actor's exact resume runs by default
 def test_a_lora_critic_trains_saves_its_adapters_and_resumes(tiny_model, tmp_path):
     """PPO with LoRA on the actor and on the critic: the critic's checkpoint holds its adapters
     and its fresh value head only (the body is model.path's), and a run resumed from step 2
