@@ -42,14 +42,12 @@ class WorkerHandle:
         arguments once for every rank)."""
         if self.info.state is WorkerState.DEAD:
             raise self.death_error()
-        fut = self.start(req_id, frames, method, timeout)
-        if fut is None:  # its connection dropped: ask its node before sending into the void
+        if self.client.connection_dropped:  # ask its node before sending into the void
             await self.coordinator.check_workers([self.info])
             if self.info.state is WorkerState.DEAD:
                 raise self.death_error()
-            fut = self.client.send_request(req_id, frames, method, self.deadline(timeout))
         try:
-            result = await fut
+            result = await self.client.send_request(req_id, frames, method, self.deadline(timeout))
         except Exception as e:
             raise await self.failure(e, method, timeout) from None
         self.coordinator.note_refs(result, self.info)

@@ -66,6 +66,14 @@ def receive(sock: zmq.Socket, envelope: int, max_bytes: int) -> list[Any]:
     counts = codec.chunk_counts(header.buffer)
     if counts is None or sum(counts) * codec.FRAME_BYTES > max_bytes:
         return _rest(sock, frames)
+    try:
+        return _receive_chunks(sock, frames, header, counts)
+    except BaseException:  # a failed allocation, say: never leave the socket inside a message
+        _drain(sock)
+        raise
+
+
+def _receive_chunks(sock: zmq.Socket, frames: list[Any], header: zmq.Frame, counts: list[int]) -> list[Any]:
     out = frames[:-1]
     for i, n in enumerate(counts):
         buf = np.empty(n * codec.FRAME_BYTES, dtype=np.uint8)  # numpy: huge pages for large buffers
@@ -76,12 +84,16 @@ def receive(sock: zmq.Socket, envelope: int, max_bytes: int) -> list[Any]:
             more = sock.getsockopt(zmq.RCVMORE)
             last = i == len(counts) - 1 and j == n - 1
             if got > codec.FRAME_BYTES or (got < codec.FRAME_BYTES and j < n - 1) or bool(more) == last:
-                while more:  # not what split_frames makes: drop the rest of the message
-                    sock.recv(copy=False)
-                    more = sock.getsockopt(zmq.RCVMORE)
+                _drain(sock)  # not what split_frames makes: drop the rest of the message
                 return [*frames[:-1], header]  # a header without its chunks: decode reports it malformed
         out.append(Joined(view[:at], header))
     return out
+
+
+def _drain(sock: zmq.Socket) -> None:
+    """Drop the rest of the message being received."""
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(copy=False)
 
 
 def _rest(sock: zmq.Socket, frames: list[Any]) -> list[Any]:
@@ -167,6 +179,9 @@ class MessageSocket:
             except zmq.ZMQError as e:
                 log.warning("%s: receive failed: %s", self.name, e)
                 return
+            except MemoryError:  # a chunked message's buffer: the message is dropped, the socket goes on
+                log.warning("%s: no memory to receive a large message; dropped", self.name)
+                continue
             handled += 1
             self.bytes_received += sum(len(f) for f in frames)
             try:

@@ -27,6 +27,7 @@ engines need `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before the import.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -196,8 +197,12 @@ class AsyncRLWorkerExtension:
         manager = workers._adapter_manager
         helper = PEFTHelper.from_dict(config)
         helper.validate_legal(workers.lora_config)
+        model = manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)  # Hugging Face names -> this model's, as vLLM's loader maps
         lora = LoRAModel.from_lora_tensors(adapter_id, tensors, helper, device="cpu",
-                                           dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size)
+                                           dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+                                           weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                                           skip_prefixes=getattr(model, "lora_skip_prefixes", None))
         if adapter_id in manager.list_adapters():
             manager.remove_adapter(adapter_id)
         manager.add_adapter(lora)
@@ -269,6 +274,10 @@ class VLLMRolloutEngine:
             log.warning("vLLM has no LoRA support for %s (%s): generating with merged weights instead",
                         model_path, e)
             self.lora_rank = 0
+        if not self.lora_rank and lora_rank:  # outside the except: the failed engine's memory is freed first
+            gc.collect()
+            if on_cuda:
+                torch.cuda.empty_cache()
             self.llm = self._build(vllm, {k: v for k, v in kwargs.items()
                                           if k not in ("enable_lora", "max_lora_rank", "max_loras")})
         if self.lora_rank and self.sleep_enabled:

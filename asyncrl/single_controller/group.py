@@ -9,6 +9,7 @@ issued; groups on disjoint pools run concurrently.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import re
@@ -245,17 +246,24 @@ class WorkerGroup:
         for all), then gather the replies as they come."""
         timeout = self.procs.call_timeout_s or None
         shared = len({(id(a), id(k)) for a, k in plan.values()}) == 1  # the same arguments for every rank
-        request = None
+        requests: dict[int, tuple[int, list]] = {}
+        for r, (a, k) in plan.items():  # every request encoded before any is sent
+            requests[r] = requests[next(iter(requests))] if shared and requests else encode_request(
+                "call_instance", [self.role, entry, [*head, list(a), k], {}])
         calls: dict[int, asyncio.Future] = {}
         checked: set[int] = set()  # ranks sent through WorkerHandle.call_encoded (errors already explained)
-        for r, (a, k) in plan.items():
-            if request is None or not shared:
-                request = encode_request("call_instance", [self.role, entry, [*head, list(a), k], {}])
+        for r, request in requests.items():
             handle = self.handles[r]
-            fut = None if handle.info.state is WorkerState.DEAD else handle.start(*request, "call_instance", timeout)
+            try:
+                fut = None if handle.info.state is WorkerState.DEAD else handle.start(*request, "call_instance", timeout)
+            except Exception as e:  # noqa: BLE001 - a closed or unauthenticated client: this rank's failure
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(e)
             if fut is None:
                 checked.add(r)
                 fut = asyncio.ensure_future(handle.call_encoded(*request, "call_instance", timeout))
+            else:  # its refs noted as the reply arrives, also when another rank fails the call
+                fut.add_done_callback(functools.partial(_note_refs, handle))
             calls[r] = fut
         try:
             await asyncio.wait(calls.values(), return_when=asyncio.FIRST_EXCEPTION)
@@ -282,30 +290,27 @@ class WorkerGroup:
                 f.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
             self.procs.unsettled.extend(f for f in calls.values() if not f.done())
             raise self._root_cause(label, failed, calls)
-        return {r: self._received(r, f.result(), r not in checked) for r, f in calls.items()}
+        return {r: self._received(r, f.result()) for r, f in calls.items()}
 
     async def _failures(self, label: str, calls: dict[int, asyncio.Future], checked: set[int],
                         timeout: float | None) -> dict[int, BaseException]:
         """The ranks' errors so far, as the caller sees them (a death explained, a worker's own
         exception named by rank)."""
-        out = {}
-        for r, f in calls.items():
-            if not f.done() or f.cancelled() or f.exception() is None:
-                continue
-            e = f.exception()
+        failed = {r: f.exception() for r, f in calls.items()
+                  if f.done() and not f.cancelled() and f.exception() is not None}
+
+        async def explained(r: int, e: BaseException) -> BaseException:
             if r not in checked:
                 e = await self.handles[r].failure(e, "call_instance", timeout)
             if isinstance(e, RemoteError):
                 e = WorkerCallError(self.role, label, r, e, self.procs.collective_timeout_s)
-            out[r] = e
-        return out
+            return e
 
-    def _received(self, rank: int, reply: list, note: bool) -> Any:
-        """A rank's reply [output, layouts update, warnings] taken in: its refs noted (`note`:
-        not done by WorkerHandle.call_encoded), warnings relayed, layouts updated, outputs tracked."""
-        handle = self.handles[rank]
-        if note:
-            handle.coordinator.note_refs(reply, handle.info)
+        return dict(zip(failed, await asyncio.gather(*(explained(r, e) for r, e in failed.items())), strict=True))
+
+    def _received(self, rank: int, reply: list) -> Any:
+        """A rank's reply [output, layouts update, warnings] taken in: warnings relayed, layouts
+        updated, outputs tracked (its refs were noted on arrival)."""
         out, layouts, *rest = reply
         for warning in (rest[0] if rest else []):
             relay_warning(self.role, rank, warning)
@@ -354,6 +359,12 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.role}: {self.cls.__qualname__} x {self.world_size})"
+
+
+def _note_refs(handle: WorkerHandle, fut: asyncio.Future) -> None:
+    """A rank's successful reply: the refs in it recorded in the coordinator's directory."""
+    if not fut.cancelled() and fut.exception() is None:
+        handle.coordinator.note_refs(fut.result(), handle.info)
 
 
 def importable_path(obj: Any) -> str:

@@ -39,7 +39,7 @@ def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] =
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module is head or name.startswith(skip):
+        if not isinstance(module, nn.Linear) or module is head or (name + ".").startswith(skip):
             continue
         if "all-linear" in targets or name.rsplit(".", 1)[-1] in targets:
             out[name] = module

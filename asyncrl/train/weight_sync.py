@@ -91,6 +91,9 @@ def local_pieces(tensors: Iterable[torch.Tensor], dtype: torch.dtype) -> Iterato
 def piece_offsets(specs: list[TensorSpec], rows: list[list[int]]) -> list[list[int]]:
     """Where source i's rows of tensor t start (dim 0): the sources' shards in rank order, as
     FSDP lays them out. Raises WeightSyncError when the rows do not add up to the shapes."""
+    if any(len(r) != len(specs) for r in rows):
+        raise WeightSyncError(f"the training ranks report shards of {[len(r) for r in rows]} tensors; the sync "
+                              f"carries {len(specs)}: both pools must hold the same model")
     offsets = [[0] * len(specs) for _ in rows]
     for t, spec in enumerate(specs):
         at = 0
@@ -132,7 +135,7 @@ class WeightBridge:
         once; returns the bytes sent."""
         works, sent = [], 0
         for piece in pieces:
-            if piece.numel():
+            if piece.shape[0]:  # as the receiver counts: by rows
                 works.append(self._broadcast_async(self.group, piece.to(self.device)))
                 sent += piece.numel() * piece.element_size()
         for w in works:

@@ -343,6 +343,7 @@ def test_a_lora_critic_trains_saves_its_adapters_and_resumes(tiny_model, tmp_pat
     keys = {k.split(".", 1)[1] for k in saved.read_metadata().state_dict_metadata if k.startswith("model.")}
     assert any(k.startswith("score.") for k in keys) and any(is_lora_param(k) for k in keys), keys
     assert all(k.startswith("score.") or is_lora_param(k) for k in keys), keys
+    assert not any(k.startswith("score.") and is_lora_param(k) for k in keys), keys  # the head trains in full
     run(tmp_path / "resumed", 2)
     resumed = run(tmp_path / "resumed", 3)
     assert [r["step"] for r in resumed] == [1, 2, 3]
