@@ -30,6 +30,10 @@ def _rank_main(fn: Callable[[int, int, Path], Any], rank: int, world_size: int, 
             os.environ.pop("MASTER_PORT", None)
         torch.set_num_threads(1)
         torch.save(fn(rank, world_size, Path(out_dir)), Path(out_dir) / f"result{rank}.pt")
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # no rank tears its groups down while a peer still talks on them
+            dist.barrier()
     except BaseException:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
