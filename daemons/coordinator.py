@@ -59,6 +59,7 @@ from transport.peers import ServerLimits
 
 SHUTDOWN_REPLY_S = 0.5  # `shutdown` replies before the teardown begins
 log = logging.getLogger(__name__)
+_LEAVES = frozenset((bool, int, float, str, bytes))  # reply values that hold no refs
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a node id usable as a folder
 
 
@@ -554,6 +555,8 @@ class Coordinator:
     # object directory --------------------------------------------------------------------------
     def note_refs(self, value: Any, info: WorkerInfo) -> None:
         """Record where refs returned by a call live (locations only)."""
+        if value is None or type(value) in _LEAVES:  # most of a reply: nothing to walk
+            return
         if isinstance(value, ObjectRef):
             self.objects[value.object_id] = (info.worker_id, value.node_id, value.nbytes or 0)
         elif isinstance(value, (list, tuple)):

@@ -526,13 +526,13 @@ class RpcClient:
             self._waiting_since = self._loop.time()
         self._pending[req_id] = fut
         sock.send(frames)
-        if timeout is not None:
-            timer = self._loop.call_later(timeout, self._expire, req_id, method, timeout)
-            fut.add_done_callback(lambda _: timer.cancel())
-        fut.add_done_callback(functools.partial(self._settled, req_id))
+        timer = None if timeout is None else self._loop.call_later(timeout, self._expire, req_id, method, timeout)
+        fut.add_done_callback(functools.partial(self._settled, req_id, timer))  # one callback per call
         return fut
 
-    def _settled(self, req_id: int, fut: asyncio.Future) -> None:
+    def _settled(self, req_id: int, timer: asyncio.TimerHandle | None, fut: asyncio.Future) -> None:
+        if timer is not None:
+            timer.cancel()
         if fut.cancelled() and self._pending.pop(req_id, None) is not None and self._sock is not None:
             self._sock.send(codec.encode([CANCEL, req_id]))
 

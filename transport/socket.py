@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # Messages handled per callback before yielding to other work on the loop.
 MAX_BATCH = 256
+_COPY_BELOW = 1 << 16  # pyzmq's copy_threshold: below it a zero-copy send copies anyway
 # plain ints: pyzmq's flag enums cost a microsecond per operation, several per message
 _POLLIN, _POLLOUT, _EVENTS, _NOBLOCK = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.EVENTS), int(zmq.NOBLOCK)
 
@@ -135,7 +136,8 @@ class MessageSocket:
         if not self._outbox:
             try:
                 if len(frames) == 1:  # most messages: one frame, without send_multipart's loop
-                    sock.send(frames[0], _NOBLOCK, copy=False)
+                    frame = frames[0]  # a small one copied: cheaper than wrapping it in a zmq.Frame
+                    sock.send(frame, _NOBLOCK, copy=type(frame) is bytes and len(frame) < _COPY_BELOW)
                 else:
                     sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
             except zmq.Again:

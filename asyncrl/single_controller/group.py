@@ -254,6 +254,7 @@ class WorkerGroup:
             requests[r] = request
         calls: dict[int, asyncio.Future] = {}
         checked: set[int] = set()  # ranks sent through WorkerHandle.call_encoded (errors already explained)
+        replies = _Replies(len(requests))
         for r, request in requests.items():
             handle = self.handles[r]
             try:
@@ -264,11 +265,12 @@ class WorkerGroup:
             if fut is None:
                 checked.add(r)
                 fut = asyncio.ensure_future(handle.call_encoded(*request, "call_instance", timeout))
-            else:  # its refs noted as the reply arrives, also when another rank fails the call
-                fut.add_done_callback(functools.partial(_note_refs, handle))
+                handle = None  # call_encoded notes its refs
+            # its refs noted as the reply arrives, also when another rank fails the call
+            fut.add_done_callback(functools.partial(replies.arrived, handle))
             calls[r] = fut
         try:
-            await asyncio.wait(calls.values(), return_when=asyncio.FIRST_EXCEPTION)
+            await replies.all_in_or_failed
         except asyncio.CancelledError:
             for f in calls.values():
                 f.cancel()
@@ -363,10 +365,26 @@ class WorkerGroup:
         return f"WorkerGroup({self.role}: {self.cls.__qualname__} x {self.world_size})"
 
 
-def _note_refs(handle: WorkerHandle, fut: asyncio.Future) -> None:
-    """A rank's successful reply: the refs in it recorded in the coordinator's directory."""
-    if not fut.cancelled() and fut.exception() is None:
-        handle.coordinator.note_refs(fut.result(), handle.info)
+class _Replies:
+    """A group call's replies, one callback per rank (no task, no `asyncio.wait` bookkeeping):
+    each success's refs noted in the coordinator's directory as it arrives (`handle` None: noted
+    by the caller), `all_in_or_failed` set when every rank answered or one raised."""
+
+    __slots__ = ("left", "all_in_or_failed")
+
+    def __init__(self, count: int) -> None:
+        self.left = count
+        self.all_in_or_failed = asyncio.get_running_loop().create_future()
+        if not count:
+            self.all_in_or_failed.set_result(None)
+
+    def arrived(self, handle: WorkerHandle | None, fut: asyncio.Future) -> None:
+        self.left -= 1
+        failed = not fut.cancelled() and fut.exception() is not None
+        if not fut.cancelled() and not failed and handle is not None:
+            handle.coordinator.note_refs(fut.result(), handle.info)
+        if (failed or not self.left) and not self.all_in_or_failed.done():
+            self.all_in_or_failed.set_result(None)
 
 
 def importable_path(obj: Any) -> str:
