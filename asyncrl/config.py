@@ -223,6 +223,9 @@ def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
                f"got tp={section.parallel.tp}, pp={section.parallel.pp}")
 
 
+EMBEDDING_LEAVES = ("embed_tokens", "wte", "word_embeddings", "lm_head")  # see asyncrl/train/lora.py
+
+
 @dataclass
 class LoRAConfig:
     """LoRA adapters on the actor or the critic (asyncrl/train/lora.py): only they train (and the
@@ -234,8 +237,12 @@ class LoRAConfig:
     rank: int = 0  # 0 = off (full fine-tuning)
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0
-    # leaf names of the linear layers to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    # down_proj for Llama/Qwen), or all-linear: every linear layer but the LM head
+    # leaf names of the layers to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj for Llama/Qwen), all-linear: every linear layer but the LM head, and embed_tokens
+    # (the input embedding; with tied embeddings its adapter serves the LM head too) or an untied
+    # lm_head. Adapting embed_tokens lets LoRA move what full fine-tuning moves most on a small
+    # vocabulary (benchmarks/lora.py); vLLM then generates with merged weights (its adapters
+    # cover linear layers only), so it needs trainer.placement=colocated or rollout.engine=native.
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
     def check(self, at: str) -> None:
@@ -248,6 +255,11 @@ class LoRAConfig:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def adapts_embeddings(self) -> bool:
+        """Whether an embedding matrix (input or output) is adapted: vLLM's adapters cannot serve it."""
+        return self.enabled and bool(set(self.target_modules) & set(EMBEDDING_LEAVES))
 
 
 @dataclass
@@ -570,6 +582,11 @@ class RLConfig(LaunchConfig):
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
         split = self.trainer.placement == "split"
+        _check(not (split and self.actor.lora.adapts_embeddings and self.rollout.engine == "vllm"),
+               at + "actor.lora.target_modules", self.actor.lora.target_modules,
+               "vLLM's adapters cover linear layers only, and a split rollout pool's vLLM has no pristine base "
+               "to merge an embedding's adapter into: drop embed_tokens/lm_head, use rollout.engine=native, "
+               "or trainer.placement=colocated")
         _check(not (split and self.actor.lora.enabled and self.rollout.engine == "vllm"
                     and self.rollout.vllm.lora == "merged"), at + "rollout.vllm.lora", "merged",
                "a split rollout pool's vLLM has no pristine base to merge LoRA adapters into: use "

@@ -12,8 +12,9 @@ held-out gain on the tool task, and trainer-vs-rollout log-probs.
 - `asyncrl-launch --config-name tool_quickstart` (a warm-started tiny model learning to call a
   tool) with full fine-tuning (its lr) and with LoRA (rank 8, alpha 16, 5x the lr), the same steps and
   seed: `gain_ratio` = LoRA's held-out gain / full fine-tuning's. The same on `quickstart`, whose
-  tiny model is random-initialised (`gain_ratio_quickstart`): LoRA adapts a model, it does not
-  teach an untrained one (the policy stays near uniform), so expect little there.
+  tiny model is random-initialised (`gain_ratio_quickstart`; LoRA at rank 64 = the hidden size,
+  alpha 128, the tied embedding adapted too, full fine-tuning's lr): LoRA adapts a model, it does
+  not teach an untrained one as well, so expect less there (`LORA_SETTINGS`).
 - Two FSDP ranks of the actor with LoRA, colocated: after four updates, the largest difference
   between the rollout's log-probs and the trainer's on the same tokens, for the native engine
   (merged weights), vLLM serving the adapter and vLLM with merged weights (`logprob_max_diff_*`);
@@ -85,10 +86,19 @@ def gain(config: str, extra: list[str], workdir: Path, name: str) -> dict[str, f
     return {"start": r["reward_start"], "end": r["reward_end"], "loop_s": r["loop_s"]}
 
 
+# each task's best LoRA setting found (docs/results/2026-11-26-lora.md): the tool task adapts a
+# warm-started model; sort is learned from a random init, where the embedding carries much of
+# full fine-tuning's gain, so its (tied) matrix is adapted too, at full rank
+LORA_SETTINGS = {
+    "tool_quickstart": ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=5e-3"],
+    "quickstart": ["actor.lora.rank=64", "actor.lora.alpha=128", "actor.optim.lr=1e-3",
+                   "actor.lora.target_modules=[all-linear,embed_tokens]"],
+}
+
+
 def training_numbers(workdir: Path) -> dict[str, float]:
-    lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=5e-3"]
     out: dict[str, float] = {}
-    for config in ("tool_quickstart", "quickstart"):
+    for config, lora in LORA_SETTINGS.items():
         full = gain(config, [], workdir, f"{config}-full")
         adapted = gain(config, lora, workdir, f"{config}-lora")
         print(json.dumps({"config": config, "full": full, "lora": adapted}), flush=True)

@@ -113,14 +113,17 @@ LORA_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def lora_params(spec: ModelSpec, lora: Any) -> int:
-    """The adapters' parameters: rank x (in + out) for each adapted linear of every layer."""
+    """The adapters' parameters: rank x (in + out) for each adapted linear of every layer, and
+    rank x (vocab + hidden) for an adapted embedding (or untied head)."""
     if not getattr(lora, "rank", 0):
         return 0
     h, kv, f = spec.hidden, spec.hidden * spec.kv_heads // spec.heads, spec.ffn
     sizes = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
              "gate_proj": h + f, "up_proj": h + f, "down_proj": f + h}
     leaves = LORA_LEAVES if "all-linear" in lora.target_modules else [t for t in lora.target_modules if t in sizes]
-    return spec.layers * lora.rank * sum(sizes[leaf] for leaf in leaves)
+    embeddings = sum(t in lora.target_modules for t in ("embed_tokens", "wte", "word_embeddings"))
+    embeddings += "lm_head" in lora.target_modules and not spec.tied
+    return lora.rank * (spec.layers * sum(sizes[leaf] for leaf in leaves) + embeddings * (spec.vocab + spec.hidden))
 
 
 # the terms: each a few named parts, bytes per device ------------------------------------------

@@ -241,8 +241,15 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             max_num_seqs=vc.max_num_seqs, gpu_memory_utilization=vc.gpu_memory_utilization,
             kv_cache_bytes=kv_bytes or None, cuda_graphs=vc.cuda_graphs, load_format=load_format,
             enable_sleep_mode=vc.sleep, tp_size=self.gen_layout.size("tp"),
-            lora_rank=cfg.actor.lora.rank if cfg.actor.lora.enabled and vc.lora == "adapter" else 0,
+            lora_rank=cfg.actor.lora.rank if self._vllm_adapters() else 0,
             max_loras=cfg.rollout.max_staleness + 1)
+
+    def _vllm_adapters(self) -> bool:
+        """Whether vLLM serves the LoRA adapters (else merged weights): linear layers only."""
+        lora = self.cfg.actor.lora
+        if lora.adapts_embeddings and self.cfg.rollout.vllm.lora == "adapter":
+            log.info("actor.lora adapts an embedding, which vLLM's adapters cannot: it generates with merged weights")
+        return lora.enabled and self.cfg.rollout.vllm.lora == "adapter" and not lora.adapts_embeddings
 
     def _bind_generation_weights(self) -> None:
         """Reshard the training weights into this rank's generation shard (a collective over the
@@ -537,12 +544,16 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @register(ONE_TO_ALL)
     def held_models(self) -> dict[str, Any]:
         """What this worker holds: which engines exist, and the actor's trainable and total
-        parameters on this rank (with LoRA: only the adapters train, and no reference model)."""
-        params = list(self.actor.model.parameters()) if self.actor is not None else []
-        sizes = [(p.to_local() if hasattr(p, "to_local") else p).numel() for p in params]  # this rank's shards
+        parameters on this rank (with LoRA: only the adapters train, and no reference model; the
+        norm of each module's B shard here)."""
+        named = list(self.actor.model.named_parameters()) if self.actor is not None else []
+        local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # this rank's shards
         return {"actor": self.actor is not None, "ref": self.ref is not None, "rollout": self.rollout is not None,
-                "trainable_params": sum(n for n, p in zip(sizes, params, strict=True) if p.requires_grad),
-                "params": sum(sizes), "vllm_adapters": [a.lora_name for a in getattr(self.rollout, "adapters", [])]}
+                "trainable_params": sum(t.numel() for t, (_, p) in zip(local, named, strict=True) if p.requires_grad),
+                "params": sum(t.numel() for t in local),
+                "lora_b_norms": {plain_name(n): float(t.norm()) for t, (n, _) in zip(local, named, strict=True)
+                                 if n.endswith("lora_B")},
+                "vllm_adapters": [a.lora_name for a in getattr(self.rollout, "adapters", [])]}
 
     # checkpoints -----------------------------------------------------------------------------------
     @register(ONE_TO_ALL)

