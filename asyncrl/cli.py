@@ -1,4 +1,4 @@
-"""`asyncrl` command line: keys, status, stop, shutdown, submit.
+"""`asyncrl` command line: keys, status, stop, shutdown, submit, serve.
 
 Every job and daemon on this machine has a state file (see `daemons.state`), so
 
@@ -8,6 +8,7 @@ Every job and daemon on this machine has a state file (see `daemons.state`), so
     asyncrl shutdown [--daemon ID] # end a daemon and every job it runs
     asyncrl submit ENTRY           # run a job on the daemon here
     asyncrl submit --config-name grpo key=value ...  # an RL job, composed as asyncrl-launch does
+    asyncrl serve DIR              # a model or a run's checkpoint behind an OpenAI-compatible endpoint
 
 `--coordinator HOST:PORT --key-dir DIR` talks to a coordinator elsewhere instead. Without an
 id, a command picks the only candidate; with several it lists them and exits 2.
@@ -323,6 +324,35 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from asyncrl.serve.standalone import serve
+    from daemons.errors import ConfigError
+
+    try:
+        return serve(args.model, host=args.host, port=args.port, api_key=args.api_key, name=args.served_model_name,
+                     max_tokens=args.max_tokens_limit, slots=args.slots, device=args.device, dtype=args.dtype)
+    except ConfigError as e:
+        _fail(str(e), USAGE_ERROR)
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="a model or a run's checkpoint behind an OpenAI-compatible endpoint "
+                           "(docs/serve.md)")
+    serve.add_argument("model", help="a Hugging Face model directory (an export's .../actor/hf), a checkpoint "
+                       "step, or a run directory (its last complete checkpoint)")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port (the URL is printed)")
+    serve.add_argument("--api-key", help="the key clients must send (default: $ASYNCRL_API_KEY, else a generated "
+                       "one, printed; the environment keeps it out of `ps`)")
+    serve.add_argument("--served-model-name", help="default: the directory's name (run/step_N for a checkpoint)")
+    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most tokens one choice may ask for")
+    serve.add_argument("--slots", type=int, default=16, help="rows the continuous batcher decodes together (on a CPU)")
+    serve.add_argument("--device", help="default: cuda when there is a GPU, else cpu")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bfloat16 on a GPU, float32 on a CPU")
+    serve.set_defaults(func=_serve)
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", help="HOST:PORT (default: the coordinator on this machine)")
     p.add_argument("--key-dir", help="cluster key directory for --coordinator")
@@ -368,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--daemon", help="the daemon's id (default: the only daemon running)")
     _add_target(submit)
     submit.set_defaults(func=_submit)
+    _add_serve(sub)
     return ap
 
 

@@ -21,7 +21,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,6 +29,9 @@ from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.agents.env import Action, Environment, StepResult, call
 from asyncrl.agents.tools import load_environment
 from asyncrl.rollout.engine import SamplingParams, positions_from_mask
+
+if TYPE_CHECKING:
+    from asyncrl.serve.backend import Sampling
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s", "env_reward")
 log = logging.getLogger(__name__)
@@ -67,9 +70,11 @@ class Trajectory:
 
 class TurnGenerator(Protocol):
     """Tokens for one turn: (token ids, their log-probs, the policy version of each); told how
-    many trajectories are live (`begin` as each starts, `retire` as it ends)."""
+    many trajectories are live (`begin` as each starts, `retire` as it ends). `sampling` (the
+    OpenAI endpoint's per-request settings, `asyncrl.serve`) overrides the generator's own."""
 
-    async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]: ...
+    async def __call__(self, ids: list[int], max_tokens: int,
+                       sampling: Sampling | None = None) -> tuple[list[int], list[float], list[int]]: ...
 
     def begin(self, trajectories: int) -> None: ...
 
@@ -81,13 +86,17 @@ class WaveGenerator:
     starts goes into it; requests arriving meanwhile wait for the next one.
 
     `lockstep=True` is the baseline other trainers run (TRL's GRPOTrainer): a decode waits until
-    every live trajectory has asked, so turn t of all rows ends before any row's turn t + 1."""
+    every live trajectory has asked, so turn t of all rows ends before any row's turn t + 1.
+
+    A wave decodes requests of one `Sampling` (the engine samples a call with one setting): the
+    others wait for a later wave. A request with a seed therefore decodes alone, on its own
+    generator, and gets the same tokens as the same request alone always would."""
 
     def __init__(self, engine: Any, params: SamplingParams, generator: torch.Generator | None,
                  version: Any = lambda: 0, lockstep: bool = False) -> None:
         self.engine, self.params, self.generator, self.version = engine, params, generator, version
         self.lockstep = lockstep
-        self.waiting: list[tuple[list[int], int, asyncio.Future]] = []
+        self.waiting: list[tuple[list[int], int, Sampling | None, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
         self.waves = self.live = 0
 
@@ -98,9 +107,10 @@ class WaveGenerator:
         self.live -= 1
         self._kick()
 
-    async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
+    async def __call__(self, ids: list[int], max_tokens: int,
+                       sampling: Sampling | None = None) -> tuple[list[int], list[float], list[int]]:
         future = asyncio.get_running_loop().create_future()
-        self.waiting.append((ids, max_tokens, future))
+        self.waiting.append((ids, max_tokens, sampling, future))
         self._kick()
         return await future
 
@@ -124,27 +134,33 @@ class WaveGenerator:
     async def _run(self) -> None:
         while self._ready():
             await self._gather()
-            wave, self.waiting = self.waiting, []
+            sampling = self.waiting[0][2]
+            wave = [w for w in self.waiting if w[2] == sampling]
+            self.waiting = [w for w in self.waiting if w[2] != sampling]
             try:
-                outs = await asyncio.to_thread(self._decode, [(ids, m) for ids, m, _ in wave])
+                outs = await asyncio.to_thread(self._decode, [(ids, m) for ids, m, _, _ in wave], sampling)
             except BaseException as e:  # every waiting trajectory gets the engine's error
                 for *_, f in wave:
                     if not f.done():
                         f.set_exception(e)
                 raise
-            for (_, _, f), out in zip(wave, outs, strict=True):
+            for (*_, f), out in zip(wave, outs, strict=True):
                 if not f.done():
                     f.set_result(out)
 
-    def _decode(self, requests: list[tuple[list[int], int]]) -> list[tuple[list[int], list[float], list[int]]]:
+    def _decode(self, requests: list[tuple[list[int], int]],
+                sampling: Sampling | None = None) -> list[tuple[list[int], list[float], list[int]]]:
         self.waves += 1
         width = max(len(ids) for ids, _ in requests)
         pad = self.engine.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in requests])
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in requests])
         version = self.version()
-        params = replace(self.params, n=1, max_tokens=max(m for _, m in requests))
-        out = self.engine.generate(input_ids, mask, params, generator=self.generator)
+        params = replace(self.params if sampling is None else sampling.apply(self.params),
+                         n=1, max_tokens=max(m for _, m in requests))
+        # a seeded request: the engine seeds a generator of the call's own from params.seed
+        generator = self.generator if sampling is None or sampling.seed is None else None
+        out = self.engine.generate(input_ids, mask, params, generator=generator)
         results = []
         for row, (_, budget) in enumerate(requests):
             k = min(budget, int(out["response_mask"][row].sum()))
@@ -154,7 +170,8 @@ class WaveGenerator:
 
 
 class BatcherGenerator:
-    """Turns served by a `ContinuousBatcher` (a rollout pool of its own): one request per turn."""
+    """Turns served by a `ContinuousBatcher` (a rollout pool of its own): one request per turn;
+    requests of different `Sampling` share its forwards (it samples each request on its own)."""
 
     def __init__(self, batcher: Any, params: SamplingParams, generator: torch.Generator | None) -> None:
         self.batcher, self.params, self.generator = batcher, params, generator
@@ -165,9 +182,16 @@ class BatcherGenerator:
     def retire(self) -> None:
         pass
 
-    async def __call__(self, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[int]]:
-        request = self.batcher.submit(ids, replace(self.params, n=1, max_tokens=max_tokens), self.generator)
-        await asyncio.wrap_future(request.future)
+    async def __call__(self, ids: list[int], max_tokens: int,
+                       sampling: Sampling | None = None) -> tuple[list[int], list[float], list[int]]:
+        params, generator = self.params, self.generator
+        if sampling is not None:
+            params = sampling.apply(params)
+            generator = sampling.generator(self.batcher.engine.device) or generator
+        request = self.batcher.submit(ids, replace(params, n=1, max_tokens=max_tokens), generator)
+        # shielded: a cancelled caller must not cancel the batcher's future (its decode loop would
+        # then fail to set the result and stop for every caller); the row decodes to its end
+        await asyncio.shield(asyncio.wrap_future(request.future))
         return request.tokens[0], request.logprobs[0], request.versions[0]
 
 
@@ -277,10 +301,14 @@ class MultiTurnRollout:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def trajectories_to_tensors(trajs: list[Trajectory], prompts: torch.Tensor, prompt_mask: torch.Tensor,
-                            width: int, pad_id: int) -> dict[str, torch.Tensor]:
+def trajectories_to_tensors(trajs: list[Trajectory], prompts: torch.Tensor | None, prompt_mask: torch.Tensor | None,
+                            width: int, pad_id: int, prompt_width: int = 0) -> dict[str, torch.Tensor]:
     """The rollout batch of single-turn generation, with holes in `response_mask` where
-    observations are, plus the per-trajectory metrics as [rows] tensors."""
+    observations are, plus the per-trajectory metrics as [rows] tensors. `prompts` None: each
+    row's prompt is its trajectory's own (an API agent's first call), left-padded to
+    `prompt_width` (every data-parallel rank's batch the same width) or the longest."""
+    if prompts is None:
+        prompts, prompt_mask = _own_prompts(trajs, pad_id, prompt_width)
     rows = len(trajs)
     responses = torch.full((rows, width), pad_id, dtype=torch.long)
     resp_mask = torch.zeros((rows, width), dtype=torch.long)
@@ -297,7 +325,18 @@ def trajectories_to_tensors(trajs: list[Trajectory], prompts: torch.Tensor, prom
     out = {"prompts": prompts, "responses": responses, "response_mask": resp_mask,
            "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
            "position_ids": positions_from_mask(mask), "rollout_log_probs": logps, "behav_versions": versions}
-    for name in TRAJECTORY_METRICS:
+    counted = [*TRAJECTORY_METRICS, *sorted({k for t in trajs for k in t.counts} - set(TRAJECTORY_METRICS))]
+    for name in counted:
         out[name] = torch.tensor([t.env_reward if name == "env_reward" else t.counts.get(name, 0.0) for t in trajs],
                                  dtype=torch.float32)
     return out
+
+
+def _own_prompts(trajs: list[Trajectory], pad_id: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each trajectory's prompt, left-padded to `width` (at least the longest): [rows, P] ids and mask."""
+    width = max(width, *(len(t.prompt) for t in trajs))
+    ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(trajs), width), dtype=torch.long)
+    for i, t in enumerate(trajs):
+        ids[i, width - len(t.prompt):], mask[i, width - len(t.prompt):] = torch.tensor(t.prompt, dtype=torch.long), 1
+    return ids, mask

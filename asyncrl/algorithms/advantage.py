@@ -106,7 +106,8 @@ def _result(batch: Batch, adv: Tensor, ret: Tensor, rewards: Tensor, meta: dict[
     })
     if "response_clipped" in batch:
         meta["response/clip_ratio"] = float(batch["response_clipped"].float().mean())
-    for key in ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s"):  # multi-turn trajectories
+    for key in ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s",  # multi-turn trajectories
+                "api_calls", "api_splits", "api_dropped_tokens", "api_truncated_tokens"):  # API-driven agents
         if key in batch:
             meta[f"agent/{key}_mean"] = float(batch[key].float().mean())
     for key in batch.keys():  # a dict-returning reward's extra numbers

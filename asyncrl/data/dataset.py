@@ -201,6 +201,7 @@ class PromptItem:
     data_source: str
     extra_info: dict
     uid: str
+    messages: list[dict] | None = None  # the chat messages the prompt was rendered from (API agents send them)
 
 
 class PromptDataset:
@@ -250,6 +251,7 @@ class PromptDataset:
                     data_source=str(row.get("data_source", "unknown")),
                     extra_info=dict(row.get("extra_info") or {}),
                     uid=prompt_uid(text),
+                    messages=list(messages),
                 )
             )
         if dropped:
@@ -302,6 +304,7 @@ def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str,
         "data_source": [it.data_source for it in items],
         "raw_prompt": [it.raw_prompt for it in items],
         "extra_info": [it.extra_info for it in items],
+        "messages": [it.messages for it in items],
         # a group per row of this batch (GRPO/RLOO normalise a prompt's samples together): two
         # rows with the same prompt text are two groups, not one of 2n samples
         "uid": [f"{it.uid}#{i}" for i, it in enumerate(items)],

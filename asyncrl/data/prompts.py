@@ -122,8 +122,10 @@ class RunData:
 def environment_tools(mt: Any) -> list[dict] | None:
     """The tool descriptions of `rollout.multi_turn`'s environment, for the prompts' chat template
     (None without multi-turn or tools)."""
-    if not mt.enable:
-        return None
+    from asyncrl.agents.api import is_api_agent
     from asyncrl.agents.tools import load_environment
+
+    if not mt.enable or is_api_agent(mt.env):  # an API agent sends its tools with its requests
+        return None
 
     return load_environment(mt.env)(**mt.env_kwargs).tools_schema()

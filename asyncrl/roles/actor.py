@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.agents.api import ApiRollout, is_api_agent
 from asyncrl.agents.rollout import (
     BatcherGenerator,
     MultiTurnRollout,
@@ -152,7 +153,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         if isinstance(self.rollout, RolloutEngine) and self.actor is None and cfg.trainer.placement == "split":
             self.batcher = ContinuousBatcher(self.rollout, self._slots(), StagedWeights(self))
         # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
-        self.agent = (MultiTurnRollout(cfg.rollout.multi_turn, self.tokenizer)
+        self.agent = (_agent_rollout(cfg, self.tokenizer)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
@@ -411,7 +412,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                  else WaveGenerator(self.rollout, params, gen, version=self._policy_version,
                                     lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep"))
         trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens)
-        out = trajectories_to_tensors(trajs, ids.cpu(), mask.cpu(), params.max_tokens, self.tokenizer.pad_token_id)
+        own = isinstance(self.agent, ApiRollout)  # an API agent's prompt is what its first call sent
+        out = trajectories_to_tensors(trajs, None if own else ids.cpu(), None if own else mask.cpu(),
+                                      params.max_tokens, self.tokenizer.pad_token_id, prompt_width=ids.shape[1])
         return {k: v.to(ids.device) for k, v in out.items()}
 
     # log-probs -------------------------------------------------------------------------------------
@@ -588,6 +591,19 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             self.sample_gen.set_state(extra["sample_gen"])
         self.update_steps = int(extra.get("update_steps", 0))
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
+
+
+def _agent_rollout(cfg: Any, tokenizer: Any) -> MultiTurnRollout | ApiRollout:
+    """`rollout.multi_turn`'s driver: the built-in loop over an `Environment`, or an agent that
+    calls the policy over the OpenAI API (`agent:` / `verifiers:` specs)."""
+    mt = cfg.rollout.multi_turn
+    if not is_api_agent(mt.env):
+        return MultiTurnRollout(mt, tokenizer)
+    from transformers import AutoConfig
+
+    positions = getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
+    return ApiRollout(mt.env, mt.env_kwargs, tokenizer, model_name=Path(cfg.model.path).name or "policy",
+                      concurrency=mt.concurrency, timeout_s=mt.step_timeout_s * mt.max_turns, context_length=positions)
 
 
 def _tied(model: torch.nn.Module) -> bool:
