@@ -387,6 +387,8 @@ def test_a_multi_turn_environment_trains_through_the_endpoint(tiny, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(steps) == 3
+    print({k: [round(m[k], 7) for m in steps] for k in ("agent/api_calls_mean", "agent/api_splits_mean",
+                                                          "rollout/logprob_diff_max", "critic/score_mean")})
     for m in steps:
         assert m["agent/api_calls_mean"] >= 2 and m["agent/api_splits_mean"] <= 0.5, m
         assert m["rollout/logprob_diff_max"] <= 1e-4, m["rollout/logprob_diff_max"]
