@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from asyncrl.agents.config import MultiTurnConfig
-from asyncrl.data.config import DataConfig, synthetic_tasks
+from asyncrl.data.config import DataConfig, tiny_model_tasks
 from asyncrl.data.config import (
     SyntheticDataConfig as SyntheticDataConfig,  # re-exported: a section of the schema
 )
@@ -55,7 +55,7 @@ KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
 class TinyModelConfig:
     """Build a random-init Llama-architecture model and word-level tokenizer (quickstart only)."""
 
-    task: str = "sort"
+    task: str = "sort"  # a synthetic task, or reasoning_gym: vocabulary and warm start from data.source
     hidden: int = 64
     layers: int = 2
     heads: int = 2  # head_dim 32: vLLM's CPU attention takes multiples of 32
@@ -66,7 +66,7 @@ class TinyModelConfig:
     sft_lr: float = 1e-3
 
     def check(self, at: str) -> None:
-        _one_of(at + "task", self.task, synthetic_tasks())
+        _one_of(at + "task", self.task, tiny_model_tasks())
         _positive(at + "sft_lr", self.sft_lr)
         _one_of(at + "sft_targets", self.sft_targets, ("format", "task"))
         for name in ("hidden", "layers", "heads"):

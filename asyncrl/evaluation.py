@@ -81,8 +81,9 @@ class Evaluator:
         """trainer.mode=eval: rollout.n samples per held-out prompt, pass@k and mean@n per
         data_source, every sample written to `eval-<time>.jsonl`."""
         if self.data.val_prompts is None:
-            raise ConfigError("trainer.mode=eval needs held-out prompts: set data.val_files (or use the "
-                              "synthetic data with data.synthetic.n_val > 0)")
+            raise ConfigError("trainer.mode=eval needs held-out prompts: set data.val_files (or use "
+                              "data.source with data.reasoning_gym.n_val > 0, or the synthetic data with "
+                              "data.synthetic.n_val > 0)")
         cfg, t0 = self.cfg, time.monotonic()
         greedy = cfg.rollout.temperature == 0
         rows = await self.generate_scored(n=cfg.rollout.n, greedy=greedy)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig
-from asyncrl.models.resolve import resolve_model
+from asyncrl.models.resolve import resolve_model, tiny_settings
 from asyncrl.rundir import check_output_dir
 from asyncrl.single_controller.schema import JobSchema
 from daemons.errors import ConfigError
@@ -89,6 +89,8 @@ def check_files(cfg: RLConfig) -> None:
 
     if cfg.model.build_tiny is None:
         resolve_model(cfg.model)
+    else:  # built by the job; a reasoning-gym build needs data.source's tasks
+        tiny_settings(cfg.model.build_tiny, cfg.data)
     if cfg.critic.model_path and cfg.algorithm.name in CRITIC_ALGORITHMS:
         resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
     if cfg.cost_model.path and cfg.cost_model.enable:

@@ -328,7 +328,7 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
     e.g. a test's instrumentation), train."""
     cfg = rl_config(ctx.cfg)
     # model building and file checks block: keep them off the event loop (heartbeats)
-    cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model)
+    cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model, data=cfg.data)
     await asyncio.to_thread(check_inputs, cfg)
     if cfg.trainer.mode == "eval":  # no run directory to claim: nothing trains, nothing resumes
         trainer = Trainer(ctx, cfg)

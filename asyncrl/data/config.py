@@ -1,11 +1,14 @@
 """The `data` section of the RL config (asyncrl.config.RLConfig): prompts from files in verl's
-layout, or a built-in synthetic task (asyncrl/data/synthetic.py)."""
+layout, reasoning-gym's procedural tasks (asyncrl/data/reasoning_gym.py), or a built-in synthetic
+task (asyncrl/data/synthetic.py)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from asyncrl.data.reasoning_gym import GYM_TASK, check_source, check_system_prompt
 from daemons.errors import ConfigError
 from daemons.errors import check as _check
 from daemons.errors import check_one_of as _one_of
@@ -18,6 +21,11 @@ def synthetic_tasks() -> tuple[str, ...]:
 
     return tuple(TASKS)
 
+
+def tiny_model_tasks() -> tuple[str, ...]:
+    """What `model.build_tiny.task` may name: a synthetic task, or `reasoning_gym` (a vocabulary
+    and warm start made from data.source's reasoning-gym rows)."""
+    return (*synthetic_tasks(), GYM_TASK)
 
 
 @dataclass
@@ -34,9 +42,37 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class ReasoningGymConfig:
+    """`data.source=reasoning_gym:<task>[,<task>...]`: rows drawn from reasoning-gym's generators.
+    The held-out rows are disjoint from the training rows by seed: each task's held-out generator
+    starts at the seed after its training rows' last (asyncrl/data/reasoning_gym.py)."""
+
+    size: int = 10000  # training rows, shared equally by data.source's tasks
+    n_val: int = 200  # held-out rows (evaluated greedily every trainer.eval_every), shared alike; 0 = none
+    seed: int = 0  # the training generators' seed; the held-out ones start where the training rows end
+    # per-task settings of reasoning-gym's config class, e.g. {chain_sum: {min_terms: 2, max_terms: 3}};
+    # a task not listed here takes reasoning-gym's defaults (size and seed come from above)
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # a system message before each question: a name from reasoning_gym.utils.SYSTEM_PROMPTS
+    # ("default", "DeepSeekZero", "direct", ...: ask for the answer in <answer> tags); None = none
+    system_prompt: str | None = None
+
+    def check(self, at: str) -> None:
+        _positive(at + "size", self.size)
+        _positive(at + "n_val", self.n_val, allow_zero=True)
+        _positive(at + "seed", self.seed, allow_zero=True)
+        if self.system_prompt is not None:
+            check_system_prompt(at + "system_prompt", self.system_prompt)
+
+
+@dataclass
 class DataConfig:
-    train_files: str | None = None  # parquet/jsonl (verl layout); None = the built-in synthetic task
+    train_files: str | None = None  # parquet/jsonl (verl layout); None = data.source, else the synthetic task
     val_files: str | None = None
+    # generated rows instead of files: "reasoning_gym:<task>[,<task>...]" (pip install 'asyncrl[gym]'),
+    # set up in data.reasoning_gym; None = data.train_files, or the built-in synthetic task
+    source: str | None = None
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     batch_size: int = 32  # prompts per step
     max_prompt_len: int = 32
@@ -58,6 +94,17 @@ class DataConfig:
             value = getattr(self, name)
             _check(value is None or re.fullmatch(r"\w+(\.\w+)*", value) is not None, at + name, value,
                    "must be a column name (dotted for a nested field, e.g. reward_model.ground_truth)")
+        self._check_source(at)
+
+    def _check_source(self, at: str) -> None:
+        """data.source against the files (one or the other) and data.reasoning_gym (its tasks)."""
+        if self.source is None:
+            _check(not self.reasoning_gym.tasks, at + "reasoning_gym.tasks", self.reasoning_gym.tasks,
+                   f"only applies with {at}source=reasoning_gym:<task>[,<task>...]; set that (or remove these)")
+            return
+        _check(not (self.train_files or self.val_files), at + "source", self.source,
+               f"replaces {at}train_files and {at}val_files; set those to null (or {at}source=null)")
+        check_source(at, self.source, self.reasoning_gym)
 
     def check_val_only(self, at: str, mode: str) -> None:
         if self.val_files and not self.train_files and mode != "eval":

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from asyncrl.config import RLConfig
+from asyncrl.data.config import DataConfig
 from asyncrl.preflight import check_round_trip
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.single_controller.batch import Batch
@@ -39,7 +41,6 @@ class RunData:
             PromptLoader,
             load_rows,
         )
-        from asyncrl.data.synthetic import disjoint_splits
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         dc = self.cfg.data
@@ -65,9 +66,8 @@ class RunData:
             val_set = (tokenised(f"data.val_files={dc.val_files}", lambda: load_rows(dc.val_files))
                        if dc.val_files else None)
         else:
-            syn = dc.synthetic
-            train, val = disjoint_splits(syn.task, syn.n_train, syn.n_val, syn.seed)
-            self.train_set, val_set = tokenised("data.synthetic", lambda: train), tokenised("data.synthetic", lambda: val)
+            where, (train, val) = generated_rows(dc)
+            self.train_set, val_set = tokenised(where, lambda: train), tokenised(where, lambda: val)
         if self.train_set is None:
             raise ConfigError(f"data.train_files={dc.train_files} holds no rows; a prompt dataset needs "
                               f"rows with {EXPECTED_COLUMNS}")
@@ -117,6 +117,19 @@ class RunData:
             mask[i, p - len(it.input_ids):p + len(a)] = 1
         return self.put({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
                           "responses": ids[:, p:], "response_mask": mask[:, p:]}, {})
+
+
+def generated_rows(dc: DataConfig) -> tuple[str, tuple[list[dict], list[dict]]]:
+    """The training and held-out rows of a run without data files, and the key that made them:
+    data.source's reasoning-gym tasks, else the built-in synthetic task."""
+    if dc.source:
+        from asyncrl.data.reasoning_gym import make_rows
+
+        return "data.source", make_rows(dc.source, **asdict(dc.reasoning_gym))
+    from asyncrl.data.synthetic import disjoint_splits
+
+    syn = dc.synthetic
+    return "data.synthetic", disjoint_splits(syn.task, syn.n_train, syn.n_val, syn.seed)
 
 
 def environment_tools(mt: Any) -> list[dict] | None:

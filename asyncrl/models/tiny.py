@@ -3,6 +3,8 @@
 `build_tiny_model` writes a HF checkpoint directory — tokenizer (word-level, chat template) and a
 random-init `LlamaForCausalLM` — optionally after a short supervised warm start on the synthetic
 task, so `AutoModelForCausalLM.from_pretrained(dir)` / `AutoTokenizer.from_pretrained(dir)` load it.
+For reasoning-gym tasks (task="reasoning_gym") the vocabulary is the words of the run's rows and
+the warm start its training rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.data.reasoning_gym import GYM_TASK
 from asyncrl.data.synthetic import all_symbols, get_task, make_examples
 from asyncrl.rollout.engine import positions_from_mask
 from daemons.errors import ConfigError
@@ -98,29 +101,46 @@ def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str =
     step = 0
     while True:
         pairs = make_examples(task, batch_size, seed=10_000 * (seed + 1) + step)
-        seqs, labels = [], []
+        rows = []
         for prompt, answer in pairs:
             if spec.name == "lookup":  # conversations with the tool (asyncrl.agents.tasks)
-                ids, lab = _lookup_demo(tokenizer, prompt, rng, _lookup_call_rate(targets, step, steps),
-                                        copy=targets == "task")
-                seqs.append(ids)
-                labels.append(lab)
+                rows.append(_lookup_demo(tokenizer, prompt, rng, _lookup_call_rate(targets, step, steps),
+                                         copy=targets == "task"))
                 continue
             if targets == "format":
                 answer = " ".join(rng.choice(spec.answer_symbols) for _ in answer.split())
-            head = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            head = list(head["input_ids"] if hasattr(head, "keys") else head)
-            tail = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-            seqs.append(head + tail)
-            labels.append([-100] * len(head) + tail)
-        width = max(map(len, seqs))
-        pad = tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
-        lab = torch.tensor([[-100] * (width - len(s)) + s for s in labels])
-        yield ids, lab
+            rows.append(_chat_example(tokenizer, [{"role": "user", "content": prompt}], answer))
+        yield _padded(tokenizer.pad_token_id, rows)
         step += 1
+
+
+def example_batches(tokenizer, examples: list[tuple[list[dict], str]], batch_size: int, seed: int,
+                    targets: str = "format"):
+    """Endless (input_ids, labels) batches of `examples` ((chat messages, answer) pairs, drawn
+    at random); loss on the answer. targets="format" replaces each answer's words by words drawn
+    at random from all the answers', as `sft_batches` does: the shape, not the task."""
+    rng = random.Random(f"sft-examples:{seed}")
+    answer_words = sorted({w for _, answer in examples for w in answer.split()})
+    while True:
+        pairs = rng.choices(examples, k=batch_size)
+        if targets == "format":
+            pairs = [(m, " ".join(rng.choice(answer_words) for _ in answer.split())) for m, answer in pairs]
+        yield _padded(tokenizer.pad_token_id, [_chat_example(tokenizer, m, answer) for m, answer in pairs])
+
+
+def _chat_example(tokenizer, messages: list[dict], answer: str) -> tuple[list[int], list[int]]:
+    """The templated conversation and its answer turn as ids, and labels on the answer only."""
+    head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    head = list(head["input_ids"] if hasattr(head, "keys") else head)
+    tail = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return head + tail, [-100] * len(head) + tail
+
+
+def _padded(pad: int, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s, _ in rows])
+    labels = torch.tensor([[-100] * (width - len(s)) + s for _, s in rows])
+    return ids, labels
 
 
 def _lookup_call_rate(targets: str, step: int, steps: int) -> float:
@@ -163,13 +183,15 @@ def _lookup_demo(tokenizer, prompt: str, rng: random.Random, call_rate: float,
 
 def sft_warm_start(
     model, tokenizer, task: str, *, steps: int, lr: float, batch_size: int = 64, seed: int = 0,
-    targets: str = "format",
+    targets: str = "format", examples: list[tuple[list[dict], str]] | None = None,
 ) -> float:
-    """Supervised warm start on `task` for `steps` AdamW steps; returns the last loss."""
+    """Supervised warm start on `task` (or on `examples`, a reasoning-gym build's training rows)
+    for `steps` AdamW steps; returns the last loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss_val = float("nan")
-    batches = sft_batches(tokenizer, task, batch_size, seed, targets, steps)
+    batches = (example_batches(tokenizer, examples, batch_size, seed, targets) if examples is not None
+               else sft_batches(tokenizer, task, batch_size, seed, targets, steps))
     for _ in range(steps):
         ids, labels = next(batches)
         mask = (ids != tokenizer.pad_token_id).long()
@@ -195,18 +217,21 @@ def build_tiny_model(
     sft_lr: float = 1e-3,
     sft_batch_size: int = 64,
     sft_targets: str = "format",
+    reasoning_gym: dict | None = None,
 ) -> Path:
-    """Write tokenizer + (optionally SFT-warmed) random-init Llama to `out_dir`; return the path."""
+    """Write tokenizer + (optionally SFT-warmed) random-init Llama to `out_dir`; return the path.
+    task="reasoning_gym" builds for `reasoning_gym` ({"source": data.source, **data.reasoning_gym}):
+    the vocabulary is every word of its rows, the warm start its training rows."""
     from transformers import LlamaForCausalLM
 
-    get_task(task)  # fail early on an unknown task
     if sft_targets not in ("task", "format"):
         raise ValueError(f"sft_targets must be 'task' or 'format', not {sft_targets!r}")
+    examples, words = gym_examples(reasoning_gym) if task == GYM_TASK else (None, all_symbols(task))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer(all_symbols(task))
+    tokenizer = build_tokenizer(words)
     loss = None
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(seed)
@@ -215,7 +240,7 @@ def build_tiny_model(
         if sft_steps > 0:
             loss = sft_warm_start(
                 model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size,
-                seed=seed, targets=sft_targets,
+                seed=seed, targets=sft_targets, examples=examples,
             )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -230,6 +255,8 @@ def build_tiny_model(
         "sft_lr": sft_lr,
         "sft_batch_size": sft_batch_size,
         "sft_targets": sft_targets,
+        "reasoning_gym": reasoning_gym,
+        "vocab_size": len(tokenizer),
         "sft_final_loss": loss,
         "params": sum(p.numel() for p in model.parameters()),
     }
@@ -237,6 +264,18 @@ def build_tiny_model(
     (out / MARKER).write_text(json.dumps(info, indent=1))
     log.info("built tiny model in %s (%.1fs): %s", out, time.perf_counter() - t0, info)
     return out
+
+
+def gym_examples(spec: dict | None) -> tuple[list[tuple[list[dict], str]], list[str]]:
+    """The training rows of `spec`'s reasoning-gym tasks as (messages, answer) pairs, and the
+    words of all its rows (the held-out prompts' too: the vocabulary must cover what is asked)."""
+    if not spec:
+        raise ConfigError(f"a tiny model for task={GYM_TASK} is built from data.source's reasoning-gym rows; "
+                          "set data.source=reasoning_gym:<task> (asyncrl-launch passes it with data.reasoning_gym)")
+    from asyncrl.data.reasoning_gym import make_rows, row_words
+
+    train, val = make_rows(**spec)
+    return [(r["prompt"], r["reward_model"]["ground_truth"]) for r in train], row_words(train + val)
 
 
 def _make_tokenizer_config_portable(out: Path) -> None:

@@ -1,5 +1,6 @@
 """Rule-based reward functions and loading of user reward functions."""
 
+from asyncrl.rewards.reasoning_gym import reasoning_gym_score
 from asyncrl.rewards.rules import (
     REWARD_EXTRA,
     NonFiniteRewardError,
@@ -23,5 +24,6 @@ __all__ = [
     "exact_match",
     "gsm8k",
     "load_reward_fn",
+    "reasoning_gym_score",
     "synthetic",
 ]

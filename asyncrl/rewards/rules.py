@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import score_answer
+from asyncrl.rewards.reasoning_gym import reasoning_gym_score
 from daemons.errors import DaemonError
 
 log = logging.getLogger(__name__)
@@ -194,16 +195,18 @@ REWARD_FNS: dict[str, RewardFn] = {
     "math": math_boxed,
     "DigitalLearningGmbH/MATH-lighteval": math_boxed,
 }
+# families of data_sources by prefix: the synthetic tasks, reasoning-gym's tasks (their own scorers)
+REWARD_PREFIXES: dict[str, RewardFn] = {"asyncrl/": synthetic, "reasoning_gym/": reasoning_gym_score}
 _warned: set[str] = set()
 
 
 def default_reward(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
 ) -> float:
-    """Score by data_source: gsm8k, MATH, asyncrl/* synthetic tasks, else normalised exact match."""
-    fn = REWARD_FNS.get(data_source)
-    if fn is None and data_source.startswith("asyncrl/"):
-        fn = synthetic
+    """Score by data_source: gsm8k, MATH, asyncrl/* synthetic tasks, reasoning_gym/* tasks, else
+    normalised exact match."""
+    fn = REWARD_FNS.get(data_source) or next(
+        (f for prefix, f in REWARD_PREFIXES.items() if data_source.startswith(prefix)), None)
     if fn is None:
         if data_source not in _warned:
             _warned.add(data_source)
