@@ -40,6 +40,7 @@ def test_first_gain_step() -> None:
     assert first_gain_step([(0, 0.1), (25, 0.2)]) is None
 
 
+@pytest.mark.slow  # ~20 s: the benchmark's harness; the learning tests cover the signal
 def test_three_steps_both_sides(tmp_path: Path) -> None:
     """The quickstart (as a subprocess) and the reference, 3 steps each: same start on the same
     held-out prompts, one JSON summary, and no run directory left in the temp dir."""

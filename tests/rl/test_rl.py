@@ -201,6 +201,7 @@ def test_grpo_learns_by_default(parallel, tiny_model, tmp_path):
     assert summary["val_reward_end"] - summary["val_reward_start"] >= 0.15, summary
 
 
+@pytest.mark.slow  # ~26 s: two runs compared; determinism, not the learning signal
 def test_same_seed_same_metrics(tiny_model, tmp_path):
     """Two runs with the same seed on this machine log the same numbers (timings aside)."""
     def run(name: str) -> list[dict]:

@@ -229,6 +229,7 @@ def test_grpo_with_vllm_rollout_learns(tmp_path):
     assert summary["val_reward_end"] - summary["val_reward_start"] >= 0.15, summary
 
 
+@pytest.mark.slow  # ~23 s: vLLM TP on CPU; test_grpo_with_vllm_rollout_learns covers the learning
 def test_grpo_with_tensor_parallel_vllm_trains(tmp_path):
     """actor tp=2 with one vLLM engine over both ranks (tg=2): a few GRPO steps run and finish."""
     from asyncrl.models.tiny import ensure_tiny_model
