@@ -223,7 +223,7 @@ def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
                f"got tp={section.parallel.tp}, pp={section.parallel.pp}")
 
 
-EMBEDDING_LEAVES = ("embed_tokens", "wte", "word_embeddings", "lm_head")  # see asyncrl/train/lora.py
+INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
 
 
 @dataclass
@@ -259,7 +259,7 @@ class LoRAConfig:
     @property
     def adapts_embeddings(self) -> bool:
         """Whether an embedding matrix (input or output) is adapted: vLLM's adapters cannot serve it."""
-        return self.enabled and bool(set(self.target_modules) & set(EMBEDDING_LEAVES))
+        return self.enabled and bool(set(self.target_modules) & {*INPUT_EMBEDDINGS, "lm_head"})
 
 
 @dataclass

@@ -170,9 +170,6 @@ class ApiRollout:
             generate.retire()
             await client.close()
 
-    def close(self) -> None:
-        pass
-
 
 class _TrainerSampling:
     """The backend an agent trains through: the job's sampling settings hold whatever a request

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.config import INPUT_EMBEDDINGS
 from asyncrl.plan.workload import ModelSpec
 
 GIB = float(1 << 30)
@@ -121,7 +122,7 @@ def lora_params(spec: ModelSpec, lora: Any) -> int:
     sizes = {"q_proj": h + h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": h + h,
              "gate_proj": h + f, "up_proj": h + f, "down_proj": f + h}
     leaves = LORA_LEAVES if "all-linear" in lora.target_modules else [t for t in lora.target_modules if t in sizes]
-    embeddings = sum(t in lora.target_modules for t in ("embed_tokens", "wte", "word_embeddings"))
+    embeddings = sum(t in lora.target_modules for t in INPUT_EMBEDDINGS)
     embeddings += "lm_head" in lora.target_modules and not spec.tied
     return lora.rank * (spec.layers * sum(sizes[leaf] for leaf in leaves) + embeddings * (spec.vocab + spec.hidden))
 

@@ -153,7 +153,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         if isinstance(self.rollout, RolloutEngine) and self.actor is None and cfg.trainer.placement == "split":
             self.batcher = ContinuousBatcher(self.rollout, self._slots(), StagedWeights(self))
         # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
-        self.agent = (_agent_rollout(cfg, self.tokenizer)
+        self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
         # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
@@ -593,15 +593,13 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
 
 
-def _agent_rollout(cfg: Any, tokenizer: Any) -> MultiTurnRollout | ApiRollout:
+def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRollout | ApiRollout:
     """`rollout.multi_turn`'s driver: the built-in loop over an `Environment`, or an agent that
     calls the policy over the OpenAI API (`agent:` / `verifiers:` specs)."""
     mt = cfg.rollout.multi_turn
     if not is_api_agent(mt.env):
         return MultiTurnRollout(mt, tokenizer)
-    from transformers import AutoConfig
-
-    positions = getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None)
+    positions = getattr(model_config, "max_position_embeddings", None)
     return ApiRollout(mt.env, mt.env_kwargs, tokenizer, model_name=Path(cfg.model.path).name or "policy",
                       concurrency=mt.concurrency, timeout_s=mt.step_timeout_s * mt.max_turns, context_length=positions)
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from asyncrl.config import INPUT_EMBEDDINGS
+
 LORA_PARAMS = ("lora_A", "lora_B")
 
 
@@ -34,7 +36,6 @@ def is_lora_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in LORA_PARAMS
 
 
-EMBEDDING_TARGETS = ("embed_tokens", "wte", "word_embeddings")  # the input embedding's leaf names
 
 
 def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] = ()) -> dict[str, nn.Module]:
@@ -50,7 +51,7 @@ def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] =
         if (name + ".").startswith(skip) or not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
         if isinstance(module, nn.Embedding):
-            if leaf in targets and leaf in EMBEDDING_TARGETS:
+            if leaf in targets and leaf in INPUT_EMBEDDINGS:
                 out[name] = module
         elif module is head:
             if leaf in targets and tied:
@@ -189,7 +190,7 @@ def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int,
     for name, t in adapter.items():
         module, leaf = name.rsplit(".", 1)
         t = t.detach().contiguous().cpu()
-        if module.rsplit(".", 1)[-1] in EMBEDDING_TARGETS:
+        if module.rsplit(".", 1)[-1] in INPUT_EMBEDDINGS:
             peft_leaf = "lora_embedding_B" if leaf == "lora_A" else "lora_embedding_A"
             tensors[f"base_model.model.{module}.{peft_leaf}"] = t.t().contiguous()
             if tied_head is not None:
@@ -198,7 +199,7 @@ def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int,
             tensors[f"base_model.model.{name}.weight"] = t
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     leaves = {name.rsplit(".", 2)[-2] for name in adapter}
-    if tied_head is not None and leaves & set(EMBEDDING_TARGETS):
+    if tied_head is not None and leaves & set(INPUT_EMBEDDINGS):
         leaves.add(tied_head.rsplit(".", 1)[-1])
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
               "lora_dropout": dropout, "target_modules": sorted(leaves),
