@@ -547,12 +547,12 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @register(ONE_TO_ALL)
     def held_models(self) -> dict[str, Any]:
         """What this worker holds: which engines exist, and the actor's trainable and total
-        parameters on this rank (with LoRA: only the adapters train, and no reference model; the
+        parameters on this rank and its device (with LoRA: only the adapters train, and no reference model; the
         norm of each module's B shard here)."""
         named = list(self.actor.model.named_parameters()) if self.actor is not None else []
         local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # this rank's shards
         return {"actor": self.actor is not None, "ref": self.ref is not None, "rollout": self.rollout is not None,
-                "trainable_params": sum(t.numel() for t, (_, p) in zip(local, named, strict=True) if p.requires_grad),
+                "device": str(self.device), "trainable_params": sum(t.numel() for t, (_, p) in zip(local, named, strict=True) if p.requires_grad),
                 "params": sum(t.numel() for t in local),
                 "lora_b_norms": {plain_name(n): float(t.norm()) for t, (n, _) in zip(local, named, strict=True)
                                  if n.endswith("lora_B")},

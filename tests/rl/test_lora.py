@@ -364,3 +364,40 @@ def test_a_lora_critic_trains_saves_its_adapters_and_resumes(tiny_model, tmp_pat
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for key in ("critic/vf_loss", "actor/pg_loss", "critic/score_mean"):
         assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("targets", [["all-linear"], ["all-linear", "embed_tokens"]])
+async def test_lora_on_cuda_in_bf16_keeps_the_update(targets, tiny_model, tmp_path):
+    """One GPU, bf16 compute (model.dtype auto): the adapters train over fp32 masters and the
+    generation weights are merged in fp32 and cast once, so after updates the rollout's
+    log-probs follow the trainer's (within bf16's rounding) and have left the base's. A merge in
+    bf16 that rounds the update away (NeMo-RL #3696) leaves the rollout at the reference's."""
+    from asyncrl.roles.actor import ActorRolloutRefWorker
+    from asyncrl.single_controller.context import local_cluster
+
+    cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "rollout": {"n": 2, "max_tokens": 5},
+           "actor": {"optim": {"lr": 2e-2}, "pretrain_coef": 1.0, "lora": {"rank": 4, "target_modules": targets}}}
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 5, 6], [0, 0, 4]])
+    async with local_cluster(log_dir=tmp_path / "logs", insecure=True) as ctx:
+        actor = await ctx.spawn_group(ctx.create_pool("a", world_size=1), ActorRolloutRefWorker, cfg,
+                                      ("actor", "rollout", "ref"))
+        prompts = ctx.put(Batch({"input_ids": ids, "attention_mask": (ids != 0).long()}, {"uid": list("abcd")},
+                                {"seed": 1}))
+        gen = await actor.generate_sequences(prompts)
+        for _ in range(4):
+            await actor.update_pretrain(gen)
+        gen = await actor.generate_sequences(prompts)
+        old, ref = await actor.compute_log_prob(gen), await actor.compute_ref_log_prob(gen)
+        batch = await gen.fetch()
+        m = batch["response_mask"].bool()
+        rollout, old, ref = (x.float().cpu()[m.cpu()] for x in
+                             (batch["rollout_log_probs"], (await old.fetch())["old_log_probs"],
+                              (await ref.fetch())["ref_log_prob"]))
+        moved, agree = (old - ref).abs().mean().item(), (rollout - old).abs().mean().item()
+        print(f"cuda bf16 LoRA {targets}: |trainer - base| {moved:.4f}, |rollout - trainer| {agree:.4f}, "
+              f"max {(rollout - old).abs().max().item():.4f}")
+        assert moved > 0.05, "the updates did not move the policy"
+        assert agree < 0.2 * moved and (rollout - ref).abs().mean().item() > 0.5 * moved
+        assert {h["device"].split(":")[0] for h in await actor.held_models()} == {"cuda"}

@@ -4,7 +4,6 @@ seeds and stop strings behave, streams carry the same, and the recorder sees eve
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 
@@ -14,6 +13,9 @@ from asyncrl.rollout.engine import RolloutEngine, SamplingParams
 from asyncrl.serve import OpenAIServer
 from asyncrl.serve.choices import kept_tokens
 from tests.helpers.serve_http import forward_logprobs
+
+openai = pytest.importorskip("openai", reason="the endpoint's client: pip install openai")
+
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "sort 3 1 2"}]
