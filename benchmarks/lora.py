@@ -2,6 +2,7 @@
 held-out gain on the tool task, and trainer-vs-rollout log-probs.
 
     python -m benchmarks.lora                  # about 5 minutes on 2 cores
+    python -m benchmarks.lora --seeds 0 1 2    # the gains as means over three seeds (~10 minutes)
     python -m benchmarks.lora --skip-training  # the 0.5B shape's numbers only
     python -m benchmarks.lora --skip-gain      # the 0.5B shape's numbers and the log-prob agreement
 
@@ -11,7 +12,7 @@ held-out gain on the tool task, and trainer-vs-rollout log-probs.
   weight sync carries, from the sync's own tensor lists (`sync_bytes_ratio`).
 - `asyncrl-launch --config-name tool_quickstart` (a warm-started tiny model learning to call a
   tool) with full fine-tuning (its lr) and with LoRA (rank 8, alpha 16, 5x the lr), the same steps and
-  seed: `gain_ratio` = LoRA's held-out gain / full fine-tuning's. The same on `quickstart`, whose
+  seeds (`--seeds`; each arm's gain is the mean over them): `gain_ratio` = LoRA's held-out gain / full fine-tuning's. The same on `quickstart`, whose
   tiny model is random-initialised (`gain_ratio_quickstart`; LoRA at rank 64 = the hidden size,
   alpha 128, the tied embedding adapted too, full fine-tuning's lr): LoRA adapts a model, it does
   not teach an untrained one as well, so expect less there (`LORA_SETTINGS`).
@@ -79,11 +80,18 @@ def shape_numbers() -> dict[str, float]:
             "sync_bytes_ratio": round(lora_sync / full_sync, 4)}
 
 
-def gain(config: str, extra: list[str], workdir: Path, name: str) -> dict[str, float]:
+def gain(config: str, extra: list[str], workdir: Path, name: str, seeds: list[int]) -> dict[str, float]:
+    """Held-out reward at the start and the end of `config`'s run, the mean over `seeds`."""
     from benchmarks.async_rl import launch
 
-    r = launch(name, ["trainer.loggers=[jsonl]", "seed=0", *extra], workdir, timeout_s=1800, config=config)
-    return {"start": r["reward_start"], "end": r["reward_end"], "loop_s": r["loop_s"]}
+    runs = [launch(f"{name}-s{seed}", ["trainer.loggers=[jsonl]", f"seed={seed}", *extra], workdir,
+                   timeout_s=1800, config=config) for seed in seeds]
+
+    def mean(key: str) -> float:
+        return round(sum(r[key] for r in runs) / len(runs), 4)
+
+    return {"start": mean("reward_start"), "end": mean("reward_end"), "loop_s": mean("loop_s"),
+            "ends": [r["reward_end"] for r in runs]}
 
 
 # each task's best LoRA setting found (docs/results/2026-11-26-lora.md): the tool task adapts a
@@ -96,11 +104,11 @@ LORA_SETTINGS = {
 }
 
 
-def training_numbers(workdir: Path) -> dict[str, float]:
+def training_numbers(workdir: Path, seeds: list[int]) -> dict[str, float]:
     out: dict[str, float] = {}
     for config, lora in LORA_SETTINGS.items():
-        full = gain(config, [], workdir, f"{config}-full")
-        adapted = gain(config, lora, workdir, f"{config}-lora")
+        full = gain(config, [], workdir, f"{config}-full", seeds)
+        adapted = gain(config, lora, workdir, f"{config}-lora", seeds)
         print(json.dumps({"config": config, "full": full, "lora": adapted}), flush=True)
         ratio = (adapted["end"] - adapted["start"]) / max(1e-9, full["end"] - full["start"])
         key = "gain_ratio" if config == "tool_quickstart" else "gain_ratio_quickstart"
@@ -176,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lora", description=__doc__.splitlines()[0])
     p.add_argument("--skip-training", action="store_true", help="only the 0.5B shape's optimizer and sync bytes")
     p.add_argument("--skip-gain", action="store_true", help="no full-vs-LoRA training runs (the agreement checks only)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="seeds of the gain runs; the gains are the means over them (0 1 2: three times as long)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     out: dict = {"rank": RANK, **shape_numbers()}
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_training:
         with tempfile.TemporaryDirectory(prefix="asyncrl-lora-") as tmp:
             if not args.skip_gain:
-                out.update(training_numbers(Path(tmp)))
+                out.update(training_numbers(Path(tmp), args.seeds))
             out.update(agreements(Path(tmp)))
     print(json.dumps(out), flush=True)
     return 0
