@@ -19,6 +19,9 @@
   answers a no-op (`[None, None, []]`); against one raw round trip to the same server. The
   driver's CPU per call (`call_cpu_us_N`, ZeroMQ's I/O thread included) is its side alone; on a
   2-core machine the stand-in ranks' own work (one process for all N) also bounds the wall time.
+  The floor of that shape, same server, same run: bare pyzmq, one DEALER socket and reader
+  callback per rank, nothing but a send and a decoded reply each (`raw_fan_out_ratio_N` against
+  the round trip, `call_vs_raw_fan_out_N` = the group call / that floor).
 
 The last line printed is one JSON object.
 """
@@ -26,18 +29,21 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import tempfile
 import time
 
 import torch
+import zmq
 
 from asyncrl import DP_PROTO, ONE_TO_ALL, Batch, Worker, register
 from asyncrl.single_controller.context import local_cluster
 from transport.loop import run
 
 MIB = 1 << 20
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class Producer(Worker):
@@ -165,6 +171,54 @@ def serve_ranks(n: int, sockdir: str) -> None:
         sock.send_multipart([identity, *codec.encode(reply)], copy=False)
 
 
+class RawFanOut:
+    """The floor of a group call over one socket per rank: bare pyzmq DEALER sockets, one reader
+    callback each, the request encoded once, each reply decoded, no futures, ids or errors."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.socks = [zmq.Context.instance().socket(zmq.DEALER) for _ in endpoints]
+        for sock, endpoint in zip(self.socks, endpoints, strict=True):
+            sock.linger = 0
+            sock.connect(endpoint)
+            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+        self.left, self.done = 0, None
+
+    def _drain(self, sock) -> None:
+        from transport import codec
+
+        while sock.getsockopt(_EVENTS) & _POLLIN:
+            codec.decode([f.buffer for f in sock.recv_multipart(_NOBLOCK, copy=False)])
+            self.left -= 1
+            if not self.left:
+                self.done.set_result(None)
+
+    async def call(self) -> None:
+        from transport.rpc import encode_request
+
+        self.left, self.done = len(self.socks), self.loop.create_future()
+        _, (frame,) = encode_request("call_instance", ["light", "noop", [], {}])
+        for sock in self.socks:
+            sock.send(frame, _NOBLOCK)
+            if sock.getsockopt(_EVENTS) & _POLLIN:  # the descriptor is edge-triggered
+                self.loop.call_soon(self._drain, sock)
+        await self.done
+
+    async def median_us(self, reps: int) -> float:
+        try:
+            times = []
+            for i in range(reps + 20):
+                t0 = time.perf_counter()
+                await self.call()
+                if i >= 20:
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(times) * 1e6
+        finally:
+            for sock in self.socks:
+                self.loop.remove_reader(sock.getsockopt(zmq.FD))
+                sock.close()
+
+
 class _Directory:
     """What a WorkerHandle asks of its coordinator after a successful call: note the refs."""
 
@@ -210,6 +264,7 @@ async def light_group_calls(n: int, reps: int) -> dict[str, float]:
                     noop.append(t1 - t0)
                     ping.append(t2 - t1)
                     noop_cpu, ping_cpu = noop_cpu + c1 - c0, ping_cpu + c2 - c1
+            raw = await RawFanOut(endpoints).median_us(reps)
         finally:
             for c in clients:
                 await c.close()
@@ -217,6 +272,9 @@ async def light_group_calls(n: int, reps: int) -> dict[str, float]:
     noop_us, ping_us = statistics.median(noop) * 1e6, statistics.median(ping) * 1e6
     return {f"call_us_{n}": round(noop_us, 1), f"round_trip_us_{n}": round(ping_us, 1),
             f"call_ratio_{n}": round(noop_us / ping_us, 2),
+            # the floor of a fan-out over one socket per rank in Python, to the same server
+            f"raw_fan_out_us_{n}": round(raw, 1), f"raw_fan_out_ratio_{n}": round(raw / ping_us, 2),
+            f"call_vs_raw_fan_out_{n}": round(noop_us / raw, 2),
             # the driver process's CPU (its ZeroMQ I/O thread included) per group call and per rank
             f"call_cpu_us_{n}": round(noop_cpu / reps * 1e6, 1), f"call_cpu_us_per_rank_{n}": round(noop_cpu / reps / n * 1e6, 1),
             f"round_trip_cpu_us_{n}": round(ping_cpu / reps * 1e6, 1)}

@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -74,6 +74,14 @@ def encode_request(method: str, args: tuple | list = (), kwargs: dict | None = N
     """A request's id and frames, for `RpcClient.send_request` to one or more servers."""
     req_id = next(_REQUEST_IDS)
     return req_id, codec.encode([REQUEST, req_id, method, args, kwargs or {}])
+
+
+class ReplySink(Protocol):
+    """Where `RpcClient.send_to` delivers a reply: called on the loop, must not raise."""
+
+    def reply(self, key: Any, value: Any) -> None: ...
+
+    def fail(self, key: Any, exc: BaseException) -> None: ...
 
 
 def shared_context() -> zmq.Context:
@@ -443,7 +451,7 @@ class RpcClient:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self._ctx = context or shared_context()
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future | tuple[ReplySink, Any]] = {}
         self._sock: MessageSocket | None = None
         self._monitor: MessageSocket | None = None
         self._heartbeat_task: asyncio.Task | None = None
@@ -530,6 +538,28 @@ class RpcClient:
         fut.add_done_callback(functools.partial(self._settled, req_id, timer))  # one callback per call
         return fut
 
+    def send_to(self, req_id: int, frames: list[Any], sink: ReplySink, key: Any) -> None:
+        """`send_request` without a future or a deadline: the reply goes to `sink.reply(key,
+        value)` and a failure (an error reply, the connection lost, the client closed) to
+        `sink.fail(key, exc)`, called as the message is read. The caller keeps one deadline for
+        everything it sent and `withdraw`s what is late (a group call's fast path)."""
+        sock = self._ensure_open()
+        if self._auth_failure is not None:
+            raise self._auth_failure
+        if not self._pending:
+            self._waiting_since = self._loop.time()
+        self._pending[req_id] = (sink, key)
+        sock.send(frames)
+
+    def withdraw(self, req_id: int) -> bool:
+        """Stop waiting for a `send_to` request and ask the server to cancel it; False when it
+        was no longer waited for (answered, failed or withdrawn)."""
+        if self._pending.pop(req_id, None) is None:
+            return False
+        if self._sock is not None:
+            self._sock.send(codec.encode([CANCEL, req_id]))
+        return True
+
     def _settled(self, req_id: int, timer: asyncio.TimerHandle | None, fut: asyncio.Future) -> None:
         if timer is not None:
             timer.cancel()
@@ -559,6 +589,13 @@ class RpcClient:
             fut = self._pending.pop(0, None) if req_id == 0 else None
         else:
             fut = self._pending.pop(req_id, None)
+        if type(fut) is tuple:  # send_to's (sink, key)
+            sink, key = fut
+            if kind == REPLY:
+                sink.reply(key, msg[2])
+            elif kind == ERROR:
+                sink.fail(key, RemoteError(*msg[2]))
+            return
         if fut is None or fut.done():
             return
         if kind == REPLY:
@@ -621,7 +658,9 @@ class RpcClient:
     def _fail_all(self, exc: BaseException) -> None:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
-            if not fut.done():
+            if type(fut) is tuple:
+                fut[0].fail(fut[1], exc)
+            elif not fut.done():
                 fut.set_exception(exc)
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 from asyncrl.single_controller.distbatch import DistBatch, RefTracker
+from asyncrl.single_controller.fanout import Gather, Replies
 from asyncrl.single_controller.parallel import LayoutError, ParallelLayout
 from asyncrl.single_controller.protocols import RANK_ZERO, CallContext, get_protocol
 from asyncrl.single_controller.tree import tree_map, tree_map_async
@@ -243,7 +244,8 @@ class WorkerGroup:
     async def _fan_out(self, label: str, entry: str, head: list,
                        plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
         """Send every rank its request without waiting (a ONE_TO_ALL call's arguments encoded once
-        for all), then gather the replies as they come."""
+        for all), then gather the replies as they come: with no future per rank while every rank
+        is reachable (`Gather`), else with a future per rank, the unreachable ones checked first."""
         timeout = self.procs.call_timeout_s or None
         shared = len({(id(a), id(k)) for a, k in plan.values()}) == 1  # the same arguments for every rank
         requests: dict[int, tuple[int, list]] = {}
@@ -252,9 +254,27 @@ class WorkerGroup:
             if request is None or not shared:
                 request = encode_request("call_instance", [self.role, entry, [*head, list(a), k], {}])
             requests[r] = request
+        handles = [self.handles[r] for r in requests]
+        deadlines = {h.deadline(timeout) for h in handles}
+        if len(deadlines) == 1 and not any(h.info.state is WorkerState.DEAD or h.client.connection_dropped
+                                           for h in handles):
+            gather = Gather(self.handles, requests, deadlines.pop())
+            try:
+                await gather.all_in_or_failed
+            except asyncio.CancelledError:
+                gather.cancel()
+                raise
+            if gather.futures is None:  # every rank answered
+                return {r: self._received(r, gather.replies[r]) for r in requests}
+            return await self._settle_failures(label, gather.futures, set(), timeout)
+        return await self._fan_out_checked(label, requests, timeout)
+
+    async def _fan_out_checked(self, label: str, requests: dict[int, tuple[int, list]],
+                               timeout: float | None) -> dict[int, Any]:
+        """`_fan_out` with a future per rank, a dead or disconnected rank's worker checked first."""
         calls: dict[int, asyncio.Future] = {}
         checked: set[int] = set()  # ranks sent through WorkerHandle.call_encoded (errors already explained)
-        replies = _Replies(len(requests))
+        replies = Replies(len(requests))
         for r, request in requests.items():
             handle = self.handles[r]
             try:
@@ -275,7 +295,12 @@ class WorkerGroup:
             for f in calls.values():
                 f.cancel()
             raise
+        return await self._settle_failures(label, calls, checked, timeout)
 
+    async def _settle_failures(self, label: str, calls: dict[int, asyncio.Future], checked: set[int],
+                               timeout: float | None) -> dict[int, Any]:
+        """Every rank's output once all answered; else the root cause of the failure raised, the
+        ranks still running left for the pool's next call to wait for."""
         failed = await self._failures(label, calls, checked, timeout)
         if failed and not any(isinstance(e, WorkerDiedError) for e in failed.values()):
             # a rank's death often reaches us second, as its peers' errors (a collective's
@@ -363,28 +388,6 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.role}: {self.cls.__qualname__} x {self.world_size})"
-
-
-class _Replies:
-    """A group call's replies, one callback per rank (no task, no `asyncio.wait` bookkeeping):
-    each success's refs noted in the coordinator's directory as it arrives (`handle` None: noted
-    by the caller), `all_in_or_failed` set when every rank answered or one raised."""
-
-    __slots__ = ("left", "all_in_or_failed")
-
-    def __init__(self, count: int) -> None:
-        self.left = count
-        self.all_in_or_failed = asyncio.get_running_loop().create_future()
-        if not count:
-            self.all_in_or_failed.set_result(None)
-
-    def arrived(self, handle: WorkerHandle | None, fut: asyncio.Future) -> None:
-        self.left -= 1
-        failed = not fut.cancelled() and fut.exception() is not None
-        if not fut.cancelled() and not failed and handle is not None:
-            handle.coordinator.note_refs(fut.result(), handle.info)
-        if (failed or not self.left) and not self.all_in_or_failed.done():
-            self.all_in_or_failed.set_result(None)
 
 
 def importable_path(obj: Any) -> str:

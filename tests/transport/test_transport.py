@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -34,7 +35,7 @@ from transport import (
     register_type,
 )
 from transport.peers import ServerLimits
-from transport.rpc import CANCEL, PING, REQUEST
+from transport.rpc import CANCEL, PING, REQUEST, encode_request
 
 
 # codec ------------------------------------------------------------------------------------
@@ -203,6 +204,29 @@ async def test_timeout_and_cancellation_reach_the_server(client, calc_server):
     assert calc_server.stats["cancels"] >= 2
     assert not calc_server._inflight, "cancelled handlers are no longer running"
     assert await client.call("add", 1, 2) == 3
+
+
+async def test_send_to_hands_replies_and_failures_to_a_sink(client, calc_server):
+    """RpcClient.send_to (a group call's fast path): the reply, an error reply and a dropped
+    client reach the sink by key; withdraw tells the server to cancel."""
+    got = {}
+    sink = SimpleNamespace(reply=lambda key, value: got.setdefault(key, value),
+                           fail=lambda key, exc: got.setdefault(key, exc))
+    for key, (method, args) in {"sum": ("add", [2, 3]), "error": ("fail", [])}.items():
+        client.send_to(*encode_request(method, args), sink, key)
+    req_id, frames = encode_request("slow", [5])
+    client.send_to(req_id, frames, sink, "slow")
+    for _ in range(100):
+        if len(got) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert got["sum"] == 5 and isinstance(got["error"], RemoteError) and "slow" not in got
+    assert client.withdraw(req_id) and not client.withdraw(req_id)
+    await asyncio.sleep(0.05)
+    assert calc_server.stats["cancels"] >= 1 and not calc_server._inflight
+    client.send_to(*encode_request("slow", [5]), sink, "closed")
+    await client.close()
+    assert isinstance(got["closed"], ConnectionLost)
 
 
 async def test_notifications(client, calc_server):
