@@ -10,8 +10,7 @@ wrong type or an out-of-range value is a `ConfigError` (exit 2) that names the k
 the closest valid key.
 
 Library code reads typed values (`cfg.actor.optim.lr`), never `dict.get(key, default)`.
-Workers get the config as a plain dict over the wire and rebuild the typed value with
-`rl_config(...)`.
+Workers get the config as a plain dict over the wire and rebuild the typed value with `rl_config(...)`.
 """
 
 from __future__ import annotations
@@ -505,9 +504,10 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     project: str = "asyncrl"  # the wandb project (the run is named after job.name)
     torch_threads: int = 0  # per worker; 0 = the node's cores divided by its workers
-    # colocated: every role on one pool of n_workers; split: training (actor, ref, critic) on
-    # n_workers and generation on a pool of rollout.n_workers, weights broadcast between them
+    # colocated: every role on one pool of n_workers; split: training (actor, ref, critic) on n_workers
+    # and generation on a pool of rollout.n_workers, weights broadcast between them
     placement: str = "colocated"
+    overlap_weight_sync: bool = True  # split, rollout.max_staleness >= 1: the broadcast runs beside the next step
     mode: str = "train"  # train | eval (no training: sample the held-out prompts, pass@k per data_source)
     log_samples: int = 3  # held-out prompts whose completions each evaluation shows and saves (samples.jsonl)
 

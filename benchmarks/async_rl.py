@@ -25,6 +25,11 @@ one JSON object.
 
     python -m benchmarks.async_rl                       # the README's numbers
     python -m benchmarks.async_rl --steps 20 --ks 1     # a quick look
+
+`--serial-sync` adds, for every K, the same run with the weight sync between the steps
+(`trainer.overlap_weight_sync=false`) instead of beside the next step's training, and reports
+`overlap_speedup_kK` = its loop seconds / the overlapped run's; each run reports what the loop
+waited for syncs (`weight_sync_wait_s`) and what they took (`weight_sync_s`).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def recipe(workdir: Path, steps: int, seed: int, hidden: int, layers: int, extra
             f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.loggers=[console,jsonl]", *extra]
 
 
-def runs(devices: int, ks: list[int], seed: int) -> dict[str, list[str]]:
+def runs(devices: int, ks: list[int], seed: int, serial_sync: bool = False) -> dict[str, list[str]]:
     split = ["trainer.placement=split", f"trainer.n_workers={devices - 1}", "rollout.n_workers=1"]
     # the same synchronous run with another seed: how far held-out rewards differ by chance
     out = {"sync": [f"trainer.n_workers={devices}"], "sync_reseeded": [f"trainer.n_workers={devices}", f"seed={seed + 1}"],
@@ -63,6 +68,8 @@ def runs(devices: int, ks: list[int], seed: int) -> dict[str, list[str]]:
     for k in ks:  # interruptible rollouts, and the objective for stale samples
         out[f"async_k{k}"] = [*split, f"rollout.max_staleness={k}", "rollout.interrupt_on_update=true",
                               "actor.policy_loss=decoupled"]
+        if serial_sync:  # the weight sync between the steps instead of beside the next one
+            out[f"async_k{k}_serial_sync"] = [*out[f"async_k{k}"], "trainer.overlap_weight_sync=false"]
     return out
 
 
@@ -101,6 +108,9 @@ def launch(name: str, overrides: list[str], workdir: Path, timeout_s: float,
             "response_len": round(sum(r.get("response/length_mean", 0.0) for r in steps) / len(steps), 2),
             "reward_end": summary["val_reward_end"], "reward_start": summary["val_reward_start"],
             "logprob_diff_max": max(r.get("rollout/logprob_diff_max", 0.0) for r in steps),
+            # split placement: what the loop waited for weight syncs, and what they took in all
+            "weight_sync_wait_s": round(sum(r.get("timing/weight_sync_s", 0.0) for r in steps), 3),
+            "weight_sync_s": round(sum(r.get("perf/weight_sync_s", 0.0) for r in steps), 3),
             "wall_s": round(time.monotonic() - t0, 1)}
 
 
@@ -116,6 +126,9 @@ def summarize(results: dict[str, dict], ks: list[int]) -> dict[str, Any]:
                 "reward_sync": sync["reward_end"], "reward_async_best": results[f"async_k{best}"]["reward_end"],
                 "reward_noise": round(abs(sync["reward_end"] - results["sync_reseeded"]["reward_end"]), 4),
                 "runs": results})
+    for k in ks:  # --serial-sync: the same run with the sync between the steps
+        if f"async_k{k}_serial_sync" in results:
+            out[f"overlap_speedup_k{k}"] = round(results[f"async_k{k}_serial_sync"]["loop_s"] / results[f"async_k{k}"]["loop_s"], 3)
     return out
 
 
@@ -132,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="limit on one run")
+    p.add_argument("--serial-sync", action="store_true",
+                   help="also each async run with trainer.overlap_weight_sync=false (overlap_speedup_kK)")
     p.add_argument("extra", nargs="*", help="more overrides for every run (key=value)")
     a = p.parse_args(argv)
     ks = [int(k) for k in a.ks.split(",") if k.strip()]
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             workdir = Path(tmp)
             shared = recipe(workdir, a.steps, a.seed, a.hidden, a.layers, a.extra)
             results = {}
-            for name, overrides in runs(a.devices, ks, a.seed).items():
+            for name, overrides in runs(a.devices, ks, a.seed, a.serial_sync).items():
                 print(f"[{name}] python -m asyncrl.launch --config-name quickstart {' '.join(shared + overrides)}",
                       flush=True)
                 results[name] = launch(name, shared + overrides, workdir, a.timeout_s)

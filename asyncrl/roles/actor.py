@@ -68,6 +68,7 @@ from asyncrl.train.lora import (
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.reshard import Resharder
 from asyncrl.train.weight_sync import (
+    Sending,
     TensorSpec,
     WeightBridge,
     specs_of,
@@ -144,6 +145,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         # before its next generate (or between decode steps with rollout.interrupt_on_update)
         self.bridge: WeightBridge | None = None
         self._source_rows: list[list[int]] | None = None  # every training rank sends its own shards
+        self._pushing: Sending | None = None  # an overlapped push's sends in flight
         self.weights_version = 0
         self._staged: list[torch.Tensor] | None = None
         self._staged_version: int | None = None
@@ -471,6 +473,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @timed("update_actor")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates."""
+        self.wait_pushed()
         ac = self.cfg.actor
         temp = self._temperature(batch)
         norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
@@ -524,6 +527,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @timed("update_pretrain")
     def update_pretrain(self, batch: Batch) -> dict[str, float]:
         """One SFT step on response tokens, its loss scaled by actor.pretrain_coef (Safe-RLHF's ptx)."""
+        self.wait_pushed()
         coef, rows = self.cfg.actor.pretrain_coef, len(batch)
 
         def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
@@ -581,6 +585,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
+        self.wait_pushed()
         self._release_generation_weights()
         extra = self.actor.load_checkpoint(Path(path) / "actor") or {}
         if "rng" in extra:

@@ -103,11 +103,19 @@ class PoolWeights:
         return [p.data for _, p in self.actor.model.named_parameters()]
 
     @register(ONE_TO_ALL)
-    def push_weights(self, bucket_mb: int) -> dict[str, float]:
-        """Training pool: gather each weight in full (all ranks) and broadcast it, bucketed, from
-        rank 0 to the rollout pool; returns the version sent and the time taken."""
+    def push_weights(self, bucket_mb: int, overlap: bool = False) -> dict[str, float]:
+        """Training pool: every rank broadcasts its own shards to the rollout pool (FSDP alone),
+        or gathers each weight in full with rank 0 broadcasting it, bucketed; returns the version
+        sent and the time taken. With `overlap` (own shards only) it returns once the sends are
+        queued: they run beside this pool's next calls (the log-probs), and the next that changes
+        the weights (an update, a load, the next push) waits for them first (`wait_pushed`), so
+        the update's memory peak is the same as without."""
+        self.wait_pushed()
         t0 = time.perf_counter()
-        if self._source_rows:  # every rank sends its own shards: no gather
+        if self._source_rows and overlap:
+            self._pushing = self.bridge.queue_pieces(local_pieces(self._sync_tensors(), self.sync_dtype))
+            sent = self._pushing.nbytes
+        elif self._source_rows:  # every rank sends its own shards: no gather
             sent = self.bridge.send_pieces(local_pieces(self._sync_tensors(), self.sync_dtype))
         else:
             tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
@@ -120,6 +128,12 @@ class PoolWeights:
                     pass
         return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0,
                 "bytes": float(sum(s.nbytes for s in self.sync_specs)), "sent_bytes": float(sent)}
+
+    def wait_pushed(self) -> None:
+        """Before the training weights change: the sends of an overlapped push finished."""
+        if self._pushing is not None:
+            pushing, self._pushing = self._pushing, None
+            pushing.wait()
 
     @register(ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int, bucket_mb: int) -> None:

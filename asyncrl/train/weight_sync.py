@@ -113,6 +113,21 @@ def _group(store: dist.Store, rank: int, size: int, device: torch.device, timeou
     return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 
 
+class Sending:
+    """Broadcasts queued by `WeightBridge.queue_pieces`: their works, the tensors they read
+    (kept alive until they finish) and the bytes they carry."""
+
+    def __init__(self) -> None:
+        self.works: list[dist.Work] = []
+        self.pieces: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works, self.pieces = [], []
+
+
 class WeightBridge:
     """Process groups from the training pool to the rollout pool's ranks (bridge ranks 1..R):
     one per source, source i's group holding training rank i as its rank 0 (single source:
@@ -133,14 +148,21 @@ class WeightBridge:
     def send_pieces(self, pieces: Iterable[torch.Tensor]) -> int:
         """A training rank: broadcast its shards (in sync order) over its group, all queued at
         once; returns the bytes sent."""
-        works, sent = [], 0
+        sending = self.queue_pieces(pieces)
+        sending.wait()
+        return sending.nbytes
+
+    def queue_pieces(self, pieces: Iterable[torch.Tensor]) -> Sending:
+        """`send_pieces` without the wait: the broadcasts run in the background until
+        `Sending.wait` (the weights they read must not change before then)."""
+        sending = Sending()
         for piece in pieces:
             if piece.shape[0]:  # as the receiver counts: by rows
-                works.append(self._broadcast_async(self.group, piece.to(self.device)))
-                sent += piece.numel() * piece.element_size()
-        for w in works:
-            w.wait()
-        return sent
+                piece = piece.to(self.device)
+                sending.works.append(self._broadcast_async(self.group, piece))
+                sending.pieces.append(piece)
+                sending.nbytes += piece.numel() * piece.element_size()
+        return sending
 
     def receive_pieces(self, specs: list[TensorSpec], rows: list[list[int]], into: list[torch.Tensor]) -> int:
         """A rollout rank: every source's shards straight into their rows of `into`, all sources

@@ -90,6 +90,7 @@ def _status(env: dict[str, str], *args: str) -> dict:
 
 
 # jobs of asyncrl-launch ------------------------------------------------------------------------
+@pytest.mark.slow  # ~17 s (suite time); test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart runs by default
 def test_jobs_side_by_side_have_their_own_state_and_logs(tmp_path):
     """Two held jobs and a third that finishes, all at once with one state dir and one log dir:
     `status` lists them, `stop` asks which, stopping one leaves the other running."""

@@ -404,6 +404,8 @@ def test_killed_node_is_blamed_across_namespaces(netpair, tmp_path):
         print(f"node 1 killed: node 0 exited {took:.1f}s later: {last.splitlines()[0]}")
 
 
+@pytest.mark.slow  # ~18 s (suite time), and timing-sensitive under a full suite (a rare failure, 2026-11-26);
+# test_live_faults.py's blocked-loop tests run by default
 @pytest.mark.multinode
 def test_blocked_driver_does_not_lose_the_other_node(netpair, tmp_path):
     """The driver on node 0 blocks its loop for 12 s, longer than node 1's coordinator timeout

@@ -191,6 +191,7 @@ def test_lora_refuses_what_it_cannot_do_yet(bad):
                    "rollout": {"engine": "vllm"}})
 
 
+@pytest.mark.slow  # ~21 s (suite time); the vLLM split test checks the same adapter-only bytes by default
 def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):
     """trainer.placement=split with LoRA: the weight sync carries A and B only (a few percent of
     the model's bytes), and each rollout worker's merged weights equal the trainer's."""
