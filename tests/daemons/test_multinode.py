@@ -369,6 +369,7 @@ def test_node_exits_when_the_head_is_killed(netpair, tmp_path):
         print(f"node 1 exited {took:.1f}s after the head was killed")
 
 
+@pytest.mark.slow  # ~17 s (suite time); test_live_faults.py's killed node daemon runs by default
 @pytest.mark.multinode
 def test_killed_node_is_blamed_across_namespaces(netpair, tmp_path):
     """kill -9 node 1 (its daemon; its worker dies with it) mid-GRPO: node 0 fails within seconds

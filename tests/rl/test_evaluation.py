@@ -121,6 +121,7 @@ def test_eval_mode_reports_pass_at_k_per_data_source(tmp_path, tiny_model):  # n
     assert not (out / "checkpoints").exists()  # nothing trained, nothing saved
 
 
+@pytest.mark.slow  # ~27 s (suite time); test_eval_mode_reports_pass_at_k_per_data_source runs --config-name eval by default
 def test_the_readme_eval_command_on_a_users_parquet_and_reward_file_twice(tmp_path, tiny_model):  # noqa: F811
     """`asyncrl-launch --config-name eval model.path=<model> data.val_files=<parquet>
     reward.fn=<file>:<fn>` exactly as the README writes it (the installed command, nothing else
