@@ -40,7 +40,9 @@ import zmq
 
 from asyncrl import DP_PROTO, ONE_TO_ALL, Batch, Worker, register
 from asyncrl.single_controller.context import local_cluster
+from transport import codec
 from transport.loop import run
+from transport.rpc import PING, PONG, REPLY, encode_request
 
 MIB = 1 << 20
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -150,11 +152,6 @@ async def main_async(args: argparse.Namespace) -> dict:
 def serve_ranks(n: int, sockdir: str) -> None:
     """N rank endpoints on one ROUTER socket: each request decoded and answered as a worker
     answers a no-op call (`call_instance` -> [output, layouts, warnings]) or a ping."""
-    import zmq
-
-    from transport import codec
-    from transport.rpc import PING, PONG, REPLY
-
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.linger, sock.rcvhwm, sock.sndhwm = 0, 0, 0
     endpoints = [f"ipc://{sockdir}/rank{r}.sock" for r in range(n)]
@@ -185,8 +182,6 @@ class RawFanOut:
         self.left, self.done = 0, None
 
     def _drain(self, sock) -> None:
-        from transport import codec
-
         while sock.getsockopt(_EVENTS) & _POLLIN:
             codec.decode([f.buffer for f in sock.recv_multipart(_NOBLOCK, copy=False)])
             self.left -= 1
@@ -194,8 +189,6 @@ class RawFanOut:
                 self.done.set_result(None)
 
     async def call(self) -> None:
-        from transport.rpc import encode_request
-
         self.left, self.done = len(self.socks), self.loop.create_future()
         _, (frame,) = encode_request("call_instance", ["light", "noop", [], {}])
         for sock in self.socks:

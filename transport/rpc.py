@@ -527,13 +527,8 @@ class RpcClient:
         """Send a request made by `encode_request` (the same frames may go to several servers) and
         return the future of its reply; cancelling the future cancels the call on the server."""
         sock = self._ensure_open()
-        if self._auth_failure is not None:
-            raise self._auth_failure
         fut = self._loop.create_future()
-        if not self._pending:
-            self._waiting_since = self._loop.time()
-        self._pending[req_id] = fut
-        sock.send(frames)
+        self._send(sock, req_id, frames, fut)
         timer = None if timeout is None else self._loop.call_later(timeout, self._expire, req_id, method, timeout)
         fut.add_done_callback(functools.partial(self._settled, req_id, timer))  # one callback per call
         return fut
@@ -543,12 +538,15 @@ class RpcClient:
         value)` and a failure (an error reply, the connection lost, the client closed) to
         `sink.fail(key, exc)`, called as the message is read. The caller keeps one deadline for
         everything it sent and `withdraw`s what is late (a group call's fast path)."""
-        sock = self._ensure_open()
+        self._send(self._ensure_open(), req_id, frames, (sink, key))
+
+    def _send(self, sock: MessageSocket, req_id: int, frames: list[Any],
+              waiter: asyncio.Future | tuple[ReplySink, Any]) -> None:
         if self._auth_failure is not None:
             raise self._auth_failure
         if not self._pending:
             self._waiting_since = self._loop.time()
-        self._pending[req_id] = (sink, key)
+        self._pending[req_id] = waiter
         sock.send(frames)
 
     def withdraw(self, req_id: int) -> bool:
@@ -563,19 +561,17 @@ class RpcClient:
     def _settled(self, req_id: int, timer: asyncio.TimerHandle | None, fut: asyncio.Future) -> None:
         if timer is not None:
             timer.cancel()
-        if fut.cancelled() and self._pending.pop(req_id, None) is not None and self._sock is not None:
-            self._sock.send(codec.encode([CANCEL, req_id]))
+        if fut.cancelled():
+            self.withdraw(req_id)
 
     def notify(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Send a one-way message; no reply, no error back."""
         self._ensure_open().send(codec.encode([NOTIFY, 0, method, args, kwargs]))
 
     def _expire(self, req_id: int, method: str, timeout: float) -> None:
-        fut = self._pending.pop(req_id, None)
-        if fut is not None and not fut.done():
+        fut = self._pending.get(req_id)
+        if fut is not None and not fut.done() and self.withdraw(req_id):
             fut.set_exception(RpcTimeout(f"{method} on {self.endpoint} did not answer within {timeout}s"))
-            if self._sock is not None:
-                self._sock.send(codec.encode([CANCEL, req_id]))
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         self._last_heard = self._loop.time()
@@ -589,20 +585,22 @@ class RpcClient:
             fut = self._pending.pop(0, None) if req_id == 0 else None
         else:
             fut = self._pending.pop(req_id, None)
+        if kind == ERROR:
+            etype, message, tb = msg[2]
+            error = RemoteError(etype, message, tb)
         if type(fut) is tuple:  # send_to's (sink, key)
             sink, key = fut
             if kind == REPLY:
                 sink.reply(key, msg[2])
             elif kind == ERROR:
-                sink.fail(key, RemoteError(*msg[2]))
+                sink.fail(key, error)
             return
         if fut is None or fut.done():
             return
         if kind == REPLY:
             fut.set_result(msg[2])
         elif kind == ERROR:
-            etype, message, tb = msg[2]
-            fut.set_exception(RemoteError(etype, message, tb))
+            fut.set_exception(error)
         elif kind == PONG:
             fut.set_result(None)
 
