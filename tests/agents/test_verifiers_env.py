@@ -364,7 +364,9 @@ def test_a_multi_turn_environment_trains_through_the_endpoint(tiny, tmp_path):
     """`rollout.multi_turn.env=verifiers:...` in a GRPO job on two ranks: every step's trajectories
     are the environment's three-turn conversations (no split), their rollout log-probs equal the
     trainer's within 1e-4 (`rollout/logprob_diff_max`, recomputed on the same tokens), and the
-    rubric's reward is the score."""
+    rubric's reward is the score. A small learning rate: the test is about the plumbing, and three
+    Adam steps at the quickstart's 1e-3 have (once in CI) taught the warm-started model to end its
+    turns empty, which ends a verifiers conversation early."""
     import json
     import os
     import subprocess
@@ -380,6 +382,7 @@ def test_a_multi_turn_environment_trains_through_the_endpoint(tiny, tmp_path):
            f"model.path={model_dir}", "model.build_tiny=null", f"data.train_files={data}", f"data.val_files={data}", "data.batch_size=4",
            "data.max_prompt_len=64", "rollout.n=2", "rollout.max_tokens=48", "trainer.total_steps=3",
            "trainer.loggers=[jsonl]", "actor.recompute_log_prob=always", "rollout.multi_turn.enable=true",
+           "actor.optim.lr=1e-4",  # the quickstart's 1e-3 can move this 64-wide model off its format in 3 steps
            f"rollout.multi_turn.env=verifiers:{Path(__file__).resolve()}:load_environment",
            "+rollout.multi_turn.env_kwargs.kind=multi"]
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
@@ -389,7 +392,10 @@ def test_a_multi_turn_environment_trains_through_the_endpoint(tiny, tmp_path):
     assert len(steps) == 3
     print({k: [round(m[k], 7) for m in steps] for k in ("agent/api_calls_mean", "agent/api_splits_mean",
                                                           "rollout/logprob_diff_max", "critic/score_mean")})
+    # the first batch meets the warm-started policy: three-turn conversations; later batches (other
+    # prompts, sampled) may hold some turns the model ended without a word, which end a conversation
+    assert steps[0]["agent/api_calls_mean"] >= 2.5, steps[0]
     for m in steps:
-        assert m["agent/api_calls_mean"] >= 2 and m["agent/api_splits_mean"] <= 0.5, m
+        assert m["agent/api_calls_mean"] > 1.5 and m["agent/api_splits_mean"] <= 0.5, m
         assert m["rollout/logprob_diff_max"] <= 1e-4, m["rollout/logprob_diff_max"]
         assert m["critic/score_mean"] > 0  # the rubric's reward (words the model wrote)
