@@ -5,12 +5,16 @@ Tensors, ndarrays and `Blob`s are replaced in the body by a small extension reco
 names their buffer's frame index, so their bytes are never copied into the body and are
 rebuilt zero-copy on receive (the result views the received frame's memory).
 
-No frame on the wire is larger than `FRAME_BYTES`: servers refuse larger frames before
-allocating them (ZMQ_MAXMSGSIZE is a per-frame limit, checked on the frame header, also during
-the CurveZMQ handshake), so a peer without a key cannot make a server hold more than that per
+Under CurveZMQ no frame on the wire is larger than `FRAME_BYTES`: servers refuse larger frames
+before allocating them (ZMQ_MAXMSGSIZE is a per-frame limit, checked on the frame header, also
+during the handshake), so a peer without a key cannot make a server hold more than that per
 connection. A larger body or buffer is sent as consecutive chunks, announced by a leading
 header frame (0xC1, msgpack's never-used byte, then the msgpack list of chunk counts); the
 receiver joins the chunks into one buffer (one copy, only for frames above `FRAME_BYTES`).
+Without CurveZMQ (`insecure=True`) there is no handshake to protect and any peer may send a
+message of any size (ZeroMQ holds a multipart message whole before delivering it), so the RPC
+layer sends frames whole there (`encode(split=False)`, `split_frames` at the socket when chunked)
+and both sides skip the copy.
 
 Later layers add their own message types with `register_type` (an `ObjectRef`, say) or as
 typed messages with `message` (below); every extension code is listed in `wire.Ext`.
@@ -105,8 +109,9 @@ def _ndarray_from_bytes(buf: Any, dtype_str: str, shape: Sequence[int]) -> np.nd
     return np.frombuffer(mv, dtype=dtype).reshape(shape)
 
 
-def encode(obj: Any) -> list[Any]:
-    """Encode `obj` into frames: [body, *buffers]. Buffers are zero-copy views."""
+def encode(obj: Any, split: bool = True) -> list[Any]:
+    """Encode `obj` into frames: [body, *buffers]. Buffers are zero-copy views; with `split`,
+    frames above FRAME_BYTES are cut into chunks (`split_frames`)."""
     buffers: list[Any] = []
 
     def default(o: Any) -> Any:
@@ -146,7 +151,7 @@ def encode(obj: Any) -> list[Any]:
         raise
     except (TypeError, ValueError, OverflowError) as e:
         raise CodecError(f"cannot encode message: {e}") from e
-    return split_frames([body, *buffers])
+    return split_frames([body, *buffers]) if split else [body, *buffers]
 
 
 def split_frames(frames: list[Any]) -> list[Any]:

@@ -14,11 +14,13 @@ Many requests share one connection and are matched by id. A server keeps serving
 single peer sends: garbage is counted and, where a request id can be read, answered with an
 error. Sockets are CurveZMQ-authenticated unless the caller passes `insecure=True`.
 
-What a server admits is bounded before anything is allocated for it (`transport.peers`): no
-frame above `codec.FRAME_BYTES` (libzmq drops the connection on the frame header, also during
-the handshake, so a peer without a key makes a server hold at most that per connection), at
-most `max_connections_per_peer` connections per peer address, a handshake timeout, and
-messages above `max_message_bytes` answered with an error.
+What a server admits is bounded before anything is allocated for it (`transport.peers`): under
+CurveZMQ no frame above `codec.FRAME_BYTES` (libzmq drops the connection on the frame header,
+also during the handshake, so a peer without a key makes a server hold at most that per
+connection; larger frames travel in chunks), at most `max_connections_per_peer` connections per
+peer address, a handshake timeout, and messages above `max_message_bytes` answered with an
+error. Without keys (`insecure=True`, a local test setup) any peer is admitted, so frames
+travel whole: chunking would bound nothing there and costs a copy on each side.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ _SECURITY_HINT = (
 )
 
 
+def _frame_cap(curve: CurveConfig | None) -> int:
+    """ZMQ_MAXMSGSIZE of an RPC socket: one chunk under CurveZMQ, none without keys."""
+    return codec.FRAME_BYTES + _FRAME_SLACK if curve is not None else -1
+
+
 # request ids, process-wide: one encoded request can go to several servers (a group call)
 _REQUEST_IDS = itertools.count(1)
 
@@ -73,7 +80,7 @@ _REQUEST_IDS = itertools.count(1)
 def encode_request(method: str, args: tuple | list = (), kwargs: dict | None = None) -> tuple[int, list[Any]]:
     """A request's id and frames, for `RpcClient.send_request` to one or more servers."""
     req_id = next(_REQUEST_IDS)
-    return req_id, codec.encode([REQUEST, req_id, method, args, kwargs or {}])
+    return req_id, codec.encode([REQUEST, req_id, method, args, kwargs or {}], split=False)
 
 
 class ReplySink(Protocol):
@@ -186,9 +193,10 @@ class RpcServer:
         sock.router_mandatory = False
         sock.rcvhwm = 0
         sock.sndhwm = 0
-        # No frame above FRAME_BYTES is ever allocated (senders cut larger ones into chunks), so
-        # a peer without a key holds at most that per connection; see the module docstring.
-        sock.maxmsgsize = codec.FRAME_BYTES + _FRAME_SLACK
+        # Under CurveZMQ no frame above FRAME_BYTES is ever allocated (senders cut larger ones into
+        # chunks), so a peer without a key holds at most that per connection; see the module
+        # docstring. Without keys there is no handshake to protect: frames travel whole.
+        sock.maxmsgsize = _frame_cap(self.curve)
         sock.handshake_ivl = int(self.limits.handshake_timeout_s * 1000)
         self._peers = PeerLimiter(sock, self.limits.max_connections_per_peer, self.name)
         if self.curve is not None:
@@ -203,7 +211,8 @@ class RpcServer:
         self._peers.bound(self.endpoint)
         self._peer_monitor = MessageSocket(self._peers.monitor, self._peers.on_event,
                                            name=f"{self.name}-peers")
-        self._sock = MessageSocket(sock, self._on_message, name=self.name, max_bytes=self.max_message_bytes)
+        self._sock = MessageSocket(sock, self._on_message, name=self.name, max_bytes=self.max_message_bytes,
+                                   chunked=self.curve is not None)
         return self.endpoint
 
     @property
@@ -258,7 +267,7 @@ class RpcServer:
             log.warning("%s: reply could not be sent: %s", self.name, e)
 
     def _reply_error(self, identity: bytes, req_id: int, etype: str, message: str, tb: str = "") -> None:
-        self._send(identity, codec.encode([ERROR, req_id, [etype, message, tb]]))
+        self._send(identity, codec.encode([ERROR, req_id, [etype, message, tb]], split=False))
 
     def _drop_malformed(self, why: str) -> None:
         self.stats["malformed"] += 1
@@ -316,7 +325,7 @@ class RpcServer:
                 self._drop_malformed("bad ping")
                 return
             self.stats["pings"] += 1
-            self._send(identity, codec.encode([PONG, seq]))
+            self._send(identity, codec.encode([PONG, seq], split=False))
         elif kind == CANCEL:
             if len(msg) != 2 or not isinstance(msg[1], int):
                 self._drop_malformed("bad cancel")
@@ -393,13 +402,13 @@ class RpcServer:
                         e: Exception) -> None:
         self.stats["handler_errors"] += 1
         if is_request:
-            self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)]))
+            self._send(identity, codec.encode([ERROR, req_id, _error_payload(e)], split=False))
         else:
             log.warning("%s: notification %s failed: %r", self.name, method, e)
 
     def _send_result(self, identity: bytes, req_id: int, result: Any, method: str) -> None:
         try:
-            frames = codec.encode([REPLY, req_id, result])
+            frames = codec.encode([REPLY, req_id, result], split=False)
         except CodecError as e:
             self.stats["handler_errors"] += 1
             self._reply_error(identity, req_id, "transport.CodecError",
@@ -414,7 +423,7 @@ class RpcServer:
         exc = fut.exception()
         if exc is not None:
             self.stats["handler_errors"] += 1
-            self._send(identity, codec.encode([ERROR, req_id, _error_payload(exc)]))
+            self._send(identity, codec.encode([ERROR, req_id, _error_payload(exc)], split=False))
         else:
             self._send_result(identity, req_id, fut.result(), method)
 
@@ -479,7 +488,7 @@ class RpcClient:
         sock.linger = 0
         sock.sndhwm = 0
         sock.rcvhwm = 0
-        sock.maxmsgsize = codec.FRAME_BYTES + _FRAME_SLACK  # a hostile server is bounded too
+        sock.maxmsgsize = _frame_cap(self.curve)  # a hostile server is bounded too
         if self.curve is not None:
             secure_client_socket(sock, self.curve)
         # A dropped connection loses whatever was in flight on it, so pending calls must fail
@@ -488,7 +497,8 @@ class RpcClient:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._monitor = MessageSocket(monitor, self._on_monitor_event, name=f"{self.name}-monitor")
         sock.connect(self.endpoint)
-        self._sock = MessageSocket(sock, self._on_message, name=self.name, max_bytes=DEFAULT_MAX_MESSAGE_BYTES)
+        self._sock = MessageSocket(sock, self._on_message, name=self.name, max_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+                                   chunked=self.curve is not None)
         self._last_heard = self._loop.time()
         self._heartbeat_task = self._loop.create_task(self._heartbeat(), name=f"{self.name}-heartbeat")
         return self._sock
@@ -505,7 +515,7 @@ class RpcClient:
         sock = self._ensure_open()
         fut = self._loop.create_future()
         self._pending[0] = fut
-        sock.send(codec.encode([PING, 0]))
+        sock.send(codec.encode([PING, 0], split=False))
         try:
             await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -555,7 +565,7 @@ class RpcClient:
         if self._pending.pop(req_id, None) is None:
             return False
         if self._sock is not None:
-            self._sock.send(codec.encode([CANCEL, req_id]))
+            self._sock.send(codec.encode([CANCEL, req_id], split=False))
         return True
 
     def _settled(self, req_id: int, timer: asyncio.TimerHandle | None, fut: asyncio.Future) -> None:
@@ -566,7 +576,7 @@ class RpcClient:
 
     def notify(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Send a one-way message; no reply, no error back."""
-        self._ensure_open().send(codec.encode([NOTIFY, 0, method, args, kwargs]))
+        self._ensure_open().send(codec.encode([NOTIFY, 0, method, args, kwargs], split=False))
 
     def _expire(self, req_id: int, method: str, timeout: float) -> None:
         fut = self._pending.get(req_id)
@@ -605,7 +615,7 @@ class RpcClient:
             fut.set_result(None)
 
     async def _heartbeat(self) -> None:
-        ping = codec.encode([PING, 1])
+        ping = codec.encode([PING, 1], split=False)
         last = self._loop.time()
         while True:
             await asyncio.sleep(self.heartbeat_interval)

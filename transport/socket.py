@@ -105,13 +105,15 @@ def _rest(sock: zmq.Socket, frames: list[Any]) -> list[Any]:
 
 
 class MessageSocket:
-    """Delivers each received multipart message to `on_message`; `send` never blocks."""
+    """Delivers each received multipart message to `on_message`; `send` never blocks. With
+    `chunked`, a message with a frame above `codec.FRAME_BYTES` goes out in chunks."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None],
                  loop: asyncio.AbstractEventLoop | None = None, name: str = "socket",
-                 max_bytes: int = 0) -> None:
+                 max_bytes: int = 0, chunked: bool = True) -> None:
         self.sock = sock
         self.name = name
+        self.chunked = chunked
         self._envelope = 1 if sock.type == zmq.ROUTER else 0
         self._max_bytes = max_bytes  # the largest chunked message received into one buffer (0: none)
         self._on_message = on_message
@@ -132,6 +134,8 @@ class MessageSocket:
         sock = self.sock
         if sock.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket is closed")
+        if self.chunked:
+            frames = self._cut(frames)
         self.bytes_sent += len(frames[0]) if len(frames) == 1 else sum(len(f) for f in frames)
         if not self._outbox:
             try:
@@ -146,6 +150,16 @@ class MessageSocket:
             self._outbox.append(frames)
         if self._outbox or sock.getsockopt(_EVENTS) & _POLLIN:
             self._schedule()
+
+    def _cut(self, frames: list[Any]) -> list[Any]:
+        """`frames` with the message's frames above FRAME_BYTES in chunks (the envelope kept)."""
+        for f in frames:
+            if len(f) > codec.FRAME_BYTES:
+                break
+        else:
+            return frames
+        env = self._envelope
+        return frames[:env] + codec.split_frames(frames[env:])
 
     def _schedule(self) -> None:
         if not self._scheduled:

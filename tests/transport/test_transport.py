@@ -245,7 +245,7 @@ async def test_oversized_message_gets_error_and_server_survives(client, calc_ser
     assert "cluster.max_message_bytes" in info.value.remote_message
     assert calc_server.stats["too_large"] >= 1
     assert await client.call("add", 1, 1) == 2
-    # below the message limit, a tensor above the frame limit travels in chunks
+    # below the message limit, a tensor above the frame limit arrives (whole, without keys)
     mid = torch.arange(200_000, dtype=torch.float32)  # 800 kB > codec.FRAME_BYTES
     assert torch.equal(await client.call("add", mid, 1, timeout=10), mid + 1)
 
@@ -463,6 +463,42 @@ async def test_curve_accepts_authorized_and_refuses_others(tmp_path):
                 await c.call("add", 1, 2, timeout=5)
     finally:
         await server.close()
+
+
+async def test_frames_travel_in_chunks_under_curve_and_whole_without_keys(monkeypatch):
+    """Under CurveZMQ both sides cut a large frame into FRAME_BYTES chunks (the server's frame cap
+    is what a keyless peer meets in the handshake); without keys a frame travels whole, with no
+    cap and no join copy: the reply's tensor views the received ZeroMQ frame."""
+    import transport.socket as socket_mod
+
+    cut = []  # every message cut into chunks
+    split = codec.split_frames
+
+    def spy(frames):
+        out = split(frames)
+        if len(out) != len(frames):
+            cut.append(out)
+        return out
+
+    monkeypatch.setattr(socket_mod.codec, "split_frames", spy)
+    big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: nine chunks
+    for keys in (CurveConfig.ephemeral(), None):
+        server = RpcServer("tcp://127.0.0.1:0", curve=keys, insecure=keys is None, name="bulk")
+        server.register("same", lambda t: t)
+        await server.start()
+        try:
+            async with RpcClient(server.endpoint, curve=keys, insecure=keys is None) as c:
+                cut.clear()
+                back = await c.call("same", big, timeout=10)
+                assert torch.equal(back, big)
+                caps = {server._sock.sock.maxmsgsize, c._sock.sock.maxmsgsize}
+                if keys is not None:
+                    assert len(cut) == 2 and all(max(len(f) for f in m) <= codec.FRAME_BYTES for m in cut)
+                    assert caps == {codec.FRAME_BYTES + 1024}
+                else:
+                    assert cut == [] and caps == {-1}
+        finally:
+            await server.close()
 
 
 def test_key_files(tmp_path):
