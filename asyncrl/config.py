@@ -22,9 +22,7 @@ from omegaconf import DictConfig
 
 from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.data.config import DataConfig, tiny_model_tasks
-from asyncrl.data.config import (
-    SyntheticDataConfig as SyntheticDataConfig,  # re-exported: a section of the schema
-)
+from asyncrl.data.config import SyntheticDataConfig as SyntheticDataConfig
 from asyncrl.single_controller.config import LaunchConfig
 from asyncrl.single_controller.parallel import (
     GenerationParallelConfig,
@@ -236,13 +234,14 @@ class LoRAConfig:
     rank: int = 0  # 0 = off (full fine-tuning)
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0
-    # leaf names of the layers to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    # down_proj for Llama/Qwen), all-linear: every linear layer but the LM head, and embed_tokens
-    # (the input embedding; with tied embeddings its adapter serves the LM head too) or an untied
-    # lm_head. Adapting embed_tokens lets LoRA move what full fine-tuning moves most on a small
-    # vocabulary (benchmarks/lora.py); vLLM then generates with merged weights (its adapters
-    # cover linear layers only), so it needs trainer.placement=colocated or rollout.engine=native.
+    # leaf names to adapt (q_proj ... down_proj for Llama/Qwen), all-linear (every linear layer but
+    # the LM head), embed_tokens (the input embedding, and the LM head tied to it) or an untied
+    # lm_head. An adapted embedding moves what full fine-tuning moves most on a small vocabulary;
+    # vLLM's adapters cover linear layers only: it then needs colocated placement or the native engine.
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # LoRA-FA: A keeps its random draw and only B trains (half the optimizer state); the update is
+    # then linear in B, which keeps GRPO from sharpening a policy it must build early (benchmarks/lora.py)
+    freeze_a: bool = False
 
     def check(self, at: str) -> None:
         _positive(at + "rank", self.rank, allow_zero=True)

@@ -194,7 +194,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         lora = cfg.actor.lora
         if "actor" in self.roles:
             if lora.enabled:  # adapters before FSDP wraps the layers; everything else frozen
-                apply_lora(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+                apply_lora(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules, freeze_a=lora.freeze_a)
             if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model = parallelize(base, layout, mp)

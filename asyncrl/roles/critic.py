@@ -39,7 +39,8 @@ class CriticWorker(Worker):
         model = skeleton(path, torch.float32, value_head=True)
         lora = cfg.critic.lora
         if lora.enabled:  # adapters on the body before FSDP wraps the layers; the new head trains in full
-            apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, train=VALUE_HEAD)
+            apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, train=VALUE_HEAD,
+                       freeze_a=lora.freeze_a)
         if cfg.critic.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))

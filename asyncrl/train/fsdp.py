@@ -44,7 +44,7 @@ from asyncrl.config import OptimConfig
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.train.export import export_full, export_streamed
-from asyncrl.train.lora import plain_name
+from asyncrl.train.lora import is_lora_param, plain_name
 
 log = logging.getLogger(__name__)
 
@@ -491,8 +491,8 @@ class TrainEngine:
         # Note: on a fresh optimizer this initialises AdamW state with a zero-grad, lr=0 step
         # (needed so dcp.load has tensors to fill), which sets its step counter to 1.
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_STATE_OPTIONS)
-        if self.lora is not None:  # the trained parameters and their optimizer state: the base is model.path's
-            trained = {plain_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        if self.lora is not None:  # the adapters, the trained parameters and their optimizer state: the base is model.path's
+            trained = {plain_name(n) for n, p in self.model.named_parameters() if p.requires_grad or is_lora_param(n)}
             model_sd = {k: v for k, v in model_sd.items() if k in trained}
         return {"model": model_sd, "optim": optim_sd}
 

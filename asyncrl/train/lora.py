@@ -73,10 +73,11 @@ def _tied_head(model: nn.Module) -> nn.Module | None:
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
-               targets: list[str] | None = None, train: tuple[str, ...] = ()) -> list[str]:
+               targets: list[str] | None = None, train: tuple[str, ...] = (), freeze_a: bool = False) -> list[str]:
     """Add adapters to `model`'s target modules in place and freeze everything else but the
     parameters whose names start with `train` (a critic's new value head: trained in full, not
-    adapted); returns the adapted modules' names. Parameters are created on the device (and
+    adapted) and, unless `freeze_a` (LoRA-FA: A stays at its draw), the adapters; returns the
+    adapted modules' names. Parameters are created on the device (and
     meta-ness) of each base weight; `init_adapters` draws A as PEFT does (B stays zero).
 
     An embedding [vocab, dim] is adapted like a linear layer of that weight: B [vocab, rank] and
@@ -94,7 +95,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
     for module in found.values():
         w = module.weight
         out_dim, in_dim = w.shape
-        module.lora_A = nn.Parameter(torch.zeros(rank, in_dim, dtype=w.dtype, device=w.device))
+        module.lora_A = nn.Parameter(torch.zeros(rank, in_dim, dtype=w.dtype, device=w.device),
+                                     requires_grad=not freeze_a)
         module.lora_B = nn.Parameter(torch.zeros(out_dim, rank, dtype=w.dtype, device=w.device))
         module.lora_scale = alpha / rank
         module.lora_off = False

@@ -278,7 +278,7 @@ def test_split_placement_with_vllm_serves_the_adapter(tiny_vllm_model, tmp_path)
     assert all(0 < r["perf/weight_sync_mb"] * 2**20 < 0.2 * 4 * params for r in rows), rows
 
 
-def _resume_job(rank: int, world_size: int, out) -> dict:
+def _resume_job(rank: int, world_size: int, out, freeze_a: bool = False) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
@@ -297,24 +297,25 @@ def _resume_job(rank: int, world_size: int, out) -> dict:
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
 
-    def engine():
+    def engine(seed):  # alike on every rank (the actor: rank 0's); the resumed one draws other adapters
         model = tiny_model(0)
-        apply_lora(model, 4, 8.0)
-        init_adapters(model, torch.Generator().manual_seed(7))  # alike on every rank (the actor: rank 0's)
+        apply_lora(model, 4, 8.0, freeze_a=freeze_a)
+        init_adapters(model, torch.Generator().manual_seed(seed))
         return build_engine(model, OPTIM, layout)
 
     def step(e, s):
         return e.train_step(split(rank_rows(step_batch(s), rank, world_size), 2), loss_fn)
 
     lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["all-linear"], "base_model": "tiny"}
-    a = engine()
+    a = engine(7)
     a.lora = lora
+    trained = {n.rsplit(".", 1)[-1] for n, p in a.model.named_parameters() if p.requires_grad}
     for s in range(2):
         step(a, s)
     a.save_checkpoint(out / "ckpt")
     cont = [step(a, s) for s in (2, 3)]
     want = a.full_state_dict(rank0_only=False)
-    b = engine()
+    b = engine(8)
     b.lora = lora
     b.load_checkpoint(out / "ckpt")
     resumed = [step(b, s) for s in (2, 3)]
@@ -322,17 +323,24 @@ def _resume_job(rank: int, world_size: int, out) -> dict:
     model_keys = {k.split(".", 1)[1] for k in saved if k.startswith("model.")}
     return {"cont": cont, "resumed": resumed, "equal": all(torch.equal(want[k], v) for k, v in
                                                            b.full_state_dict(rank0_only=False).items()),
-            "only_adapters": bool(model_keys) and all(is_lora_param(k) for k in model_keys)}
+            "only_adapters": bool(model_keys) and all(is_lora_param(k) for k in model_keys),
+            "trained": trained}
 
 
-def test_a_resumed_lora_run_continues_exactly(tmp_path):
+@pytest.mark.parametrize("freeze_a", [False, True])
+def test_a_resumed_lora_run_continues_exactly(freeze_a, tmp_path):
     """The checkpoint holds the adapters and their optimizer state only (the base is the model's
-    own files); a resumed engine's next steps equal the uninterrupted ones."""
+    own files); a resumed engine, built with other adapters, continues as the uninterrupted one.
+    With LoRA-FA (`freeze_a`) only B trains and has optimizer state, and the checkpoint still
+    holds A (its draw is the adapter)."""
+    import functools
+
     from tests.helpers.gloo_ranks import run_ranks
 
-    for r in run_ranks(_resume_job, 2, tmp_path, 120):
+    for r in run_ranks(functools.partial(_resume_job, freeze_a=freeze_a), 2, tmp_path, 120):
         assert r["only_adapters"] and r["equal"], r
         assert r["resumed"] == r["cont"]
+        assert r["trained"] == ({"lora_B"} if freeze_a else {"lora_A", "lora_B"})
 
 
 @pytest.mark.slow  # ~45 s (three runs); the actor's exact resume runs by default
