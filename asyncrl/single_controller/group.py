@@ -139,6 +139,7 @@ class ProcessSet:
         self.collective_timeout_s = collective_timeout_s  # what the workers' process groups use
         self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
         self.unsettled: list[asyncio.Future] = []  # rank calls still running after a failed call
+        self.settling: asyncio.Task | None = None  # the task waiting for them (`WorkerGroup._settle`)
         self.calls = 0
 
     @property
@@ -212,7 +213,7 @@ class WorkerGroup:
         prev = self.procs.tail if spec.blocking else None
 
         async def run() -> Any:
-            if prev is not None:
+            if prev is not None and not prev.done():
                 await asyncio.wait([prev])  # call order on shared processes; its errors are its own
             a, k = await resolve_futures((list(args), kwargs))
             ctx = CallContext(self.role, label, self.world_size, self.layouts)
@@ -224,12 +225,25 @@ class WorkerGroup:
         if spec.blocking:
             # the next call waits until this one has ended on *every* rank (after a failure the
             # other ranks may still be running it), without keeping its result alive
-            self.procs.tail = loop.create_task(self._settle(task, label), name=f"{self.role}.{label}:turn")
+            self.procs.tail = self._turn(task, label)
         self.procs.calls += 1
         return DataFuture(task, f"{self.role}.{label}")
 
-    async def _settle(self, task: asyncio.Task, label: str) -> None:
-        await asyncio.wait([task])
+    def _turn(self, task: asyncio.Task, label: str) -> asyncio.Future:
+        """A future done once `task` has ended and no rank still runs a failed call."""
+        turn = task.get_loop().create_future()
+
+        def ended(_: asyncio.Task) -> None:
+            if self.procs.unsettled:
+                self.procs.settling = task.get_loop().create_task(self._settle(turn, label),
+                                                                  name=f"{self.role}.{label}:turn")
+            elif not turn.done():
+                turn.set_result(None)
+
+        task.add_done_callback(ended)
+        return turn
+
+    async def _settle(self, turn: asyncio.Future, label: str) -> None:
         waited = 0.0
         while self.procs.unsettled:
             pending, self.procs.unsettled = self.procs.unsettled, []
@@ -240,6 +254,8 @@ class WorkerGroup:
                             "after %.0fs (blocked in a collective? restart the job if this persists)",
                             self.procs.pool.name, len(still), self.role, label, waited)
                 self.procs.unsettled.extend(still)
+        if not turn.done():
+            turn.set_result(None)
 
     async def _fan_out(self, label: str, entry: str, head: list,
                        plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
