@@ -54,6 +54,7 @@ def test_tiny_run() -> None:
     assert all(out[f"time_{m}_s"] > 0 for m in ("hybridflow", "hybridflow_v", "dschat", "full_state"))
 
 
+@pytest.mark.slow  # ~14 s (suite time); tests/rl/test_hybrid_engine.py checks the pipeline reshard (p2-t2-tg1)
 def test_tiny_pipeline_run() -> None:
     """4 gloo ranks, p=2 stages of t=2 -> tg=1: the full model's generation shards checked inside
     the run for every method, the reshard's bytes equal to the Resharder's exact count."""
