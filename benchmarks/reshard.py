@@ -136,9 +136,9 @@ class Counter:
         self.collectives = 0
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: Any, size: int) -> None:
-        import torch.distributed as dist
+        from asyncrl.train.reshard import all_gather_single
 
-        dist.all_gather_single(out, inp, group=group)
+        all_gather_single(out, inp, group=group)
         self.bytes_received += (size - 1) * inp.numel() * inp.element_size()
         self.collectives += 1
 

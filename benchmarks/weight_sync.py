@@ -83,10 +83,11 @@ def _training_model(model_dir: Path, world: int, dtype: torch.dtype) -> Any:
 
 def _rank(rank: int, n: int, r: int, dtype_name: str, model_dir: str, ports: tuple[int, int], reps: int,
           out_dir: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo CPU ranks, also on a GPU host (whose meshes default to cuda)
     import torch.distributed as dist
 
     from asyncrl.single_controller.parallel import GenerationParallelConfig, generation_layout
-    from asyncrl.train.reshard import Resharder
+    from asyncrl.train.reshard import Resharder, all_gather_single
     from asyncrl.train.weight_sync import (
         TensorSpec,
         WeightBridge,
@@ -180,7 +181,7 @@ def _rank(rank: int, n: int, r: int, dtype_name: str, model_dir: str, ports: tup
 
         def reshard_floor() -> None:  # the same bytes into a fresh buffer
             gathered = torch.empty(piece.numel() * n, dtype=dtype)
-            dist.all_gather_into_tensor(gathered, piece)
+            all_gather_single(gathered, piece)
 
         times.update(reshard=[], reshard_floor=[])
         for rep in range(reps + 1):

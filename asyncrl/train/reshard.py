@@ -97,6 +97,13 @@ def _new_groups(groups: list[list[int]], rank: int) -> tuple[list[int], dist.Pro
     return mine
 
 
+def all_gather_single(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's `inp` into `out`, in rank order: torch 2.13's `all_gather_single`, which earlier
+    torch (2.6-2.12, what CUDA builds of vLLM pin) has as `all_gather_into_tensor`."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
 class Resharder:
     """Builds generation shards of `model` (TP over the train layout's tp dim, FSDP over dp)
     for the generation layout `gen` (see `asyncrl.single_controller.parallel.generation_layout`)."""
@@ -215,7 +222,7 @@ class Resharder:
         return self._shard(name).to(self.dtype)
 
     def _all_gather(self, out: Tensor, inp: Tensor, ranks: list[int], group: dist.ProcessGroup | None) -> None:
-        dist.all_gather_single(out, inp, group=group)
+        all_gather_single(out, inp, group=group)
         self._count(inp, ranks)
 
     def _count(self, inp: Tensor, ranks: list[int]) -> None:

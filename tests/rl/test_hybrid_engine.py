@@ -291,3 +291,25 @@ def test_reshard_and_generate_on_cuda(tmp_path):
     (res,) = run_ranks(_cuda_reshard, 1, tmp_path)
     print("cuda reshard:", res)
     assert res["equal"] and res["bytes"] == 0 and res["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("torch_before_2_13", [False, True])
+def test_the_reshards_all_gather_runs_on_torch_before_2_13(torch_before_2_13, monkeypatch):
+    """torch 2.13 renamed `all_gather_into_tensor` to `all_gather_single`; the CUDA builds of vLLM
+    pin an older torch, where the reshard must use the old name (it failed there: AttributeError)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from asyncrl.train.reshard import all_gather_single
+
+    if torch_before_2_13:
+        monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=10))
+    try:
+        out = torch.zeros(4)
+        all_gather_single(out, torch.arange(4.0))
+        assert torch.equal(out, torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
