@@ -143,6 +143,7 @@ def test_the_tiny_model_speaks_the_rows_words(tmp_path):
         tiny_settings(cfg.model.build_tiny, replace(cfg.data, source=None))
 
 
+@pytest.mark.slow  # ~50 s (suite time); GRPO's learning signal: tests/rl/test_rl.py::test_grpo_learns_by_default
 @pytest.mark.timeout(300)
 def test_the_tiny_model_learns_a_reasoning_gym_task(tmp_path):
     """`--config-name gym_quickstart` shortened to 100 steps: the warm-started model answers every

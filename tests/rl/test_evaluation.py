@@ -204,6 +204,7 @@ def test_batched_reward_functions_score_the_whole_batch():
         RuleRewardWorker._score(lambda *a: [1.0], "reward.fn=f", ["a", "b"], _reward_batch(2), batched=True)
 
 
+@pytest.mark.slow  # ~18 s (suite time); test_user_paths scores with a reward model by default
 def test_a_learned_reward_model_can_be_the_reward(tmp_path, tiny_model):  # noqa: F811
     out = tmp_path / "rm"
     # the tiny LM loaded as a sequence classifier (a fresh one-output head) scores the responses
