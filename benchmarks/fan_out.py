@@ -1,0 +1,134 @@
+"""How fast can one Python controller reach N ranks? The floors of two designs, same run.
+
+    python -m benchmarks.fan_out [--ranks 64] [--per-node 8 16] [--reps 300]
+
+`benchmarks.dataflow` compares the group call with its own design's floor (`raw_fan_out_ratio_N`:
+one socket per rank from the driver). This measures, in bare pyzmq and before anything is built,
+whether a call relayed through each node would do better:
+
+- `flat_ratio`: the driver sends a no-op request to each of the N ranks (one DEALER socket and
+  reader callback each, the request encoded once) and decodes every reply;
+- `relayed_ratio_K`: the driver sends it to one relay per node of K ranks (N/K relays); a relay
+  decodes it, forwards it to its K ranks, decodes their replies and answers with one message
+  holding all K. Two hops instead of one, N/K driver messages instead of N.
+
+The ranks are stand-ins that answer as a worker answers a no-op (`benchmarks.dataflow.serve_ranks`),
+one process per node of K ranks, so both designs meet the same servers; each relay is a process of
+its own, as a node daemon would be. Ratios are against one round trip to one rank over the same
+kind of socket (`round_trip_us`). Where the machine has fewer cores than processes, the relays and
+stand-ins share the driver's cores and a relay cannot win. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import zmq
+
+from benchmarks.dataflow import RawFanOut
+from daemons.proc import kill_group
+from transport import codec
+from transport.rpc import REPLY
+
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
+
+def serve_relay(endpoint: str, ranks: list[str]) -> None:
+    """A node's relay: each request from the driver goes to every rank, and one reply holding all
+    of theirs goes back (one call in flight at a time, as the measurement makes them)."""
+    ctx = zmq.Context.instance()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    front.linger = back.linger = 0
+    front.bind(endpoint)
+    ids = [b"rank%d" % r for r in range(len(ranks))]
+    for rid, rank in zip(ids, ranks, strict=True):
+        back.connect_rid = rid  # address each rank by name on one socket
+        back.connect(rank)
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    print("ready", flush=True)
+    caller, req_id, replies = b"", 0, []
+    while True:
+        for sock, _ in poller.poll():
+            while sock.getsockopt(_EVENTS) & _POLLIN:
+                peer, frame = sock.recv_multipart(_NOBLOCK)
+                if sock is front:
+                    caller, req_id, replies = peer, codec.decode([frame])[1], []
+                    for rid in ids:
+                        back.send_multipart([rid, frame])
+                    continue
+                replies.append(codec.decode([frame])[2])
+                if len(replies) == len(ids):
+                    front.send_multipart([caller, *codec.encode([REPLY, req_id, replies], split=False)])
+
+
+def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fan_out", *args], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    return proc, proc.stdout.readline()
+
+
+async def measure(n: int, per_node: list[int], reps: int) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out: dict[str, float] = {"ranks": n}
+    for k in per_node:
+        procs: list[subprocess.Popen] = []
+        with tempfile.TemporaryDirectory(prefix="asyncrl-fanout-") as tmp:
+            try:
+                ranks, relays = [], []
+                for node in range(n // k):
+                    sockdir = os.path.join(tmp, f"node{node}")
+                    os.mkdir(sockdir)
+                    proc, line = _start(["--serve-ranks", str(k), "--sockdir", sockdir], env)
+                    procs.append(proc)
+                    mine = json.loads(line)
+                    relay = f"ipc://{sockdir}/relay.sock"
+                    proc, _ = _start(["--serve-relay", relay, "--relay-ranks", json.dumps(mine)], env)
+                    procs.append(proc)
+                    ranks += mine
+                    relays.append(relay)
+                await asyncio.sleep(0.5)  # every connection made
+                rtt = min([await RawFanOut(ranks[:1]).median_us(reps) for _ in range(2)])
+                flat = min([await RawFanOut(ranks).median_us(reps) for _ in range(2)])
+                relayed = min([await RawFanOut(relays).median_us(reps) for _ in range(2)])
+            finally:
+                for proc in procs:
+                    kill_group(proc, grace_s=1)
+        out.update({f"round_trip_us_{k}": round(rtt, 1), f"flat_us_{k}": round(flat, 1),
+                    f"relayed_us_{k}": round(relayed, 1), f"flat_ratio_{k}": round(flat / rtt, 2),
+                    f"relayed_ratio_{k}": round(relayed / rtt, 2)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--per-node", type=int, nargs="*", default=[8, 16], help="ranks per node (relay)")
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--serve-ranks", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--sockdir", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-relay", help=argparse.SUPPRESS)
+    ap.add_argument("--relay-ranks", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_ranks:
+        from benchmarks.dataflow import serve_ranks
+        return serve_ranks(args.serve_ranks, args.sockdir)
+    if args.serve_relay:
+        return serve_relay(args.serve_relay, json.loads(args.relay_ranks))
+    if any(args.ranks % k for k in args.per_node):
+        ap.error(f"--ranks {args.ranks} is not a multiple of every --per-node {args.per_node}")
+    result = asyncio.run(measure(args.ranks, args.per_node, args.reps))
+    for key, value in result.items():
+        print(f"{key:>22}: {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

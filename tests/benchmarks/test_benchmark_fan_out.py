@@ -1,0 +1,37 @@
+"""benchmarks.fan_out: a relay answers one request with every one of its ranks' replies."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import zmq
+
+from benchmarks.fan_out import _start
+from daemons.proc import kill_group
+from transport import codec
+from transport.rpc import REPLY, encode_request
+
+
+def test_a_relay_answers_with_all_its_ranks_replies() -> None:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = []
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger, sock.rcvtimeo = 0, 20_000
+    with tempfile.TemporaryDirectory(prefix="asyncrl-fanout-") as tmp:
+        try:
+            proc, line = _start(["--serve-ranks", "3", "--sockdir", tmp], env)
+            procs.append(proc)
+            relay = f"ipc://{tmp}/relay.sock"
+            procs.append(_start(["--serve-relay", relay, "--relay-ranks", line.strip()], env)[0])
+            sock.connect(relay)
+            for _ in range(2):  # one call after another, as the benchmark makes them
+                req_id, frames = encode_request("call_instance", ["light", "noop", [], {}])
+                sock.send_multipart(frames)
+                assert codec.decode(sock.recv_multipart()) == [REPLY, req_id, [[None, None, []]] * 3]
+        finally:
+            sock.close()
+            for proc in procs:
+                kill_group(proc, grace_s=1)
+    assert json.loads(line) and all(p.poll() is not None for p in procs)
