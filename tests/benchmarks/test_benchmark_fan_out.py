@@ -1,14 +1,15 @@
-"""benchmarks.fan_out: a relay answers one request with every one of its ranks' replies."""
+"""benchmarks.fan_out: its relay and its broadcast reach every rank and bring back each reply."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import time
 
 import zmq
 
-from benchmarks.fan_out import _start
+from benchmarks.fan_out import Broadcast, _start
 from daemons.proc import kill_group
 from transport import codec
 from transport.rpc import REPLY, encode_request
@@ -35,3 +36,27 @@ def test_a_relay_answers_with_all_its_ranks_replies() -> None:
             for proc in procs:
                 kill_group(proc, grace_s=1)
     assert json.loads(line) and all(p.poll() is not None for p in procs)
+
+
+def test_a_broadcast_reaches_every_subscribed_rank_once() -> None:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="asyncrl-fanout-") as tmp:
+        cast = Broadcast(tmp, 4)
+        try:
+            for first in (0, 2):  # two nodes of two ranks
+                procs.append(_start(["--serve-subscribers", "2", "--pub", cast.pub_endpoint, "--gather",
+                                     cast.gather_endpoint, "--first-rank", str(first)], env)[0])
+            cast.wait_subscribed()
+            time.sleep(0.3)  # the subscriptions reach the PUB socket
+            req_id, (frame,) = encode_request("call_instance", ["light", "noop", [], {}])
+            cast.pub.send(frame)
+            got = {}
+            while len(got) < 4 and cast.gather.poll(20_000):
+                rank, body = cast.gather.recv_multipart()
+                got[rank] = codec.decode([body])
+        finally:
+            cast.close()
+            for proc in procs:
+                kill_group(proc, grace_s=1)
+    assert got == {b"rank%d" % r: [REPLY, req_id, [None, None, []]] for r in range(4)}
