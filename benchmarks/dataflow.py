@@ -34,6 +34,8 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 import zmq
@@ -168,6 +170,17 @@ def serve_ranks(n: int, sockdir: str) -> None:
         sock.send_multipart([identity, *codec.encode(reply)], copy=False)
 
 
+async def median_us(call: Callable[[], Awaitable[Any]], reps: int, warmup: int = 20) -> float:
+    """The median wall time of `await call()` in µs over `reps` calls after `warmup` others."""
+    times = []
+    for i in range(warmup + reps):
+        t0 = time.perf_counter()
+        await call()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 class RawFanOut:
     """The floor of a group call over one socket per rank: bare pyzmq DEALER sockets, one reader
     callback each, the request encoded once, each reply decoded, no futures, ids or errors."""
@@ -199,13 +212,7 @@ class RawFanOut:
 
     async def median_us(self, reps: int) -> float:
         try:
-            times = []
-            for i in range(reps + 20):
-                t0 = time.perf_counter()
-                await self.call()
-                if i >= 20:
-                    times.append(time.perf_counter() - t0)
-            return statistics.median(times) * 1e6
+            return await median_us(self.call, reps)
         finally:
             for sock in self.socks:
                 self.loop.remove_reader(sock.getsockopt(zmq.FD))

@@ -28,15 +28,13 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import zmq
 
-from benchmarks.dataflow import RawFanOut
+from benchmarks.dataflow import RawFanOut, median_us
 from daemons.proc import kill_group
 from transport import codec
 from transport.rpc import REPLY, encode_request
@@ -142,13 +140,7 @@ class Broadcast:
             except TimeoutError:
                 raise RuntimeError("a published request was lost: a subscription had not reached the "
                                    "PUB socket yet") from None
-            times = []
-            for i in range(reps + 20):
-                t0 = time.perf_counter()
-                await self.call()
-                if i >= 20:  # warm-up
-                    times.append(time.perf_counter() - t0)
-            return statistics.median(times) * 1e6
+            return await median_us(self.call, reps)
         finally:
             loop.remove_reader(fd)
 
@@ -157,14 +149,15 @@ class Broadcast:
         self.gather.close()
 
 
-def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+def _start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """This module in a new process group serving what `args` say; its first line (ready)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fan_out", *args], stdout=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
     return proc, proc.stdout.readline()
 
 
 async def measure(n: int, per_node: list[int], reps: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out: dict[str, float] = {"ranks": n}
     for k in per_node:
         procs: list[subprocess.Popen] = []
@@ -174,16 +167,16 @@ async def measure(n: int, per_node: list[int], reps: int) -> dict[str, float]:
                 for node in range(n // k):
                     sockdir = os.path.join(tmp, f"node{node}")
                     os.mkdir(sockdir)
-                    proc, line = _start(["--serve-ranks", str(k), "--sockdir", sockdir], env)
+                    proc, line = _start(["--serve-ranks", str(k), "--sockdir", sockdir])
                     procs.append(proc)
                     mine = json.loads(line)
                     relay = f"ipc://{sockdir}/relay.sock"
-                    proc, _ = _start(["--serve-relay", relay, "--relay-ranks", json.dumps(mine)], env)
+                    proc, _ = _start(["--serve-relay", relay, "--relay-ranks", json.dumps(mine)])
                     procs.append(proc)
                     ranks += mine
                     relays.append(relay)
                     procs.append(_start(["--serve-subscribers", str(k), "--pub", broadcast.pub_endpoint, "--gather",
-                                         broadcast.gather_endpoint, "--first-rank", str(node * k)], env)[0])
+                                         broadcast.gather_endpoint, "--first-rank", str(node * k)])[0])
                 broadcast.wait_subscribed()
                 await asyncio.sleep(0.5)  # every connection made
                 rtt = min([await RawFanOut(ranks[:1]).median_us(reps) for _ in range(2)])

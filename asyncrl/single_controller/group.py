@@ -139,7 +139,8 @@ class ProcessSet:
         self.collective_timeout_s = collective_timeout_s  # what the workers' process groups use
         self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
         self.unsettled: list[asyncio.Future] = []  # rank calls still running after a failed call
-        self.settling: asyncio.Task | None = None  # the task waiting for them (`WorkerGroup._settle`)
+        # the task waiting for them (`WorkerGroup._settle`), held here: the loop keeps tasks weakly
+        self.settling: asyncio.Task | None = None
         self.calls = 0
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 
@@ -16,16 +15,15 @@ from transport.rpc import REPLY, encode_request
 
 
 def test_a_relay_answers_with_all_its_ranks_replies() -> None:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
     procs = []
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger, sock.rcvtimeo = 0, 20_000
     with tempfile.TemporaryDirectory(prefix="asyncrl-fanout-") as tmp:
         try:
-            proc, line = _start(["--serve-ranks", "3", "--sockdir", tmp], env)
+            proc, line = _start(["--serve-ranks", "3", "--sockdir", tmp])
             procs.append(proc)
             relay = f"ipc://{tmp}/relay.sock"
-            procs.append(_start(["--serve-relay", relay, "--relay-ranks", line.strip()], env)[0])
+            procs.append(_start(["--serve-relay", relay, "--relay-ranks", line.strip()])[0])
             sock.connect(relay)
             for _ in range(2):  # one call after another, as the benchmark makes them
                 req_id, frames = encode_request("call_instance", ["light", "noop", [], {}])
@@ -39,14 +37,13 @@ def test_a_relay_answers_with_all_its_ranks_replies() -> None:
 
 
 def test_a_broadcast_reaches_every_subscribed_rank_once() -> None:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
     procs = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-fanout-") as tmp:
         cast = Broadcast(tmp, 4)
         try:
             for first in (0, 2):  # two nodes of two ranks
                 procs.append(_start(["--serve-subscribers", "2", "--pub", cast.pub_endpoint, "--gather",
-                                     cast.gather_endpoint, "--first-rank", str(first)], env)[0])
+                                     cast.gather_endpoint, "--first-rank", str(first)])[0])
             cast.wait_subscribed()
             time.sleep(0.3)  # the subscriptions reach the PUB socket
             req_id, (frame,) = encode_request("call_instance", ["light", "noop", [], {}])
