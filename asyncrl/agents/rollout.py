@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -29,9 +30,7 @@ from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.agents.env import Action, Environment, StepResult, call
 from asyncrl.agents.tools import load_environment
 from asyncrl.rollout.engine import SamplingParams, positions_from_mask
-
-if TYPE_CHECKING:
-    from asyncrl.serve.backend import Sampling
+from asyncrl.serve.backend import Sampling
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s", "env_reward")
 log = logging.getLogger(__name__)
@@ -88,9 +87,11 @@ class WaveGenerator:
     `lockstep=True` is the baseline other trainers run (TRL's GRPOTrainer): a decode waits until
     every live trajectory has asked, so turn t of all rows ends before any row's turn t + 1.
 
-    A wave decodes requests of one `Sampling` (the engine samples a call with one setting): the
-    others wait for a later wave. A request with a seed therefore decodes alone, on its own
-    generator, and gets the same tokens as the same request alone always would."""
+    A wave decodes requests of one `Sampling` but for the seed (the engine samples a call with
+    one setting): the others wait for a later wave. A request with a seed samples from a
+    generator of its own, so it gets the same tokens whichever requests share its wave (up to
+    the forward's numerics): `MultiTurnRollout` seeds every turn, so which turns the timing of
+    the environments puts together does not change what is sampled."""
 
     def __init__(self, engine: Any, params: SamplingParams, generator: torch.Generator | None,
                  version: Any = lambda: 0, lockstep: bool = False) -> None:
@@ -134,11 +135,11 @@ class WaveGenerator:
     async def _run(self) -> None:
         while self._ready():
             await self._gather()
-            sampling = self.waiting[0][2]
-            wave = [w for w in self.waiting if w[2] == sampling]
-            self.waiting = [w for w in self.waiting if w[2] != sampling]
+            shared = _shared(self.waiting[0][2])
+            wave = [w for w in self.waiting if _shared(w[2]) == shared]
+            self.waiting = [w for w in self.waiting if _shared(w[2]) != shared]
             try:
-                outs = await asyncio.to_thread(self._decode, [(ids, m) for ids, m, _, _ in wave], sampling)
+                outs = await asyncio.to_thread(self._decode, [(ids, m, s) for ids, m, s, _ in wave], shared)
             except BaseException as e:  # every waiting trajectory gets the engine's error
                 for *_, f in wave:
                     if not f.done():
@@ -148,25 +149,41 @@ class WaveGenerator:
                 if not f.done():
                     f.set_result(out)
 
-    def _decode(self, requests: list[tuple[list[int], int]],
-                sampling: Sampling | None = None) -> list[tuple[list[int], list[float], list[int]]]:
+    def _decode(self, requests: list[tuple[list[int], int, Sampling | None]],
+                shared: Sampling | None = None) -> list[tuple[list[int], list[float], list[int]]]:
         self.waves += 1
-        width = max(len(ids) for ids, _ in requests)
+        width = max(len(ids) for ids, _, _ in requests)
         pad = self.engine.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in requests])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in requests])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _, _ in requests])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in requests])
         version = self.version()
-        params = replace(self.params if sampling is None else sampling.apply(self.params),
-                         n=1, max_tokens=max(m for _, m in requests))
-        # a seeded request: the engine seeds a generator of the call's own from params.seed
-        generator = self.generator if sampling is None or sampling.seed is None else None
-        out = self.engine.generate(input_ids, mask, params, generator=generator)
+        params = replace(self.params if shared is None else shared.apply(self.params),
+                         n=1, max_tokens=max(m for _, m, _ in requests))
+        out = self.engine.generate(input_ids, mask, params, generator=self._generators([s for *_, s in requests]))
         results = []
-        for row, (_, budget) in enumerate(requests):
+        for row, (_, budget, _) in enumerate(requests):
             k = min(budget, int(out["response_mask"][row].sum()))
             results.append((out["responses"][row, :k].tolist(), out["rollout_log_probs"][row, :k].tolist(),
                             [version] * k))
         return results
+
+    def _generators(self, samplings: list[Sampling | None]) -> torch.Generator | list[torch.Generator] | None:
+        """The shared generator when no request has a seed; else one per row, the seeded rows'
+        from their seeds and the others' seeded from the shared one (drawn on the CPU)."""
+        if all(s is None or s.seed is None for s in samplings):
+            return self.generator
+        shared = self.generator
+        gens = []
+        for s in samplings:
+            if s is None or s.seed is None:
+                device = shared.device if shared is not None else "cpu"
+                seed = int(torch.randint(2**62, (1,), generator=shared, device=device))
+            gens.append(torch.Generator().manual_seed(seed if s is None or s.seed is None else s.seed))
+        return gens
+
+
+def _shared(sampling: Sampling | None) -> Sampling | None:
+    return None if sampling is None else sampling.shared()
 
 
 class BatcherGenerator:
@@ -219,16 +236,25 @@ class ObservationRenderer:
         return self.tokenizer.encode(full[self.cut:], add_special_tokens=False)
 
 
+def substream(seed: int, index: int) -> int:
+    """The seed of stream `index` under `seed` (a trajectory's, a turn's): independent of the others'."""
+    return random.Random(f"{seed}:{index}").getrandbits(63)
+
+
 async def run_trajectory(env: Environment, row: dict[str, Any], prompt: list[int], generate: TurnGenerator,
-                         render: ObservationRenderer, cfg: MultiTurnConfig, budget: int, pool: Any) -> Trajectory:
-    """Model turns and environment steps until done, `max_turns`, or the token budget."""
+                         render: ObservationRenderer, cfg: MultiTurnConfig, budget: int, pool: Any,
+                         seed: int | None = None) -> Trajectory:
+    """Model turns and environment steps until done, `max_turns`, or the token budget; with a
+    `seed`, turn t samples from its own generator (`substream(seed, t)`), whatever shares its decode."""
     traj = Trajectory(list(prompt))
     await call(pool, env.reset, row)
     for turn in range(cfg.max_turns):
         room = budget - len(traj.tokens)
         if room <= 0:
             break
-        tokens, logprobs, versions = await generate(traj.prompt + traj.tokens, min(room, cfg.max_turn_tokens or room))
+        sampling = None if seed is None else Sampling(seed=substream(seed, turn))
+        tokens, logprobs, versions = await generate(traj.prompt + traj.tokens, min(room, cfg.max_turn_tokens or room),
+                                                    sampling)
         traj.add(tokens, True, logprobs, versions)
         traj.counts["num_turns"] += 1
         text = render.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -273,25 +299,29 @@ class MultiTurnRollout:
         self.pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="env")
 
     def rollout(self, prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
-                generate: TurnGenerator, budget: int) -> list[Trajectory]:
+                generate: TurnGenerator, budget: int, seed: int | None = None) -> list[Trajectory]:
         """Every trajectory (B*n, interleaved like single-turn samples) within `budget` tokens
-        after its prompt, run on an event loop of its own (the worker method runs on a thread)."""
-        return asyncio.run(self._all(prompts, rows, n, generate, budget))
+        after its prompt, run on an event loop of its own (the worker method runs on a thread).
+        With a `seed`, trajectory i samples from `substream(seed, i)`: the same tokens however
+        the environments' timing groups the turns into decodes."""
+        return asyncio.run(self._all(prompts, rows, n, generate, budget, seed))
 
     async def _all(self, prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
-                   generate: TurnGenerator, budget: int) -> list[Trajectory]:
+                   generate: TurnGenerator, budget: int, seed: int | None) -> list[Trajectory]:
         gate = asyncio.Semaphore(self.cfg.concurrency)
 
-        async def one(prompt: list[int], row: dict[str, Any]) -> Trajectory:
+        async def one(i: int, prompt: list[int], row: dict[str, Any]) -> Trajectory:
             async with gate:
                 generate.begin(1)
                 try:
                     env = self.factory(**self.cfg.env_kwargs)
-                    return await run_trajectory(env, row, prompt, generate, self.render, self.cfg, budget, self.pool)
+                    return await run_trajectory(env, row, prompt, generate, self.render, self.cfg, budget, self.pool,
+                                                None if seed is None else substream(seed, i))
                 finally:
                     generate.retire()
 
-        trajs = await asyncio.gather(*(one(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)))
+        pairs = [(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)]
+        trajs = await asyncio.gather(*(one(i, p, r) for i, (p, r) in enumerate(pairs)))
         if trajs and all(t.error for t in trajs):  # not the model's doing: the environment itself is broken
             raise EnvironmentStepError(f"{self.cfg.env}: every trajectory's step raised (first: {trajs[0].error}); "
                                        "fix the environment (a model's odd output may end one trajectory, not all)")

@@ -1,9 +1,10 @@
 """Built-in tasks that need a tool: `lookup`, which the tiny CPU model learns to solve with one.
 
 `lookup c a f` asks for a digit that only the tool knows (a hash of the key,
-`asyncrl.data.synthetic.lookup_value`). A turn whose text holds the word `call` calls the tool,
-and its answer comes back as the next message; any other turn is the final answer, rewarded 1.0
-when its first word is the digit. Without the tool a model is right one time in ten.
+`asyncrl.data.synthetic.lookup_value`). A turn whose first word is `call` calls the tool, and
+its answer comes back as the next message; any other turn is the final answer, rewarded 1.0 when
+its first word is the digit (what follows the first word is not read: an answer `3 call` is the
+answer 3). Without the tool a model is right one time in ten.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ CALL = "call"
 
 
 class LookupEnvironment(Environment):
-    """The `lookup` task's tool: `call` in a turn looks the prompt's key up. `latency_ms` > 0
+    """The `lookup` task's tool: a turn that starts with `call` looks the prompt's key up. `latency_ms` > 0
     makes each tool call wait a log-normal time of that median (σ = 1), as a remote tool would
     (`benchmarks.agentic_rl` sweeps it); the waits are seeded by `seed` and the key."""
 
@@ -35,7 +36,7 @@ class LookupEnvironment(Environment):
 
     async def step(self, action: Action) -> StepResult:
         words = action.text.split()
-        if CALL in words:
+        if words[:1] == [CALL]:
             if self.latency_s:
                 await asyncio.sleep(self.latency_s * self.rng.lognormvariate(0.0, 1.0))
             return StepResult(lookup_value(self.key) if self.key else "unknown key", role="user",

@@ -413,8 +413,10 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         turns = (BatcherGenerator(self.batcher, params, gen) if self.batcher is not None
                  else WaveGenerator(self.rollout, params, gen, version=self._policy_version,
                                     lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep"))
-        trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens)
         own = isinstance(self.agent, ApiRollout)  # an API agent's prompt is what its first call sent
+        # each trajectory's turns sample from streams of its own, seeded from `gen` (one draw a call)
+        seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}
+        trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens, **seeded)
         out = trajectories_to_tensors(trajs, None if own else ids.cpu(), None if own else mask.cpu(),
                                       params.max_tokens, self.tokenizer.pad_token_id, prompt_width=ids.shape[1])
         return {k: v.to(ids.device) for k, v in out.items()}

@@ -13,7 +13,7 @@ shapes what is sampled but not the reported log-prob, so a trainer recomputing
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +57,12 @@ class SamplingParams:
         return 1.0 if self.temperature == 0.0 else self.temperature
 
 
+def row_uniforms(generators: Sequence[torch.Generator], steps: int, device: torch.device) -> torch.Tensor:
+    """[rows, steps] uniforms, row i drawn from `generators[i]` alone (on its own device, then
+    moved): a row's first k draws are the same whatever `steps` is and whatever rows share the call."""
+    return torch.stack([torch.rand(steps, generator=g, device=g.device) for g in generators]).to(device)
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids for a left-padded batch: cumsum of the mask - 1, clamped at 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
@@ -88,11 +94,13 @@ def candidate_probs(
     return probs, cand_ids
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row of unnormalised probs [N, K] by inverse CDF: one uniform per row (about
-    8x faster than torch.multinomial on CPU at K=4096, where random numbers dominate)."""
+    8x faster than torch.multinomial on CPU at K=4096, where random numbers dominate), drawn from
+    `generator` unless given ([N, 1] `uniforms`)."""
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    u = (torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+         if uniforms is None else uniforms.to(cdf.dtype))
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     # u * total can round up to total: fall back to the last index with nonzero probability
     last_nonzero = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
@@ -100,15 +108,17 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row from float logits [N, V]; return (tokens [N], log-probs [N])."""
+    """Pick one token per row from float logits [N, V]; return (tokens [N], log-probs [N]).
+    `uniforms` [N, 1], when given, are the draws instead of `generator`'s."""
     logprobs = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
     if params.is_greedy:
         tokens = logits.argmax(dim=-1)
     else:
         probs, ids = candidate_probs(logits / params.temperature, params.top_k, params.top_p)
-        tokens = draw(probs, generator)
+        tokens = draw(probs, generator, uniforms)
         if ids is not None:
             tokens = ids.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -214,10 +224,13 @@ class RolloutEngine:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
         before_step: Callable[[int], None] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Sample `params.n` responses per left-padded prompt; rows come out as B*n, interleaved.
+
+        `generator`: one for the call, or one per output row (B*n): each row then samples from
+        its own alone, the same tokens whichever rows share the call (up to the forward's numerics).
 
         `before_step(t)` runs before the forward that produces response token t + 1 (e.g. to
         load newer weights mid-generation: the KV cache of earlier tokens is kept).
@@ -234,6 +247,12 @@ class RolloutEngine:
         n, max_tokens = params.n, params.max_tokens
         batch, prompt_len = input_ids.shape
         rows = batch * n
+        noise = None
+        if generator is not None and not isinstance(generator, torch.Generator):
+            if len(generator) != rows:
+                raise ValueError(f"{len(generator)} generators for {rows} rows: pass one per output row (B*n)")
+            noise = None if params.is_greedy else row_uniforms(generator, max_tokens, dev)
+            generator = None
         stop_ids = torch.tensor(
             self.eos_token_ids + list(params.stop_token_ids), dtype=torch.long, device=dev
         )
@@ -259,7 +278,8 @@ class RolloutEngine:
 
             steps = 0
             for t in range(max_tokens):
-                tokens, token_lp = sample_tokens(logits, params, generator)
+                tokens, token_lp = sample_tokens(logits, params, generator,
+                                                 None if noise is None else noise[:, t:t + 1])
                 alive = ~finished
                 tokens = torch.where(alive, tokens, self.pad_token_id)
                 responses[:, t] = tokens

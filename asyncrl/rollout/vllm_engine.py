@@ -30,7 +30,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,11 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def _draw_seed(generator: torch.Generator) -> int:
+    """A request seed vLLM takes, drawn from `generator`."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
 
 
 def _check_cpu_head_dim(model_path: str) -> None:
@@ -381,28 +386,31 @@ class VLLMRolloutEngine:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | Sequence[torch.Generator] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Sample `params.n` responses per left-padded prompt; same outputs as the native engine.
 
         Randomness: one base seed per call, drawn from `generator` (else `params.seed`), and
         request i samples with seed base + i*n (vLLM gives its j-th sample seed + j), so a run
-        is reproducible from the generator's state.
+        is reproducible from the generator's state. One generator per output row (B*n): request
+        i's seed is drawn from row i*n's, whichever requests share the call.
         """
         if self.asleep:
             self.wake_up()
         batch = input_ids.shape[0]
         n = params.n
-        base = None
-        if not params.is_greedy:
-            if generator is not None:
-                base = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
-            elif params.seed is not None:
-                base = int(params.seed)
+        seeds: list[int | None] = [None] * batch
+        if not params.is_greedy and generator is not None and not isinstance(generator, torch.Generator):
+            if len(generator) != batch * n:
+                raise ValueError(f"{len(generator)} generators for {batch * n} rows: pass one per output row (B*n)")
+            seeds = [_draw_seed(g) for g in generator[::n]]
+        elif not params.is_greedy:
+            base = _draw_seed(generator) if generator is not None else params.seed
+            seeds = [None if base is None else int(base) + i * n for i in range(batch)]
         mask = attention_mask.bool().cpu()
         ids = input_ids.cpu()
         prompts = [{"prompt_token_ids": ids[i][mask[i]].tolist()} for i in range(batch)]
-        sampling = [self._sampling(params, None if base is None else base + i * n) for i in range(batch)]
+        sampling = [self._sampling(params, seed) for seed in seeds]
         adapter = self.adapters[-1] if self.adapters else None
         outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=adapter)
         completions = [c for out in outs for c in sorted(out.outputs, key=lambda c: c.index)]

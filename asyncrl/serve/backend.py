@@ -36,6 +36,11 @@ class Sampling:
                  "top_k": None if self.top_k is None else max(self.top_k, 0)}
         return replace(params, **{k: v for k, v in asked.items() if v is not None})
 
+    def shared(self) -> Sampling | None:
+        """The settings requests must share to decode together (all but the seed); None: the backend's."""
+        rest = replace(self, seed=None)
+        return None if rest == Sampling() else rest
+
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A generator seeded with `seed` on `device`, or None when the request gives no seed."""
         return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)

@@ -250,6 +250,35 @@ def test_turns_on_the_continuous_batcher_keep_the_engines_ids_and_versions(tiny)
     assert torch.allclose(logp[m], out["rollout_log_probs"][m], atol=1e-5)
 
 
+def test_a_seeded_rollout_samples_the_same_tokens_however_its_turns_are_grouped_into_decodes(tiny):
+    """Waves of six rows (lock-step) against waves of at most two (two trajectories at a time):
+    with a seed each trajectory's turns sample from streams of their own, so the tokens agree;
+    without one, the rows share one stream and which rows a decode holds changes them."""
+    from asyncrl.rollout import RolloutEngine, SamplingParams
+
+    model, tok = tiny
+    engine = RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"sort {i} 2"}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for i in range(3)]
+
+    def run(concurrency: int, seed: int | None) -> tuple[list[list[int]], int]:
+        cfg = MultiTurnConfig(enable=True, env=f"{ENVS}:Countdown", env_kwargs={"turns": 3}, max_turns=3,
+                              max_turn_tokens=8, concurrency=concurrency)
+        agent = MultiTurnRollout(cfg, tok)
+        wave = WaveGenerator(engine, SamplingParams(temperature=1.0, max_tokens=8), torch.Generator().manual_seed(0),
+                             lockstep=concurrency == 6)
+        trajs = agent.rollout(prompts, [{"i": i} for i in range(3)], 2, wave, 40, seed=seed)
+        agent.close()
+        return [t.tokens for t in trajs], wave.waves
+
+    (together, waves_6), (apart, waves_2) = run(6, seed=11), run(2, seed=11)
+    assert waves_6 == 3 and waves_2 >= 9  # the same turns, grouped otherwise
+    assert together == apart
+    assert run(6, seed=12)[0] != together  # the seed is what they sample from
+    assert run(6, seed=None)[0] != run(2, seed=None)[0]  # a shared stream: the grouping shows
+
+
 def test_lockstep_decodes_every_trajectorys_turn_together(tiny, monkeypatch):
     trajs, _, generated, _, wave, _ = _rollout(tiny, monkeypatch, lockstep=True)
     assert all(t.counts["num_turns"] == 3 for t in trajs)

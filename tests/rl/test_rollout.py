@@ -184,6 +184,27 @@ def test_n_samples_interleaved_and_seeded(model, prompts):
     assert not torch.equal(other["responses"], out["responses"])
 
 
+def test_a_generator_per_row_samples_each_row_alike_whatever_rows_share_the_call(model, prompts):
+    """One generator per output row: a row's tokens are those it gets alone, however many
+    tokens the call decodes; a list of the wrong length is refused."""
+    rows, input_ids, attention_mask = prompts
+    engine = engine_for(model, eos=[])
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def gens(seeds: list[int]) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    together = engine.generate(input_ids, attention_mask, params, generator=gens([5, 6, 7, 8]))["responses"]
+    for i, row in enumerate(rows):
+        alone = engine.generate(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long),
+                                SamplingParams(temperature=1.0, max_tokens=3), generator=gens([5 + i]))
+        assert torch.equal(alone["responses"][0], together[i, :3]), i
+    assert not torch.equal(together, engine.generate(input_ids, attention_mask, params,
+                                                     generator=gens([8, 7, 6, 5]))["responses"])
+    with pytest.raises(ValueError, match="one per output row"):
+        engine.generate(input_ids, attention_mask, params, generator=gens([1, 2]))
+
+
 def test_n_samples_match_repeated_prompts(model, prompts):
     """Fanning out the prefilled cache equals prefilling each copy of the prompt."""
     _, input_ids, attention_mask = prompts
