@@ -349,7 +349,13 @@ def test_a_bad_environment_name_says_what_to_write(tmp_path):
 def test_the_tiny_model_learns_to_call_the_tool(tmp_path):
     """`--config-name tool_quickstart`: a guess is right one time in ten, and the warm-started
     model seldom calls the tool; GRPO over two-turn trajectories must make it call and answer
-    with the tool's digit (held-out greedy success from at most 0.2 to at least 0.7)."""
+    with the tool's digit in 40 steps (about 20 s).
+
+    Spread on the 2-core machine, 16 runs (run seeds 0-9 on the recipe's warm start, warm-start
+    seeds 1-6 standing in for other machines' kernels; a run repeats itself exactly): held-out
+    greedy success 0.070-0.133 at step 0 and 1.000 in every run at step 40 (already at step
+    20); tool calls per trajectory 0.012-0.047 at step 1 and 0.867-0.953 at step 40. With the
+    advantage zeroed the run ends at 0.117 and 0.047 (it fails)."""
     import json
 
     from omegaconf import OmegaConf
@@ -366,9 +372,9 @@ def test_the_tiny_model_learns_to_call_the_tool(tmp_path):
                   small=False, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["val_reward_start"] <= 0.2 and summary["val_reward_end"] >= 0.7, summary
+    assert summary["val_reward_start"] <= 0.2 and summary["val_reward_end"] >= 0.8, summary
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
-    assert steps[0]["agent/tool_calls_mean"] < 0.2 < 0.8 < steps[-1]["agent/tool_calls_mean"], steps
+    assert steps[0]["agent/tool_calls_mean"] < 0.15 < 0.75 < steps[-1]["agent/tool_calls_mean"], steps
 
 
 def test_environment_arguments_from_the_command_line():
