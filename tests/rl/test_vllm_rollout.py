@@ -215,7 +215,8 @@ def test_resharded_weights_reach_vllm_before_and_after_an_update(weight_sync):
 # RL with the vLLM backend --------------------------------------------------------------------------
 def test_grpo_with_vllm_rollout_learns(tmp_path):
     """The quickstart recipe, shortened, generating with vLLM: held-out greedy reward must rise by
-    the margin the native engine's test asks (tests/rl/test_rl.py::test_grpo_learns_by_default)."""
+    the margin the native engine's test asks (tests/rl/test_rl.py::test_grpo_learns_by_default).
+    Spread on the 2-core machine, seeds 0-5 (2026-11-26): gains 0.258-0.326."""
     from asyncrl.models.tiny import ensure_tiny_model
     from tests.rl.test_rl import _launch
 
