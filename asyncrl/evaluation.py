@@ -51,7 +51,7 @@ class Evaluator:
         """`n` responses to each held-out prompt, scored by the reward: one dict per response
         (prompt_index, sample, data_source, ground_truth, score, and the response's token ids
         under "response_ids"; `_decoded` turns the rows that are shown or saved into text)."""
-        prompts = self.data.put(self.data.val_prompts, {"greedy": greedy, "n": n})
+        prompts = self.data.put(self.data.val_prompts, {"greedy": greedy, "n": n, "evaluation": True})
         gen = self.roles.rollout.generate_sequences(prompts)
         scored = self.roles.reward.compute_reward(gen)
         out = await (await gen).select("responses", "response_mask", "attention_mask", meta=False).fetch()

@@ -8,6 +8,8 @@ allocates (generation, the log-prob passes, the update):
                over dp x tp ranks), the reference policy's shard in the compute dtype
     generate   the generation weights (the reshard's full tensors over rollout.parallel.tp, in the
                compute dtype) + the native engine's KV cache for this rank's rows
+    evaluate   the same for held-out prompts, which decode in waves of rollout.decode_slots rows
+               (0: a training batch's rows on the rank), whatever the held-out set's size
     log-probs  one micro-batch's logits at the response positions + an fp32 chunk + two gathered
                layers + the gathered embedding (FSDP's root unit)
     update     one micro-batch's saved activations (one layer's when checkpointing) + its logits
@@ -35,6 +37,7 @@ from asyncrl.plan.workload import ModelSpec
 GIB = float(1 << 30)
 EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files (asyncrl.train.fsdp writes them): rank 0 holds one
 RUNTIME_BYTES = 0.75 * GIB  # a worker process with torch, transformers and asyncrl loaded (measured on CPU)
+KV = "KV cache (native engine)"  # the part the generate and evaluate phases differ in
 LOGIT_CHUNK_TOKENS = 1024  # positions whose fp32 logits exist at once in asyncrl.roles.forward (x vocab x 4 bytes)
 # bytes of saved activations per token per layer, in units of the compute dtype's width: attention
 # and MLP inputs and outputs, norms, the gated MLP's three ffn-wide tensors (Korthikanti et al. 2022
@@ -179,7 +182,7 @@ def generation(spec: ModelSpec, rows: float, seq: float, gen_tp: int, knobs: Kno
         return {"vLLM (weights + KV cache)": knobs.vllm_bytes}
     cb = knobs.compute_bytes
     return {"generation weights (full, / rollout tp)": cb * spec.params / gen_tp,
-            "KV cache (native engine)": rows * seq * spec.kv_bytes_per_token / 2 * cb / gen_tp}
+            KV: rows * seq * spec.kv_bytes_per_token / 2 * cb / gen_tp}
 
 
 def checkpoint_phases(spec: ModelSpec, shards: int, knobs: Knobs, resident: float) -> dict[str, float]:
@@ -215,24 +218,27 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     seq = dc.max_prompt_len + rc.max_tokens
     width = rc.max_tokens + 1  # the response positions whose logits are computed
     rows = dc.batch_size * rc.n / dp  # this rank's rows of a step
-    gen_rows = rows * rc.parallel.tp / par.tp  # a TP group's rows, over its tp / rollout tp replicas
-    if knobs.decode_rows:  # decoded in waves of at most this many rows
-        gen_rows = min(gen_rows, knobs.decode_rows)
+    batch_rows = rows * rc.parallel.tp / par.tp  # a TP group's rows, over its tp / rollout tp replicas
+    gen_rows = min(batch_rows, knobs.decode_rows) if knobs.decode_rows else batch_rows  # in waves of at most this
+    eval_rows = knobs.decode_rows or batch_rows  # held-out prompts: waves of decode_slots, else of a batch's rows
 
     lora = knobs.lora_params  # the reference is the base with the adapters off: no copy
     resident = {**training_state(spec, shards, lora or None),
                 "reference policy (shard)": 0.0 if lora else forward_only_weights(spec, shards, knobs),
                 "process (python, torch)": RUNTIME_BYTES}
     gen = generation(spec, gen_rows, seq, rc.parallel.tp, knobs)
+    held_out = generation(spec, eval_rows, seq, rc.parallel.tp, knobs)
+    eval_kv = {"KV cache (evaluation waves)": held_out[KV]} if KV in held_out and eval_rows != gen_rows else {}
     lp = forward_pass(spec, min(ac.log_prob_micro_batch_size, rows), width, par.tp, knobs)
     up = update_pass(spec, min(ac.micro_batch_size, rows / ac.ppo_mini_batches), seq, width, par.tp, knobs)
     base = sum(resident.values())
-    phases = {"generate": base + sum(gen.values()), "log-probs": base + sum(lp.values()),
+    phases = {"generate": base + sum(gen.values()), "evaluate": base + sum(held_out.values()),
+              "log-probs": base + sum(lp.values()),
               "update": base + sum(up.values())}
     host = checkpoint_phases(spec, shards, knobs, base)
     if not on_gpu:  # the checkpoint's bytes are host memory: the device's own on a CPU
         phases.update(host)
-    return MemoryEstimate({**resident, **gen, **lp, **up}, phases, host)
+    return MemoryEstimate({**resident, **gen, **eval_kv, **lp, **up}, phases, host)
 
 
 def _chunk(spec: ModelSpec, tokens: float) -> float:

@@ -336,7 +336,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         group; the outputs of generation-TP rank 0 are kept. prompts.meta may override
         sampling: n, temperature, top_p, top_k, max_tokens, greedy, seed.
         """
-        with memory_phase("generate", self.device):
+        # held-out prompts (`asyncrl.evaluation`) are their own phase: they decode in the same waves
+        with memory_phase("evaluate" if prompts.meta.get("evaluation") else "generate", self.device):
             return self._generate(prompts)
 
     @register(THREE_D_ALL_MICRO_DP, blocking=False)
@@ -379,10 +380,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     def _generate_waves(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                         gen: torch.Generator) -> tuple[dict[str, torch.Tensor], int]:
-        """The native engine decodes at most rollout.decode_slots rows at once (the KV cache it
-        may hold; 0 = every row of the call): the prompts in waves, the outputs joined (and how
-        many waves)."""
-        slots = self.cfg.rollout.decode_slots if isinstance(self.rollout, RolloutEngine) else 0
+        """The native engine decodes at most `_decode_rows()` rows at once (the KV cache and
+        prefill it may hold): the prompts in waves, the outputs joined (and how many waves)."""
+        slots = self._decode_rows() if isinstance(self.rollout, RolloutEngine) else 0
         per_wave = max(1, slots // params.n) if slots else len(ids)
         outs = [self._generate_wave(ids[i:i + per_wave], mask[i:i + per_wave], params, gen)
                 for i in range(0, len(ids), per_wave)]
@@ -390,6 +390,13 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return outs[0], 1
         outs = [_pad_responses(o, params.max_tokens, self.tokenizer.pad_token_id) for o in outs]
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}, len(outs)
+
+    def _decode_rows(self) -> int:
+        """rollout.decode_slots, or (0) the rows of one training batch on this rank: a larger
+        call (held-out prompts, a bigger batch asked in meta) decodes in waves of that many, so
+        its memory does not grow with the call (the budget `asyncrl.plan.memory` prices)."""
+        rc = self.cfg.rollout
+        return rc.decode_slots or -(-self.cfg.data.batch_size // self.gen_layout.data_shards()) * rc.n
 
     def _generate_wave(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                        gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -294,6 +294,34 @@ async def test_native_engine_decodes_in_waves_of_decode_slots(tiny_model, tmp_pa
     torch.testing.assert_close(one["rollout_log_probs"], waves["rollout_log_probs"])
 
 
+async def test_held_out_prompts_decode_in_waves_of_a_training_batch(tiny_model, tmp_path):
+    """Evaluation's memory must not grow with the held-out set: its prompts decode at most a
+    training batch's rows at a time on a rank (data.batch_size 2 x rollout.n 2 = 4 rows), 8 or 40
+    of them alike, in a phase of their own; a training-sized call stays one wave."""
+    from asyncrl.roles.actor import ActorRolloutRefWorker
+    from asyncrl.single_controller.context import local_cluster
+
+    cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
+           "data": {"batch_size": 2}, "rollout": {"n": 2, "max_tokens": 5}}
+    g = torch.Generator().manual_seed(0)
+    async with local_cluster(cpu_devices=1, log_dir=tmp_path / "logs", insecure=True) as ctx:
+        actor = await ctx.spawn_group(ctx.create_pool("a", world_size=1), ActorRolloutRefWorker, cfg,
+                                      ("actor", "rollout"))
+
+        async def generate(rows: int, meta: dict) -> Batch:
+            ids = torch.randint(3, 9, (rows, 3), generator=g)
+            batch = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, {"uid": list(range(rows))}, meta)
+            return await (await actor.generate_sequences(ctx.put(batch))).fetch()
+
+        assert (await generate(2, {}))["responses"].shape[0] == 4
+        for rows in (8, 40):
+            out = await generate(rows, {"greedy": True, "n": 1, "evaluation": True})
+            assert out["responses"].shape[0] == rows and out.meta["gen_waves"] == rows // 4, out.meta
+        assert (await generate(2, {})).meta["gen_waves"] == 1
+        phases = (await actor.memory_stats())[0]["phases"]
+        assert {"generate", "evaluate"} <= set(phases), phases
+
+
 def test_phase_summary_reports_median_phases_and_shares(tmp_path):
     from asyncrl.metrics import phase_summary
 
