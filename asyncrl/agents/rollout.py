@@ -82,7 +82,8 @@ class TurnGenerator(Protocol):
 
 class WaveGenerator:
     """Turns served by `RolloutEngine.generate` in waves: every request waiting when a decode
-    starts goes into it; requests arriving meanwhile wait for the next one.
+    starts goes into it (at most `max_rows`: the rollout's decode budget); requests arriving
+    meanwhile wait for the next one.
 
     `lockstep=True` is the baseline other trainers run (TRL's GRPOTrainer): a decode waits until
     every live trajectory has asked, so turn t of all rows ends before any row's turn t + 1.
@@ -94,9 +95,10 @@ class WaveGenerator:
     the environments puts together does not change what is sampled."""
 
     def __init__(self, engine: Any, params: SamplingParams, generator: torch.Generator | None,
-                 version: Any = lambda: 0, lockstep: bool = False) -> None:
+                 version: Any = lambda: 0, lockstep: bool = False, max_rows: int = 0) -> None:
         self.engine, self.params, self.generator, self.version = engine, params, generator, version
-        self.lockstep = lockstep
+        # max_rows > 0: the most rows one decode takes (lock-step decodes a whole turn at once)
+        self.lockstep, self.max_rows = lockstep, 0 if lockstep else max_rows
         self.waiting: list[tuple[list[int], int, Sampling | None, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
         self.waves = self.live = 0
@@ -136,8 +138,8 @@ class WaveGenerator:
         while self._ready():
             await self._gather()
             shared = _shared(self.waiting[0][2])
-            wave = [w for w in self.waiting if _shared(w[2]) == shared]
-            self.waiting = [w for w in self.waiting if _shared(w[2]) != shared]
+            wave = [w for w in self.waiting if _shared(w[2]) == shared][:self.max_rows or None]
+            self.waiting = [w for w in self.waiting if not any(w is x for x in wave)]
             try:
                 outs = await asyncio.to_thread(self._decode, [(ids, m, s) for ids, m, s, _ in wave], shared)
             except BaseException as e:  # every waiting trajectory gets the engine's error

@@ -419,7 +419,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         rows = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(plain))]
         turns = (BatcherGenerator(self.batcher, params, gen) if self.batcher is not None
                  else WaveGenerator(self.rollout, params, gen, version=self._policy_version,
-                                    lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep"))
+                                    lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep",
+                                    max_rows=self._decode_rows() if isinstance(self.rollout, RolloutEngine) else 0))
         own = isinstance(self.agent, ApiRollout)  # an API agent's prompt is what its first call sent
         # each trajectory's turns sample from streams of its own, seeded from `gen` (one draw a call)
         seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}

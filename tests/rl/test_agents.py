@@ -279,6 +279,30 @@ def test_a_seeded_rollout_samples_the_same_tokens_however_its_turns_are_grouped_
     assert run(6, seed=None)[0] != run(2, seed=None)[0]  # a shared stream: the grouping shows
 
 
+def test_a_wave_takes_at_most_max_rows(tiny):
+    """Held-out rollouts of many trajectories: each decode takes at most the budget's rows."""
+    from asyncrl.rollout import RolloutEngine, SamplingParams
+
+    model, tok = tiny
+    engine = RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    widths = []
+    real = engine.generate
+
+    def spy(ids, mask, params, generator=None, **kw):
+        widths.append(ids.shape[0])
+        return real(ids, mask, params, generator=generator, **kw)
+
+    engine.generate = spy
+    cfg = MultiTurnConfig(enable=True, env=f"{ENVS}:Countdown", env_kwargs={"turns": 2}, max_turns=2, max_turn_tokens=4)
+    agent = MultiTurnRollout(cfg, tok)
+    prompts = [tok.encode(f"sort {i % 9} 1", add_special_tokens=False) for i in range(10)]
+    wave = WaveGenerator(engine, SamplingParams(temperature=1.0, max_tokens=4), torch.Generator().manual_seed(0),
+                         max_rows=3)
+    trajs = agent.rollout(prompts, [{"i": i} for i in range(10)], 1, wave, 20, seed=0)
+    agent.close()
+    assert len(trajs) == 10 and max(widths) == 3 and sum(widths) == 20, widths
+
+
 def test_lockstep_decodes_every_trajectorys_turn_together(tiny, monkeypatch):
     trajs, _, generated, _, wave, _ = _rollout(tiny, monkeypatch, lockstep=True)
     assert all(t.counts["num_turns"] == 3 for t in trajs)
