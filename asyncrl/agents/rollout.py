@@ -139,7 +139,8 @@ class WaveGenerator:
             await self._gather()
             shared = _shared(self.waiting[0][2])
             wave = [w for w in self.waiting if _shared(w[2]) == shared][:self.max_rows or None]
-            self.waiting = [w for w in self.waiting if not any(w is x for x in wave)]
+            taken = {id(w) for w in wave}
+            self.waiting = [w for w in self.waiting if id(w) not in taken]
             try:
                 outs = await asyncio.to_thread(self._decode, [(ids, m, s) for ids, m, s, _ in wave], shared)
             except BaseException as e:  # every waiting trajectory gets the engine's error

@@ -7,6 +7,10 @@ before it runs the code:
 - sets resource limits: CPU seconds, address space, file size, open files, no core dumps;
 - leaves the network: a new network namespace (only a loopback that is down) where the kernel
   allows one (as root, or through a user namespace);
+- gets a filesystem of its own in a new mount namespace (same condition): a root that holds the
+  interpreter and the system libraries read-only, its directory at `/sandbox`, a private `/tmp`
+  and `/dev`'s null, zero and urandom: no host `/tmp`, `/home`, `/proc`, `/dev/shm`, datasets or
+  reward files to read (where the kernel refuses, it runs on the host's files and says so once);
 - as root, becomes `nobody`, so the process-count limit applies and the rest of the disk is
   not writable;
 - installs an audit hook (`sys.addaudithook`, which code cannot remove) refusing sockets,
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 
 NOBODY = 65534
+log = logging.getLogger(__name__)
 _MARK = "@@asyncrl-sandbox@@ "
 # standard modules imported before the code runs (and before root is dropped, where the stdlib
 # may sit in a directory `nobody` cannot read): what model-written maths and text code imports
@@ -76,6 +82,8 @@ class RunResult:
     timed_out: bool = False
     truncated: bool = False
     isolated_network: bool = False
+    own_filesystem: bool = False
+    """The code saw a root of its own (a mount namespace), not the host's files."""
 
     @property
     def error(self) -> str | None:
@@ -103,14 +111,53 @@ for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memor
                     ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", limits["processes"])):
     resource.setrlimit(getattr(resource, name), (value, value))
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-isolated = libc.unshare(CLONE_NEWNET) == 0 or libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+def mount(src, dst, fstype, flags, data=None):
+    if libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode()):
+        raise OSError(ctypes.get_errno(), "mount " + dst)
+def bind(src, root, writable=False):
+    dst = root + src
+    os.makedirs(dst, exist_ok=True) if os.path.isdir(src) else (os.makedirs(os.path.dirname(dst), exist_ok=True), open(dst, "a").close())
+    mount(src, dst, None, MS_BIND | MS_REC)
+    if not writable:
+        mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+def own_root(root, work):
+    # a root of its own: the interpreter and the system libraries read-only, the run's directory
+    # at /sandbox, a private /tmp, /dev's null, zero and urandom; no /proc, /home, /dev/shm or host /tmp
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=755")
+    os.makedirs(root + "/tmp"); mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
+    bound = []
+    for path in ("/usr", "/lib", "/lib64", "/bin", sys.base_prefix, sys.prefix, sys.exec_prefix):
+        real = os.path.realpath(path)
+        if os.path.isdir(real) and not any(real == b or real.startswith(b + "/") for b in bound):
+            bind(real, root); bound.append(real)
+        if os.path.isdir(real) and real != path and not os.path.lexists(root + path):
+            os.makedirs(os.path.dirname(root + path), exist_ok=True); os.symlink(real, root + path)
+    for dev in ("/dev/null", "/dev/zero", "/dev/urandom"):
+        bind(dev, root, writable=True)
+    os.makedirs(root + "/sandbox"); mount(work, root + "/sandbox", None, MS_BIND)
+    mount(None, root, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    os.chroot(root); os.chdir("/sandbox")
+work, root = os.getcwd(), os.path.join(os.path.dirname(os.getcwd()), "root")
+own_fs = libc.unshare(CLONE_NEWNS | CLONE_NEWNET) == 0 or libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET) == 0
+isolated = own_fs or libc.unshare(CLONE_NEWNET) == 0 or libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+if own_fs:
+    try:
+        own_root(root, work)
+        code_path = os.path.join("/sandbox", os.path.basename(code_path))
+    except OSError:
+        own_fs = False
+        os.chdir(work)
 for name in PRELOAD:  # importable after the user change even where the stdlib is not readable by nobody
     __import__(name)
 if os.getuid() == 0:
     os.setgroups([]); os.setgid(NOBODY); os.setuid(NOBODY)
+import posix  # in a user namespace the code keeps CAP_SYS_CHROOT there: no chroot to climb out with
+del posix.chroot, os.chroot
 home = os.path.realpath(os.getcwd())
-sys.stderr.write(MARK + json.dumps({"isolated_network": isolated}) + "\n"); sys.stderr.flush()
+sys.stderr.write(MARK + json.dumps({"isolated_network": isolated, "own_filesystem": own_fs}) + "\n"); sys.stderr.flush()
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 def inside(path):
     try:
@@ -145,7 +192,10 @@ exec(compile(source, "main.py", "exec"), {"__name__": "__main__", "__builtins__"
 async def run_python(code: str, limits: SandboxLimits | None = None) -> RunResult:
     """Run `code` in a sandbox (see the module docstring); never raises for what the code does."""
     limits = limits or SandboxLimits()
-    workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+    base = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+    workdir = os.path.join(base, "work")  # the run's directory; base/root: its own root's mount point
+    os.mkdir(workdir)
+    os.mkdir(os.path.join(base, "root"))
     t0 = time.monotonic()
     try:
         if os.getuid() == 0:
@@ -160,7 +210,7 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> RunResul
             stderr=asyncio.subprocess.PIPE, start_new_session=True)
         return await _collect(proc, limits, t0)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 async def _collect(proc: asyncio.subprocess.Process, limits: SandboxLimits, t0: float) -> RunResult:
@@ -175,12 +225,26 @@ async def _collect(proc: asyncio.subprocess.Process, limits: SandboxLimits, t0: 
         _kill_session(proc.pid)
         await proc.wait()
     (out, cut_out), (err, cut_err) = [await r for r in reads]
-    isolated = False
+    said: dict = {}
     if err.startswith(_MARK):  # the prelude's first line, written before the code ran
         line, _, err = err[len(_MARK):].partition("\n")
-        isolated = bool(json.loads(line).get("isolated_network"))
+        said = json.loads(line)
+    _say_once(bool(said.get("own_filesystem")))
     return RunResult(out, err, None if timed_out else proc.returncode, time.monotonic() - t0,
-                     timed_out, cut_out or cut_err, isolated)
+                     timed_out, cut_out or cut_err, bool(said.get("isolated_network")),
+                     bool(said.get("own_filesystem")))
+
+
+_said: set[bool] = set()
+
+
+def _say_once(own_filesystem: bool) -> None:
+    """Where the kernel refused a mount namespace, warn once what the code can still read."""
+    if not own_filesystem and not _said:
+        log.warning("the sandbox could not give model code a filesystem of its own (no mount namespace: "
+                    "run as root or allow user namespaces); it can read every world-readable file "
+                    "(datasets, reward files, /tmp, /proc), though it still cannot write outside its directory")
+    _said.add(own_filesystem)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[str, bool]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ ATTACKS = {
     "output flood": "while True: print('x' * 10000)",
     "kill the parent": "import os; os.kill(os.getppid(), 9)",
     "ctypes": "import ctypes; ctypes.CDLL(None).system(b'touch /tmp/asyncrl-sandbox-escape.txt')",
+    "chroot out": "import os; os.mkdir('x'); os.chroot('x'); os.chdir('../../..'); os.chroot('.')",
 }
 
 
@@ -64,6 +66,32 @@ def test_an_attack_comes_back_as_an_error_and_harms_nothing(attacked, name):
     assert not Path("/tmp/asyncrl-sandbox-escape.txt").exists()
     assert os.path.exists("/etc/hostname") or not os.path.exists("/etc")
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("asyncrl-sandbox-*"))  # work dirs removed
+
+
+def test_model_code_cannot_read_the_hosts_files_or_processes(tmp_path):
+    """A root of its own: a world-readable file outside (a dataset's answers), /tmp, /home, the job's
+    output directory, another process's command line and /dev/shm come back as errors or empty."""
+    import tempfile
+
+    outside = Path(tempfile.mkdtemp(prefix="asyncrl-test-readable-"))
+    try:
+        outside.chmod(0o755)
+        (outside / "train.jsonl").write_text("the answer is 4217\n")
+        (outside / "train.jsonl").chmod(0o644)
+        reads = {"a world-readable file": f"print(open({str(outside / 'train.jsonl')!r}).read())",
+                 "/tmp": "import os; print(os.listdir('/tmp'))",
+                 "/home": "import os; print(os.listdir('/home'))",
+                 "the job's output directory": f"import os; print(os.listdir({str(outside)!r}))",
+                 "another process": f"print(open('/proc/{os.getpid()}/cmdline', 'rb').read())",
+                 "/dev/shm": "import os; print(os.listdir('/dev/shm'))"}
+        results = {name: asyncio.run(run_python(code)) for name, code in reads.items()}
+    finally:
+        shutil.rmtree(outside)
+    if not results["/tmp"].own_filesystem:
+        pytest.skip("the kernel gave the sandbox no mount namespace (not root, no user namespaces)")
+    for name, r in results.items():  # /tmp and /home may hold the interpreter's own path (a venv there)
+        assert r.error is not None or name in ("/tmp", "/home"), (name, r)
+        assert "4217" not in r.stdout and outside.name not in r.stdout and "pytest" not in r.stdout, (name, r)
 
 
 def test_the_sandbox_runs_ordinary_code_and_keeps_its_own_files():
