@@ -382,7 +382,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                         gen: torch.Generator) -> tuple[dict[str, torch.Tensor], int]:
         """The native engine decodes at most `_decode_rows()` rows at once (the KV cache and
         prefill it may hold): the prompts in waves, the outputs joined (and how many waves)."""
-        slots = self._decode_rows() if isinstance(self.rollout, RolloutEngine) else 0
+        slots = self._decode_rows()
         per_wave = max(1, slots // params.n) if slots else len(ids)
         outs = [self._generate_wave(ids[i:i + per_wave], mask[i:i + per_wave], params, gen)
                 for i in range(0, len(ids), per_wave)]
@@ -390,13 +390,6 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return outs[0], 1
         outs = [_pad_responses(o, params.max_tokens, self.tokenizer.pad_token_id) for o in outs]
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}, len(outs)
-
-    def _decode_rows(self) -> int:
-        """rollout.decode_slots, or (0) the rows of one training batch on this rank: a larger
-        call (held-out prompts, a bigger batch asked in meta) decodes in waves of that many, so
-        its memory does not grow with the call (the budget `asyncrl.plan.memory` prices)."""
-        rc = self.cfg.rollout
-        return rc.decode_slots or -(-self.cfg.data.batch_size // self.gen_layout.data_shards()) * rc.n
 
     def _generate_wave(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                        gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -420,7 +413,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         turns = (BatcherGenerator(self.batcher, params, gen) if self.batcher is not None
                  else WaveGenerator(self.rollout, params, gen, version=self._policy_version,
                                     lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep",
-                                    max_rows=self._decode_rows() if isinstance(self.rollout, RolloutEngine) else 0))
+                                    max_rows=self._decode_rows()))
         own = isinstance(self.agent, ApiRollout)  # an API agent's prompt is what its first call sent
         # each trajectory's turns sample from streams of its own, seeded from `gen` (one draw a call)
         seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}

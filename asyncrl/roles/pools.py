@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.lora import adapter_scales, merged_weight
@@ -30,6 +31,15 @@ class PoolWeights:
         """The policy version generating now: the updates this worker's actor has made, or the
         version a rollout-only worker last applied."""
         return self.update_steps if self.actor is not None else self.weights_version
+
+    def _decode_rows(self) -> int:
+        """rollout.decode_slots, or (0) a training batch's rows on this generation rank: a larger
+        call (held-out prompts) decodes in waves of that many, so its memory does not grow with
+        the call (the budget `asyncrl.plan.memory` prices); 0 with vLLM, which sizes itself."""
+        if not isinstance(self.rollout, RolloutEngine):
+            return 0
+        rc = self.cfg.rollout
+        return rc.decode_slots or -(-self.cfg.data.batch_size // self.gen_layout.data_shards()) * rc.n
 
     def _slots(self) -> int:
         """rollout.decode_slots, or (0) the rows of one batch on one rollout rank."""
