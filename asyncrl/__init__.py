@@ -17,6 +17,7 @@ _EXPORTS = {
     "gather": "asyncrl.single_controller.group",
     "LayoutError": "asyncrl.single_controller.parallel", "ParallelConfig": "asyncrl.single_controller.parallel", "ParallelLayout": "asyncrl.single_controller.parallel",
     "ALL_TO_ALL": "asyncrl.single_controller.protocols", "DP_PROTO": "asyncrl.single_controller.protocols", "ONE_TO_ALL": "asyncrl.single_controller.protocols",
+    "LOCAL_ROWS": "asyncrl.single_controller.protocols", "Peers": "asyncrl.single_controller.peers",
     "RANK_ZERO": "asyncrl.single_controller.protocols", "THREE_D_ALL_MICRO_DP": "asyncrl.single_controller.protocols",
     "THREE_D_PP_ONLY": "asyncrl.single_controller.protocols", "THREE_D_PROTO": "asyncrl.single_controller.protocols",
     "register_protocol": "asyncrl.single_controller.protocols",

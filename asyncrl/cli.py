@@ -173,7 +173,7 @@ def _job_from_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Pat
 
     from asyncrl.launch import check_config, load_config
     from asyncrl.single_controller.schema import job_schema
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     try:
         cfg = load_config(args.config_name, args.hydra_overrides, args.config_dir)
@@ -326,7 +326,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from asyncrl.serve.standalone import serve
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     try:
         return serve(args.model, host=args.host, port=args.port, api_key=args.api_key, name=args.served_model_name,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from asyncrl.agents.config import MultiTurnConfig
+from asyncrl.algorithms.registry import algorithms, needs_critic
 from asyncrl.data.config import DataConfig, tiny_model_tasks
 from asyncrl.data.config import SyntheticDataConfig as SyntheticDataConfig
 from asyncrl.single_controller.config import LaunchConfig
@@ -32,15 +33,13 @@ from asyncrl.single_controller.parallel import (
     generation_layout,
 )
 from asyncrl.single_controller.schema import to_dict, typed
-from daemons.errors import ConfigError
-from daemons.errors import check as _check
-from daemons.errors import check_one_of as _one_of
-from daemons.errors import check_positive as _positive
+from transport.checks import ConfigError
+from transport.checks import check as _check
+from transport.checks import check_one_of as _one_of
+from transport.checks import check_positive as _positive
 
 __all__ = ["ConfigError", "RLConfig", "rl_config", "to_dict", "typed"]  # and every section below
 
-ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax", "safe_rlhf")
-CRITIC_ALGORITHMS = ("ppo", "safe_rlhf")  # those that train critic.* (asyncrl.algorithms.registry agrees)
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MODEL_DTYPES = ("auto", "bfloat16", "float32")
@@ -431,7 +430,7 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def check(self, at: str) -> None:
-        _one_of(at + "name", self.name, ALGORITHMS)
+        _one_of(at + "name", self.name, tuple(algorithms()))
         _one_of(at + "estimator", self.estimator, ("grpo", "drgrpo"))
         _one_of(at + "kl_penalty", self.kl_penalty, KL_TYPES)
         _check(0 <= self.gamma <= 1, at + "gamma", self.gamma, "must be in [0, 1]")
@@ -604,7 +603,7 @@ class RLConfig(LaunchConfig):
         """Every data-parallel rank must hold at least one row per mini-batch (fewer rows than
         mini-batches would silently mean fewer optimizer steps than configured)."""
         rows = self.data.batch_size * self.rollout.n
-        for role in ("actor", "critic") if self.algorithm.name in CRITIC_ALGORITHMS else ("actor",):
+        for role in ("actor", "critic") if needs_critic(self.algorithm.name) else ("actor",):
             section = getattr(self, role)
             par = section.parallel
             dp = par.dp or max(1, self.trainer.n_workers // (par.tp * par.pp))

@@ -19,7 +19,7 @@ from typing import Any
 from asyncrl.config import RLConfig
 from asyncrl.roles.forward import response_span
 from asyncrl.rundir import new_eval_file
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.evaluation")
 

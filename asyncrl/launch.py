@@ -35,17 +35,19 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.errors import AsyncRLError
 from asyncrl.metrics import json_line
 from asyncrl.single_controller.config import LaunchConfig
 from asyncrl.single_controller.context import JobContext
 from asyncrl.single_controller.schema import explain, job_schema, register_with_hydra, typed
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
-from daemons.errors import ConfigError, DaemonError, JobError
+from daemons.errors import DaemonError, JobError
 from daemons.logs import setup_logging
 from daemons.state import StateKind, new_job_id, remove_state, state_for_this_process, write_state
 from daemons.worker import entry_package, resolve
 from transport import AuthenticationError, CurveConfig, TransportError
+from transport.checks import ConfigError
 from transport.loop import run
 from transport.rpc import expose
 
@@ -492,7 +494,7 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
             sys.stderr.flush()
             print(json_line(summary[0]), flush=True)
         return code
-    except (ConfigError, DaemonError, TransportError) as e:
+    except (ConfigError, DaemonError, AsyncRLError, TransportError) as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, AuthenticationError)) else 1
     except KeyboardInterrupt:

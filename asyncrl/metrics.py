@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.single_controller.memory import phase as memory_phase
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.metrics")
 

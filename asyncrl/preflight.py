@@ -10,11 +10,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import CRITIC_ALGORITHMS, ModelConfig, RLConfig
+from asyncrl.algorithms.registry import needs_critic
+from asyncrl.config import ModelConfig, RLConfig
 from asyncrl.models.resolve import resolve_model, tiny_settings
 from asyncrl.rundir import check_output_dir
 from asyncrl.single_controller.schema import JobSchema
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.preflight")
 
@@ -91,7 +92,7 @@ def check_files(cfg: RLConfig) -> None:
         resolve_model(cfg.model)
     else:  # built by the job; a reasoning-gym build needs data.source's tasks
         tiny_settings(cfg.model.build_tiny, cfg.data)
-    if cfg.critic.model_path and cfg.algorithm.name in CRITIC_ALGORITHMS:
+    if cfg.critic.model_path and needs_critic(cfg.algorithm.name):
         resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
     if cfg.cost_model.path and cfg.cost_model.enable:
         resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from asyncrl.config import RLConfig, to_dict
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.rundir")
 

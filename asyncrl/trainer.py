@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.registry import ALGORITHMS
+from asyncrl.algorithms.registry import algorithms
 from asyncrl.algorithms.roles import Roles
 from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.data.prompts import RunData
+from asyncrl.errors import TrainingError
 from asyncrl.evaluation import Evaluator
 from asyncrl.models.resolve import resolve_model
 from asyncrl.preflight import check_inputs
@@ -40,13 +41,14 @@ from asyncrl.roles.reward import RewardModelWorker, RuleRewardWorker
 from asyncrl.rollout.ahead import Generations
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
-from daemons.errors import ConfigError, DaemonError, PlacementError
+from daemons.errors import PlacementError
+from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.trainer")
 GIB = float(1 << 30)
 
 
-class NonFiniteLossError(DaemonError, ValueError):
+class NonFiniteLossError(TrainingError, ValueError):
     """A training loss or gradient norm became NaN or infinite: the run stops instead of
     training (and checkpointing) non-finite weights."""
 
@@ -61,7 +63,7 @@ class Trainer:
 
     def __init__(self, ctx: Any, cfg: RLConfig) -> None:
         self.ctx, self.cfg = ctx, cfg
-        self.algorithm = ALGORITHMS[cfg.algorithm.name]
+        self.algorithm = algorithms()[cfg.algorithm.name]
         self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.ctl = Controllers.from_config(cfg.algorithm)
@@ -70,6 +72,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.val_log: list[list[float]] = []
         self.tokens, self.step_time = 0.0, 0.0  # generated tokens and seconds of the steps run here
+        self.pulled: list[dict[str, list[int]]] | None = None  # per rank, bytes pulled by stage so far
         self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
 
     # the loop -------------------------------------------------------------------------------------
@@ -158,9 +161,16 @@ class Trainer:
         return None
 
     async def _memory(self) -> dict[str, float]:
-        """The actor's largest rank so far: peak resident memory, and on a GPU torch's peak allocation (GiB)."""
-        stats = await self.roles.actor.memory_stats()
+        """The actor's largest rank so far: peak resident memory, and on a GPU torch's peak
+        allocation (GiB); and per stage, the most any of its processes pulled from other ranks'
+        stores during the step (`perf/<stage>_cross_rank_mb`: rows that had to move)."""
+        stats, pulled = await asyncio.gather(self.roles.actor.memory_stats(), self.roles.actor.pulled_bytes())
         out = {"perf/peak_rss_gib": max(s["peak_rss"] for s in stats) / GIB}
+        before, self.pulled = self.pulled, pulled
+        for stage in sorted({k for p in pulled for k in p}):
+            moved = [p.get(stage, [0, 0])[1] - (b.get(stage, [0, 0])[1] if b else 0)
+                     for p, b in zip(pulled, before or [None] * len(pulled), strict=True)]
+            out[f"perf/{stage}_cross_rank_mb"] = max(moved) / 2**20
         cuda = [s["cuda_peak_allocated"] for s in stats if "cuda_peak_allocated" in s]
         if cuda:
             out["perf/max_memory_allocated_gib"] = max(cuda) / GIB

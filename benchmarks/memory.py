@@ -10,7 +10,9 @@ intermediate 4864, vocabulary 151,936, tied embeddings) and random bf16 weights,
 Hugging Face directory (`outputs/bench-memory/model`, reused), with the quickstart's small
 word-level tokenizer (the embedding rows are still all allocated). Each run is the real trainer
 as `asyncrl-launch --config-name grpo` runs it: generation of 128-token responses by the native
-engine, old and reference log-probs, the update, the final checkpoint and HF export, with what a
+engine, old and reference log-probs, the update, the final checkpoint and HF export, a held-out
+set of 256 prompts evaluated at the first and the last step (`rollout.decode_slots=16` of its rows
+decoded at once; a batch has 2 a rank), with what a
 real model trains with: `model.dtype=bfloat16` and `actor.gradient_checkpointing=true` (flags
 turn them off; in fp32 without checkpointing 4 ranks need more than this 24 GiB machine has).
 
@@ -19,8 +21,8 @@ preflight's estimate of its peak (rank 0 also writes the export), `floor` = what
 hold at the generation phase with nothing else: fp32 master + Adam + gradient shards, the
 reference shard and the full generation weights in the compute dtype (the process's own ~0.75 GiB
 aside). The training state's share (master, grads, Adam) halves from 2 ranks to 4. Each phase's
-peak (the largest rank's, `Worker.memory_stats()["phases"]`) is printed beside the estimate's
-phase. The last line printed is one JSON object.
+peak (the largest rank's, `Worker.memory_stats()["phases"]`, `evaluate` among them) is printed
+beside the estimate's phase. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -63,17 +65,19 @@ def build_model(out: Path) -> Path:
 
 
 def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "bfloat16",
-              checkpointing: bool = True, engine: str = "native") -> list[str]:
+              checkpointing: bool = True, engine: str = "native", val: int = 256, decode_slots: int = 16) -> list[str]:
     return [f"model.path={model}", f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
             f"rollout.engine={engine}",
             f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
             f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}",
             f"trainer.save_every={steps}", "trainer.loggers=[jsonl]", "trainer.resume=none",
             "data.batch_size=4", "rollout.n=2", "rollout.max_tokens=128", "data.max_prompt_len=32",
-            "data.synthetic.n_val=4", "actor.ppo_mini_batches=1", "trainer.torch_threads=1"]
+            f"data.synthetic.n_val={val}", f"rollout.decode_slots={decode_slots}",
+            "actor.ppo_mini_batches=1", "trainer.torch_threads=1"]
 
 
-async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool, engine: str = "native") -> dict:
+async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool, engine: str = "native",
+              val: int = 256, decode_slots: int = 16) -> dict:
     """One run of the trainer on `world` ranks (GPUs where this machine has them, else gloo CPU
     ranks); on a GPU also torch's peak allocation per phase (`cuda_phase_peak_gib`)."""
     from asyncrl.config import rl_config
@@ -85,7 +89,7 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     from asyncrl.trainer import main as trainer_main
 
     run_dir = OUT / f"run-dp{world}"
-    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing, engine))
+    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing, engine, val, decode_slots))
     typed = rl_config(cfg)
     on_gpu = torch.cuda.is_available()
     device_bytes = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
@@ -124,21 +128,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="model.dtype (bfloat16: what a real model trains in)")
     p.add_argument("--no-checkpointing", action="store_true", help="actor.gradient_checkpointing=false")
     p.add_argument("--engine", default="native", choices=["native", "vllm"], help="rollout.engine")
+    p.add_argument("--val", type=int, default=256, help="held-out prompts (data.synthetic.n_val), evaluated at "
+                                                         "the first and the last step")
+    p.add_argument("--decode-slots", type=int, default=16, help="rollout.decode_slots: held-out rows decoded at once "
+                                                                "(a training batch's rows are fewer)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from asyncrl.plan.workload import model_spec
 
     model = build_model(OUT / "model")
     out: dict = {"model": "Qwen2.5-0.5B shape", "params": model_spec(str(model)).params, "dtype": args.dtype,
-                 "gradient_checkpointing": not args.no_checkpointing}
+                 "gradient_checkpointing": not args.no_checkpointing, "held_out": args.val,
+                 "decode_slots": args.decode_slots}
     for world in args.worlds:
-        r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing, args.engine))
+        r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing, args.engine, args.val,
+                            args.decode_slots))
         print(json.dumps(r), flush=True)
         tag = f"dp{world}"
         out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],
                     f"estimate_gib_{tag}": r["estimate_gib"], f"floor_gib_{tag}": r["floor_gib"],
                     f"state_gib_{tag}": r["state_gib"], f"step_s_{tag}": r["step_s"],
-                    f"phase_peak_gib_{tag}": r["phase_peak_gib"],
+                    f"phase_peak_gib_{tag}": r["phase_peak_gib"], f"estimate_phase_gib_{tag}": r["estimate_phase_gib"],
                     f"estimate_ratio_{tag}": round(max(r["peak_gib"]) / r["estimate_gib"], 3)})
     print(json.dumps(out), flush=True)
     return 0

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from daemons.coordinator import Coordinator
-from daemons.errors import ConfigError, check, check_positive
 from daemons.node import DEFAULT_SHM_POOL_BYTES, KEEP_JOB_LOGS, NodeDaemon
 from daemons.proc import route_ip
 from daemons.state import (
@@ -39,6 +38,7 @@ from daemons.state import (
     write_state,
 )
 from transport import CurveConfig
+from transport.checks import ConfigError, check, check_positive
 from transport.loop import LoopLagMonitor
 from transport.peers import ServerLimits
 

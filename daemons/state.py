@@ -98,7 +98,7 @@ def new_job_id(name: str) -> str:
 def check_job_id(job_id: str) -> str:
     """`job_id` if it can name a file and a log directory; ConfigError otherwise."""
     if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
-        from daemons.errors import ConfigError
+        from transport.checks import ConfigError
 
         raise ConfigError(f"job id {job_id!r} is not valid: use 1-64 letters, digits, '.', '_' or '-', "
                           "starting with a letter or digit (or leave it out to get a generated one)")
@@ -122,7 +122,7 @@ def write_state(state: ClusterState, directory: str | os.PathLike | None = None)
     except FileExistsError:
         old = _read(path)
         if old is not None and old.alive():
-            from daemons.errors import ConfigError
+            from transport.checks import ConfigError
 
             raise ConfigError(f"a job with id {state.job_id!r} runs already (pid {old.pid}, {path}); "
                               "pick another id") from None

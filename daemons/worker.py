@@ -32,13 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemons.errors import ConfigError, NotAllowedError
+from daemons.errors import NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
 from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose
+from transport.checks import ConfigError
 from transport.loop import run
 from transport.peers import ServerLimits
 

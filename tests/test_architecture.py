@@ -1,6 +1,6 @@
 """The shape of the code, checked: layers depend downward only (asyncrl -> daemons -> objectstore
 -> transport), the single controller knows no RL, no import cycle among the project's modules,
-no module under asyncrl/ past ~650 lines, Hydra through its public API only, every cluster knob
+no function or class under asyncrl/ too big to change, Hydra through its public API only, every cluster knob
 declared once."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("asyncrl", "daemons", "objectstore", "transport")
 LAYER = {"transport": 0, "objectstore": 1, "daemons": 2, "asyncrl": 3}
-MAX_LINES = 650
 
 
 def _modules() -> dict[str, Path]:
@@ -82,7 +81,8 @@ def test_the_single_controller_imports_nothing_of_the_rl_side():
     rl = []
     for path in (REPO / "asyncrl" / "single_controller").rglob("*.py"):
         for imported in _imports(path, runtime_only=False):
-            if imported.startswith("asyncrl.") and not imported.startswith("asyncrl.single_controller"):
+            # asyncrl.errors: the error base every layer of asyncrl shares, no RL in it
+            if imported.startswith("asyncrl.") and not imported.startswith(("asyncrl.single_controller", "asyncrl.errors")):
                 rl.append(f"{path.name} imports {imported}")
     assert not rl, rl
 
@@ -114,10 +114,50 @@ def test_no_import_cycle_among_the_projects_modules():
     assert not cycle, " -> ".join(cycle)
 
 
-def test_no_module_under_asyncrl_is_too_long():
-    long = {str(p.relative_to(REPO)): n for p in (REPO / "asyncrl").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+def _shapes() -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """Under asyncrl/: each function's lines, and each class's own attributes (assigned to
+    `self.<name>` in its body) and methods."""
+    funcs, classes = {}, {}
+    for path in (REPO / "asyncrl").rglob("*.py"):
+        where = str(path.relative_to(REPO / "asyncrl"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                funcs[f"{where}:{node.lineno}:{node.name}"] = node.end_lineno - node.lineno + 1
+            elif isinstance(node, ast.ClassDef):
+                attrs = {t.attr for a in ast.walk(node) if isinstance(a, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                         for target in (a.targets if isinstance(a, ast.Assign) else [a.target])
+                         for t in ast.walk(target)
+                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+                methods = [f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                classes[f"{where}:{node.name}"] = (len(attrs), len(methods))
+    return funcs, classes
+
+
+MAX_FUNCTION_LINES, MAX_ATTRIBUTES, MAX_METHODS = 60, 20, 35
+# what is over those today, each to be split by what it does (issue 43); a count may only shrink,
+# and a name leaves the list once it is under
+OVER = {"rollout/engine.py:generate": 84, "roles/actor.py:__init__": 77, "plan/profile.py:measure": 74,
+        "rollout/vllm_engine.py:__init__": 73, "plan/search.py:mcmc": 64,
+        "roles/actor.py:ActorRolloutRefWorker": 27, "train/reshard.py:Resharder": 26, "trainer.py:Trainer": 23}
+
+
+def test_no_function_or_class_is_too_big_to_change():
+    """What makes code hard to change, instead of a file's length: functions over 60 lines,
+    classes with over 20 attributes of their own or over 35 methods."""
+    funcs, classes = _shapes()
+    seen = {}
+    for key, n in funcs.items():
+        where, _, name = key.split(":")
+        if n > MAX_FUNCTION_LINES:
+            seen[f"{where}:{name}"] = n
+    for key, (attrs, methods) in classes.items():
+        if attrs > MAX_ATTRIBUTES or methods > MAX_METHODS:
+            seen[key] = max(attrs, methods) if methods > MAX_METHODS else attrs
+    new = {k: v for k, v in seen.items() if k not in OVER or v > OVER[k]}
+    assert not new, f"split these by what they do (limits: {MAX_FUNCTION_LINES} lines a function, " \
+                    f"{MAX_ATTRIBUTES} attributes or {MAX_METHODS} methods a class): {new}"
+    gone = sorted(set(OVER) - set(seen))
+    assert not gone, f"{gone} are under the limits now: take them off OVER"
 
 
 @pytest.mark.parametrize("package", [*PACKAGES, "benchmarks", "tests"])

@@ -38,10 +38,9 @@ from typing import Any
 from asyncrl.agents.rollout import EnvironmentStepError, Trajectory, TurnGenerator
 from asyncrl.serve.backend import ChoiceRecord
 from asyncrl.serve.http import Limits
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger(__name__)
-API_METRICS = ("api_calls", "api_splits", "api_dropped_tokens", "api_truncated_tokens")
 KINDS = ("agent", "verifiers")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemons.errors import check, check_one_of, check_positive
+from transport.checks import check, check_one_of, check_positive
 
 SCHEDULES = ("per_trajectory", "lockstep")
 

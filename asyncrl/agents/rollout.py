@@ -33,6 +33,8 @@ from asyncrl.rollout.engine import SamplingParams, positions_from_mask
 from asyncrl.serve.backend import Sampling
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s", "env_reward")
+API_METRICS = ("api_calls", "api_splits", "api_dropped_tokens", "api_truncated_tokens")  # ApiRollout's counts
+AGENT_INFO = "agent/"  # an environment's own StepResult.info numbers: columns agent/<key>, logged as agent/<key>_mean
 log = logging.getLogger(__name__)
 
 
@@ -358,10 +360,11 @@ def trajectories_to_tensors(trajs: list[Trajectory], prompts: torch.Tensor | Non
     out = {"prompts": prompts, "responses": responses, "response_mask": resp_mask,
            "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
            "position_ids": positions_from_mask(mask), "rollout_log_probs": logps, "behav_versions": versions}
-    counted = [*TRAJECTORY_METRICS, *sorted({k for t in trajs for k in t.counts} - set(TRAJECTORY_METRICS))]
-    for name in counted:
-        out[name] = torch.tensor([t.env_reward if name == "env_reward" else t.counts.get(name, 0.0) for t in trajs],
-                                 dtype=torch.float32)
+    own = sorted({k for t in trajs for k in t.counts} - set(TRAJECTORY_METRICS))  # an environment's info keys
+    for name in [*TRAJECTORY_METRICS, *own]:
+        column = name if name in TRAJECTORY_METRICS or name in API_METRICS else AGENT_INFO + name
+        out[column] = torch.tensor([t.env_reward if name == "env_reward" else t.counts.get(name, 0.0) for t in trajs],
+                                   dtype=torch.float32)
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from asyncrl.agents.env import Action, Environment, StepResult
 from asyncrl.agents.sandbox import SandboxLimits, run_python
 from asyncrl.agents.tasks import LookupEnvironment
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger(__name__)
 

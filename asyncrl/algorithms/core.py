@@ -85,10 +85,12 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """Normalise `x` to unit variance over `mask` (and zero mean if `shift_mean`); 0 off-mask."""
-    mean = masked_mean(x, mask)
-    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + _WHITEN_EPS)
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True,
+                  moments: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Normalise `x` to unit variance over `mask` (and zero mean if `shift_mean`); 0 off-mask.
+    `moments`: the (mean, variance) to use instead of `x`'s own (e.g. a whole batch's)."""
+    mean, var = moments if moments is not None else (masked_mean(x, mask), masked_var(x, mask))
+    whitened = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask.to(x.dtype)
@@ -147,7 +149,7 @@ def compute_gae(
     return advantages, returns
 
 
-def _group_index(group_ids: GroupIds, batch: int, device: torch.device) -> tuple[Tensor, int]:
+def group_index(group_ids: GroupIds, batch: int, device: torch.device) -> tuple[Tensor, int]:
     """Map group ids (LongTensor or hashables such as uid strings) to dense indices 0..G-1."""
     if isinstance(group_ids, Tensor):
         _, inverse = torch.unique(group_ids, return_inverse=True)
@@ -166,7 +168,7 @@ def _group_stats(scores: Tensor, group_ids: GroupIds) -> tuple[Tensor, Tensor, T
     """Per-sample (group index, group size, group sum, unbiased group std), each [batch]."""
     if scores.dim() != 1:
         raise ValueError(f"scores must be sequence-level [batch], got shape {tuple(scores.shape)}")
-    index, num_groups = _group_index(group_ids, scores.shape[0], scores.device)
+    index, num_groups = group_index(group_ids, scores.shape[0], scores.device)
     zeros = scores.new_zeros(num_groups)
     count = zeros.index_add(0, index, torch.ones_like(scores))[index]
     total = zeros.index_add(0, index, scores)[index]
@@ -186,14 +188,16 @@ def grpo_advantage(
     response_mask: Tensor,
     eps: float = 1e-6,
     norm_by_std: bool = True,
+    stats: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO outcome advantage (score - group mean) / (group std + eps) on every response token.
 
     `norm_by_std=False` is Dr.GRPO (mean-centred only). Groups of size 1 get advantage 0: with
-    no siblings there is no relative signal. Returns (advantages, returns), which are equal.
+    no siblings there is no relative signal. `stats`: each sample's (group size, group sum,
+    group std) when groups reach beyond these rows. Returns (advantages, returns), which are equal.
     """
     scores = _as_float(scores)
-    _, count, total, std = _group_stats(scores, group_ids)
+    count, total, std = stats if stats is not None else _group_stats(scores, group_ids)[1:]
     adv = scores - total / count
     if norm_by_std:
         adv = adv / (std + eps)
@@ -203,11 +207,12 @@ def grpo_advantage(
 
 
 def rloo_advantage(
-    scores: Tensor, group_ids: GroupIds, response_mask: Tensor
+    scores: Tensor, group_ids: GroupIds, response_mask: Tensor, stats: tuple[Tensor, Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """RLOO advantage: score minus the mean of the other scores in its group (size-1 groups: 0)."""
+    """RLOO advantage: score minus the mean of the other scores in its group (size-1 groups: 0);
+    `stats` as for `grpo_advantage`."""
     scores = _as_float(scores)
-    _, count, total, _ = _group_stats(scores, group_ids)
+    count, total, _ = stats if stats is not None else _group_stats(scores, group_ids)[1:]
     baseline = (total - scores) / (count - 1).clamp_min(1)
     adv = torch.where(count > 1, scores - baseline, torch.zeros_like(scores))
     adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
@@ -256,9 +261,10 @@ def remax_advantage(
 
 
 def reinforce_pp_advantage(
-    token_rewards: Tensor, response_mask: Tensor, gamma: float
+    token_rewards: Tensor, response_mask: Tensor, gamma: float, whiten: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted return-to-go, whitened over the whole batch; returns (adv, G)."""
+    """REINFORCE++: discounted return-to-go, whitened over these rows (`whiten=False`: the
+    caller whitens over a larger batch); returns (adv, G)."""
     mask = response_mask.to(token_rewards.dtype)
     rewards = token_rewards * mask
     running = rewards.new_zeros(rewards.shape[0])
@@ -267,7 +273,7 @@ def reinforce_pp_advantage(
         running = (rewards[:, t] + gamma * running) * mask[:, t]
         returns_reversed.append(running)
     returns = torch.stack(returns_reversed[::-1], dim=1)
-    return masked_whiten(returns, mask), returns
+    return (masked_whiten(returns, mask) if whiten else returns), returns
 
 
 # --------------------------------------------------------------------------------------------

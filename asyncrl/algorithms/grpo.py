@@ -16,7 +16,7 @@ from asyncrl.config import RLConfig
 from asyncrl.metrics import mean_metrics
 from asyncrl.rewards.rules import REWARD_EXTRA
 from asyncrl.single_controller.distbatch import DistBatch
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger(__name__)
 

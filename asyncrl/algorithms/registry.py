@@ -1,17 +1,66 @@
-"""`algorithm.name` -> its step and what it needs (see `asyncrl.config.ALGORITHMS`)."""
+"""The table of algorithms: `algorithm.name` -> its step and what it needs. The config check, the
+trainer and the planner all read it. A new algorithm is a step function and one entry: here, or
+from a package of yours through the `asyncrl.algorithms` entry-point group (`name =
+"your_pkg.module:ALGORITHM"`, an `Algorithm`), which driver and workers alike read."""
 
 from __future__ import annotations
 
-from asyncrl.algorithms.grpo import grpo_step, reinforce_pp_step, rloo_step
-from asyncrl.algorithms.ppo import ppo_step, safe_rlhf_step
-from asyncrl.algorithms.remax import remax_step
-from asyncrl.algorithms.roles import Algorithm
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+Step = Callable[..., Awaitable[dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    step_path: str  # "module:function": async (roles, cfg, ctl, prompts, **data) -> metrics
+    needs_critic: bool = False
+    needs_pretrain: bool = False  # takes a `pretrain=` batch (Safe-RLHF's SFT term)
+
+    @property
+    def step(self) -> Step:
+        """The step function (imported on first use: the config check needs only the table)."""
+        module, _, name = self.step_path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "ppo": Algorithm(ppo_step, needs_critic=True),
-    "grpo": Algorithm(grpo_step),
-    "rloo": Algorithm(rloo_step),
-    "reinforce_pp": Algorithm(reinforce_pp_step),
-    "remax": Algorithm(remax_step),
-    "safe_rlhf": Algorithm(safe_rlhf_step, needs_critic=True, needs_pretrain=True),
+    "ppo": Algorithm("asyncrl.algorithms.ppo:ppo_step", needs_critic=True),
+    "grpo": Algorithm("asyncrl.algorithms.grpo:grpo_step"),
+    "rloo": Algorithm("asyncrl.algorithms.grpo:rloo_step"),
+    "reinforce_pp": Algorithm("asyncrl.algorithms.grpo:reinforce_pp_step"),
+    "remax": Algorithm("asyncrl.algorithms.remax:remax_step"),
+    "safe_rlhf": Algorithm("asyncrl.algorithms.ppo:safe_rlhf_step", needs_critic=True, needs_pretrain=True),
 }
+
+
+ENTRY_POINT_GROUP = "asyncrl.algorithms"
+_loaded = False
+
+
+def algorithms() -> dict[str, Algorithm]:
+    """The table, with the installed packages' entry points added (once)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name not in ALGORITHMS:
+                ALGORITHMS[ep.name] = ep.load()
+    return ALGORITHMS
+
+
+def register_algorithm(name: str, step: Step | str, **needs: Any) -> Algorithm:
+    """Add `name` to the table: `step` is a module-level async function (or its "module:function");
+    `needs`: needs_critic, needs_pretrain."""
+    path = step if isinstance(step, str) else f"{step.__module__}:{step.__qualname__}"
+    ALGORITHMS[name] = Algorithm(path, **needs)
+    return ALGORITHMS[name]
+
+
+def needs_critic(name: str) -> bool:
+    """Whether algorithm `name` trains a critic (critic.* is used)."""
+    table = algorithms()
+    return name in table and table[name].needs_critic

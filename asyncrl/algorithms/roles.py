@@ -1,9 +1,8 @@
-"""What an algorithm step works with: the worker groups of the run (`Roles`) and the table of
-algorithms (`Algorithm`)."""
+"""What an algorithm step works with: the worker groups of the run (`Roles`) and helpers over
+the batches they return."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +37,3 @@ def timings(batch: DistBatch) -> dict[str, float]:
     """The per-phase worker timings (`timing/*_s`) the producing calls left in the batch's meta."""
     return {k: float(v) for k, v in batch.meta.items() if k.startswith("timing/")}
 
-
-Step = Callable[..., Awaitable[dict[str, float]]]
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    step: Step  # async (roles, cfg, ctl, prompts, **data) -> metrics
-    needs_critic: bool = False
-    needs_pretrain: bool = False  # takes a `pretrain=` batch (Safe-RLHF's SFT term)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.data.reasoning_gym import GYM_TASK, check_source, check_system_prompt
-from daemons.errors import ConfigError
-from daemons.errors import check as _check
-from daemons.errors import check_one_of as _one_of
-from daemons.errors import check_positive as _positive
+from transport.checks import ConfigError
+from transport.checks import check as _check
+from transport.checks import check_one_of as _one_of
+from transport.checks import check_positive as _positive
 
 
 def synthetic_tasks() -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from asyncrl.preflight import check_round_trip
 from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.distbatch import DistBatch
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 
 class RunData:

@@ -23,7 +23,7 @@ import logging
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 if TYPE_CHECKING:  # the config module imports this one for its checks
     from asyncrl.data.config import ReasoningGymConfig

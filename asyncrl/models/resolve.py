@@ -13,7 +13,7 @@ from typing import Any
 from asyncrl.config import ModelConfig, TinyModelConfig
 from asyncrl.data.config import DataConfig
 from asyncrl.data.reasoning_gym import GYM_TASK, is_gym_source, json_safe
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 

@@ -24,7 +24,7 @@ import torch
 from asyncrl.data.reasoning_gym import GYM_TASK
 from asyncrl.data.synthetic import all_symbols, get_task, make_examples
 from asyncrl.rollout.engine import positions_from_mask
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -150,7 +150,8 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     """The rollout: `devices / gen_tp` engine replicas share the sequences; each prefills its
     prompts and decodes `response_len` steps, as many rows at once as its KV cache holds: vLLM's
     share of the device, all of them (the native engine), or what the colocated models leave
-    (`free_bytes` per device; `Knobs()`)."""
+    (`free_bytes` per device; `Knobs()`). Its memory is the larger of a wave's and a held-out
+    evaluation wave's (the native engine decodes `rollout.decode_slots` held-out rows at once)."""
     knobs = knobs or Knobs(compute_bytes=profile.bytes_per_param)
     tg = s.gen_tp
     replicas = mesh.devices // tg
@@ -180,7 +181,8 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     step = (max(step_compute, step_memory) + profile.decode_step_overhead_s + model.layers * profile.layer_overhead_s
             + 2 * model.layers * _ring(profile, batch * model.hidden * profile.bytes_per_param, tg, spans, tp=True))
     time_s = waves * (prefill + w.response_len * step) + profile.call_overhead_s
-    return CallCost(time_s, sum(generation(model, batch, w.seq_len, tg, knobs).values()))
+    held_out = knobs.decode_rows if knobs.all_rows else 0  # the evaluation's waves: decode_slots rows each
+    return CallCost(time_s, sum(generation(model, max(batch, held_out), w.seq_len, tg, knobs).values()))
 
 
 def reshard(model: ModelSpec, s: Strategy, mesh: Mesh, profile: DeviceProfile) -> float:

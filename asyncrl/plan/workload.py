@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import CRITIC_ALGORITHMS, ConfigError
+from asyncrl.algorithms.registry import needs_critic
+from asyncrl.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def rl_calls(algorithm: str, *, critic: bool, ref: bool, reward_model: bool, rec
 def workload_from_config(cfg: Any, spec: ModelSpec) -> Workload:
     """The step an asyncrl RL config runs (`cfg`: a typed RLConfig)."""
     name = cfg.algorithm.name
-    critic = name in CRITIC_ALGORITHMS
+    critic = needs_critic(name)
     ref = bool(cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
     off_policy = cfg.actor.ppo_epochs > 1 or cfg.actor.ppo_mini_batches > 1 or cfg.actor.policy_loss != "ppo"
     recompute = cfg.actor.recompute_log_prob == "always" or (cfg.actor.recompute_log_prob == "auto" and off_policy)

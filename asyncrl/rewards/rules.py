@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data.synthetic import score_answer
+from asyncrl.errors import TrainingError
 from asyncrl.rewards.reasoning_gym import reasoning_gym_score
-from daemons.errors import DaemonError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class RewardFnError(ValueError):
     """A reward function spec that cannot be resolved (the message says what to fix)."""
 
 
-class NonFiniteRewardError(DaemonError, ValueError):
+class NonFiniteRewardError(TrainingError, ValueError):
     """A reward (or cost) function returned NaN, an infinity or no number at all; the message
     names the function and the row, so the run stops instead of training on NaN."""
 

@@ -9,7 +9,8 @@ import socket
 import numpy as np
 import torch
 
-from asyncrl.config import CRITIC_ALGORITHMS, ConfigError, RLConfig
+from asyncrl.algorithms.registry import needs_critic
+from asyncrl.config import ConfigError, RLConfig
 from asyncrl.train import init_distributed
 from daemons.node import NODE_DEVICES_ENV
 
@@ -20,7 +21,7 @@ def check_node_paths(cfg: RLConfig) -> None:
     file. A multi-node job needs them at the same path on every node; a missing one is a
     ConfigError naming this node (not a minute of Hugging Face Hub retries)."""
     dirs = {"model.path": cfg.model.path, "reward.model_path": cfg.reward.model_path}
-    if cfg.algorithm.name in CRITIC_ALGORITHMS:
+    if needs_critic(cfg.algorithm.name):
         dirs["critic.model_path"] = cfg.critic.model_path
     if cfg.cost_model.enable:
         dirs["cost_model.path"] = cfg.cost_model.path

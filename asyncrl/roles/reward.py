@@ -28,7 +28,7 @@ from asyncrl.roles.process import check_node_paths, same_init_on_every_rank, set
 from asyncrl.roles.update import micro_batches
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
-from asyncrl.single_controller.protocols import DP_PROTO, ONE_TO_ALL
+from asyncrl.single_controller.protocols import DP_PROTO, LOCAL_ROWS, ONE_TO_ALL
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train.fsdp import compute_dtype
 
@@ -48,9 +48,11 @@ class RuleRewardWorker(Worker):
         self.cost_fn = load_reward_fn(cfg.reward.cost_fn) if cfg.reward.cost_fn else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
-    @register(DP_PROTO)
+    @register(LOCAL_ROWS)  # each rank scores the rows its own store holds
     @timed("reward")
     def compute_reward(self, batch: Batch) -> Batch:
+        if not len(batch):  # this rank holds none of the rows
+            return Batch()
         texts = decode_responses(self.tokenizer, batch)
         mask = batch["response_mask"]
         scores, extras = self._score(self.fn, f"reward.fn={self.cfg.reward.fn}" if self.cfg.reward.fn else

@@ -23,7 +23,7 @@ import torch
 
 from asyncrl.serve.http import Limits
 from asyncrl.serve.server import OpenAIServer
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 EXPORT = re.compile(r"(?P<run>[^/]+)/checkpoints/step_(?P<step>\d+)/actor/hf$")  # asyncrl's HF export in a run
 LOOPBACK = ("127.0.0.1", "::1", "localhost")

@@ -9,8 +9,8 @@ from typing import Any
 
 from asyncrl.single_controller.schema import typed
 from daemons.cluster import ClusterConfig
-from daemons.errors import check_positive
 from objectstore.config import ObjectStoreConfig
+from transport.checks import check_positive
 
 COLLECTIVE_TIMEOUT_ENV = "ASYNCRL_COLLECTIVE_TIMEOUT_S"  # how worker.collective_timeout_s reaches workers
 

@@ -23,10 +23,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from asyncrl.single_controller.batch import Batch
 from objectstore import ObjectRef, ObjectStore
-from objectstore.ref import VALUE
+from objectstore.ref import TENSOR, VALUE
 from transport.codec import register_type
+from transport.dtypes import torch_dtype
 from transport.wire import Ext
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,9 @@ class DistBatch:
 
     def __init__(self, blocks: Sequence[Block] = (), meta: dict[str, Any] | None = None,
                  tracker: RefTracker | None = None) -> None:
-        self.blocks: list[Block] = [tuple(b) for b in blocks if b and _block_rows(b) > 0]
+        blocks = [tuple(b) for b in blocks if b]
+        # rows only; a lone block of no rows stays (`empty`: no rows, the columns known)
+        self.blocks: list[Block] = [b for b in blocks if _block_rows(b) > 0] or blocks[:1]
         self.meta: dict[str, Any] = dict(meta or {})
         for b in self.blocks:
             if len({p.num_rows for p in b}) != 1:
@@ -144,6 +149,10 @@ class DistBatch:
             if i is not None:
                 run_start, run_stop = i, i + 1
         return self._derive(out)
+
+    def empty(self) -> DistBatch:
+        """No rows, the same columns: what a rank holding none of a batch's rows works on."""
+        return self._derive([tuple(p.rows(0, 0) for p in self.blocks[0])] if self.blocks else [])
 
     def with_meta(self, **meta: Any) -> DistBatch:
         """The same rows with `meta` entries added or replaced."""
@@ -268,8 +277,12 @@ def _cut(d: DistBatch, cuts: list[int]) -> list[Block]:
 
 
 # moving bytes and freeing them ------------------------------------------------------------------
-async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
-    """Pull every piece's rows from its owner (one pull per stored object) into one Batch."""
+async def materialize(dist: DistBatch, store: ObjectStore, tally: list[int] | None = None) -> Batch:
+    """Pull every piece's rows from its owner (one pull per stored object) into one Batch
+    (`tally`: the bytes pulled from `store` itself and from other stores are added to its two
+    entries). A batch of no rows gives its columns with no rows, pulling nothing."""
+    if dist.blocks and not len(dist):
+        return _no_rows(dist)
     spans: dict[str, tuple[ObjectRef, int, int]] = {}
     for b in dist.blocks:
         for p in b:
@@ -283,6 +296,9 @@ async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
 
     keys = list(spans)
     pulled = dict(zip(keys, await asyncio.gather(*(pull(*spans[k]) for k in keys)), strict=True))
+    if tally is not None:
+        for k in keys:
+            tally[spans[k][0].endpoint != store.endpoint] += _nbytes(pulled[k][1])
     parts = []
     for b in dist.blocks:
         tensors, values = {}, {}
@@ -300,6 +316,30 @@ async def materialize(dist: DistBatch, store: ObjectStore) -> Batch:
     out = parts[0] if len(parts) == 1 else Batch.concat(parts)
     out.meta = meta
     return out
+
+
+def _no_rows(dist: DistBatch) -> Batch:
+    """The columns of `dist` (which has no rows), each with no rows, from its refs' schemas."""
+    tensors, values = {}, {}
+    for p in dist.blocks[0]:
+        schema = {name: (dtype, shape) for name, dtype, shape in p.ref.columns or ()}
+        for c in p.columns:
+            if c in schema:
+                tensors[c] = torch.empty((0, *schema[c][1][1:]), dtype=torch_dtype(schema[c][0]))
+            elif p.ref.kind == TENSOR:
+                tensors[c] = torch.empty((0, *(p.ref.shape or (0,))[1:]), dtype=torch_dtype(p.ref.dtype or "float32"))
+            else:
+                values[c] = []
+    return Batch(tensors, values, {k: v for k, v in dist.meta.items() if k != "pad_size"})
+
+
+def _nbytes(value: Any) -> int:
+    """A pulled object's tensor bytes (a value's: its rows' count, a few bytes each)."""
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if hasattr(value, "element_size"):
+        return value.numel() * value.element_size()
+    return 8 * len(value) if isinstance(value, list) else 8
 
 
 def publish(batch: Batch, store: ObjectStore, tracker: RefTracker | None = None) -> DistBatch:

@@ -18,10 +18,11 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
+from asyncrl.errors import AsyncRLError
 from asyncrl.single_controller.distbatch import DistBatch, RefTracker
 from asyncrl.single_controller.fanout import Gather, Replies
 from asyncrl.single_controller.parallel import LayoutError, ParallelLayout
-from asyncrl.single_controller.protocols import RANK_ZERO, CallContext, get_protocol
+from asyncrl.single_controller.protocols import LOCAL_ROWS, CallContext, get_protocol
 from asyncrl.single_controller.tree import tree_map, tree_map_async
 from asyncrl.single_controller.worker import MethodSpec, registered_methods
 from daemons.coordinator import ResourcePool
@@ -53,7 +54,7 @@ _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Watchdog caught col
                                  re.IGNORECASE)
 
 
-class WorkerCallError(DaemonError):
+class WorkerCallError(AsyncRLError):
     """A rank raised inside a worker method; carries the group, method, rank and traceback."""
 
     def __init__(self, group: str, method: str, rank: int, remote: RemoteError,
@@ -195,19 +196,20 @@ class WorkerGroup:
         call.__name__ = name
         return call
 
-    def apply(self, fn: Callable | str, *args: Any, protocol: str = RANK_ZERO, blocking: bool = True,
+    def apply(self, fn: Callable | str, *args: Any, protocol: str = LOCAL_ROWS, blocking: bool = True,
               **kwargs: Any) -> DataFuture:
         """Run an importable function on this group's ranks, where the data lives.
 
-        The function gets the pulled `Batch`es (this rank's rows under `protocol`) and may
-        return a Batch, which stays on the worker; e.g. advantage estimation without the driver
-        ever holding tensors.
+        The function gets the pulled `Batch`es (by default every rank the rows its own store
+        holds, `LOCAL_ROWS`) and may return a Batch, which stays on the worker; e.g. advantage
+        estimation without the driver ever holding tensors. A `peers` parameter gets the ranks
+        called (`asyncrl.single_controller.peers.Peers`) for batch-wide sums.
         """
         path = fn if isinstance(fn, str) else importable_path(fn)
         spec = MethodSpec(protocol, blocking)
-        return self.call(f"apply:{path}", spec, "asyncrl_apply", [path], args, kwargs)
+        return self.call(f"apply:{path}", spec, "asyncrl_apply", lambda plan: [path, sorted(plan)], args, kwargs)
 
-    def call(self, label: str, spec: MethodSpec, entry: str, head: list, args: tuple,
+    def call(self, label: str, spec: MethodSpec, entry: str, head: list | Callable[[dict], list], args: tuple,
              kwargs: dict) -> DataFuture:
         protocol = get_protocol(spec.protocol)
         loop = asyncio.get_running_loop()
@@ -217,9 +219,10 @@ class WorkerGroup:
             if prev is not None and not prev.done():
                 await asyncio.wait([prev])  # call order on shared processes; its errors are its own
             a, k = await resolve_futures((list(args), kwargs))
-            ctx = CallContext(self.role, label, self.world_size, self.layouts)
+            ctx = CallContext(self.role, label, self.world_size, self.layouts,
+                              stores=[h.info.store_endpoint for h in self.handles])
             plan = protocol.distribute(ctx, tuple(a), k)
-            outputs = await self._fan_out(label, entry, head, plan)
+            outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan)
             return protocol.collect(ctx, outputs)
 
         task = loop.create_task(run(), name=f"{self.role}.{label}")

@@ -23,20 +23,23 @@ THREE_D_ALL_MICRO_DP = "3D_ALL_MICRO_DP"
 THREE_D_PP_ONLY = "3D_PP_ONLY"
 ALL_TO_ALL = "ALL_TO_ALL"
 RANK_ZERO = "RANK_ZERO"
+LOCAL_ROWS = "LOCAL_ROWS"
 
 RankCalls = dict[int, tuple[tuple, dict]]  # rank -> (args, kwargs)
 
 
 @dataclass
 class CallContext:
-    """What a protocol sees of one call: the group's size and parallel layouts, and a scratch
-    dict where `distribute` leaves notes for `collect` (e.g. the pad size)."""
+    """What a protocol sees of one call: the group's size, parallel layouts and each rank's
+    object-store endpoint, and a scratch dict where `distribute` leaves notes for `collect`
+    (e.g. the pad size)."""
 
     group: str
     method: str
     world_size: int
     layouts: dict[str, ParallelLayout] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+    stores: list[str] = field(default_factory=list)  # rank -> its store's endpoint
 
     def layout(self, name: str = TRAIN) -> ParallelLayout:
         """Layout `name`; a group without it falls back to its train layout, then to pure DP."""
@@ -194,9 +197,84 @@ def _collect_pp_only(ctx: CallContext, outputs: dict[int, Any]) -> list[Any]:
     return [outputs[r] for r in sorted(firsts, key=lambda r: layout.coord(r, "pp"))]
 
 
+def _owner(block: tuple, stores: dict[str, int]) -> str:
+    """The store holding most of a row block's columns (the first such piece's on a tie)."""
+    held: dict[str, int] = {}
+    for piece in block:
+        held[piece.ref.endpoint] = held.get(piece.ref.endpoint, 0) + len(piece.columns)
+    return max(held, key=lambda e: (held[e], e in stores))
+
+
+def owned_rows(batch: DistBatch, stores: list[str]) -> list[list[int]]:
+    """Row indices per rank: each row goes to the rank whose store holds most of its columns;
+    rows held outside the group (the driver's, another pool's) go, a store at a time, to the
+    rank with the fewest rows so far."""
+    rank_of = {e: r for r, e in enumerate(stores)}
+    rows: list[list[int]] = [[] for _ in stores]
+    foreign: dict[str, int] = {}
+    start = 0
+    for block in batch.blocks:
+        n = block[0].num_rows
+        owner = _owner(block, rank_of)
+        if owner in rank_of:
+            r = rank_of[owner]
+        else:
+            r = foreign.setdefault(owner, min(range(len(stores)), key=lambda i: len(rows[i])))
+        rows[r].extend(range(start, start + n))
+        start += n
+    return rows
+
+
+def _local_rows(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
+    """Every rank gets the rows its store holds (the first batch argument decides; a batch with
+    1/k as many rows goes along by row // k); ranks holding none get empty batches."""
+    batches = [v for v in [*args, *kwargs.values()] if _is_batch(v)]
+    if not batches or not isinstance(batches[0], DistBatch):
+        raise ValueError(f"{ctx.group}.{ctx.method} is LOCAL_ROWS: its first batch argument must be a "
+                         "DistBatch (rows in the workers' stores)")
+    if len(ctx.stores) != ctx.world_size:
+        raise ValueError(f"{ctx.group}.{ctx.method} is LOCAL_ROWS but the group knows "
+                         f"{len(ctx.stores)} store endpoints for {ctx.world_size} ranks")
+    lead = batches[0]
+    per_rank = owned_rows(lead, ctx.stores)
+    ctx.state["order"] = [i for rows in per_rank for i in rows]
+
+    def part(v: Any, rows: list[int]) -> Any:
+        if not _is_batch(v):
+            return v
+        if not rows:
+            return v.empty()
+        if len(v) == len(lead):
+            return v.take(rows)
+        k, rest = divmod(len(lead), len(v)) if len(v) else (0, 1)
+        if rest or len(rows) % k or any(rows[i] // k != rows[i - i % k] // k for i in range(len(rows))):
+            raise ValueError(f"{ctx.group}.{ctx.method}: a batch of {len(v)} rows goes along a batch of "
+                             f"{len(lead)} only when each of its rows has k whole consecutive rows there")
+        return v.take([i // k for i in rows[::k]])
+
+    return {r: (tuple(part(a, rows) for a in args), {k: part(v, rows) for k, v in kwargs.items()})
+            for r, rows in enumerate(per_rank)}
+
+
+def _collect_local_rows(ctx: CallContext, outputs: dict[int, Any]) -> Any:
+    """The ranks' batches back in the rows' original order (a plan over refs: nothing moves)."""
+    parts = _in_rank_order(outputs)
+    if not all(isinstance(o, (DistBatch, Batch)) for o in parts):
+        return parts
+    order = ctx.state["order"]
+    out = DistBatch.concat(parts) if all(isinstance(o, DistBatch) for o in parts) else Batch.concat(parts)
+    if len(out) != len(order):
+        raise ValueError(f"{ctx.group}.{ctx.method} is LOCAL_ROWS: it returned {len(out)} rows for "
+                         f"{len(order)}; each rank must return one row per row it got")
+    where = {row: i for i, row in enumerate(order)}
+    return out.take([where[row] for row in range(len(order))])
+
+
 register_protocol(ONE_TO_ALL, _all, lambda ctx, out: _in_rank_order(out))
 register_protocol(ALL_TO_ALL, _all_to_all, lambda ctx, out: _in_rank_order(out))
 register_protocol(RANK_ZERO, lambda ctx, a, k: {0: (a, k)}, lambda ctx, out: out[0])
+# where the rows live: each rank works on the rows its own store holds (advantages, rule rewards)
+register_protocol(LOCAL_ROWS, _local_rows, _collect_local_rows)
 register_protocol(DP_PROTO, _dp, lambda ctx, out: gather(ctx, _in_rank_order(out)))
 register_protocol(THREE_D_PROTO, _three_d(TRAIN, ("dp",)), _collect_3d)
 # Generation layouts split each training model-parallel group into micro-DP groups (HybridFlow

@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 ENTRY_POINT_GROUP = "asyncrl.schemas"
 

@@ -26,9 +26,10 @@ def to_device(value: Any, device: str | torch.device) -> Any:
     return tree_map(lambda b: b.to(device), value, Batch)
 
 
-async def materialize_all(value: Any, store: ObjectStore) -> Any:
-    """`value` with every DistBatch in it (nested in lists, tuples, dicts) pulled into a Batch."""
-    return await tree_map_async(lambda d: materialize(d, store), value, DistBatch)
+async def materialize_all(value: Any, store: ObjectStore, tally: list[int] | None = None) -> Any:
+    """`value` with every DistBatch in it (nested in lists, tuples, dicts) pulled into a Batch
+    (`tally`: bytes pulled from `store` itself and from other stores are added to its two entries)."""
+    return await tree_map_async(lambda d: materialize(d, store, tally), value, DistBatch)
 
 
 def publish_all(value: Any, store: ObjectStore) -> Any:

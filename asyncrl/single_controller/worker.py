@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from asyncrl.single_controller.memory import process_memory
 from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
+from asyncrl.single_controller.peers import Peers
 from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
 from daemons.worker import WorkerRuntime, wants_runtime
@@ -76,6 +77,16 @@ def warning_relay() -> WarningRelay:
         _relay = WarningRelay()
         logging.getLogger().addHandler(_relay)
     return _relay
+
+# per method, the bytes this process pulled: [from its own store, from other stores]
+PULLED: dict[str, list[int]] = {}
+
+
+def _parameters(fn: Callable) -> Any:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return {}
 
 F = TypeVar("F", bound=Callable[..., Any])
 REGISTER_ATTR = "__asyncrl_register__"
@@ -180,6 +191,12 @@ class Worker:
         the phases its methods recorded (`phases`; see `asyncrl.single_controller.memory`)."""
         return process_memory(self.device)
 
+    @register(ONE_TO_ALL)
+    def pulled_bytes(self) -> dict[str, list[int]]:
+        """Bytes this process has pulled for each method (an apply call: its function's module)
+        since it started, as [from its own store, from other stores]."""
+        return {k: list(v) for k, v in PULLED.items()}
+
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
     async def asyncrl_call(self, method: str, args: list, kwargs: dict) -> list[Any]:
         """Run registered `method` with pulled arguments; returns [output, layouts update or None,
@@ -190,25 +207,29 @@ class Worker:
             known = sorted(registered_methods(type(self)))
             raise AttributeError(f"{type(self).__qualname__} has no registered method {method!r}; "
                                  f"registered: {known} (decorate it with @register)")
-        return await self._run(fn, spec.materialize, args, kwargs)
+        return await self._run(fn, spec.materialize, args, kwargs, label=method)
 
-    async def asyncrl_apply(self, fn_path: str, args: list, kwargs: dict) -> list[Any]:
+    async def asyncrl_apply(self, fn_path: str, ranks: list[int], args: list, kwargs: dict) -> list[Any]:
         """Run the importable function `fn_path` here, on this rank's pulled data (a `runtime`
-        parameter gets this process's runtime)."""
+        parameter gets this process's runtime, a `peers` parameter the `Peers` of the ranks
+        called)."""
         if self.runtime is None:
             raise RuntimeError("apply() runs inside a worker process; this Worker has no runtime")
         fn = self.runtime.resolve(fn_path)
         if wants_runtime(fn):
             kwargs = {**kwargs, "runtime": self.runtime}
-        return await self._run(fn, True, args, kwargs)
+        if "peers" in _parameters(fn):
+            kwargs = {**kwargs, "peers": Peers(ranks, self.rank, self.world_size)}
+        return await self._run(fn, True, args, kwargs, label=fn_path.partition(":")[0].rpartition(".")[2])
 
     def asyncrl_layouts(self) -> dict[str, Any]:
         self._layout_reported = self._layout_version
         return {n: m.to_wire() for n, m in self.layouts.items()}
 
-    async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict) -> list[Any]:
+    async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str = "") -> list[Any]:
         if pull:  # the one place pulled rows move to this worker's device
-            args, kwargs = to_device(await materialize_all((args, kwargs), self.store), self.device)
+            tally = PULLED.setdefault(label, [0, 0])
+            args, kwargs = to_device(await materialize_all((args, kwargs), self.store, tally), self.device)
         if inspect.iscoroutinefunction(fn):
             out = await fn(*args, **kwargs)
         else:

@@ -306,7 +306,7 @@ def test_a_row_written_elsewhere_gets_one_example_id_per_prompt():
 
 def test_environments_asyncrl_cannot_score_are_refused_with_what_to_fix():
     from asyncrl.agents.verifiers_env import verifiers_agent
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     def best_of_group(completions) -> list[float]:
         return [1.0] * len(completions)
@@ -323,7 +323,7 @@ def test_environments_asyncrl_cannot_score_are_refused_with_what_to_fix():
 
 def test_without_verifiers_the_error_says_to_install_it(monkeypatch):
     from asyncrl.agents.verifiers_env import verifiers_agent
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     monkeypatch.setitem(__import__("sys").modules, "verifiers", None)
     with pytest.raises(ConfigError, match="pip install verifiers"):

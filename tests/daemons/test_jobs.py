@@ -186,13 +186,15 @@ def test_live_but_silent_coordinator_times_out_quickly(tmp_path, monkeypatch, ca
             cli.main(["status"])
         took = time.monotonic() - t0
         path.unlink()
-    assert took < cli.CONNECT_TIMEOUT_S + 2, took
+    # it gives up after its own timeout instead of waiting on the socket forever (the margin
+    # is for a loaded 2-core machine: 6.4 s was seen there)
+    assert cli.CONNECT_TIMEOUT_S <= took < cli.CONNECT_TIMEOUT_S + 10, took
     assert "no answer" in capsys.readouterr().err
 
 
 def test_state_file_ids(tmp_path):
-    from daemons.errors import ConfigError
     from daemons.state import remove_state
+    from transport.checks import ConfigError
 
     mine = state_for_this_process("tcp://127.0.0.1:1", True, None, "job-1", "job", StateKind.JOB)
     write_state(mine, tmp_path)

@@ -144,7 +144,7 @@ async def test_hung_call_ends_at_its_deadline(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(CallTimeoutError) as info:
             await group.sleep_on(1, 60)
-        assert 1.4 < time.monotonic() - t0 < 5
+        assert 1.4 < time.monotonic() - t0 < 30  # at its deadline, long before the 60 s sleep's end
         err = info.value
         assert isinstance(err, TimeoutError) and err.ranks == [1], str(err)
         assert "worker.call_timeout_s" in str(err) and "p.sleep_on" in str(err), str(err)
@@ -159,7 +159,8 @@ async def test_raw_worker_calls_get_the_call_deadline_by_default(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(CallTimeoutError, match="worker.call_timeout_s") as info:
             await handle.run("asyncrl.jobs.faults:nap", 30)
-        assert 0.9 < time.monotonic() - t0 < 5 and handle.info.worker_id in str(info.value)
+        # at its deadline, long before the 30 s nap's end
+        assert 0.9 < time.monotonic() - t0 < 15 and handle.info.worker_id in str(info.value)
         assert await handle.run("asyncrl.jobs.faults:pid", timeout=30) > 0
 
 
@@ -178,7 +179,7 @@ async def test_hung_collective_ends_at_the_process_group_timeout(tmp_path):
 def test_bad_worker_keys_are_config_errors():
     from asyncrl.single_controller.config import LaunchConfig
     from asyncrl.single_controller.schema import typed
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="call_timeout_s"):
         typed(LaunchConfig, {"worker": {"call_timeout": 3}})

@@ -23,7 +23,7 @@ from asyncrl.preflight import check_round_trip
 from asyncrl.rewards import load_reward_fn
 from asyncrl.roles.reward import RuleRewardWorker
 from asyncrl.single_controller.batch import Batch
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 from transport.codec import decode, encode
 
 # chain_sum's rows are short sums; rearc's scorer compares boards as tuples, which JSON and the

@@ -67,9 +67,11 @@ class Consumer(Worker):
         return (self.rank, value)
 
     @register(ONE_TO_ALL)
-    def sleep(self, seconds: float) -> float:
+    def sleep(self, seconds: float) -> tuple[float, float]:
+        """Sleep; (start, end) on the machine's monotonic clock (one clock for every process)."""
+        start = time.monotonic()
         time.sleep(seconds)
-        return time.monotonic()
+        return start, time.monotonic()
 
     @register(ONE_TO_ALL)
     def stamp(self, label: str) -> tuple:
@@ -83,7 +85,7 @@ class Consumer(Worker):
     @register(ONE_TO_ALL)
     def fail_fast_or_sleep(self, seconds: float) -> float:
         if self.rank == 1:
-            raise RuntimeError("rank 1 fails at once")
+            raise RuntimeError(f"rank 1 fails at once (at {time.monotonic()!r})")
         time.sleep(seconds)
         return time.monotonic()
 
@@ -132,3 +134,27 @@ class Colocated(Worker):
 def add_column(batch: Batch, value: float) -> Batch:
     """Runs on a worker via group.apply."""
     return Batch({"z": batch["x"][:, 0] + value})
+
+
+class RowsWorker(Worker):
+    """Rows of a GRPO-shaped batch made on each rank, in a process group (advantages where they live)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from asyncrl.train.fsdp import init_distributed
+
+        init_distributed()
+
+    @register(ONE_TO_ALL)
+    def make_samples(self, rows_per_rank: list[int], n: int, width: int = 6) -> Batch:
+        """`rows_per_rank[rank]` rows; uid = row // n over the whole batch (so a group may reach
+        onto the next rank), random scores, masks and log-probs."""
+        start, rows = sum(rows_per_rank[:self.rank]), rows_per_rank[self.rank]
+        g = torch.Generator().manual_seed(self.rank)
+        mask = (torch.rand(rows, width, generator=g) < 0.8).float()
+        mask[:, 0] = 1.0
+        return Batch({"scores": torch.randint(0, 2, (rows,), generator=g).float(), "response_mask": mask,
+                      "old_log_probs": -torch.rand(rows, width, generator=g),
+                      "ref_log_prob": -torch.rand(rows, width, generator=g),
+                      "values": torch.randn(rows, width, generator=g)},
+                     {"uid": [f"p{(start + i) // n}" for i in range(rows)]})

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
-from daemons.errors import ConfigError
 from daemons.proc import kill_group
 from objectstore import (
     ObjectStore,
@@ -31,6 +30,7 @@ from objectstore import (
     segments,
 )
 from transport import RemoteError, RpcClient
+from transport.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0, insecure=True)

@@ -374,7 +374,7 @@ def test_pipeline_handles_holes_in_the_response_mask():
 
 def test_multi_turn_config_is_checked():
     from asyncrl.config import rl_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="parallel.tp=1"):
         rl_config({"rollout": {"multi_turn": {"enable": True}, "parallel": {"tp": 2}},
@@ -385,7 +385,7 @@ def test_multi_turn_config_is_checked():
 
 def test_a_bad_environment_name_says_what_to_write(tmp_path):
     from asyncrl.agents.tools import load_environment
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="python_tool"):
         load_environment("pyhton_tool")
@@ -432,7 +432,7 @@ def test_the_tiny_model_learns_to_call_the_tool(tmp_path):
 def test_environment_arguments_from_the_command_line():
     from asyncrl.config import rl_config
     from asyncrl.launch import load_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     cfg = rl_config(load_config("tool_quickstart", ["+rollout.multi_turn.env_kwargs.latency_ms=100"]))
     assert cfg.rollout.multi_turn.env_kwargs == {"latency_ms": 100}

@@ -115,7 +115,7 @@ def test_calls_fork_and_cut_as_the_tree_says():
 
 def test_a_bad_agent_spec_says_what_to_write(tmp_path):
     from asyncrl.agents.api import load_agent
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="agent:path/to/file.py:name"):
         load_agent("agents:x.py:f", {})

@@ -18,12 +18,14 @@ import pytest
 import torch
 
 from asyncrl import config as C
+from asyncrl.errors import TrainingError
 from asyncrl.launch import main
 from asyncrl.metrics import json_line
 from asyncrl.rewards import NonFiniteRewardError, checked_score
 from asyncrl.single_controller.batch import Batch
-from daemons.errors import ConfigError, DaemonError, PlacementError
+from daemons.errors import PlacementError
 from daemons.node import gpu_env
+from transport.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
@@ -85,10 +87,18 @@ def test_mini_batches_are_checked_against_rows_per_data_parallel_rank():
     C.rl_config({"critic": {"ppo_mini_batches": 999}})  # grpo trains no critic
 
 
-def test_critic_algorithms_match_the_registry():
-    from asyncrl.algorithms.registry import ALGORITHMS
+def test_the_config_check_reads_the_algorithm_table():
+    """One table: a name registered there is a valid algorithm.name, its needs_critic checks critic.*."""
+    from asyncrl.algorithms.registry import ALGORITHMS, register_algorithm
 
-    assert {n for n, a in ALGORITHMS.items() if a.needs_critic} == set(C.CRITIC_ALGORITHMS)
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        C.rl_config({"algorithm": {"name": "mine"}})
+    register_algorithm("mine", "asyncrl.algorithms.grpo:grpo_step", needs_critic=True)
+    try:
+        with pytest.raises(ConfigError, match="critic.ppo_mini_batches"):
+            C.rl_config({"algorithm": {"name": "mine"}, "critic": {"ppo_mini_batches": 999}})
+    finally:
+        del ALGORITHMS["mine"]
 
 
 # data files: one paragraph naming the file and the expected columns ------------------------------------
@@ -200,7 +210,7 @@ def test_the_trainer_reports_a_worker_nan_reward_without_a_traceback():
     remote = RemoteError("asyncrl.rewards.rules.NonFiniteRewardError", "reward.fn=m:f returned nan for row=0",
                          "Traceback (most recent call last):\n  ...")
     err = reward_fault(WorkerCallError("reward", "compute_reward", 1, remote), step=4)
-    assert isinstance(err, NonFiniteRewardError) and isinstance(err, DaemonError)  # the launcher: one line
+    assert isinstance(err, NonFiniteRewardError) and isinstance(err, TrainingError)  # the launcher: one line
     assert "reward.fn=m:f returned nan for row=0" in str(err) and "after 4 training steps" in str(err)
     assert "Traceback" not in str(err)
     other = WorkerCallError("actor", "update_actor", 0, RemoteError("builtins.RuntimeError", "boom", "tb"))

@@ -16,7 +16,7 @@ import yaml
 from asyncrl import config as C
 from asyncrl.launch import load_config, main, shipped_config_dir
 from asyncrl.single_controller.schema import schemas, validate
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]

@@ -10,8 +10,8 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.data.dataset import collate_prompts, pad_prompts
 from asyncrl.launch import load_config
-from daemons.errors import ConfigError
 from tests.rl.test_rl import _launch, tiny_model  # noqa: F401  (a module-scoped fixture)
+from transport.checks import ConfigError
 
 
 def test_flat_groups_are_split_from_varied_ones_by_hand():

@@ -24,7 +24,7 @@ from asyncrl.rewards import (
     load_reward_fn,
     synthetic,
 )
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 SMALL = {"hidden": 32, "layers": 1, "heads": 2}
 

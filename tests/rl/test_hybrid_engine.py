@@ -75,7 +75,7 @@ def test_generation_layout_errors_name_the_setting():
 
 def test_config_rejects_layouts_that_do_not_fit():
     from asyncrl.config import rl_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match=r"rollout.parallel.tp=2 must divide actor.parallel.tp=1"):
         rl_config({"rollout": {"parallel": {"tp": 2}}})

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from asyncrl.metrics import MetricsWriter
-from daemons.errors import ConfigError
+from transport.checks import ConfigError
 
 wandb = pytest.importorskip("wandb", reason="wandb is a test dependency: pip install -e '.[test]'")
 

@@ -178,7 +178,7 @@ async def test_lora_actor_reference_and_rollout_agree(rollout, tiny_model, tiny_
 @pytest.mark.parametrize("bad", [{"parallel": {"tp": 2}}, {"parallel": {"pp": 2}}])
 def test_lora_refuses_what_it_cannot_do_yet(bad):
     from asyncrl.config import rl_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="actor.lora.rank"):
         rl_config({"trainer": {"n_workers": 2}, "actor": {"lora": {"rank": 4}, **bad}})

@@ -160,7 +160,7 @@ def test_gradient_checkpointing_keeps_the_gradients():
 
 def test_token_budget_knobs_are_checked():
     from asyncrl.config import rl_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch"):
         rl_config({"actor": {"max_tokens_per_micro_batch": -1}})
@@ -171,7 +171,7 @@ def test_token_budget_knobs_are_checked():
 def test_model_dtype_picks_the_compute_dtype_and_keeps_fp32_masters():
     from asyncrl.config import rl_config
     from asyncrl.train import compute_dtype, mixed_precision_policy
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     assert compute_dtype("cpu") is torch.float32 and compute_dtype("cuda") is torch.bfloat16  # "auto"
     assert compute_dtype("cpu", "bfloat16") is torch.bfloat16 and compute_dtype("cuda", "float32") is torch.float32

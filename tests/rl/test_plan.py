@@ -55,6 +55,18 @@ def test_costs_follow_the_physics():
     assert few < many < 8 * few  # decoding is memory-bound: 8x the rows costs far less than 8x
 
 
+def test_the_planner_prices_held_out_waves_of_decode_slots_rows():
+    """The native engine decodes `rollout.decode_slots` held-out rows at once whatever a batch's
+    rows: a planned rollout's memory is the larger of its wave and an evaluation wave."""
+    from asyncrl.plan.memory import Knobs
+
+    w = replace(ppo(), sequences=8)
+    at = {rows: generate(LLAMA7, Strategy(1, 1), w, Mesh(1, 8), H100, H100.mem_bytes,
+                         Knobs(compute_bytes=2, all_rows=True, decode_rows=rows)).memory_bytes for rows in (0, 4, 64)}
+    assert at[4] < at[0]  # a batch of 8 in waves of 4, and evaluation waves no larger
+    assert at[64] > 1.5 * at[0]  # 64 held-out rows at once cost more than the batch's 8
+
+
 def test_searches_agree_with_exhaustive_search_on_small_clusters():
     w = ppo()
     space = SearchSpace(w, H100, 1, 8, deployable=False, allow_split=False)

@@ -162,11 +162,46 @@ def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    after_resume = steps[steps.index(2, ) + 1:] if 2 in steps else steps
-    assert 1 not in after_resume[after_resume.index(3):] if 3 in after_resume else True
+    assert 3 in steps[steps.index(2) + 1:]  # step 3 ran after step 2 (before the kill, or resumed)
     assert steps[-1] == 4 and steps.count(1) == 1  # continued from step 2, not restarted at 1
     state = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert state["loader"]["position"] + state["loader"]["epoch"] * 10**6 > 0
+
+
+USER_STEP = """
+from asyncrl.algorithms import advantage
+from asyncrl.algorithms.registry import Algorithm
+from asyncrl.metrics import mean_metrics
+
+
+async def leave_one_out_step(roles, cfg, ctl, prompts):
+    gen = roles.rollout.generate_sequences(prompts)
+    batch = (await gen).union(await roles.reward.compute_reward(gen))
+    adv = await roles.actor.apply(advantage.rloo, batch)
+    actor = await roles.actor.update_actor(batch.union(adv))
+    return {**adv.meta, **mean_metrics(actor), "mine/steps": 1.0}
+
+
+ALGORITHM = Algorithm("my_algo:leave_one_out_step")
+"""
+
+
+def test_an_algorithm_of_your_own_is_a_step_and_one_entry(tiny_model, tmp_path):
+    """A package of the user's holds a step function and one `asyncrl.algorithms` entry point:
+    the config check takes its name, driver and workers find it, and the trainer runs its steps."""
+    site = tmp_path / "site"
+    meta = site / "my_algo-0.1.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: my-algo\nVersion: 0.1\n")
+    (meta / "entry_points.txt").write_text("[asyncrl.algorithms]\nleave_one_out = my_algo:ALGORITHM\n")
+    (site / "my_algo.py").write_text(USER_STEP)
+    out = tmp_path / "mine"
+    res = _launch("grpo", out, tiny_model, ["algorithm.name=leave_one_out", "trainer.total_steps=2",
+                                            "trainer.eval_every=2", "trainer.save_every=2", "trainer.loggers=[jsonl]"],
+                  env={"PYTHONPATH": os.pathsep.join([str(REPO), str(site)])})
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert [r["mine/steps"] for r in steps] == [1.0, 1.0] and all("critic/advantage_mean" in r for r in steps)
 
 
 def test_grpo_advantage_task_on_a_batch():
@@ -351,7 +386,7 @@ def test_tensor_parallel_sizes_are_checked_against_the_model(tiny_model):
     """Before any worker starts: the tiny model has 4 heads, so tp=8 cannot split them."""
     from asyncrl.config import rl_config
     from asyncrl.preflight import check_inputs
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     cfg = rl_config({"model": {"path": str(tiny_model)}, "trainer": {"n_workers": 8},
                      "actor": {"parallel": {"tp": 8}}})

@@ -111,7 +111,7 @@ def test_workers_that_cannot_fit_the_nodes_memory_are_refused_at_start(tmp_path,
     """The preflight's memory estimate against the node's memory (made small here)."""
     from asyncrl import preflight
     from asyncrl.config import rl_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     cfg = rl_config({"model": {"path": str(tiny_model)}, "trainer": {"n_workers": 2}})
     preflight.check_memory(cfg)  # the tiny model fits

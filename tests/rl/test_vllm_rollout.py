@@ -263,7 +263,7 @@ def test_multi_turn_trajectories_with_vllm(tmp_path):
 
 def test_vllm_layouts_are_checked_on_startup(tmp_path):
     from asyncrl.config import rl_config
-    from daemons.errors import ConfigError
+    from transport.checks import ConfigError
 
     cfg = {"rollout": {"engine": "vllm", "parallel": {"tp": 2}}, "actor": {"parallel": {"tp": 4}},
            "trainer": {"n_workers": 4}}

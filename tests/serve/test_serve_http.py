@@ -13,6 +13,7 @@ from asyncrl.models.tiny import build_tokenizer
 from asyncrl.rollout.engine import SamplingParams
 from asyncrl.serve import Limits, OpenAIServer
 from tests.helpers.serve_http import exchange, post, read_reply
+from tests.helpers.wait import until
 
 GOOD = {"model": "m", "prompt": "sort 1 2", "max_tokens": 3}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "sort 1 2"}]}
@@ -176,13 +177,13 @@ async def test_past_the_request_limit_a_client_gets_429_and_past_the_connection_
             replies = await asyncio.gather(*(client.post("/completions", json=GOOD) for _ in range(2)))
             assert sorted(r.status_code for r in replies) == [200, 429]
             assert [r for r in replies if r.status_code == 429][0].json()["error"]["type"] == "rate_limit_error"
-        await asyncio.sleep(0.1)  # the server has seen those connections close
+        await until(lambda: not server._connections, "the server to see those connections close")
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
-        await asyncio.sleep(0.1)
+        await until(lambda: len(server._connections) == 3, "the server to hold 3 connections")
         assert (await exchange(server.port, b""))[0] == 503
         for _, writer in held:
             writer.close()
-        await asyncio.sleep(0.05)
+        await until(lambda: not server._connections, "the held connections to close")
         await _still_serves(server)
     finally:
         await server.close()

@@ -1,0 +1,80 @@
+"""`Peers`: the ranks one `group.apply` call runs on, for the few batch-wide numbers a function
+over a rank's own rows needs (a whitening mean, a GRPO group's sum, a metric's maximum).
+
+Only scalars and small per-key sums travel, over a gloo group of the worker processes; a call on
+one rank (or one process) needs none. Every rank called must make the same calls in the same
+order, as with any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_GROUP: Any = None  # the all-ranks gloo group, made by the first call that needs it
+
+
+class Peers:
+    """The ranks (`ranks`) an apply call runs on; this process is `rank` of `world_size`."""
+
+    def __init__(self, ranks: Sequence[int], rank: int, world_size: int) -> None:
+        self.ranks, self.rank, self.world_size = list(ranks), rank, world_size
+        if self.size > 1 and self.size != world_size:
+            raise RuntimeError(f"an apply function with batch-wide sums runs on one rank or on all "
+                               f"{world_size}; this call runs on ranks {self.ranks}")
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def sum(self, values: Tensor) -> Tensor:
+        """`values` summed over the ranks, element-wise (float64 on the wire)."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: Tensor) -> Tensor:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def min(self, values: Tensor) -> Tensor:
+        return self._reduce(values, dist.ReduceOp.MIN)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (small, picklable: it stays among the job's own processes), in
+        rank order."""
+        if self.size == 1:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=_group())
+        return out
+
+    def sum_by_key(self, keys: Sequence[Hashable], values: Tensor) -> Tensor:
+        """Rows of `values` ([len(keys), ...]) summed with the other ranks' rows of the same key,
+        in rank order; a key only this rank has keeps its row bit for bit."""
+        if self.size == 1:
+            return values
+        merged: dict[Hashable, Tensor] = {}
+        for theirs, rows in self.gather((list(keys), values.cpu())):
+            for key, row in zip(theirs, rows, strict=True):
+                merged[key] = merged[key] + row if key in merged else row
+        return torch.stack([merged[k] for k in keys]).to(values.device) if keys else values
+
+    def _reduce(self, values: Tensor, op: Any) -> Tensor:
+        if self.size == 1:
+            return values
+        wire = values.detach().to("cpu", torch.float64).clone()
+        dist.all_reduce(wire, op=op, group=_group())
+        return wire.to(values.device, values.dtype)
+
+
+def _group() -> Any:
+    global _GROUP
+    if not dist.is_initialized():
+        raise RuntimeError("batch-wide sums over several ranks need the workers' process group; "
+                           "this worker class never started one (run the function on one rank: "
+                           "protocol=RANK_ZERO)")
+    if _GROUP is None:
+        _GROUP = dist.new_group(backend="gloo")
+    return _GROUP
