@@ -22,7 +22,7 @@ Table 2):
   model is cut into buckets of `--bucket-mib` MiB (gather output), each split evenly over the N
   ranks (ZeRO-3 style; these slices are built once, untimed), gathered straight into a
   model-sized buffer, then the generation shards are copied out;
-- `full_state`: today's full-state gather, `TrainEngine(..., optim=None).full_state_dict(
+- `full_state`: today's full-state gather, `FSDPEngine(..., optim=None).full_state_dict(
   rank0_only=False)`: every rank gets the whole model (time only; its bytes are implied, not
   counted: (N-1)/N of the TP-split part plus (d-1)/d of the replicated part).
 
@@ -375,7 +375,7 @@ def _rank_job(rank: int, s: Setup) -> dict[str, Any] | None:
         ParallelLayout,
         generation_layout,
     )
-    from asyncrl.train.fsdp import TrainEngine, apply_fsdp
+    from asyncrl.train.fsdp import FSDPEngine, apply_fsdp
     from asyncrl.train.parallelize import parallelize
     from asyncrl.train.pipeline import PipelineEngine, owner_stage
     from asyncrl.train.reshard import Resharder
@@ -398,7 +398,7 @@ def _rank_job(rank: int, s: Setup) -> dict[str, Any] | None:
         reference = {n: p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach().clone()
                      for n, p in model.named_parameters()}
         resharder = Resharder(model, layout, gen)
-        engine = TrainEngine(model, layout, optim=None, device="cpu")
+        engine = FSDPEngine(model, layout, optim=None, device="cpu")
     else:  # this rank's stage; the reference is a plain full model from the same seed
         model, plain = parallelize(build_model(s), layout), build_model(s)
         tp_group = layout.submesh("tp").get_group() if t > 1 else None

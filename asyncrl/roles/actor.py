@@ -37,6 +37,7 @@ from asyncrl.roles.pools import PoolWeights, StagedWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
+from asyncrl.rollout.base import Rollout
 from asyncrl.rollout.continuous import ContinuousBatcher
 from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
@@ -46,6 +47,7 @@ from asyncrl.single_controller.parallel import ParallelLayout, generation_layout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import (
+    FSDPEngine,
     TrainEngine,
     compute_dtype,
     mixed_precision_policy,
@@ -90,59 +92,86 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         self.roles = set(roles)
         setup_process(cfg, self.rank)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.actor: TrainEngine | None = None
-        self.ref: TrainEngine | None = None
-        self.rollout: RolloutEngine | VLLMRolloutEngine | None = None
-        self.rollout_current = False  # the vLLM engine holds the actor's current weights
-        self.base_in_vllm = False  # LoRA adapters in vLLM: its frozen base came from the reshard
         # a rollout-only pool (trainer.placement=split) is data parallel over its own ranks
         layout = self.register_mesh(ParallelLayout.from_config(cfg.actor.parallel, self.world_size)
                                     if "actor" in self.roles else pure_dp(self.world_size))
-        one_copy = "actor" in self.roles
-        base = self._base_model(one_copy)
-        # what a weight sync between pools carries, in order: the generation copy's dtype
-        self.sync_dtype = compute_dtype(self.device, cfg.model.dtype)
-        self.sync_specs = [replace(s, dtype=self.sync_dtype) for s in specs_of(base)]
-        lora = cfg.actor.lora
-        if lora.enabled:  # only the adapters cross between pools; the rollout side merges them into its base
-            self.sync_specs = [TensorSpec(name, shape, self.sync_dtype)
-                               for name, shape in adapter_shapes(base, lora.rank, lora.target_modules)]
-        self._pristine: dict[str, torch.Tensor] = {}  # LoRA, rollout-only: the adapted weights' base values
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
-        if "rollout" in self.roles and "actor" not in self.roles:  # a generation-only copy of the weights
-            if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
-                raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
-                                 "and actor.parallel.tp=1, or host the actor in the same worker")
-            self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
-                            RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
-                                          pad_token_id=self.tokenizer.pad_token_id, device=self.device))
-            if lora.enabled and isinstance(self.rollout, VLLMRolloutEngine) and not self.rollout.lora_rank:
-                raise ValueError("this model has no LoRA support in vLLM, and a split rollout pool cannot merge "
-                                 "adapters into vLLM's base: use rollout.engine=native or trainer.placement=colocated")
-            if lora.enabled and not isinstance(self.rollout, VLLMRolloutEngine):
-                adapted = [spec.name.rsplit(".", 1)[0] for spec in self.sync_specs[::2]]  # each module's lora_A
-                self._pristine = {m: self.rollout.model.get_submodule(m).weight.detach().clone() for m in adapted}
+        base = self._base_model(one_copy="actor" in self.roles)
+        self.sync_dtype, self.sync_specs = self._sync_specs(base)
+        self.actor: TrainEngine | None = None  # the policy in training
+        self.ref: TrainEngine | None = None  # the frozen reference policy
+        self.rollout: Rollout | None = None  # the generation engine
+        self._pristine: dict[str, torch.Tensor] = {}  # LoRA, rollout-only: the adapted weights' base values
+        if "rollout" in self.roles and "actor" not in self.roles:
+            self._rollout_replica(base, layout)
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
-        self._build_engines(base, layout, one_copy)
+        self._build_engines(base, layout, one_copy="actor" in self.roles)
+        self._hybrid_engine(base, layout)  # the reshard from training into generation weights
+        self._pool_state()  # split placement: versions of weights from the training pool
+        # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
+        self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)
+                      if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
+        self.sample_gen, self.shuffle_gen = self._generators(layout)
+
+    def _generators(self, layout: ParallelLayout) -> tuple[torch.Generator, torch.Generator]:
+        """Sampling: one stream per data shard, so the ranks of a generation TP group draw alike;
+        shuffling: one per dp rank, so the ranks of one TP group shuffle their (shared) rows alike."""
+        seed = self.cfg.seed
+        return (torch.Generator(device=self.device).manual_seed(seed * 1000 + self.gen_layout.data_index(self.rank)),
+                torch.Generator().manual_seed(seed + layout.dp_rank(self.rank)))
+
+    def _sync_specs(self, base: torch.nn.Module) -> tuple[torch.dtype, list[TensorSpec]]:
+        """What a weight sync between pools carries, in order, in the generation copy's dtype
+        (with LoRA only the adapters: the rollout side merges them into its base)."""
+        dtype, lora = compute_dtype(self.device, self.cfg.model.dtype), self.cfg.actor.lora
+        if lora.enabled:
+            return dtype, [TensorSpec(name, shape, dtype)
+                           for name, shape in adapter_shapes(base, lora.rank, lora.target_modules)]
+        return dtype, [replace(s, dtype=dtype) for s in specs_of(base)]
+
+    def _rollout_replica(self, base: torch.nn.Module, layout: ParallelLayout) -> None:
+        """A rollout without an actor: a generation-only copy of the whole model."""
+        cfg, lora = self.cfg, self.cfg.actor.lora
+        if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
+            raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
+                             "and actor.parallel.tp=1, or host the actor in the same worker")
+        self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
+                        RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
+                                      pad_token_id=self.tokenizer.pad_token_id, device=self.device))
+        if lora.enabled and self.rollout.holds_own_weights and not self.rollout.lora_rank:
+            raise ValueError("this model has no LoRA support in vLLM, and a split rollout pool cannot merge "
+                             "adapters into vLLM's base: use rollout.engine=native or trainer.placement=colocated")
+        if lora.enabled and not self.rollout.holds_own_weights:
+            adapted = [spec.name.rsplit(".", 1)[0] for spec in self.sync_specs[::2]]  # each module's lora_A
+            self._pristine = {m: self.rollout.model.get_submodule(m).weight.detach().clone() for m in adapted}
+
+    def _hybrid_engine(self, base: torch.nn.Module, layout: ParallelLayout) -> None:
+        """Actor and rollout in one process: the weightless generation model the reshard fills
+        (`Resharder`), and the engine that generates with it (vLLM: its own copy, loaded from
+        the reshard before the first generate)."""
         self.resharder: Resharder | None = None
         self.generation: GenerationModel | None = None
-        if "rollout" in self.roles and self.actor is not None:
-            self.gen_tp_group = self._generation_tp_group()
-            self.generation = GenerationModel(base.config, self.actor.model, self.gen_tp_group)
-            self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model,
-                                       dtype=compute_dtype(self.device, cfg.model.dtype))
-            if cfg.rollout.engine == "vllm":  # weights arrive from the reshard before the first generate
-                self.rollout = self._vllm_engine(base.config, load_format="dummy")
-            else:
-                self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
-                                             pad_token_id=self.tokenizer.pad_token_id, device=self.device)
-        # sampling: one stream per data shard, so the ranks of a generation TP group draw alike
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(
-            cfg.seed * 1000 + self.gen_layout.data_index(self.rank))
+        self.rollout_current = False  # the vLLM engine holds the actor's current weights
+        self.base_in_vllm = False  # LoRA adapters in vLLM: its frozen base came from the reshard
+        if "rollout" not in self.roles or self.actor is None:
+            return
+        cfg = self.cfg
+        self.gen_tp_group = self._generation_tp_group()
+        self.generation = GenerationModel(base.config, self.actor.model, self.gen_tp_group)
+        self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model,
+                                   dtype=compute_dtype(self.device, cfg.model.dtype))
+        if cfg.rollout.engine == "vllm":
+            self.rollout = self._vllm_engine(base.config, load_format="dummy")
+        else:
+            self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
+                                         pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+
+    def _pool_state(self) -> None:
+        """trainer.placement=split: weights from the training pool (`WeightBridge`); a rollout-only
+        worker receives a version into `_staged` while it may be generating, and applies it before
+        its next generate (or between decode steps with rollout.interrupt_on_update); its native
+        engine serves every call from one continuous batch."""
         self.update_steps = 0
-        # trainer.placement=split: weights from the training pool (`WeightBridge`); a rollout-only
-        # worker receives a version into `_staged` while it may be generating, and applies it
-        # before its next generate (or between decode steps with rollout.interrupt_on_update)
         self.bridge: WeightBridge | None = None
         self._source_rows: list[list[int]] | None = None  # every training rank sends its own shards
         self._pushing: Sending | None = None  # an overlapped push's sends in flight
@@ -150,16 +179,10 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         self._staged: list[torch.Tensor] | None = None
         self._staged_version: int | None = None
         self._weights_lock = threading.Lock()
-        # a rollout-only worker's native engine serves every call from one continuous batch
         self.batcher: ContinuousBatcher | None = None
-        if isinstance(self.rollout, RolloutEngine) and self.actor is None and cfg.trainer.placement == "split":
+        if (self.rollout is not None and self.rollout.continuous_batching and self.actor is None
+                and self.cfg.trainer.placement == "split"):
             self.batcher = ContinuousBatcher(self.rollout, self._slots(), StagedWeights(self))
-        # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
-        self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)
-                      if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
-        # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + layout.dp_rank(self.rank))
-
 
     def _base_model(self, one_copy: bool) -> torch.nn.Module:
         """The model this worker starts from: an actor builds it on the meta device (rank 0 reads
@@ -173,13 +196,13 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return skeleton(path, dtype)
         return load_causal_lm(path, str(dtype).removeprefix("torch."))
 
-    def _build_engines(self, base: torch.nn.Module, layout: ParallelLayout, one_copy: bool) -> None:
+    def _build_engines(self, base: torch.nn.Module, layout: ParallelLayout, *, one_copy: bool) -> None:
         """The actor's training engine and the reference policy's forward-only one over `layout`;
         with `one_copy`, `base` is a meta skeleton filled from rank 0's read of the checkpoint and
         the reference is copied from the actor's shards."""
         cfg = self.cfg
         mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
-        engine_cls = TrainEngine
+        engine_cls = FSDPEngine
         if layout.size("pp") > 1:
             engine_cls = PipelineEngine
             if _tied(base):
@@ -259,7 +282,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         group), unless the bound ones are still current; vLLM loads them into its own model."""
         if self.generation is None:
             return
-        if isinstance(self.rollout, VLLMRolloutEngine) and self.rollout.lora_rank:
+        if self.rollout.holds_own_weights and self.rollout.lora_rank:
             if not self.rollout_current:  # the frozen base once, then each version's adapters
                 if not self.base_in_vllm:
                     self.rollout.load_weights(self.resharder.reshard())
@@ -267,7 +290,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                     self.base_in_vllm = True
                 self.rollout.load_adapter(self.update_steps, self._full_adapters(), **self._adapter_settings())
                 self.rollout_current = True
-        elif isinstance(self.rollout, VLLMRolloutEngine):
+        elif self.rollout.holds_own_weights:
             if not self.rollout_current:
                 shards = self._merge_adapters(self.resharder.reshard())
                 self.rollout.load_weights(shards if self.gen_layout.size("tp") == 1 else self._full_weights(shards))
@@ -320,7 +343,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         """Before training: drop the generation shards (the next generate reshards again)."""
         if self.generation is None:
             return
-        if isinstance(self.rollout, VLLMRolloutEngine):
+        if self.rollout.holds_own_weights:
             self.rollout_current = False
             self.rollout.sleep()  # CUDA: weights and KV cache freed for training
         elif self.generation.bound:
@@ -400,7 +423,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                 self._apply_staged_weights()
             versions.append(self._policy_version())
 
-        hook = {"before_step": before_step} if isinstance(self.rollout, RolloutEngine) else {}
+        hook = {"before_step": before_step} if self.rollout.step_hooks else {}
         out = self.rollout.generate(ids, mask, params, generator=gen, **hook)
         out["behav_versions"] = _token_versions(versions, out["responses"].shape, out["responses"].device)
         return out

@@ -19,7 +19,7 @@ from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
-from asyncrl.train import TrainEngine, mixed_precision_policy, parallelize
+from asyncrl.train import FSDPEngine, mixed_precision_policy, parallelize
 from asyncrl.train.load import either, load_sharded, materialize, new_head, skeleton
 from asyncrl.train.lora import apply_lora, fresh_adapter
 
@@ -45,7 +45,7 @@ class CriticWorker(Worker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
         materialize(model, self.device)
-        self.critic = TrainEngine(model, layout, optim=cfg.critic.optim, device=self.device)
+        self.critic = FSDPEngine(model, layout, optim=cfg.critic.optim, device=self.device)
         head = new_head(VALUE_HEAD, model.config.initializer_range)
         if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)
             # no PEFT export: the critic's export is the merged value model (the head is no adapter)

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from asyncrl.rollout.engine import RolloutEngine
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.lora import adapter_scales, merged_weight
@@ -36,7 +35,7 @@ class PoolWeights:
         """rollout.decode_slots, or (0) a training batch's rows on this generation rank: a larger
         call (held-out prompts) decodes in waves of that many, so its memory does not grow with
         the call (the budget `asyncrl.plan.memory` prices); 0 with vLLM, which sizes itself."""
-        if not isinstance(self.rollout, RolloutEngine):
+        if self.rollout is None or self.rollout.sizes_own_batches:
             return 0
         rc = self.cfg.rollout
         return rc.decode_slots or -(-self.cfg.data.batch_size // self.gen_layout.data_shards()) * rc.n

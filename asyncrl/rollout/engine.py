@@ -162,6 +162,9 @@ class RolloutEngine:
     to `device` (unless its weights are bound later, as `asyncrl.rollout.tp.GenerationModel`'s
     are), and switched to eval mode only for the duration of a `generate` call."""
 
+    # capabilities (`asyncrl.rollout.base.Rollout`)
+    holds_own_weights, step_hooks, sizes_own_batches, continuous_batching, lora_rank = False, True, False, True, 0
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -222,6 +222,9 @@ class VLLMRolloutEngine:
     """A vLLM engine for one generation replica, with the native engine's interface. With
     tp_size > 1 every rank of the replica builds one and calls every method alike, in order."""
 
+    # capabilities (`asyncrl.rollout.base.Rollout`); lora_rank is set per engine
+    holds_own_weights, step_hooks, sizes_own_batches, continuous_batching = True, False, True, False
+
     def __init__(
         self,
         model_path: str,

@@ -1,9 +1,10 @@
 """Training backends: the model, its optimizer and checkpoints, sharded across ranks."""
 
+from asyncrl.train.engine import TrainEngine
 from asyncrl.train.fsdp import (
     EngineError,
+    FSDPEngine,
     OptimConfig,
-    TrainEngine,
     apply_fsdp,
     compute_dtype,
     init_distributed,
@@ -20,6 +21,7 @@ __all__ = [
     "EngineError",
     "OptimConfig",
     "PipelineEngine",
+    "FSDPEngine",
     "TrainEngine",
     "apply_fsdp",
     "apply_tp",

@@ -5,9 +5,9 @@ Parallelism is applied by plain functions before the engine is built, torchtitan
 
     layout = ParallelLayout.from_config(cfg.parallel, world_size)
     model = parallelize(model, layout, mixed_precision_policy(device))
-    engine = TrainEngine(model, layout, optim=OptimConfig(...))
+    engine = FSDPEngine(model, layout, optim=OptimConfig(...))
 
-gloo on CPU, NCCL on GPU. Every method of `TrainEngine` except `rng_state`/`set_rng_state` is a
+gloo on CPU, NCCL on GPU. Every method of `FSDPEngine` except `rng_state`/`set_rng_state` is a
 collective: all ranks of the mesh must call it, in the same order, with the same number of
 micro-batches, or the job hangs.
 """
@@ -205,7 +205,7 @@ def tied_parameter_names(model: nn.Module) -> set[str]:
     return tied
 
 
-class TrainEngine:
+class FSDPEngine:
     """An already-parallelised model (see `parallelize`) with AdamW over its local shards, the
     train step, and checkpoints. Gradients and metrics are averaged over `layout`'s dp
     sub-mesh: the ranks of one TP group see the same rows and hold the same metrics.
@@ -232,11 +232,11 @@ class TrainEngine:
         device: str | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise EngineError("call asyncrl.train.init_distributed() before building a TrainEngine")
+            raise EngineError("call asyncrl.train.init_distributed() before building a FSDPEngine")
         if layout.size("pp") > 1 and not self.pipelined:
             raise EngineError(f"layout {layout.describe()} has pipeline stages: build "
                               "asyncrl.train.PipelineEngine(parallelize(model, layout), layout, ...) "
-                              "instead of TrainEngine")
+                              "instead of FSDPEngine")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -473,7 +473,7 @@ class TrainEngine:
         """This rank's `rank{r}.pt` when `path` was saved in this layout, else rank 0's."""
         first = path / "rank0.pt"
         if not first.exists():
-            raise EngineError(f"no {first}: not a checkpoint written by TrainEngine.save_checkpoint")
+            raise EngineError(f"no {first}: not a checkpoint written by FSDPEngine.save_checkpoint")
         meta = torch.load(first, weights_only=True)
         # checkpoints from before layouts were recorded are pure-DP ones of `world_size` ranks
         saved = ParallelLayout.from_wire(meta["layout"]) if "layout" in meta else pure_dp(meta["world_size"])

@@ -5,7 +5,7 @@ checkpoint files and broadcasts each tensor, every rank keeping its slice (`load
 
     model = parallelize(skeleton(path, torch.float32), layout, mp)
     materialize(model, device)
-    engine = TrainEngine(model, layout, optim=...)
+    engine = FSDPEngine(model, layout, optim=...)
     load_sharded(engine, path)
 """
 

@@ -3,7 +3,7 @@ over the layout's pp dim (`split_stages`), tensor parallel over its tp dim (`app
 FSDP2 over its dp dim (`apply_fsdp`).
 
     layout = ParallelLayout.from_config(cfg.parallel, world_size)
-    engine = TrainEngine(parallelize(model, layout, mixed_precision_policy(device)), layout, optim=...)
+    engine = FSDPEngine(parallelize(model, layout, mixed_precision_policy(device)), layout, optim=...)
     # pp > 1: PipelineEngine(parallelize(model, layout), layout, optim=...)
 """
 

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
-from asyncrl.train.fsdp import EngineError, LossFn, TrainEngine, _local, global_grad_norm
+from asyncrl.train.fsdp import EngineError, FSDPEngine, LossFn, _local, global_grad_norm
 
 log = logging.getLogger(__name__)
 
@@ -258,14 +258,14 @@ def pad_micro_batches(inputs: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tens
     return torch.cat(out_ids), torch.cat(out_mask), torch.cat(out_pos)
 
 
-class PipelineEngine(TrainEngine):
-    """`TrainEngine` over a `DecoderStage` (see `parallelize`): the same train step, checkpoints
+class PipelineEngine(FSDPEngine):
+    """`FSDPEngine` over a `DecoderStage` (see `parallelize`): the same train step, checkpoints
     and full state dicts, run as a pipeline over the layout's pp dim.
 
     Every method is a collective over all ranks of the layout. The ranks of one pipeline (same
     dp/tp coordinates) must pass the same micro-batches (the RL data shard is per dp rank, so
     they do). Schedule: 1F1B when there are at least as many micro-batches as stages, else
-    GPipe; gradients are summed over micro-batches exactly as in `TrainEngine` (no 1/n scaling
+    GPipe; gradients are summed over micro-batches exactly as in `FSDPEngine` (no 1/n scaling
     by the schedule: losses arrive already scaled).
     """
 
@@ -335,7 +335,7 @@ class PipelineEngine(TrainEngine):
             self._on_output = None
 
     def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
-        """`TrainEngine.train_step` through the pipeline: `loss_fn(model, micro_batch)` runs on
+        """`FSDPEngine.train_step` through the pipeline: `loss_fn(model, micro_batch)` runs on
         the last stage, where `model(...)` returns the pipeline's logits for `micro_batch`.
         Returns the same metrics on every rank (the last stage's, broadcast over pp)."""
         if self.optimizer is None or self.scheduler is None or self.optim_config is None:

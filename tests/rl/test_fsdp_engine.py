@@ -1,4 +1,4 @@
-"""FSDP2 TrainEngine on 2 CPU ranks (gloo) against plain single-process AdamW.
+"""FSDP2 FSDPEngine on 2 CPU ranks (gloo) against plain single-process AdamW.
 
 One 2-rank job (spawned once per module) runs every distributed scenario and writes its
 results to disk; the tests below compare them with a plain reference computed in-process.
@@ -65,9 +65,9 @@ def loss_fn(model, micro_batch):
 
 def build_engine(model, optim, layout):
     """apply_fsdp over the layout's dp sub-mesh, then the engine (as an RL worker does)."""
-    from asyncrl.train import TrainEngine, apply_fsdp
+    from asyncrl.train import FSDPEngine, apply_fsdp
 
-    return TrainEngine(apply_fsdp(model, layout.submesh("dp")), layout, optim=optim, device="cpu")
+    return FSDPEngine(apply_fsdp(model, layout.submesh("dp")), layout, optim=optim, device="cpu")
 
 
 def nan_loss_fn(model, micro_batch):
@@ -302,3 +302,18 @@ def test_inference_engine_loads_broadcast_state_dict(job):
     for r in job:
         assert not r["ref_requires_grad"]
         torch.testing.assert_close(r["ref_logits"], job[0]["fsdp_logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_the_fsdp_engines_implement_the_train_engine_interface():
+    """The roles hold a `TrainEngine`; both FSDP2 engines have every member it names, with the
+    same parameters (a second backend is held to the same)."""
+    import inspect
+
+    from asyncrl.train import FSDPEngine, PipelineEngine, TrainEngine
+
+    members = [n for n in vars(TrainEngine) if not n.startswith("_") and callable(getattr(TrainEngine, n))]
+    assert len(members) >= 8
+    for cls in (FSDPEngine, PipelineEngine):
+        for name in members:
+            want = list(inspect.signature(getattr(TrainEngine, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)

@@ -219,8 +219,8 @@ def _save_checkpoints(out: Path) -> dict[str, dict[str, torch.Tensor]]:
 def _load_job(rank: int, world_size: int, out: Path) -> dict:
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
     from asyncrl.train import (
+        FSDPEngine,
         OptimConfig,
-        TrainEngine,
         init_distributed,
         mixed_precision_policy,
         parallelize,
@@ -235,12 +235,12 @@ def _load_job(rank: int, world_size: int, out: Path) -> dict:
             layout = ParallelLayout.from_config(ParallelConfig(tp=tp), world_size)
             model = parallelize(skeleton(path, torch.float32), layout, mixed_precision_policy("cpu"))
             materialize(model, "cpu")
-            engine = TrainEngine(model, layout, optim=OptimConfig(), device="cpu")
+            engine = FSDPEngine(model, layout, optim=OptimConfig(), device="cpu")
             load_sharded(engine, path)
             ref = parallelize(skeleton(path, torch.bfloat16), layout, mixed_precision_policy("cpu"))
             materialize(ref, "cpu")
             copy_shards(engine.model, ref)
-            ref_engine = TrainEngine(ref, layout, optim=None, device="cpu")
+            ref_engine = FSDPEngine(ref, layout, optim=None, device="cpu")
             results[(name, tp)] = (engine.full_state_dict(rank0_only=False), ref_engine.full_state_dict(rank0_only=False),
                                    {n: b.clone() for n, b in engine.model.named_buffers()})
     return results
@@ -272,8 +272,8 @@ def _critic_job(rank: int, world_size: int, out: Path) -> dict:
     from asyncrl.roles.critic import VALUE_HEAD
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
     from asyncrl.train import (
+        FSDPEngine,
         OptimConfig,
-        TrainEngine,
         init_distributed,
         mixed_precision_policy,
         parallelize,
@@ -288,7 +288,7 @@ def _critic_job(rank: int, world_size: int, out: Path) -> dict:
         model = parallelize(skeleton(str(out / "tiedTrue"), torch.float32, value_head=True), layout,
                             mixed_precision_policy("cpu"))
         materialize(model, "cpu")
-        engine = TrainEngine(model, layout, optim=OptimConfig(), device="cpu")
+        engine = FSDPEngine(model, layout, optim=OptimConfig(), device="cpu")
         load_sharded(engine, str(out / "tiedTrue"), fresh=new_head(VALUE_HEAD, 0.02))
         results[tp] = engine.full_state_dict(rank0_only=False)
     return results

@@ -95,7 +95,7 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
-    from asyncrl.train import TrainEngine, init_distributed
+    from asyncrl.train import FSDPEngine, init_distributed
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(pp=2, tp=tp), world_size)
@@ -103,7 +103,7 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
     res: dict = {"layout": layout.describe(), "pp_rank": layout.coord(rank, "pp"),
                  "tp_rank": layout.coord(rank, "tp")}
     with pytest.raises(EngineError, match="PipelineEngine"):
-        TrainEngine(tiny_lm(), layout, optim=OPTIM, device="cpu")
+        FSDPEngine(tiny_lm(), layout, optim=OPTIM, device="cpu")
 
     engine = build_engine(layout)
     res["names"] = sorted(n for n, _ in engine.model.named_parameters())
@@ -140,7 +140,7 @@ def _job(rank: int, world_size: int, out_dir: Path, tp: int = 1) -> dict:
         from asyncrl.train import parallelize
 
         dp2 = ParallelLayout.from_config(ParallelConfig(), world_size)
-        plain = TrainEngine(parallelize(tiny_lm(seed=99), dp2), dp2, optim=OPTIM, device="cpu")
+        plain = FSDPEngine(parallelize(tiny_lm(seed=99), dp2), dp2, optim=OPTIM, device="cpu")
         plain.load_checkpoint(out_dir / "ckpt")
         res["dp2_metrics"] = [plain.train_step(micro_batches(s, dp2.dp_rank(rank), 2), pg_loss)
                               for s in range(SAVE_AT, STEPS)]

@@ -99,9 +99,9 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
 
 
 def build_engine(model, layout, optim=OPTIM):
-    from asyncrl.train import TrainEngine
+    from asyncrl.train import FSDPEngine
 
-    return TrainEngine(parallelize(model, layout), layout, optim=optim, device="cpu")
+    return FSDPEngine(parallelize(model, layout), layout, optim=optim, device="cpu")
 
 
 def rank_micro(layout, rank: int, step: int, vocab: int):

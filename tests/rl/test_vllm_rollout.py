@@ -150,7 +150,7 @@ def _weight_sync(rank: int, world_size: int, out_dir: Path, tg: int = 1) -> dict
         ParallelLayout,
         generation_layout,
     )
-    from asyncrl.train import TrainEngine, init_distributed, parallelize
+    from asyncrl.train import FSDPEngine, init_distributed, parallelize
     from asyncrl.train.reshard import Resharder
 
     init_distributed()
@@ -160,7 +160,7 @@ def _weight_sync(rank: int, world_size: int, out_dir: Path, tg: int = 1) -> dict
     gen = generation_layout(train, GenerationParallelConfig(tp=tg))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = model.config
-    actor = TrainEngine(parallelize(model, train), train, optim=OptimConfig(lr=3e-2), device="cpu")
+    actor = FSDPEngine(parallelize(model, train), train, optim=OptimConfig(lr=3e-2), device="cpu")
     tp_group = torch.distributed.new_group([0, 1]) if tg > 1 else None
     resharder = Resharder(actor.model, train, gen, full_model=GenerationModel(config, actor.model, tp_group).model)
     engine = _vllm(path, tok, load_format="dummy", tp_size=tg)  # random weights until the first sync

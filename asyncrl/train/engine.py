@@ -1,0 +1,47 @@
+"""`TrainEngine`: what the roles ask of a training backend. `FSDPEngine` (FSDP2 × DTensor TP,
+`asyncrl.train.fsdp`) and `PipelineEngine` (its pipeline-parallel form) implement it; a second
+backend (Megatron-core) implements the same."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+LossFn = Callable[[torch.nn.Module, Any], tuple[Tensor, dict[str, Any]]]
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """A model trained (or, with no optimizer, run forward only) over a parallel layout."""
+
+    model: torch.nn.Module  # what the roles run their micro-batched forward passes over
+
+    def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the micro-batches (gradients summed); its metrics."""
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The whole model's tensors by Hugging Face name (a collective over the ranks)."""
+
+    def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
+        """Fill the shards from whole tensors."""
+
+    def release_unsharded(self) -> None:
+        """Free what a forward or a gather left unsharded (between phases)."""
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
+                        export_dtype: torch.dtype | None = None, asynchronous: bool = False) -> None:
+        """Write a resumable checkpoint and a Hugging Face export (in the background when
+        `asynchronous`)."""
+
+    def checkpoint_pending(self) -> bool:
+        """Whether a background save is still writing."""
+
+    def finish_checkpoint(self) -> float:
+        """Wait for a background save; the seconds waited."""
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
+        """Restore model, optimizer and scheduler; the `extra` saved with them."""
