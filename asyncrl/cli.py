@@ -171,7 +171,8 @@ def _job_from_config(args: argparse.Namespace) -> tuple[str, dict[str, Any], Pat
     the job's metrics.jsonl)."""
     from omegaconf import OmegaConf
 
-    from asyncrl.launch import check_config, load_config
+    from asyncrl.jobs.nodes import check_config
+    from asyncrl.launch import load_config
     from asyncrl.single_controller.schema import job_schema
     from transport.checks import ConfigError
 

@@ -306,7 +306,7 @@ def test_systemd_units_verify(name, tmp_path):
 def test_daemon_runs_jobs_side_by_side_and_shuts_down_for_a_restart(tmp_path):
     """The coordinator unit's and the node unit's command lines, on this machine: jobs submitted
     to the daemon are isolated, `stop` ends a job, `shutdown` the daemon with status 75."""
-    from asyncrl.launch import SHUTDOWN_EXIT
+    from asyncrl.jobs.nodes import SHUTDOWN_EXIT
     from transport.auth import generate_keys
 
     keys = tmp_path / "keys"
@@ -381,7 +381,7 @@ def test_the_readme_commands_run_as_written(tmp_path):
     line: the `keys generate` lines, every line of "With the CLI" (local and remote submits of a
     smoke job and of `--config-name grpo` RL jobs, status, stop, shutdown) and the Python example.
     Only the paths, the address and `ID` are replaced."""
-    from asyncrl.launch import SHUTDOWN_EXIT
+    from asyncrl.jobs.nodes import SHUTDOWN_EXIT
     from asyncrl.models.tiny import ensure_tiny_model
 
     text = (UNITS / "README.md").read_text()

@@ -37,7 +37,8 @@ class CountOnes(Environment):
         self.words += action.text.split()
         self.turns += 1
         if self.turns == 2:
-            return StepResult(reward=self.words.count("1") / max(1, len(self.words)), done=True)
+            return StepResult(reward=self.words.count("1") / max(1, len(self.words)), done=True,
+                              info={"ones": float(self.words.count("1"))})  # a number of its own
         return StepResult("sort 1 1", role="user")
 
 

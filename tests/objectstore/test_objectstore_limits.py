@@ -199,7 +199,7 @@ def test_memory_limit_config_key_is_typed():
 def test_launch_passes_the_memory_limit_to_the_node():
     from omegaconf import OmegaConf
 
-    from asyncrl.launch import cluster_spec
+    from asyncrl.jobs.nodes import cluster_spec
 
     cfg = OmegaConf.create({"cluster": {"coordinator": None, "port": 0, "node_rank": 0, "nnodes": 1, "host": None,
                                         "cpu_devices": 1, "key_dir": None, "insecure": True, "log_dir": "x",

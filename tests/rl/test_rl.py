@@ -96,8 +96,12 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert all(r["timing/gen_s"] > 0 and r["timing/update_actor_s"] > 0 and r["timing/overhead_s"] >= 0
                for r in steps)
     assert all(0.1 < r["perf/peak_rss_gib"] < 20 for r in steps)  # the actor's largest rank, logged each step
+    if not extra:  # advantages where the rows live: no rank pulls another's rows for them
+        assert all(r["perf/advantage_cross_rank_mb"] == 0 and r["perf/compute_reward_cross_rank_mb"] == 0
+                   for r in steps), steps
     if "rollout.multi_turn.enable=true" in extra:  # every trajectory ran its two turns
         assert all(r["agent/num_turns_mean"] == 2.0 for r in steps), steps
+        assert all(r["agent/ones_mean"] >= 0 for r in steps), steps  # the environment's own info number
     before, after = _weights(tiny_model), _weights(Path(summary["checkpoint"]))
     if "model.dtype=bfloat16" in extra:  # the export is in the compute dtype, and says so
         config = json.loads((Path(summary["checkpoint"]) / "config.json").read_text())

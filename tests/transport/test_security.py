@@ -89,13 +89,14 @@ async def test_worker_refuses_foreign_code_and_holds_no_cluster_secret(tmp_path)
 
 # bind addresses and limits from the config ------------------------------------------------------
 def _spec(*overrides: str, daemon: bool = False) -> ClusterSpec:
-    from asyncrl.launch import cluster_spec, load_config
+    from asyncrl.jobs.nodes import cluster_spec
+    from asyncrl.launch import load_config
 
     return cluster_spec(load_config("smoke", list(overrides)), daemon)
 
 
 def test_daemon_mode_listens_on_loopback_unless_told_otherwise(caplog):
-    from asyncrl.launch import explain_bind
+    from asyncrl.jobs.nodes import explain_bind
 
     spec = _spec(daemon=True)
     assert spec.cluster.bind == "127.0.0.1"
