@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algorithms.core import entropy_from_logits, logprobs_from_logits
 from asyncrl.plan.memory import LOGIT_CHUNK_TOKENS
+from asyncrl.rollout.engine import last_positions
 from asyncrl.single_controller.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0
     backward pass (activation checkpointing), so the graph keeps only the model's own logits."""
     responses = mb["responses"]
     r = responses.shape[1]
-    kwargs = {"logits_to_keep": r + 1} if _keeps_logits(model) else {}
+    ids = mb["input_ids"]
+    kwargs = {"logits_to_keep": last_positions(ids.shape[1], r + 1, ids.device)} if _keeps_logits(model) else {}
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                 position_ids=mb["position_ids"], use_cache=False, **kwargs)
     return response_logprobs(out.logits[:, -r - 1:-1], responses, temperature, with_entropy)

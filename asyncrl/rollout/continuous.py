@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from asyncrl.rollout.engine import (
     RolloutEngine,
     SamplingParams,
+    last_positions,
     positions_from_mask,
     rollout_outputs,
     sample_tokens,
@@ -193,7 +194,7 @@ class ContinuousBatcher:
             pmask[j, P - len(req.prompt):] = 1
         small = DynamicCache(config=getattr(self.model, "config", None))
         out = self.model(input_ids=ids, attention_mask=pmask, position_ids=positions_from_mask(pmask),
-                         past_key_values=small, use_cache=True, logits_to_keep=1)
+                         past_key_values=small, use_cache=True, logits_to_keep=last_positions(P, 1, ids.device))
         L = self.mask.shape[1]
         if self.cache is None:
             self.cache = DynamicCache(config=getattr(self.model, "config", None))
