@@ -311,3 +311,31 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert SamplingParams(temperature=0.0).is_greedy
+
+
+def _peak_gib(fn) -> float:
+    """The process's resident high-water mark while `fn` runs, above where it started (Linux)."""
+    def hwm() -> float:
+        return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 2**20
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident size
+    start = hwm()
+    fn()
+    return hwm() - start
+
+
+def test_prefill_does_not_copy_a_frozen_head_per_row():
+    """A bf16 generation-only model (its head needs no gradient) prefilling 32 rows: the LM head
+    runs on contiguous hidden states, so torch makes no [rows, hidden, vocab] copy of it (32 x 64
+    x 50,000 bf16 = 205 MB here; 8.7 GB for a 0.5B model's held-out wave of 32 rows before)."""
+    config = LlamaConfig(vocab_size=50_000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(config).to(torch.bfloat16).requires_grad_(False)
+    engine = RolloutEngine(lm, eos_token_id=1, pad_token_id=0)
+    ids = torch.randint(5, 1000, (32, 40))
+    params = SamplingParams(n=1, max_tokens=2, greedy=True)
+    engine.generate(ids, torch.ones_like(ids), params)  # warm-up: allocator pools, lazy inits
+    extra = _peak_gib(lambda: engine.generate(ids, torch.ones_like(ids), params))
+    assert extra < 0.1, f"prefill of 32 rows raised the peak by {extra:.2f} GiB"
