@@ -182,7 +182,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         self.batcher: ContinuousBatcher | None = None
         if (self.rollout is not None and self.rollout.continuous_batching and self.actor is None
                 and self.cfg.trainer.placement == "split"):
-            self.batcher = ContinuousBatcher(self.rollout, self._slots(), StagedWeights(self))
+            self.batcher = ContinuousBatcher(self.rollout, self._decode_rows(), StagedWeights(self))
 
     def _base_model(self, one_copy: bool) -> torch.nn.Module:
         """The model this worker starts from: an actor builds it on the meta device (rank 0 reads

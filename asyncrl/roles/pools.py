@@ -34,16 +34,12 @@ class PoolWeights:
     def _decode_rows(self) -> int:
         """rollout.decode_slots, or (0) a training batch's rows on this generation rank: a larger
         call (held-out prompts) decodes in waves of that many, so its memory does not grow with
-        the call (the budget `asyncrl.plan.memory` prices); 0 with vLLM, which sizes itself."""
+        the call (the budget `asyncrl.plan.memory` prices), and a rollout-only worker's continuous
+        batch has that many slots; 0 with vLLM, which sizes itself."""
         if self.rollout is None or self.rollout.sizes_own_batches:
             return 0
         rc = self.cfg.rollout
         return rc.decode_slots or -(-self.cfg.data.batch_size // self.gen_layout.data_shards()) * rc.n
-
-    def _slots(self) -> int:
-        """rollout.decode_slots, or (0) the rows of one batch on one rollout rank."""
-        rc = self.cfg.rollout
-        return rc.decode_slots or -(-self.cfg.data.batch_size // self.world_size) * rc.n
 
     @register(ONE_TO_ALL)
     def weight_sync_digest(self) -> str:
