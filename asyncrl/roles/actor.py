@@ -593,6 +593,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         extra = {**(extra or {}), "rng": rng_state(), "update_steps": self.update_steps,
                  "shuffle_gen": self.shuffle_gen.get_state(), "sample_gen": self.sample_gen.get_state()}
+        self._release_generation_weights()  # the generation copy is not saved: its memory goes first
         with memory_phase("save", self.device):
             self.actor.save_checkpoint(Path(path) / "actor", extra, tokenizer=self.tokenizer,
                                        export_dtype=compute_dtype(self.device, self.cfg.model.dtype),
