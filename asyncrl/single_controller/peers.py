@@ -69,12 +69,19 @@ class Peers:
         return wire.to(values.device, values.dtype)
 
 
-def _group() -> Any:
+def open_group() -> None:
+    """Make the gloo group the sums use, once, where every rank makes its groups in the same order
+    (as the process group comes up): made lazily inside an apply call, the first rank there would
+    wait in the group's rendezvous for the last, its heartbeats unanswered."""
     global _GROUP
+    if _GROUP is None and dist.is_initialized() and dist.get_world_size() > 1:
+        _GROUP = dist.new_group(backend="gloo")
+
+
+def _group() -> Any:
     if not dist.is_initialized():
         raise RuntimeError("batch-wide sums over several ranks need the workers' process group; "
                            "this worker class never started one (run the function on one rank: "
                            "protocol=RANK_ZERO)")
-    if _GROUP is None:
-        _GROUP = dist.new_group(backend="gloo")
+    open_group()
     return _GROUP

@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from asyncrl.config import OptimConfig
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
+from asyncrl.single_controller.peers import open_group as open_peer_group
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
 
@@ -110,6 +111,7 @@ def init_distributed(backend: str | None = None) -> None:
                 "through the node daemon (it sets the rendezvous env) or export them yourself"
             )
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    open_peer_group()  # the group `group.apply` functions sum over (asyncrl.single_controller.peers)
     log.info("process group up: rank %d of %d, backend %s", rank, world_size, backend)
 
 
