@@ -219,3 +219,15 @@ def test_the_roles_ask_engines_what_they_can_do_not_what_they_are():
     for cls in (RolloutEngine, VLLMRolloutEngine):
         declared = {n for n in wanted if hasattr(cls, n)} | ({"lora_rank"} if cls is VLLMRolloutEngine else set())
         assert declared == wanted and callable(cls.generate) and callable(cls.load_weights), cls
+
+
+def test_the_readme_reads_in_a_minute_and_results_headings_name_topics():
+    """The README's first command within its first 25 lines, no line over 200 characters; no
+    docs/results heading numbered as a work log ("Session 14: …", "Later the same day")."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert any(line.startswith("make run") for line in lines[:25])
+    assert not [i + 1 for i, line in enumerate(lines) if len(line) > 200]
+    logged = [f"{p.name}: {line}" for p in (REPO / "docs" / "results").glob("*.md")
+              for line in p.read_text().splitlines()
+              if line.startswith("#") and any(w in line.lower() for w in ("session", "later the same day", "(later)"))]
+    assert not logged, logged
