@@ -173,12 +173,17 @@ async def _call_async(fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
+def takes(fn: Callable, name: str) -> bool:
+    """Whether `fn` has a parameter called `name` (builtins without a signature have none)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def wants_runtime(fn: Callable) -> bool:
     """Whether `fn` takes the worker's runtime (it has a parameter named `runtime`)."""
-    try:
-        return "runtime" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
+    return takes(fn, "runtime")
 
 
 class WorkerProcess:

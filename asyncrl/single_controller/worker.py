@@ -33,7 +33,7 @@ from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayou
 from asyncrl.single_controller.peers import Peers
 from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
-from daemons.worker import WorkerRuntime, wants_runtime
+from daemons.worker import WorkerRuntime, takes, wants_runtime
 from objectstore import ObjectStore
 
 
@@ -81,12 +81,6 @@ def warning_relay() -> WarningRelay:
 # per method, the bytes this process pulled: [from its own store, from other stores]
 PULLED: dict[str, list[int]] = {}
 
-
-def _parameters(fn: Callable) -> Any:
-    try:
-        return inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return {}
 
 F = TypeVar("F", bound=Callable[..., Any])
 REGISTER_ATTR = "__asyncrl_register__"
@@ -218,7 +212,7 @@ class Worker:
         fn = self.runtime.resolve(fn_path)
         if wants_runtime(fn):
             kwargs = {**kwargs, "runtime": self.runtime}
-        if "peers" in _parameters(fn):
+        if takes(fn, "peers"):
             kwargs = {**kwargs, "peers": Peers(ranks, self.rank, self.world_size)}
         return await self._run(fn, True, args, kwargs, label=fn_path.partition(":")[0].rpartition(".")[2])
 
