@@ -219,6 +219,21 @@ def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
                f"got tp={section.parallel.tp}, pp={section.parallel.pp}")
 
 
+BACKENDS = ("fsdp2", "megatron")
+
+
+def _check_megatron(section: ActorConfig, at: str) -> None:
+    """What the megatron backend does not run yet: each a paragraph naming the key."""
+    _one_of(at + "backend", section.backend, BACKENDS)
+    if section.backend != "megatron":
+        return
+    _check(not section.lora.enabled, at + "lora.rank", section.lora.rank,
+           f"LoRA trains with {at}backend=fsdp2 only; set {at}lora.rank=0 or {at}backend=fsdp2")
+    _check(section.parallel.pp == 1, at + "parallel.pp", section.parallel.pp,
+           f"pipeline stages are not built for {at}backend=megatron yet: use pp=1 (tp and dp run), "
+           f"or {at}backend=fsdp2")
+
+
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
 
 
@@ -279,11 +294,15 @@ class ActorConfig(PPOUpdateConfig):
     policy_loss: str = "ppo"
     behav_imp_weight_cap: float = 5.0  # decoupled: tokens above it are dropped; tis: weights clipped to it
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters instead of full fine-tuning (rank > 0)
+    # fsdp2: FSDP2 x DTensor TP (x pipeline stages); megatron: megatron-core's GPTModel, TP x DP with
+    # its distributed optimizer (docs/megatron.md); the reference policy runs on the same backend
+    backend: str = "fsdp2"
 
     def check(self, at: str) -> None:
         super().check(at)
         self.lora.check(at + "lora.")
         _check_lora_layout(self, at)
+        _check_megatron(self, at)
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
         _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
         _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
@@ -577,6 +596,9 @@ class RLConfig(LaunchConfig):
                               "cost model (or cost_model.enable=false for the rule)")
 
     def _check_placement(self, at: str) -> None:
+        _check(self.actor.backend == "fsdp2" or self.trainer.placement == "colocated", at + "trainer.placement",
+               self.trainer.placement, f"the weight sync between pools reads FSDP2 shards: {at}actor.backend=megatron "
+               "runs with trainer.placement=colocated for now")
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
         split = self.trainer.placement == "split"

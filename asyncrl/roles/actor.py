@@ -68,7 +68,6 @@ from asyncrl.train.lora import (
     plain_name,
 )
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
-from asyncrl.train.reshard import Resharder
 from asyncrl.train.weight_sync import (
     Sending,
     TensorSpec,
@@ -149,7 +148,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         """Actor and rollout in one process: the weightless generation model the reshard fills
         (`Resharder`), and the engine that generates with it (vLLM: its own copy, loaded from
         the reshard before the first generate)."""
-        self.resharder: Resharder | None = None
+        self.resharder: Any = None  # the engine's reshard (asyncrl.train.reshard, asyncrl.train.megatron.reshard)
         self.generation: GenerationModel | None = None
         self.rollout_current = False  # the vLLM engine holds the actor's current weights
         self.base_in_vllm = False  # LoRA adapters in vLLM: its frozen base came from the reshard
@@ -157,9 +156,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return
         cfg = self.cfg
         self.gen_tp_group = self._generation_tp_group()
-        self.generation = GenerationModel(base.config, self.actor.model, self.gen_tp_group)
-        self.resharder = Resharder(self.actor.model, layout, self.gen_layout, full_model=self.generation.model,
-                                   dtype=compute_dtype(self.device, cfg.model.dtype))
+        self.generation = GenerationModel(base.config, self.actor.generation_buffers(), self.gen_tp_group)
+        self.resharder = self.actor.resharder(self.gen_layout, self.generation.model,
+                                              compute_dtype(self.device, cfg.model.dtype))
         if cfg.rollout.engine == "vllm":
             self.rollout = self._vllm_engine(base.config, load_format="dummy")
         else:
@@ -201,6 +200,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         with `one_copy`, `base` is a meta skeleton filled from rank 0's read of the checkpoint and
         the reference is copied from the actor's shards."""
         cfg = self.cfg
+        if cfg.actor.backend == "megatron":
+            self._megatron_engines(layout)
+            return
         mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
         engine_cls = FSDPEngine
         if layout.size("pp") > 1:
@@ -242,6 +244,23 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             materialize(ref, self.device)
             copy_shards(self.actor.model, ref)
             self.ref = engine_cls(ref, layout, optim=None, device=self.device)
+
+    def _megatron_engines(self, layout: ParallelLayout) -> None:
+        """actor.backend=megatron: the actor and the reference policy as megatron-core GPTModels,
+        each rank reading its TP shards of the checkpoint."""
+        from asyncrl.train.megatron import require_megatron
+
+        require_megatron()
+        from asyncrl.train.megatron.engine import MegatronEngine
+
+        cfg = self.cfg
+        dtype = compute_dtype(self.device, cfg.model.dtype)
+        common = {"device": self.device, "seed": cfg.seed}
+        if "actor" in self.roles:
+            self.actor = MegatronEngine(cfg.model.path, layout, optim=cfg.actor.optim, dtype=dtype,
+                                        recompute=cfg.actor.gradient_checkpointing, **common)
+        if "ref" in self.roles:
+            self.ref = MegatronEngine(cfg.model.path, layout, optim=None, dtype=dtype, **common)
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:

@@ -25,7 +25,7 @@ from asyncrl.train.tp import COLWISE, ROWWISE, check_tp, shards_vocab
 class GenerationModel:
     """A weightless copy of `config`'s architecture, tensor parallel over `group` (None: tg=1)."""
 
-    def __init__(self, config, buffers_from: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, config, buffers_from: nn.Module | torch.device, group: dist.ProcessGroup | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
@@ -35,9 +35,12 @@ class GenerationModel:
         self.group = group
         self.tp = dist.get_world_size(group) if group is not None else 1
         self.tp_rank = dist.get_rank(group) if group is not None else 0
-        for name, buf in buffers_from.named_buffers():  # rotary tables etc.: not sharded, shared read-only
-            owner, leaf = _owner(self.model, name)
-            owner._buffers[leaf] = buf
+        if isinstance(buffers_from, nn.Module):
+            for name, buf in buffers_from.named_buffers():  # rotary tables etc.: not sharded, shared read-only
+                owner, leaf = _owner(self.model, name)
+                owner._buffers[leaf] = buf
+        else:  # a training model of another layout (Megatron): the rotary tables made anew on that device
+            _fresh_rotary(self.model, config, buffers_from)
         # names that alias one parameter (tied embeddings) bind to one tensor
         self._aliases: dict[str, list[str]] = {}
         first_of: dict[int, str] = {}
@@ -107,6 +110,15 @@ class GenerationModel:
         parts = [torch.empty_like(out) for _ in range(self.tp)]
         dist.all_gather(parts, out.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+
+def _fresh_rotary(model: nn.Module, config, device: torch.device) -> None:
+    """Each rotary embedding of `model` (built on meta) rebuilt on `device` with its tables."""
+    for name, module in list(model.named_modules()):
+        if name.endswith("rotary_emb"):
+            owner, leaf = _owner(model, name)
+            with torch.device(device):
+                setattr(owner, leaf, type(module)(config=config))
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

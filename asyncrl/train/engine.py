@@ -1,6 +1,6 @@
 """`TrainEngine`: what the roles ask of a training backend. `FSDPEngine` (FSDP2 × DTensor TP,
-`asyncrl.train.fsdp`) and `PipelineEngine` (its pipeline-parallel form) implement it; a second
-backend (Megatron-core) implements the same."""
+`asyncrl.train.fsdp`) and `PipelineEngine` (its pipeline-parallel form) implement it, and
+`MegatronEngine` (megatron-core, `asyncrl.train.megatron`)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ class TrainEngine(Protocol):
 
     def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
         """Fill the shards from whole tensors."""
+
+    def generation_buffers(self) -> Any:
+        """A generation model's buffers: a module to share them from, or the device to make them on."""
+
+    def resharder(self, gen: Any, full_model: torch.nn.Module, dtype: torch.dtype) -> Any:
+        """The 3D-HybridEngine reshard into the generation layout `gen`: `reshard()` gives each
+        HF-named generation shard, `release()` frees them, `plans` name each one's TP dim."""
 
     def release_unsharded(self) -> None:
         """Free what a forward or a gather left unsharded (between phases)."""

@@ -342,6 +342,18 @@ class FSDPEngine:
                 torch._foreach_mul_([_local(g) for g in grads], coef)
         return total
 
+    # -- generation weights ----------------------------------------------------------------------
+
+    def generation_buffers(self) -> nn.Module:
+        """Where a generation model takes its buffers (rotary tables) from: this model's own."""
+        return self.model
+
+    def resharder(self, gen: ParallelLayout, full_model: nn.Module, dtype: torch.dtype) -> Any:
+        """The 3D-HybridEngine reshard of this engine's shards into the generation layout `gen`."""
+        from asyncrl.train.reshard import Resharder
+
+        return Resharder(self.model, self.layout, gen, full_model=full_model, dtype=dtype)
+
     # -- state dicts and checkpoints -----------------------------------------------------------
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:

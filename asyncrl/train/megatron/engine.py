@@ -1,0 +1,235 @@
+"""`MegatronEngine`: the `TrainEngine` over megatron-core's `GPTModel` — TP × DP over the worker
+group's own ranks (megatron's `parallel_state` built on the group's process group), its DDP and
+distributed optimizer (fp32 masters sharded over DP), asyncrl's loss functions and LR schedule."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from asyncrl.config import OptimConfig
+from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.train.engine import LossFn
+from asyncrl.train.export import export_full
+from asyncrl.train.fsdp import EngineError, lr_multiplier, release_host_memory
+from asyncrl.train.megatron.convert import (
+    GPTShape,
+    Reader,
+    SafetensorsReader,
+    hf_tensors,
+    megatron_shard,
+)
+from asyncrl.train.megatron.cpu import adapt_for_cpu, cuda_on_cpu
+from asyncrl.train.megatron.model import HFView, build_gpt
+from transport.checks import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def init_model_parallel(tp: int, pp: int, seed: int) -> None:
+    """megatron's parallel state over this process group's ranks (p-d-t, TP innermost, as
+    `ParallelLayout`), once per process; the TP RNG tracker seeded."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise EngineError(f"megatron's parallel state is tp={have[0]} pp={have[1]} in this process; "
+                              f"an engine of tp={tp} pp={pp} cannot share it")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class MegatronEngine:
+    """An HF decoder trained (or, with `optim=None`, run forward only) as megatron-core's GPTModel."""
+
+    pipelined = False
+
+    def __init__(self, path: str, layout: ParallelLayout, *, optim: OptimConfig | None, device: str | torch.device,
+                 dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None) -> None:
+        from megatron.core import parallel_state
+        from transformers import AutoConfig
+
+        if layout.size("pp") > 1:
+            raise ConfigError(f"actor.backend=megatron with actor.parallel.pp={layout.size('pp')}: pipeline stages "
+                              "are not built for this backend yet; use pp=1 (tp and dp work), or actor.backend=fsdp2")
+        adapt_for_cpu()
+        self.device, self.layout, self.optim_config = torch.device(device), layout, optim
+        self.hf_config = AutoConfig.from_pretrained(path)
+        self.shape = GPTShape.from_hf(self.hf_config)
+        self.tp = layout.size("tp")
+        self.shape.check_tp(self.tp)
+        init_model_parallel(self.tp, 1, seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.rank, self.steps, self.lora = dist.get_rank(), 0, None
+        self.gpt = build_gpt(self.shape, self.tp, 1, dtype, recompute)  # on the current CUDA device, or CPU
+        self.load_hf(reader or SafetensorsReader(path))
+        self.model = HFView(self.gpt, self.shape)
+        self.ddp = self.optimizer = None
+        if optim is None:
+            self.gpt.requires_grad_(False)
+            self.gpt.eval()
+        else:
+            self._build_optimizer(optim, dtype)
+
+    def _build_optimizer(self, optim: OptimConfig, dtype: torch.dtype) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        with cuda_on_cpu():
+            self.ddp = DistributedDataParallel(self.gpt.config, DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=True), self.gpt)
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+                adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip if optim.grad_clip > 0 else 0.0,
+                bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=True), [self.ddp])
+
+    # weights ----------------------------------------------------------------------------------
+    def local_tensors(self) -> dict[str, Tensor]:
+        """This rank's Megatron tensors by Megatron name (the tied head is the embedding)."""
+        return dict(self.gpt.named_parameters())
+
+    @torch.no_grad()
+    def load_hf(self, read: Reader) -> None:
+        """Fill this rank's shards from HF tensors (each rank reads the parts it holds)."""
+        local = self.local_tensors()
+        for rule in self.shape.rules():
+            local[rule.megatron].copy_(megatron_shard(rule, read, self.shape, self.tp, self.tp_rank))
+
+    def gather_tp(self, t: Tensor, group_ranks: int | None = None) -> list[Tensor]:
+        """Every TP rank's shard of a tensor (a collective over the TP group)."""
+        if self.tp == 1:
+            return [t]
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return parts
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
+        """The whole model by HF name, on CPU (a collective over the TP group)."""
+        local, out = self.local_tensors(), {}
+        for rule in self.shape.rules():
+            for name, t in hf_tensors(rule, self.gather_tp(local[rule.megatron].detach()), self.shape, self.tp).items():
+                out[name] = t.cpu()
+        return {} if rank0_only and self.rank != 0 else out
+
+    def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
+        if broadcast_from_rank0:
+            raise EngineError("MegatronEngine.load_full_state_dict needs the whole state dict on every rank")
+        from asyncrl.train.megatron.convert import dict_reader
+        self.load_hf(dict_reader(sd))
+
+    def generation_buffers(self) -> torch.device:
+        """A generation model makes its own rotary tables, on this device."""
+        return self.device
+
+    def resharder(self, gen: ParallelLayout, full_model: Any, dtype: torch.dtype) -> Any:
+        """The 3D-HybridEngine reshard of these TP shards into the generation layout `gen`."""
+        from asyncrl.train.megatron.reshard import MegatronResharder
+
+        return MegatronResharder(self, gen, dtype)
+
+    def release_unsharded(self) -> None:
+        release_host_memory()
+
+    # training ---------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
+        """Gradients summed over the micro-batches, averaged over DP by megatron's DDP, one step of
+        the distributed optimizer (it clips); the metrics averaged over DP (see `FSDPEngine.train_step`)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if self.optimizer is None:
+            raise EngineError("this engine was built with optim=None (inference only)")
+        if not micro_batches:
+            raise EngineError("train_step needs at least one micro-batch")
+        self.gpt.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum, sums = torch.zeros((), device=self.device), {}
+        for mb in micro_batches:
+            loss, metrics = loss_fn(self.model, mb)
+            loss.backward()
+            loss_sum += loss.detach().float()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
+        finalize_model_grads([self.ddp])
+        lr = self._set_lr()
+        with cuda_on_cpu():
+            stepped, grad_norm, _ = self.optimizer.step()
+        self.steps += 1
+        names = sorted(sums)
+        packed = torch.stack([loss_sum] + [sums[k] / len(micro_batches) for k in names])
+        dist.all_reduce(packed, group=self.dp_group)
+        values = (packed / dist.get_world_size(self.dp_group)).tolist()
+        return {"loss": values[0], **dict(zip(names, values[1:], strict=True)),
+                "grad_norm": float(grad_norm or 0.0), "lr": lr, "skipped": 0.0 if stepped else 1.0}
+
+    def _set_lr(self) -> float:
+        lr = self.optim_config.lr * lr_multiplier(self.steps, self.optim_config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    # checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
+                        export_dtype: torch.dtype | None = None, asynchronous: bool = False) -> None:
+        """Each rank's shards and optimizer state in `megatron/rank{r}.pt` (resume in the same
+        layout), and the HF export in `hf/` (rank 0). Written synchronously."""
+        path = Path(path)
+        (path / "megatron").mkdir(parents=True, exist_ok=True)
+        state = {"layout": self.layout.to_wire(), "steps": self.steps, "extra": extra,
+                 "model": {k: v.detach().cpu() for k, v in self.local_tensors().items()}}
+        if self.optimizer is not None:
+            state["optim"] = [o.state_dict() for o in self._optimizers()]
+            state["param_state"] = [o.get_parameter_state_dp_reshardable() for o in self._optimizers()]
+        torch.save(state, path / "megatron" / f"rank{self.rank}.pt")
+        full = self.full_state_dict(rank0_only=True)
+        if self.rank == 0:
+            export_full(SimpleNamespace(config=self.hf_config), path / "hf", full, set(), tokenizer, export_dtype)
+        dist.barrier()
+        log.info("saved checkpoint %s", path)
+
+    def checkpoint_pending(self) -> bool:
+        return False
+
+    def finish_checkpoint(self) -> float:
+        return 0.0
+
+    @torch.no_grad()
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
+        """Restore shards, optimizer state and step from `save_checkpoint(path)` (same layout)."""
+        path = Path(path)
+        file = path / "megatron" / f"rank{self.rank}.pt"
+        if not file.exists():
+            raise EngineError(f"{file} is missing: this checkpoint is not a megatron one of this layout; "
+                              f"start a new run from its HF export (model.path={path / 'hf'})")
+        t0 = time.perf_counter()
+        with cuda_on_cpu():
+            state = torch.load(file, map_location="cpu", weights_only=False)
+        if state["layout"] != self.layout.to_wire():
+            raise EngineError(f"checkpoint {path} was written by layout {state['layout']}, this engine is "
+                              f"{self.layout.to_wire()}: megatron checkpoints resume in the same layout; start a new "
+                              f"run from its HF export (model.path={path / 'hf'})")
+        for name, t in self.local_tensors().items():
+            t.copy_(state["model"][name])
+        if self.optimizer is not None:
+            with cuda_on_cpu():
+                for o, sd, ps in zip(self._optimizers(), state["optim"], state["param_state"], strict=True):
+                    o.load_state_dict(sd)
+                    o.load_parameter_state_from_dp_reshardable(ps)
+        self.steps = int(state["steps"])
+        log.info("loaded checkpoint %s in %.1f s", path, time.perf_counter() - t0)
+        return state["extra"]
