@@ -194,13 +194,30 @@ class MegatronEngine:
                  "model": {k: v.detach().cpu() for k, v in self.local_tensors().items()}}
         if self.optimizer is not None:
             state["optim"] = [o.state_dict() for o in self._optimizers()]
-            state["param_state"] = [o.get_parameter_state_dp_reshardable() for o in self._optimizers()]
+            state["param_state"] = [self._param_state(o) for o in self._optimizers()]
         torch.save(state, path / "megatron" / f"rank{self.rank}.pt")
         full = self.full_state_dict(rank0_only=True)
         if self.rank == 0:
             export_full(SimpleNamespace(config=self.hf_config), path / "hf", full, set(), tokenizer, export_dtype)
         dist.barrier()
         log.info("saved checkpoint %s", path)
+
+    def _param_state(self, optimizer: Any) -> dict[str, dict[str, Tensor]]:
+        """This DP rank's fp32 master shard and Adam moments of each parameter, by name. (megatron's
+        own `get_parameter_state_dp_reshardable` does not round-trip through its loader in 0.16.)"""
+        held = optimizer.model_param_group_index_map
+        return {name: {k: v.detach().clone().cpu() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}
+                for name, p in self.gpt.named_parameters() if p in held}
+
+    def _load_param_state(self, optimizer: Any, state: dict[str, dict[str, Tensor]]) -> None:
+        if not optimizer.optimizer.state:  # Adam makes its moments at the first step
+            optimizer._init_optimizer_states_with_dummy_values()
+        for name, p in self.gpt.named_parameters():
+            if name in state:
+                optimizer._set_main_param_and_optimizer_states(p, state[name])
+        for moments in optimizer.optimizer.state.values():  # loading shares one `step` tensor among all
+            if "step" in moments:
+                moments["step"] = moments["step"].clone()
 
     def checkpoint_pending(self) -> bool:
         return False
@@ -229,7 +246,7 @@ class MegatronEngine:
             with cuda_on_cpu():
                 for o, sd, ps in zip(self._optimizers(), state["optim"], state["param_state"], strict=True):
                     o.load_state_dict(sd)
-                    o.load_parameter_state_from_dp_reshardable(ps)
+                    self._load_param_state(o, ps)
         self.steps = int(state["steps"])
         log.info("loaded checkpoint %s in %.1f s", path, time.perf_counter() - t0)
         return state["extra"]

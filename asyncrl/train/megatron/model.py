@@ -53,12 +53,12 @@ def mark_tensor_parallel(gpt: nn.Module, shape: GPTShape) -> None:
     """Set megatron's `tensor_model_parallel` / `partition_dim` on every split weight: its
     layers set them only when they initialise the weights (`perform_initialization`), which a
     model loaded from a checkpoint skips; the distributed optimizer's grad norm needs them."""
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     params = dict(gpt.named_parameters())
     for rule in shape.rules():
         if rule.kind != COPY:
-            set_tensor_model_parallel_attributes(params[rule.megatron], True, 1 if rule.kind == ROW else 0, 1)
+            param = params[rule.megatron]
+            param.tensor_model_parallel, param.partition_stride = True, 1
+            param.partition_dim = 1 if rule.kind == ROW else 0
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:

@@ -1,0 +1,287 @@
+"""The megatron-core backend (`actor.backend=megatron`) on gloo CPU ranks, against Hugging Face.
+
+The HF <-> Megatron mapping is checked in-process (every rule, tp 1/2/4, bit-exact); one 2-rank
+job (tp=2) and one 2-rank job (dp=2) run the real megatron-core code: logits of Llama, Qwen2
+(qkv bias, tied embeddings) and Qwen3 (q/k norm) models with GQA against the HF model, training
+steps against a single-process AdamW reference, the checkpoint's resume and HF export, and the
+reshard into generation TP 1 and 2 (bytes and tensors).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="megatron-core is in the test extra: pip install -e '.[test]'")
+
+from asyncrl.config import OptimConfig  # noqa: E402
+from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout  # noqa: E402
+from asyncrl.train.megatron.convert import GPTShape, dict_reader, hf_tensors, megatron_shard  # noqa: E402
+from tests.helpers.gloo_ranks import run_ranks  # noqa: E402
+
+# name -> (architecture, vocabulary, tied)
+MODELS = {"llama": ("llama", 64, False), "llama_odd": ("llama", 63, False), "qwen2": ("qwen2", 64, True),
+          "qwen3": ("qwen3", 64, False)}
+OPTIM = OptimConfig(lr=1e-2, grad_clip=1.0, warmup_steps=1, total_steps=5)
+ROWS, SEQ, STEPS, SAVE_AT = 4, 10, 4, 2
+JOB_TIMEOUT_S = 240
+
+
+def hf_model(name: str):
+    import transformers as T
+
+    arch, vocab, tied = MODELS[name]
+    config_cls, model_cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+                             "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}[arch]
+    config = config_cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                        tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():  # norms and biases away from their init values, so a mix-up shows
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def probe(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with left padding (as prompts come) and their mask."""
+    ids = torch.randint(0, vocab, (3, SEQ), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, :1] = 0
+    return ids, mask
+
+
+def step_rows(step: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def lm_loss(model, ids):
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return ce, {"ce": ce.detach()}
+
+
+# -- the mapping, in-process ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_to_megatron_and_back_is_exact(name: str, tp: int) -> None:
+    """Every HF tensor survives HF -> Megatron (tp shards) -> HF bit for bit (tp must divide the 2 query groups), and k consecutive
+    shards give the k/tp slice a generation TP rank holds."""
+    model = hf_model(name)
+    sd = model.state_dict()
+    shape = GPTShape.from_hf(model.config)
+    read = dict_reader(sd)
+    seen = set()
+    for rule in shape.rules():
+        shards = [megatron_shard(rule, read, shape, tp, r) for r in range(tp)]
+        assert len({s.shape for s in shards}) == 1
+        for hf_name, t in hf_tensors(rule, shards, shape, tp).items():
+            assert torch.equal(t, sd[hf_name]), hf_name
+            seen.add(hf_name)
+        if tp > 1 and rule.kind not in ("copy", "vocab"):
+            half = hf_tensors(rule, shards[tp // 2:], shape, tp)
+            for hf_name, t in half.items():
+                dim = 1 if rule.kind == "row" else 0
+                assert torch.equal(t, sd[hf_name].chunk(2, dim=dim)[1]), hf_name
+    assert seen == {k for k in sd if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+
+
+def test_models_it_cannot_map_are_refused_with_the_key() -> None:
+    from transformers import GPT2Config, LlamaConfig
+
+    from transport.checks import ConfigError
+
+    with pytest.raises(ConfigError, match="gpt2.*actor.backend=fsdp2"):
+        GPTShape.from_hf(GPT2Config())
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        GPTShape.from_hf(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="actor.parallel.tp=3 must divide.*num_attention_heads=4"):
+        GPTShape.from_hf(LlamaConfig(num_attention_heads=4, num_key_value_heads=2)).check_tp(3)
+
+
+# -- the 2-rank jobs -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron_models")
+    for name in MODELS:
+        hf_model(name).save_pretrained(root / name)
+    return root
+
+
+def _job(rank: int, world_size: int, out_dir: Path) -> dict:
+    from asyncrl.train import init_distributed
+
+    init_distributed()
+    layout = ParallelLayout.from_config(ParallelConfig(tp=int((out_dir / "tp").read_text())), world_size)
+    return _tp_job(rank, layout, out_dir) if layout.size("tp") > 1 else _dp_job(rank, layout, out_dir)
+
+
+def _engine(path: Path, layout, optim=OPTIM):
+    from asyncrl.train.megatron.engine import MegatronEngine
+
+    return MegatronEngine(str(path), layout, optim=optim, device="cpu", dtype=torch.float32, seed=0)
+
+
+def _rows_of(layout, rank: int, step: int, vocab: int) -> list[torch.Tensor]:
+    rows = step_rows(step, vocab).chunk(layout.dp_size)[layout.dp_rank(rank)]
+    return [rows]
+
+
+def _tp_job(rank: int, layout, out_dir: Path) -> dict:
+    res = {}
+    models = out_dir / "models"
+    for name, (_, vocab, _) in MODELS.items():
+        engine = _engine(models / name, layout)
+        ids, mask = probe(vocab)
+        with torch.no_grad():
+            res[f"{name}/logits"] = engine.model(input_ids=ids, attention_mask=mask).logits
+            res[f"{name}/kept"] = engine.model(input_ids=ids, attention_mask=mask,
+                                               logits_to_keep=torch.tensor([SEQ - 3, SEQ - 1])).logits
+        res[f"{name}/sd"] = engine.full_state_dict(rank0_only=False)
+        res[f"{name}/reshard"] = _reshards(engine, layout, rank)
+        if name in ("qwen2", "llama_odd"):
+            res[f"{name}/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(STEPS)]
+    # resume: the steps after SAVE_AT equal the uninterrupted run's; the HF export holds the weights
+    vocab = MODELS["qwen3"][1]
+    engine = _engine(models / "qwen3", layout)
+    res["qwen3/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(SAVE_AT)]
+    engine.save_checkpoint(out_dir / "ckpt", extra={"rank": rank})
+    saved = engine.full_state_dict(rank0_only=False)
+    res["qwen3/metrics"] += [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(SAVE_AT, STEPS)]
+    fresh = _engine(models / "qwen3", layout)
+    res["qwen3/extra"] = fresh.load_checkpoint(out_dir / "ckpt")
+    res["qwen3/resumed"] = [fresh.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(SAVE_AT, STEPS)]
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(out_dir / "ckpt" / "hf", dtype=torch.float32)
+        res["qwen3/export_equal"] = all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
+    return res
+
+
+def _reshards(engine, layout, rank: int) -> dict:
+    """The generation weights at generation TP 1 and 2, with their bytes."""
+    from asyncrl.single_controller.parallel import GenerationParallelConfig, generation_layout
+
+    out = {}
+    for tg in (1, 2):
+        gen = generation_layout(layout, GenerationParallelConfig(tp=tg))
+        resharder = engine.resharder(gen, None, torch.float32)
+        shards = resharder.reshard()
+        out[tg] = {"shards": {k: v.clone() for k, v in shards.items()}, "bytes": resharder.stats.bytes_received,
+                   "expected": resharder.expected_bytes_received(), "dims": {p.name: p.tp_dim for p in resharder.plans},
+                   "gen_rank": gen.coords(rank)["tp"]}
+        resharder.release()
+    return out
+
+
+def _dp_job(rank: int, layout, out_dir: Path) -> dict:
+    vocab = MODELS["qwen2"][1]
+    engine = _engine(out_dir / "models" / "qwen2", layout)
+    return {"qwen2/metrics": [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(STEPS)]}
+
+
+def _run(tmp_path: Path, checkpoints: Path, tp: int) -> list[dict]:
+    (tmp_path / "models").symlink_to(checkpoints)
+    (tmp_path / "tp").write_text(str(tp))
+    return run_ranks(_job, 2, tmp_path, timeout_s=JOB_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, checkpoints) -> list[dict]:
+    return _run(tmp_path_factory.mktemp("tp2"), checkpoints, 2)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, checkpoints) -> list[dict]:
+    return _run(tmp_path_factory.mktemp("dp2"), checkpoints, 1)
+
+
+def reference_metrics(name: str, steps: int = STEPS) -> list[dict]:
+    """Single-process HF + torch AdamW with the same clip and schedule: the losses and grad norms."""
+    from asyncrl.train import lr_multiplier
+
+    model = hf_model(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps, weight_decay=0.0)
+    out = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = OPTIM.lr * lr_multiplier(step, OPTIM)
+        opt.zero_grad()
+        loss, _ = lm_loss(model, step_rows(step, MODELS[name][1]))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+        opt.step()
+        out.append({"loss": float(loss), "grad_norm": float(norm)})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_equal_the_hf_model_at_tp2(tp2, name: str) -> None:
+    """fp32 logits of the Megatron model (TP shards over 2 ranks, left-padded rows) equal HF's on
+    every attended position, also when only some positions' logits are asked for."""
+    vocab = MODELS[name][1]
+    ids, mask = probe(vocab)
+    with torch.no_grad():
+        ref = hf_model(name)(input_ids=ids, attention_mask=mask).logits
+    for res in tp2:
+        got = res[f"{name}/logits"]
+        assert got.shape == ref.shape
+        assert float((got - ref)[mask.bool()].abs().max()) <= 1e-4
+        assert torch.allclose(res[f"{name}/kept"], got[:, [SEQ - 3, SEQ - 1]], atol=1e-6)
+        sd = hf_model(name).state_dict()
+        assert all(torch.equal(res[f"{name}/sd"][k], sd[k]) for k in res[f"{name}/sd"])
+
+
+@pytest.mark.parametrize("name", ["llama_odd", "qwen2"])
+def test_training_steps_match_adamw_on_one_process(tp2, dp2, name: str) -> None:
+    """STEPS optimizer steps (megatron's distributed optimizer, its grad clipping, asyncrl's LR
+    schedule) give the losses and grad norms of HF + torch AdamW on one process: at tp=2 (a
+    padded vocabulary for llama_odd, tied embeddings for qwen2) and, for qwen2, at dp=2."""
+    ref = reference_metrics(name)
+    runs = [tp2] + ([dp2] if name == "qwen2" else [])
+    for run in runs:
+        for res in run:
+            got = res[f"{name}/metrics"]
+            for g, r in zip(got, ref, strict=True):
+                assert g["loss"] == pytest.approx(r["loss"], abs=2e-5)
+                assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+            assert [g["lr"] for g in got] == pytest.approx([OPTIM.lr * m for m in (1.0, 1.0, 0.8535534, 0.5)], rel=1e-5)
+
+
+def test_resume_continues_exactly_and_the_export_loads_in_transformers(tp2) -> None:
+    for rank, res in enumerate(tp2):
+        assert res["qwen3/extra"] == {"rank": rank}
+        assert res["qwen3/resumed"] == res["qwen3/metrics"][SAVE_AT:]
+    assert tp2[0]["qwen3/export_equal"]
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_odd", "qwen2"])
+def test_reshard_into_generation_tp_moves_table_2_bytes(tp2, name: str) -> None:
+    """Generation TP 1: every rank gets the whole HF model; TP 2: each rank its HF slice (the
+    split GenerationModel binds). Bytes received equal Table 2's (t - tg)/t of the TP-split
+    weights (padded vocabularies: the embedding and head gathered whole)."""
+    sd = hf_model(name).state_dict()
+    tied = MODELS[name][2]
+    split_bytes = sum(v.numel() * 4 for k, v in sd.items() if "norm" not in k and not (tied and k == "lm_head.weight"))
+    for res in tp2:
+        one, two = res[f"{name}/reshard"][1], res[f"{name}/reshard"][2]
+        assert all(torch.equal(one["shards"][k], sd[k]) for k in one["shards"])
+        assert one["bytes"] == one["expected"]
+        if name != "llama_odd":
+            assert one["bytes"] == split_bytes // 2
+        assert two["bytes"] == two["expected"] == (0 if name != "llama_odd" else two["bytes"])
+        for k, t in two["shards"].items():
+            dim = two["dims"][k]
+            want = sd[k] if dim is None else sd[k].chunk(2, dim=dim)[two["gen_rank"]]
+            assert torch.equal(t, want), k
