@@ -229,9 +229,6 @@ def _check_megatron(section: ActorConfig, at: str) -> None:
         return
     _check(not section.lora.enabled, at + "lora.rank", section.lora.rank,
            f"LoRA trains with {at}backend=fsdp2 only; set {at}lora.rank=0 or {at}backend=fsdp2")
-    _check(section.parallel.pp == 1, at + "parallel.pp", section.parallel.pp,
-           f"pipeline stages are not built for {at}backend=megatron yet: use pp=1 (tp and dp run), "
-           f"or {at}backend=fsdp2")
 
 
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding

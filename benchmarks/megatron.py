@@ -5,7 +5,7 @@
 
 CPU: `logits_max_abs_diff` (fp32, Llama / Qwen2 / Qwen3 shapes with GQA at tp 1 and 2, against the
 HF model), `roundtrip_exact` (HF -> Megatron -> HF), `reshard_bytes_ratio` (bytes each rank received
-reshardng tp2 into generation tp1, over HybridFlow Table 2's), `step_time_ratio` (a Megatron
+resharding tp2 into generation tp1, over HybridFlow Table 2's), `step_time_ratio` (a Megatron
 training step over an FSDP2 one: same 2 ranks (tp=2), model and micro-batches).
 GPU: the training step of a Qwen2.5-0.5B and a 1.5B shape (random weights) with each backend in
 bf16, its model FLOP/s (6·N·tokens + attention) over the bf16 matmul rate measured in the same run.
@@ -91,6 +91,18 @@ def megatron_engine(path: Path, layout, device: str, dtype: torch.dtype):
 
 # -- GPU ------------------------------------------------------------------------------------------
 
+def step_estimate(path: Path, backend: str, rows: int, prompt: int, response: int) -> float:
+    """`asyncrl.plan.memory`'s bytes for this benchmark's training step on one bf16 GPU: the
+    training state of the backend and one micro-batch's update pass (no reference, no rollout)."""
+    from asyncrl.plan.memory import Knobs, megatron_state, training_state, update_pass
+    from asyncrl.plan.workload import model_spec
+
+    spec = model_spec(str(path))
+    knobs = Knobs(compute_bytes=2.0, megatron=backend == "megatron")
+    state = megatron_state(spec, 1, 1, 2.0) if knobs.megatron else training_state(spec, 1)
+    return sum(state.values()) + sum(update_pass(spec, rows, prompt + response, response + 1, 1, knobs).values())
+
+
 def matmul_tflops(device: str = "cuda", n: int = 8192) -> float:
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
@@ -133,9 +145,11 @@ def gpu_bench(tmp: Path) -> dict:
                       else megatron_engine(path, layout, "cuda", torch.bfloat16))
             seconds = step_seconds(engine, mbs)
             flops = model_flops(shape, params, rows, prompt + response) / seconds / 1e12
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            estimate = step_estimate(path, backend, 2, prompt, response) / 2**30
             row[backend] = {"step_s": round(seconds, 3), "model_tflops": round(flops, 1),
-                            "mfu": round(flops / out["bf16_matmul_tflops"], 3),
-                            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+                            "mfu": round(flops / out["bf16_matmul_tflops"], 3), "peak_gib": round(peak, 2),
+                            "estimate_gib": round(estimate, 2), "peak_vs_estimate": round(peak / estimate, 3)}
             del engine
             torch.cuda.empty_cache()
         row["step_time_ratio"] = round(row["megatron"]["step_s"] / row["fsdp2"]["step_s"], 3)

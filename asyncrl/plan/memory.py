@@ -93,6 +93,7 @@ class Knobs:
     async_save: bool = False  # trainer.async_save: a save copies the training state to host memory first
     lora_params: int = 0  # actor.lora: the adapters' parameters (they alone train; no reference model)
     critic_lora_params: int = 0  # critic.lora: its adapters' parameters (they and the value head train)
+    megatron: bool = False  # actor.backend=megatron: whole TP x PP shards per rank, optimizer state over DP
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -102,7 +103,8 @@ class Knobs:
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
-                   critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0)
+                   critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
+                   megatron=cfg.actor.backend == "megatron")
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -140,6 +142,14 @@ def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -
             "Adam moments (fp32 shard)": 8 * grads}
 
 
+def megatron_state(spec: ModelSpec, model_shards: int, dp: int, cb: float) -> dict[str, float]:
+    """A megatron-core rank: its TP x PP shard in the compute dtype, an fp32 grad buffer of it,
+    and the distributed optimizer's fp32 masters (a copy only below fp32) and Adam moments over DP."""
+    shard = spec.params / model_shards
+    return {"weights (TP x PP shard)": cb * shard, "gradients (fp32 buffer)": 4 * shard,
+            "fp32 masters (over DP)": (4 * shard / dp) if cb < 4 else 0.0, "Adam moments (over DP)": 8 * shard / dp}
+
+
 def forward_only_weights(spec: ModelSpec, shards: int, knobs: Knobs) -> float:
     """A forward-only model (reference policy, reward model): sharded like the actor, compute dtype."""
     return knobs.compute_bytes * spec.params / shards
@@ -150,7 +160,7 @@ def forward_pass(spec: ModelSpec, rows: float, width: float, tp: int, knobs: Kno
     an fp32 chunk, two gathered layers, and the gathered embedding (FSDP's root unit)."""
     cb = knobs.compute_bytes
     return {"log-prob logits": rows * width * _outputs(spec) / tp * cb + 2 * _chunk(spec, rows * width),
-            **_gathered(spec, tp, cb)}
+            **_gathered(spec, tp, cb, knobs)}
 
 
 def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int, knobs: Knobs,
@@ -165,12 +175,12 @@ def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int,
     tokens = rows * seq
     per_layer = tokens * (ACTIVATION_HIDDENS * spec.hidden + ACTIVATION_FFNS * spec.ffn) * cb / tp
     kept = tokens * spec.hidden * cb * layers + per_layer if knobs.gradient_checkpointing else per_layer * layers
-    gathered = _gathered(spec, tp, cb)
+    gathered = _gathered(spec, tp, cb, knobs)
     return {"update activations": kept * in_flight,
             "update logits and their gradient": 2 * rows * width * _outputs(spec) / tp * cb
             + 3 * _chunk(spec, rows * width),
             **gathered,  # LoRA: the embedding is frozen, no gradient
-            "embedding gradient (unsharded)": 0.0 if knobs.lora_params else
+            "embedding gradient (unsharded)": 0.0 if knobs.lora_params or knobs.megatron else
             (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
 
 
@@ -199,9 +209,11 @@ def _outputs(spec: ModelSpec) -> int:
     return 1 if spec.value_head else spec.vocab
 
 
-def _gathered(spec: ModelSpec, tp: int, cb: float) -> dict[str, float]:
+def _gathered(spec: ModelSpec, tp: int, cb: float, knobs: Knobs | None = None) -> dict[str, float]:
     """What FSDP unshards during a pass: a layer or two at a time (prefetch), and its root unit
-    (embedding, and the LM head when untied) for the whole forward."""
+    (embedding, and the LM head when untied) for the whole forward; nothing under megatron."""
+    if knobs is not None and knobs.megatron:
+        return {}
     embed = spec.vocab * spec.hidden * (1 if spec.tied else 2) / tp
     return {"gathered layers (FSDP)": 2 * spec.layer_params * cb / tp, "gathered embedding (FSDP root)": cb * embed}
 
@@ -223,9 +235,14 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     eval_rows = knobs.decode_rows or batch_rows  # held-out prompts: waves of decode_slots, else of a batch's rows
 
     lora = knobs.lora_params  # the reference is the base with the adapters off: no copy
-    resident = {**training_state(spec, shards, lora or None),
-                "reference policy (shard)": 0.0 if lora else forward_only_weights(spec, shards, knobs),
-                "process (python, torch)": RUNTIME_BYTES}
+    if knobs.megatron:  # its DP ranks hold whole TP x PP shards
+        resident = {**megatron_state(spec, par.tp * par.pp, dp, knobs.compute_bytes),
+                    "reference policy (shard)": forward_only_weights(spec, par.tp * par.pp, knobs),
+                    "process (python, torch)": RUNTIME_BYTES}
+    else:
+        resident = {**training_state(spec, shards, lora or None),
+                    "reference policy (shard)": 0.0 if lora else forward_only_weights(spec, shards, knobs),
+                    "process (python, torch)": RUNTIME_BYTES}
     gen = generation(spec, gen_rows, seq, rc.parallel.tp, knobs)
     held_out = generation(spec, eval_rows, seq, rc.parallel.tp, knobs)
     eval_kv = {"KV cache (evaluation waves)": held_out[KV]} if KV in held_out and eval_rows != gen_rows else {}

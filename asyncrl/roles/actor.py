@@ -201,7 +201,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         the reference is copied from the actor's shards."""
         cfg = self.cfg
         if cfg.actor.backend == "megatron":
-            self._megatron_engines(layout)
+            self.actor, self.ref = megatron_engines(cfg, self.roles, layout, self.device)
             return
         mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
         engine_cls = FSDPEngine
@@ -244,23 +244,6 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             materialize(ref, self.device)
             copy_shards(self.actor.model, ref)
             self.ref = engine_cls(ref, layout, optim=None, device=self.device)
-
-    def _megatron_engines(self, layout: ParallelLayout) -> None:
-        """actor.backend=megatron: the actor and the reference policy as megatron-core GPTModels,
-        each rank reading its TP shards of the checkpoint."""
-        from asyncrl.train.megatron import require_megatron
-
-        require_megatron()
-        from asyncrl.train.megatron.engine import MegatronEngine
-
-        cfg = self.cfg
-        dtype = compute_dtype(self.device, cfg.model.dtype)
-        common = {"device": self.device, "seed": cfg.seed}
-        if "actor" in self.roles:
-            self.actor = MegatronEngine(cfg.model.path, layout, optim=cfg.actor.optim, dtype=dtype,
-                                        recompute=cfg.actor.gradient_checkpointing, **common)
-        if "ref" in self.roles:
-            self.ref = MegatronEngine(cfg.model.path, layout, optim=None, dtype=dtype, **common)
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:
@@ -642,6 +625,23 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             self.sample_gen.set_state(extra["sample_gen"])
         self.update_steps = int(extra.get("update_steps", 0))
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
+
+
+def megatron_engines(cfg: RLConfig, roles: set[str], layout: ParallelLayout, device: torch.device
+                     ) -> tuple[TrainEngine | None, TrainEngine | None]:
+    """actor.backend=megatron: the actor and the reference policy as megatron-core GPTModels,
+    each rank reading its TP shards of the checkpoint."""
+    from asyncrl.train.megatron import require_megatron
+
+    require_megatron()
+    from asyncrl.train.megatron.engine import MegatronEngine
+
+    dtype = compute_dtype(device, cfg.model.dtype)
+    common = {"device": device, "dtype": dtype, "seed": cfg.seed}
+    actor = (MegatronEngine(cfg.model.path, layout, optim=cfg.actor.optim, recompute=cfg.actor.gradient_checkpointing,
+                            **common) if "actor" in roles else None)
+    ref = MegatronEngine(cfg.model.path, layout, optim=None, **common) if "ref" in roles else None
+    return actor, ref
 
 
 def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRollout | ApiRollout:

@@ -44,6 +44,7 @@ from asyncrl.config import OptimConfig
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import open_group as open_peer_group
+from asyncrl.train.common import EngineError, find_blocks
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
 
@@ -72,10 +73,6 @@ def release_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
-
-
-class EngineError(RuntimeError):
-    """The training engine was used in a way it does not support; the message says how to fix it."""
 
 
 def init_distributed(backend: str | None = None) -> None:
@@ -130,20 +127,6 @@ def lr_multiplier(step: int, cfg: OptimConfig) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: `model.model.layers` for HF llama/qwen (a ModuleDict in a
-    pipeline stage), else the largest ModuleList by parameter count."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if isinstance(layers, nn.ModuleList):
-        return list(layers)
-    if isinstance(layers, nn.ModuleDict):
-        return list(layers.values())
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
 def compute_dtype(device: str | torch.device, dtype: str = "auto") -> torch.dtype:

@@ -36,6 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.train.common import owner_stage, stage_layers
 from asyncrl.train.fsdp import EngineError, FSDPEngine, LossFn, _local, global_grad_norm
 
 log = logging.getLogger(__name__)
@@ -44,23 +45,6 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 # -- the stage module ----------------------------------------------------------------------------
-
-
-def stage_layers(n_layers: int, pp_rank: int, pp_size: int) -> range:
-    """The decoder layers of stage `pp_rank`: contiguous, sizes differing by at most one (the
-    later stages get the extra layers, the first holds the embedding and the last the head)."""
-    return range(n_layers * pp_rank // pp_size, n_layers * (pp_rank + 1) // pp_size)
-
-
-def owner_stage(name: str, n_layers: int, pp_size: int) -> int:
-    """The stage that holds parameter `name` of the full model (see `split_stages`)."""
-    parts = name.split(".")
-    if parts[:2] == ["model", "layers"]:
-        layer = int(parts[2])
-        return next(s for s in range(pp_size) if layer in stage_layers(n_layers, s, pp_size))
-    if parts[:2] == ["model", "embed_tokens"]:
-        return 0
-    return pp_size - 1  # the final norm and the LM head
 
 
 class DecoderStage(nn.Module):

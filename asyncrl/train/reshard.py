@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from asyncrl.single_controller.parallel import MICRO_DP_DIMS, ParallelLayout
-from asyncrl.train.fsdp import EngineError
+from asyncrl.train.common import EngineError, owner_stage
 from asyncrl.train.lora import is_lora_param
 from asyncrl.train.tp import planned_shard_dim, tp_shard_dim
 
@@ -147,7 +147,6 @@ class Resharder:
         if self.p == 1:
             params = [(name, p, 0) for name, p in self.params.items()]
         else:  # every stage's weights, the stages' in order (each stage one contiguous span)
-            from asyncrl.train.pipeline import owner_stage
 
             config = self.full_model.config
             params = sorted(((name, p, owner_stage(name, config.num_hidden_layers, self.p))

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from asyncrl.train.fsdp import EngineError, find_blocks
+from asyncrl.train.common import EngineError, find_blocks
 
 log = logging.getLogger(__name__)
 

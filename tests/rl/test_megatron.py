@@ -61,10 +61,11 @@ def step_rows(step: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 + step))
 
 
-def lm_loss(model, ids):
+def lm_loss(model, mb):
+    ids, scale = (mb["input_ids"], mb.scale) if isinstance(mb, dict) else (mb, 1.0)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    return ce, {"ce": ce.detach()}
+    return ce * scale, {"ce": ce.detach()}
 
 
 # -- the mapping, in-process ---------------------------------------------------------------------
@@ -122,8 +123,30 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
     from asyncrl.train import init_distributed
 
     init_distributed()
-    layout = ParallelLayout.from_config(ParallelConfig(tp=int((out_dir / "tp").read_text())), world_size)
-    return _tp_job(rank, layout, out_dir) if layout.size("tp") > 1 else _dp_job(rank, layout, out_dir)
+    tp, pp = (int(x) for x in (out_dir / "layout").read_text().split())
+    layout = ParallelLayout.from_config(ParallelConfig(tp=tp, pp=pp), world_size)
+    if pp > 1:
+        return _pp_job(rank, layout, out_dir)
+    return _tp_job(rank, layout, out_dir) if tp > 1 else _dp_job(rank, layout, out_dir)
+
+
+def _pp_job(rank: int, layout, out_dir: Path) -> dict:
+    """Pipeline stages (megatron's 1F1B): logits, full state dict, reshard, training steps."""
+    res = {}
+    for name, (_, vocab, _) in MODELS.items():
+        engine = _engine(out_dir / "models" / name, layout)
+        ids, mask = probe(vocab)
+        with torch.no_grad():
+            out = engine.forward([{"input_ids": ids, "attention_mask": mask}] * 2,
+                                 lambda model, mb: model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits)
+        res[f"{name}/logits"] = out[0] if out is not None else None
+        res[f"{name}/sd"] = engine.full_state_dict(rank0_only=False)
+        res[f"{name}/reshard"] = _reshards(engine, layout, rank)
+        res[f"{name}/held"] = sum(t.numel() * 4 for t in engine.local_tensors().values())
+        if name in ("qwen2", "llama_odd"):
+            res[f"{name}/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab, n=2), lm_loss)
+                                      for s in range(STEPS)]
+    return res
 
 
 def _engine(path: Path, layout, optim=OPTIM):
@@ -132,9 +155,18 @@ def _engine(path: Path, layout, optim=OPTIM):
     return MegatronEngine(str(path), layout, optim=optim, device="cpu", dtype=torch.float32, seed=0)
 
 
-def _rows_of(layout, rank: int, step: int, vocab: int) -> list[torch.Tensor]:
+def _rows_of(layout, rank: int, step: int, vocab: int, n: int = 1) -> list:
+    """This DP rank's rows of step `step` in `n` micro-batches, each with its share of the mean."""
     rows = step_rows(step, vocab).chunk(layout.dp_size)[layout.dp_rank(rank)]
-    return [rows]
+    return [rows] if n == 1 else [_Scaled(mb, 1 / n) for mb in rows.chunk(n)]
+
+
+class _Scaled(dict):
+    """A micro-batch (input_ids) and the weight of its loss in the step's mean."""
+
+    def __init__(self, ids: torch.Tensor, scale: float) -> None:
+        super().__init__(input_ids=ids)
+        self.scale = scale
 
 
 def _tp_job(rank: int, layout, out_dir: Path) -> dict:
@@ -191,10 +223,10 @@ def _dp_job(rank: int, layout, out_dir: Path) -> dict:
     return {"qwen2/metrics": [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(STEPS)]}
 
 
-def _run(tmp_path: Path, checkpoints: Path, tp: int) -> list[dict]:
+def _run(tmp_path: Path, checkpoints: Path, tp: int, pp: int = 1) -> list[dict]:
     (tmp_path / "models").symlink_to(checkpoints)
-    (tmp_path / "tp").write_text(str(tp))
-    return run_ranks(_job, 2, tmp_path, timeout_s=JOB_TIMEOUT_S)
+    (tmp_path / "layout").write_text(f"{tp} {pp}")
+    return run_ranks(_job, tp * pp if tp * pp > 1 else 2, tmp_path, timeout_s=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +237,11 @@ def tp2(tmp_path_factory, checkpoints) -> list[dict]:
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory, checkpoints) -> list[dict]:
     return _run(tmp_path_factory.mktemp("dp2"), checkpoints, 1)
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory, checkpoints) -> list[dict]:
+    return _run(tmp_path_factory.mktemp("tp2pp2"), checkpoints, 2, 2)
 
 
 def reference_metrics(name: str, steps: int = STEPS) -> list[dict]:
@@ -222,7 +259,7 @@ def reference_metrics(name: str, steps: int = STEPS) -> list[dict]:
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
         opt.step()
-        out.append({"loss": float(loss), "grad_norm": float(norm)})
+        out.append({"loss": loss.item(), "grad_norm": norm.item()})
     return out
 
 
@@ -285,3 +322,50 @@ def test_reshard_into_generation_tp_moves_table_2_bytes(tp2, name: str) -> None:
             dim = two["dims"][k]
             want = sd[k] if dim is None else sd[k].chunk(2, dim=dim)[two["gen_rank"]]
             assert torch.equal(t, want), k
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_pipeline_stages_give_the_hf_logits_and_weights(tp2pp2, name: str) -> None:
+    """tp=2 × pp=2 on 4 ranks (megatron's schedule over gloo): the last stage's logits equal HF's,
+    and every rank's full state dict is the HF model's (stages gathered, a tied head once)."""
+    vocab = MODELS[name][1]
+    ids, mask = probe(vocab)
+    sd = hf_model(name).state_dict()
+    with torch.no_grad():
+        ref = hf_model(name)(input_ids=ids, attention_mask=mask).logits
+    lasts = [res[f"{name}/logits"] for res in tp2pp2 if res[f"{name}/logits"] is not None]
+    assert len(lasts) == 2  # the two TP ranks of the last stage
+    for got in lasts:
+        assert float((got - ref)[mask.bool()].abs().max()) <= 1e-4
+    for res in tp2pp2:
+        assert set(res[f"{name}/sd"]) == {k for k in sd if not (MODELS[name][2] and k == "lm_head.weight")}
+        assert all(torch.equal(v, sd[k]) for k, v in res[f"{name}/sd"].items())
+
+
+@pytest.mark.parametrize("name", ["llama_odd", "qwen2"])
+def test_pipeline_training_steps_match_adamw_on_one_process(tp2pp2, name: str) -> None:
+    """The 1F1B schedule over 2 micro-batches at tp=2 × pp=2 (qwen2: the tied embedding and head on
+    different stages, their gradients summed) trains as one process does."""
+    ref = reference_metrics(name)
+    for res in tp2pp2:
+        for g, r in zip(res[f"{name}/metrics"], ref, strict=True):
+            assert g["loss"] == pytest.approx(r["loss"], abs=2e-5)
+            assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_reshard_from_pipeline_stages_moves_table_2_bytes(tp2pp2, name: str) -> None:
+    """tp2 × pp2 into generation tp1: each rank receives the whole model less what it holds
+    (Table 2: M - M/(t·p) with replicated norms counted where they are held); into tp2: its HF
+    slice. Tensors equal the HF model's."""
+    sd = hf_model(name).state_dict()
+    total = sum(v.numel() * 4 for v in sd.values())
+    for res in tp2pp2:
+        one, two = res[f"{name}/reshard"][1], res[f"{name}/reshard"][2]
+        assert set(one["shards"]) == set(sd)
+        assert all(torch.equal(one["shards"][k], sd[k]) for k in sd)
+        assert one["bytes"] == one["expected"] == total - res[f"{name}/held"]
+        assert two["bytes"] == two["expected"]
+        for k, t in two["shards"].items():
+            dim = two["dims"][k]
+            assert torch.equal(t, sd[k] if dim is None else sd[k].chunk(2, dim=dim)[two["gen_rank"]]), k

@@ -28,7 +28,7 @@ def test_grpo_steps_with_the_megatron_backend_on_one_gpu(tmp_path):
     """The quickstart's GRPO job, actor.backend=megatron, 20 steps on the GPU: it runs to the end
     and its held-out reward is a number (learning is checked on CPU, where CI runs)."""
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "quickstart", "actor.backend=megatron",
-           "trainer.total_steps=20", f"hydra.run.dir={tmp_path}"]
+           "trainer.total_steps=20", "trainer.n_workers=1", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held-out reward" in out.stderr + out.stdout

@@ -101,15 +101,39 @@ class GPTShape:
                       Rule(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight", COPY)]
         return rules
 
-    def rules(self) -> Iterator[Rule]:
-        """Every tensor of the model: name in full (layer i), HF and Megatron."""
-        yield Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB)
-        for i in range(self.layers):
+    def check_pp(self, pp: int) -> None:
+        if self.layers % pp:
+            fits = [k for k in range(1, self.layers + 1) if self.layers % k == 0]
+            raise ConfigError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers={self.layers} "
+                              f"(Megatron gives each stage as many layers); choose pp among {fits}")
+
+    def rules(self, stage: int = 0, stages: int = 1) -> Iterator[Rule]:
+        """The tensors pipeline stage `stage` of `stages` holds (the whole model by default): HF
+        names in full, Megatron names as the stage numbers them (its layers from 0). A tied head
+        on a last stage of its own is its copy of the embedding."""
+        per = self.layers // stages
+        first, last = stage == 0, stage == stages - 1
+        if first:
+            yield Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB)
+        for local, i in enumerate(range(stage * per, (stage + 1) * per)):
             for r in self.layer_rules():
-                yield Rule(tuple(f"model.layers.{i}.{h}" for h in r.hf), f"decoder.layers.{i}.{r.megatron}", r.kind)
-        yield Rule(("model.norm.weight",), "decoder.final_layernorm.weight", COPY)
-        if not self.tied:
-            yield Rule(("lm_head.weight",), "output_layer.weight", VOCAB)
+                yield Rule(tuple(f"model.layers.{i}.{h}" for h in r.hf), f"decoder.layers.{local}.{r.megatron}", r.kind)
+        if last:
+            yield Rule(("model.norm.weight",), "decoder.final_layernorm.weight", COPY)
+            if not self.tied:
+                yield Rule(("lm_head.weight",), "output_layer.weight", VOCAB)
+            elif not first:
+                yield Rule(("model.embed_tokens.weight",), "output_layer.weight", VOCAB)
+
+    def hf_numel(self, rule: Rule) -> int:
+        """Elements of the HF tensors of `rule`, all of them (no parallelism)."""
+        d, h = self.head_dim, self.hidden
+        leaf = rule.megatron.rsplit(".", 2)[-2]
+        sizes = {"linear_qkv": (self.heads + 2 * self.groups) * d * (h if rule.hf[0].endswith("weight") else 1),
+                 "linear_proj": h * self.heads * d, "linear_fc1": 2 * self.ffn * h, "linear_fc2": self.ffn * h,
+                 "word_embeddings": self.vocab * h, "output_layer": self.vocab * h,
+                 "q_layernorm": d, "k_layernorm": d}
+        return sizes.get(leaf, h)
 
 
 def _check_architecture(config: Any) -> None:

@@ -27,8 +27,9 @@ from asyncrl.train.megatron.convert import (
     megatron_shard,
 )
 from asyncrl.train.megatron.cpu import adapt_for_cpu, cuda_on_cpu
-from asyncrl.train.megatron.model import HFView, build_gpt
-from transport.checks import ConfigError
+from asyncrl.train.megatron.model import HFView, build_gpt, mark_tensor_parallel
+from asyncrl.train.megatron.schedule import run_pipeline
+from asyncrl.train.pipeline import all_gather_values, broadcast_value
 
 log = logging.getLogger(__name__)
 
@@ -50,30 +51,30 @@ def init_model_parallel(tp: int, pp: int, seed: int) -> None:
 
 
 class MegatronEngine:
-    """An HF decoder trained (or, with `optim=None`, run forward only) as megatron-core's GPTModel."""
-
-    pipelined = False
+    """An HF decoder trained (or, with `optim=None`, run forward only) as megatron-core's GPTModel,
+    over the layout's tp × dp, and pp through megatron's 1F1B schedule (`pipelined`)."""
 
     def __init__(self, path: str, layout: ParallelLayout, *, optim: OptimConfig | None, device: str | torch.device,
                  dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None) -> None:
-        from megatron.core import parallel_state
         from transformers import AutoConfig
 
-        if layout.size("pp") > 1:
-            raise ConfigError(f"actor.backend=megatron with actor.parallel.pp={layout.size('pp')}: pipeline stages "
-                              "are not built for this backend yet; use pp=1 (tp and dp work), or actor.backend=fsdp2")
         adapt_for_cpu()
         self.device, self.layout, self.optim_config = torch.device(device), layout, optim
         self.hf_config = AutoConfig.from_pretrained(path)
         self.shape = GPTShape.from_hf(self.hf_config)
-        self.tp = layout.size("tp")
+        self.tp, self.pp = layout.size("tp"), layout.size("pp")
         self.shape.check_tp(self.tp)
-        init_model_parallel(self.tp, 1, seed)
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.dp_group = parallel_state.get_data_parallel_group()
+        self.shape.check_pp(self.pp)
+        init_model_parallel(self.tp, self.pp, seed)
+        self._groups()
         self.rank, self.steps, self.lora = dist.get_rank(), 0, None
-        self.gpt = build_gpt(self.shape, self.tp, 1, dtype, recompute)  # on the current CUDA device, or CPU
+        with cuda_on_cpu():  # a tied head on its own stage is synchronised from the embedding's
+            gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank)
+        self.gpt = gpt.to(self.device)
+        for p in self.gpt.parameters():  # the local spec's torch norms are made in fp32
+            p.data = p.data.to(dtype)
+        self.rules = list(self.shape.rules(self.pp_rank, self.pp))
+        mark_tensor_parallel(self.gpt, self.rules)
         self.load_hf(reader or SafetensorsReader(path))
         self.model = HFView(self.gpt, self.shape)
         self.ddp = self.optimizer = None
@@ -83,10 +84,30 @@ class MegatronEngine:
         else:
             self._build_optimizer(optim, dtype)
 
+    def _groups(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+        self.pp_rank, self.pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
     def _build_optimizer(self, optim: OptimConfig, dtype: torch.dtype) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        self.gpt.config.finalize_model_grads_func = finalize_model_grads  # what the pipeline schedule calls
         with cuda_on_cpu():
             self.ddp = DistributedDataParallel(self.gpt.config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=True), self.gpt)
@@ -104,7 +125,7 @@ class MegatronEngine:
     def load_hf(self, read: Reader) -> None:
         """Fill this rank's shards from HF tensors (each rank reads the parts it holds)."""
         local = self.local_tensors()
-        for rule in self.shape.rules():
+        for rule in self.rules:
             local[rule.megatron].copy_(megatron_shard(rule, read, self.shape, self.tp, self.tp_rank))
 
     def gather_tp(self, t: Tensor, group_ranks: int | None = None) -> list[Tensor]:
@@ -116,11 +137,13 @@ class MegatronEngine:
         return parts
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
-        """The whole model by HF name, on CPU (a collective over the TP group)."""
+        """The whole model by HF name, on CPU (a collective over the TP and PP groups)."""
         local, out = self.local_tensors(), {}
-        for rule in self.shape.rules():
+        for rule in self.rules:
             for name, t in hf_tensors(rule, self.gather_tp(local[rule.megatron].detach()), self.shape, self.tp).items():
                 out[name] = t.cpu()
+        if self.pp > 1:
+            out = {k: v for stage in all_gather_values(out, self.pp_group, self.device) for k, v in stage.items()}
         return {} if rank0_only and self.rank != 0 else out
 
     def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
@@ -144,10 +167,9 @@ class MegatronEngine:
 
     # training ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
-        """Gradients summed over the micro-batches, averaged over DP by megatron's DDP, one step of
-        the distributed optimizer (it clips); the metrics averaged over DP (see `FSDPEngine.train_step`)."""
-        from megatron.core.distributed import finalize_model_grads
-
+        """Gradients summed over the micro-batches (through the pipeline when pp > 1), averaged
+        over DP by megatron's DDP, one step of the distributed optimizer (it clips); the metrics
+        averaged over DP, the same on every stage (see `FSDPEngine.train_step`)."""
         if self.optimizer is None:
             raise EngineError("this engine was built with optim=None (inference only)")
         if not micro_batches:
@@ -155,24 +177,56 @@ class MegatronEngine:
         self.gpt.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum, sums = torch.zeros((), device=self.device), {}
-        for mb in micro_batches:
-            loss, metrics = loss_fn(self.model, mb)
-            loss.backward()
-            loss_sum += loss.detach().float()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
-        finalize_model_grads([self.ddp])
+        results: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}
+
+        def on_output(model: Any, i: int) -> Tensor:
+            loss, metrics = loss_fn(model, micro_batches[i])
+            results[i] = (loss.detach().float(), {k: torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
+                                                  for k, v in metrics.items()})
+            return loss
+
+        if self.pp > 1:
+            run_pipeline(self, micro_batches, on_output, train=True)
+        else:
+            self._accumulate(micro_batches, on_output)
         lr = self._set_lr()
         with cuda_on_cpu():
             stepped, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        names = sorted(sums)
-        packed = torch.stack([loss_sum] + [sums[k] / len(micro_batches) for k in names])
+        out = self._metrics(results, len(micro_batches)) if self.is_last else None
+        if self.pp > 1:
+            out = broadcast_value(out, dist.get_global_rank(self.pp_group, self.pp - 1), self.pp_group, self.device)
+        return {**out, "grad_norm": float(grad_norm or 0.0), "lr": lr, "skipped": 0.0 if stepped else 1.0}
+
+    def _accumulate(self, micro_batches: list[Any], on_output: Any) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        for i in range(len(micro_batches)):
+            on_output(self.model, i).backward()
+        finalize_model_grads([self.ddp])
+
+    def _metrics(self, results: dict[int, tuple[Tensor, dict[str, Tensor]]], n: int) -> dict[str, float]:
+        """The summed loss and the metrics' means over micro-batches, averaged over DP."""
+        names = sorted(results[0][1])
+        packed = torch.stack([torch.stack([results[i][0] for i in range(n)]).sum()]
+                             + [torch.stack([results[i][1][k] for i in range(n)]).mean() for k in names])
         dist.all_reduce(packed, group=self.dp_group)
         values = (packed / dist.get_world_size(self.dp_group)).tolist()
-        return {"loss": values[0], **dict(zip(names, values[1:], strict=True)),
-                "grad_norm": float(grad_norm or 0.0), "lr": lr, "skipped": 0.0 if stepped else 1.0}
+        return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
+
+    def forward(self, micro_batches: list[Any], fn: Any) -> list[Any] | None:
+        """`fn(model, micro_batch)` per micro-batch through the pipeline, without gradients: the
+        results on the last stage, None on the others."""
+        if not micro_batches:
+            raise EngineError("forward needs at least one micro-batch")
+        outs: dict[int, Any] = {}
+
+        def on_output(model: Any, i: int) -> Tensor:
+            outs[i] = fn(model, micro_batches[i])
+            return torch.zeros((), device=self.device)
+
+        run_pipeline(self, micro_batches, on_output, train=False)
+        return [outs[i] for i in range(len(micro_batches))] if self.is_last else None
 
     def _set_lr(self) -> float:
         lr = self.optim_config.lr * lr_multiplier(self.steps, self.optim_config)

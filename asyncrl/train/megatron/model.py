@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from asyncrl.train.megatron.convert import COPY, ROW, GPTShape
+from asyncrl.train.megatron.convert import COPY, ROW, GPTShape, Rule
 
 
 def transformer_config(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool):
@@ -29,32 +29,61 @@ def transformer_config(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, re
         gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        batch_p2p_sync=torch.cuda.is_available(),  # a CUDA stream sync after pipeline sends: none on CPU
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None,
     )
 
 
-def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False) -> nn.Module:
-    """This rank's `GPTModel` (its TP shard; weights uninitialised: they are loaded next)."""
+def sdpa_attention():
+    """megatron's core attention computed by torch's `scaled_dot_product_attention` (memory-efficient
+    kernels on CUDA, no [batch, heads, seq, seq] scores kept for the backward): the local spec's
+    `DotProductAttention` materialises them in fp32, which at 1,024 tokens took more memory than
+    the weights. The mask is megatron's (True: not attended)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):
+        def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                    attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+            allowed = None if attention_mask is None else ~attention_mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=attention_mask is None,
+                                                 scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    return SDPAttention
+
+
+def layer_spec(shape: GPTShape):
+    """The local spec (no Transformer Engine) with `sdpa_attention` as its core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm)
+    spec.submodules.self_attention.submodules.core_attention = sdpa_attention()
+    return spec
+
+
+def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False,
+              stage: int = 0) -> nn.Module:
+    """This rank's `GPTModel` (its TP shard; weights uninitialised: they are loaded next; its norms
+    on the CPU until the caller moves the model)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(shape, tp, pp, dtype, recompute)
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm),
+    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
                     vocab_size=shape.padded_vocab(tp), max_sequence_length=shape.max_positions,
                     share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
                     rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
-                    parallel_output=True)
-    mark_tensor_parallel(gpt, shape)
+                    parallel_output=True, pre_process=stage == 0, post_process=stage == pp - 1)
     return gpt
 
 
-def mark_tensor_parallel(gpt: nn.Module, shape: GPTShape) -> None:
+def mark_tensor_parallel(gpt: nn.Module, rules: list[Rule]) -> None:
     """Set megatron's `tensor_model_parallel` / `partition_dim` on every split weight: its
     layers set them only when they initialise the weights (`perform_initialization`), which a
     model loaded from a checkpoint skips; the distributed optimizer's grad norm needs them."""
     params = dict(gpt.named_parameters())
-    for rule in shape.rules():
+    for rule in rules:
         if rule.kind != COPY:
             param = params[rule.megatron]
             param.tensor_model_parallel, param.partition_stride = True, 1
@@ -65,7 +94,9 @@ def causal_padding_mask(attention_mask: Tensor) -> Tensor:
     """Megatron's [B, 1, S, S] mask (True: not attended) from HF's [B, S] padding mask."""
     seq = attention_mask.shape[1]
     future = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(1)
-    return future[None, None] | ~attention_mask.bool()[:, None, None, :]
+    own = torch.eye(seq, dtype=torch.bool, device=attention_mask.device)
+    # a padding position attends to itself: no row is all masked (a NaN in a kernel's softmax)
+    return (future[None, None] | ~attention_mask.bool()[:, None, None, :]) & ~own
 
 
 class HFView(nn.Module):
@@ -81,20 +112,27 @@ class HFView(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                 use_cache: bool = False, logits_to_keep: int | Tensor = 0, **_: object) -> SimpleNamespace:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return SimpleNamespace(logits=self.stage(input_ids, attention_mask, logits_to_keep))
+
+    def stage(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int | Tensor = 0) -> Tensor:
+        """This pipeline stage's output: hidden states [S, B, H] (the next stage's input; a later
+        stage reads its input from the schedule), or on the last stage the logits [B, kept, vocab]."""
+        gpt = self.gpt
+        hidden = gpt.embedding(input_ids=input_ids, position_ids=None) if gpt.pre_process else None
+        hidden = gpt.decoder(hidden_states=hidden, attention_mask=causal_padding_mask(attention_mask),
+                             rotary_pos_emb=gpt.rotary_pos_emb(input_ids.shape[1]))
+        return self.logits(_keep(hidden, logits_to_keep)) if gpt.post_process else hidden
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full-vocabulary logits [B, S, vocab] of hidden states [S, B, H]."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         gpt = self.gpt
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        hidden = gpt.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
-        rope = gpt.rotary_pos_emb(input_ids.shape[1])
-        hidden = gpt.decoder(hidden_states=hidden, attention_mask=causal_padding_mask(attention_mask),
-                             rotary_pos_emb=rope)
-        hidden = _keep(hidden, logits_to_keep)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(hidden, weight=weight)
-        logits = gather_from_tensor_model_parallel_region(logits)[..., :self.vocab]
-        return SimpleNamespace(logits=logits.transpose(0, 1))
+        return gather_from_tensor_model_parallel_region(logits)[..., :self.vocab].transpose(0, 1)
 
 
 def _keep(hidden: Tensor, keep: int | Tensor) -> Tensor:

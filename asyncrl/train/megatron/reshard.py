@@ -61,37 +61,62 @@ class MegatronResharder:
         return 1 if kind == ROW else 0
 
     def expected_bytes_received(self) -> int:
-        """Table 2's volume: the generation shard minus the part this rank holds."""
-        size = self.dtype.itemsize
-        total = 0
-        for rule in self.engine.shape.rules():
-            local = self.engine.local_tensors()[rule.megatron].numel()
-            if rule.kind == COPY:
-                continue
-            ranks = self.engine.tp if rule.kind == VOCAB and self.vocab_whole else self.span
-            total += (ranks - 1) * local * size
+        """Table 2's volume: this stage's generation shard minus the part this rank holds, plus the
+        other stages' generation shards."""
+        size, total = self.dtype.itemsize, 0
+        local = self.engine.local_tensors()
+        for rule in self.engine.rules:
+            if rule.kind != COPY:
+                ranks = self.engine.tp if rule.kind == VOCAB and self.vocab_whole else self.span
+                total += (ranks - 1) * local[rule.megatron].numel() * size
+        for stage in range(self.engine.pp):
+            if stage != self.engine.pp_rank:
+                total += sum(self._gen_numel(rule) for rule in self.engine.shape.rules(stage, self.engine.pp)) * size
         return total
+
+    def _gen_numel(self, rule) -> int:
+        numel = self.engine.shape.hf_numel(rule)
+        return numel // self.tg if self._gen_dim(rule.kind) is not None else numel
 
     @torch.no_grad()
     def reshard(self) -> dict[str, Tensor]:
-        """This rank's generation tensors by HF name (a collective over the TP group)."""
+        """This rank's generation tensors by HF name (a collective over the TP and PP groups)."""
         t0 = time.perf_counter()
         self.stats = ReshardStats()
-        local, out = self.engine.local_tensors(), {}
-        shape = self.engine.shape
-        for rule in shape.rules():
-            shard = local[rule.megatron].detach().to(self.dtype)
-            if rule.kind == COPY:
-                out.update(hf_tensors(rule, [shard], shape, self.engine.tp))
-            elif rule.kind == VOCAB and self.vocab_whole:
-                full = hf_tensors(rule, self._gather(shard, self.engine.tp, self.engine.tp_group), shape, self.engine.tp)
-                out.update({k: v.chunk(self.tg)[self.gen_rank] if self.gen_splits_vocab else v
-                            for k, v in full.items()})
-            else:
-                parts = self._gather(shard, self.span, self.micro_group)
-                out.update(hf_tensors(rule, parts, shape, self.engine.tp))
+        out = self._stage_tensors()
+        if self.engine.pp > 1:  # every stage's tensors to every stage (pg = 1)
+            out = self._from_stages(out)
         self.stats.seconds = time.perf_counter() - t0
         self._held = out
+        return out
+
+    def _stage_tensors(self) -> dict[str, Tensor]:
+        local, out = self.engine.local_tensors(), {}
+        shape, tp = self.engine.shape, self.engine.tp
+        for rule in self.engine.rules:
+            shard = local[rule.megatron].detach().to(self.dtype)
+            if rule.kind == COPY:
+                out.update(hf_tensors(rule, [shard], shape, tp))
+            elif rule.kind == VOCAB and self.vocab_whole:
+                full = hf_tensors(rule, self._gather(shard, tp, self.engine.tp_group), shape, tp)
+                out.update({k: v.chunk(self.tg)[self.gen_rank] if self.gen_splits_vocab else v for k, v in full.items()})
+            else:
+                out.update(hf_tensors(rule, self._gather(shard, self.span, self.micro_group), shape, tp))
+        return out
+
+    def _from_stages(self, mine: dict[str, Tensor]) -> dict[str, Tensor]:
+        from asyncrl.train.pipeline import broadcast_value
+
+        engine, out = self.engine, {}
+        for stage in range(engine.pp):
+            src = dist.get_global_rank(engine.pp_group, stage)
+            got = broadcast_value({k: v.cpu() for k, v in mine.items()} if stage == engine.pp_rank else None,
+                                  src, engine.pp_group, engine.device)
+            if stage != engine.pp_rank:
+                self.stats.bytes_received += sum(t.numel() * t.element_size() for t in got.values())
+                self.stats.collectives += 1
+                got = {k: v.to(engine.device) for k, v in got.items()}
+            out.update(got)
         return out
 
     def _gather(self, shard: Tensor, ranks: int, group) -> list[Tensor]:

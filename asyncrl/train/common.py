@@ -1,0 +1,41 @@
+"""What the training modules share below the engines: the engine error, the model's
+blocks and which pipeline stage holds what."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class EngineError(RuntimeError):
+    """The training engine was used in a way it does not support; the message says how to fix it."""
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: `model.model.layers` for HF llama/qwen (a ModuleDict in a
+    pipeline stage), else the largest ModuleList by parameter count."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def stage_layers(n_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The decoder layers of stage `pp_rank`: contiguous, sizes differing by at most one (the
+    later stages get the extra layers, the first holds the embedding and the last the head)."""
+    return range(n_layers * pp_rank // pp_size, n_layers * (pp_rank + 1) // pp_size)
+
+
+def owner_stage(name: str, n_layers: int, pp_size: int) -> int:
+    """The stage that holds parameter `name` of the full model (see `split_stages`)."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        layer = int(parts[2])
+        return next(s for s in range(pp_size) if layer in stage_layers(n_layers, s, pp_size))
+    if parts[:2] == ["model", "embed_tokens"]:
+        return 0
+    return pp_size - 1  # the final norm and the LM head
