@@ -144,10 +144,13 @@ def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -
 
 def megatron_state(spec: ModelSpec, model_shards: int, dp: int, cb: float) -> dict[str, float]:
     """A megatron-core rank: its TP x PP shard in the compute dtype, an fp32 grad buffer of it,
-    and the distributed optimizer's fp32 masters (a copy only below fp32) and Adam moments over DP."""
+    the distributed optimizer's fp32 masters (a copy only below fp32) and Adam moments over DP, and
+    the fp32 temporaries of Adam's multi-tensor step over them (measured on an H100: +4 bytes a
+    parameter at the step)."""
     shard = spec.params / model_shards
     return {"weights (TP x PP shard)": cb * shard, "gradients (fp32 buffer)": 4 * shard,
-            "fp32 masters (over DP)": (4 * shard / dp) if cb < 4 else 0.0, "Adam moments (over DP)": 8 * shard / dp}
+            "fp32 masters (over DP)": (4 * shard / dp) if cb < 4 else 0.0, "Adam moments (over DP)": 8 * shard / dp,
+            "Adam step temporaries (over DP)": 4 * shard / dp}
 
 
 def forward_only_weights(spec: ModelSpec, shards: int, knobs: Knobs) -> float:
