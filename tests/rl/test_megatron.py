@@ -146,7 +146,16 @@ def _pp_job(rank: int, layout, out_dir: Path) -> dict:
         if name in ("qwen2", "llama_odd"):
             res[f"{name}/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab, n=2), lm_loss)
                                       for s in range(STEPS)]
-    return res
+    return {**res, **_resume_elsewhere(rank, layout, out_dir)}
+
+
+def _resume_elsewhere(rank: int, layout, out_dir: Path) -> dict:
+    """The tp=2 job's step-2 checkpoint resumed in this layout, and the steps after it."""
+    engine = _engine(out_dir / "models" / "qwen3", layout)
+    extra = engine.load_checkpoint(Path((out_dir / "resume").read_text()))
+    vocab = MODELS["qwen3"][1]
+    return {"qwen3/extra": extra, "qwen3/resumed": [engine.train_step(_rows_of(layout, rank, s, vocab, n=2), lm_loss)
+                                                    for s in range(SAVE_AT, STEPS)]}
 
 
 def _engine(path: Path, layout, optim=OPTIM):
@@ -188,6 +197,7 @@ def _tp_job(rank: int, layout, out_dir: Path) -> dict:
     engine = _engine(models / "qwen3", layout)
     res["qwen3/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(SAVE_AT)]
     engine.save_checkpoint(out_dir / "ckpt", extra={"rank": rank})
+    res["ckpt"] = str(out_dir / "ckpt")
     saved = engine.full_state_dict(rank0_only=False)
     res["qwen3/metrics"] += [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(SAVE_AT, STEPS)]
     fresh = _engine(models / "qwen3", layout)
@@ -220,11 +230,13 @@ def _reshards(engine, layout, rank: int) -> dict:
 def _dp_job(rank: int, layout, out_dir: Path) -> dict:
     vocab = MODELS["qwen2"][1]
     engine = _engine(out_dir / "models" / "qwen2", layout)
-    return {"qwen2/metrics": [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(STEPS)]}
+    res = {"qwen2/metrics": [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(STEPS)]}
+    return {**res, **_resume_elsewhere(rank, layout, out_dir)}
 
 
-def _run(tmp_path: Path, checkpoints: Path, tp: int, pp: int = 1) -> list[dict]:
+def _run(tmp_path: Path, checkpoints: Path, tp: int, pp: int = 1, resume: str = "") -> list[dict]:
     (tmp_path / "models").symlink_to(checkpoints)
+    (tmp_path / "resume").write_text(resume)
     (tmp_path / "layout").write_text(f"{tp} {pp}")
     return run_ranks(_job, tp * pp if tp * pp > 1 else 2, tmp_path, timeout_s=JOB_TIMEOUT_S)
 
@@ -235,13 +247,13 @@ def tp2(tmp_path_factory, checkpoints) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory, checkpoints) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("dp2"), checkpoints, 1)
+def dp2(tmp_path_factory, checkpoints, tp2) -> list[dict]:
+    return _run(tmp_path_factory.mktemp("dp2"), checkpoints, 1, resume=tp2[0]["ckpt"])
 
 
 @pytest.fixture(scope="module")
-def tp2pp2(tmp_path_factory, checkpoints) -> list[dict]:
-    return _run(tmp_path_factory.mktemp("tp2pp2"), checkpoints, 2, 2)
+def tp2pp2(tmp_path_factory, checkpoints, tp2) -> list[dict]:
+    return _run(tmp_path_factory.mktemp("tp2pp2"), checkpoints, 2, 2, resume=tp2[0]["ckpt"])
 
 
 def reference_metrics(name: str, steps: int = STEPS) -> list[dict]:
@@ -301,6 +313,19 @@ def test_resume_continues_exactly_and_the_export_loads_in_transformers(tp2) -> N
         assert res["qwen3/extra"] == {"rank": rank}
         assert res["qwen3/resumed"] == res["qwen3/metrics"][SAVE_AT:]
     assert tp2[0]["qwen3/export_equal"]
+
+
+def test_resume_in_another_layout_continues_the_run(tp2, dp2, tp2pp2) -> None:
+    """The tp=2 checkpoint (masters and Adam moments in HF space) resumed at dp=2 and at tp=2 x pp=2:
+    the steps after it give the uninterrupted run's losses and grad norms (to float rounding: the
+    reductions differ), and every rank gets rank 0's `extra`."""
+    want = tp2[0]["qwen3/metrics"][SAVE_AT:]
+    for res in [*dp2, *tp2pp2]:
+        assert res["qwen3/extra"] == {"rank": 0}
+        for g, w in zip(res["qwen3/resumed"], want, strict=True):
+            assert g["loss"] == pytest.approx(w["loss"], abs=2e-5)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+            assert g["lr"] == pytest.approx(w["lr"])
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_odd", "qwen2"])

@@ -19,6 +19,7 @@ from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.train.engine import LossFn
 from asyncrl.train.export import export_full
 from asyncrl.train.fsdp import EngineError, lr_multiplier, release_host_memory
+from asyncrl.train.megatron.checkpoint import adam_step, load_optimizer, save_optimizer
 from asyncrl.train.megatron.convert import (
     GPTShape,
     Reader,
@@ -235,43 +236,28 @@ class MegatronEngine:
         return lr
 
     def _optimizers(self) -> list[Any]:
+        if self.optimizer is None:
+            return []
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     # checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None, *, tokenizer: Any = None,
                         export_dtype: torch.dtype | None = None, asynchronous: bool = False) -> None:
-        """Each rank's shards and optimizer state in `megatron/rank{r}.pt` (resume in the same
-        layout), and the HF export in `hf/` (rank 0). Written synchronously."""
+        """The masters and Adam moments in HF space (`megatron/optim/`: resume in any layout), each
+        rank's step, layout and `extra` (`megatron/rank{r}.pt`), and the HF export (`hf/`).
+        Written synchronously."""
         path = Path(path)
         (path / "megatron").mkdir(parents=True, exist_ok=True)
-        state = {"layout": self.layout.to_wire(), "steps": self.steps, "extra": extra,
-                 "model": {k: v.detach().cpu() for k, v in self.local_tensors().items()}}
+        state = {"layout": self.layout.to_wire(), "steps": self.steps, "extra": extra}
         if self.optimizer is not None:
-            state["optim"] = [o.state_dict() for o in self._optimizers()]
-            state["param_state"] = [self._param_state(o) for o in self._optimizers()]
+            save_optimizer(self, path / "megatron" / "optim")
+            state["adam_step"] = adam_step(self)
         torch.save(state, path / "megatron" / f"rank{self.rank}.pt")
         full = self.full_state_dict(rank0_only=True)
         if self.rank == 0:
             export_full(SimpleNamespace(config=self.hf_config), path / "hf", full, set(), tokenizer, export_dtype)
         dist.barrier()
         log.info("saved checkpoint %s", path)
-
-    def _param_state(self, optimizer: Any) -> dict[str, dict[str, Tensor]]:
-        """This DP rank's fp32 master shard and Adam moments of each parameter, by name. (megatron's
-        own `get_parameter_state_dp_reshardable` does not round-trip through its loader in 0.16.)"""
-        held = optimizer.model_param_group_index_map
-        return {name: {k: v.detach().clone().cpu() for k, v in optimizer._get_main_param_and_optimizer_states(p).items()}
-                for name, p in self.gpt.named_parameters() if p in held}
-
-    def _load_param_state(self, optimizer: Any, state: dict[str, dict[str, Tensor]]) -> None:
-        if not optimizer.optimizer.state:  # Adam makes its moments at the first step
-            optimizer._init_optimizer_states_with_dummy_values()
-        for name, p in self.gpt.named_parameters():
-            if name in state:
-                optimizer._set_main_param_and_optimizer_states(p, state[name])
-        for moments in optimizer.optimizer.state.values():  # loading shares one `step` tensor among all
-            if "step" in moments:
-                moments["step"] = moments["step"].clone()
 
     def checkpoint_pending(self) -> bool:
         return False
@@ -281,26 +267,19 @@ class MegatronEngine:
 
     @torch.no_grad()
     def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
-        """Restore shards, optimizer state and step from `save_checkpoint(path)` (same layout)."""
-        path = Path(path)
-        file = path / "megatron" / f"rank{self.rank}.pt"
-        if not file.exists():
-            raise EngineError(f"{file} is missing: this checkpoint is not a megatron one of this layout; "
-                              f"start a new run from its HF export (model.path={path / 'hf'})")
+        """Restore weights, optimizer state and step from `save_checkpoint(path)` of any layout;
+        its `extra`: each rank's own in the same layout, else rank 0's (as `FSDPEngine`)."""
+        path = Path(path) / "megatron"
+        own, first = path / f"rank{self.rank}.pt", path / "rank0.pt"
+        if not first.exists() or not (path / "optim").exists():
+            raise EngineError(f"{path} holds no megatron checkpoint with optimizer state; start a new run "
+                              f"from its HF export (model.path={path.parent / 'hf'})")
         t0 = time.perf_counter()
-        with cuda_on_cpu():
-            state = torch.load(file, map_location="cpu", weights_only=False)
+        state = torch.load(own if own.exists() else first, map_location="cpu", weights_only=False)
         if state["layout"] != self.layout.to_wire():
-            raise EngineError(f"checkpoint {path} was written by layout {state['layout']}, this engine is "
-                              f"{self.layout.to_wire()}: megatron checkpoints resume in the same layout; start a new "
-                              f"run from its HF export (model.path={path / 'hf'})")
-        for name, t in self.local_tensors().items():
-            t.copy_(state["model"][name])
-        if self.optimizer is not None:
-            with cuda_on_cpu():
-                for o, sd, ps in zip(self._optimizers(), state["optim"], state["param_state"], strict=True):
-                    o.load_state_dict(sd)
-                    self._load_param_state(o, ps)
+            state = torch.load(first, map_location="cpu", weights_only=False)
+            log.info("resuming a checkpoint of layout %s in %s", state["layout"], self.layout.to_wire())
+        load_optimizer(self, path / "optim", state.get("adam_step", 0.0))
         self.steps = int(state["steps"])
-        log.info("loaded checkpoint %s in %.1f s", path, time.perf_counter() - t0)
+        log.info("loaded checkpoint %s in %.1f s", path.parent, time.perf_counter() - t0)
         return state["extra"]
