@@ -222,7 +222,7 @@ def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
 BACKENDS = ("fsdp2", "megatron")
 
 
-def _check_megatron(section: ActorConfig, at: str) -> None:
+def _check_megatron(section: ActorConfig | CriticConfig, at: str) -> None:
     """What the megatron backend does not run yet: each a paragraph naming the key."""
     _one_of(at + "backend", section.backend, BACKENDS)
     if section.backend != "megatron":
@@ -344,12 +344,14 @@ class CriticConfig(PPOUpdateConfig):
     cliprange_value: float = 0.5
     # adapters on the value model's body (rank > 0); its fresh value head trains in full
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    backend: str = "fsdp2"  # fsdp2 | megatron (the body as a megatron-core GPTModel, the head replicated)
 
     def check(self, at: str) -> None:
         super().check(at)
         _positive(at + "cliprange_value", self.cliprange_value)
         self.lora.check(at + "lora.")
         _check_lora_layout(self, at)
+        _check_megatron(self, at)
 
 
 @dataclass
@@ -566,6 +568,7 @@ class RLConfig(LaunchConfig):
                               f"applies to algorithm.name=grpo (got {self.algorithm.name!r}); remove it")
         self._check_layouts(at)
         self._check_placement(at)
+        self._check_backends(at)
         training = self.trainer.mode == "train"  # an evaluation samples and scores only: n=1 and any batch do
         if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
@@ -591,6 +594,16 @@ class RLConfig(LaunchConfig):
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
                               "cost model (or cost_model.enable=false for the rule)")
+
+    def _check_backends(self, at: str) -> None:
+        """megatron-core keeps one parallel state per process, and the critic's workers share the
+        actor's processes."""
+        a, c = self.actor.parallel, self.critic.parallel
+        both = self.actor.backend == self.critic.backend == "megatron" and needs_critic(self.algorithm.name)
+        _check(not both or (a.tp, a.pp) == (c.tp, c.pp), at + "critic.parallel", f"tp={c.tp} pp={c.pp}",
+               f"must equal {at}actor.parallel (tp={a.tp} pp={a.pp}) when both the actor and the critic run on "
+               "megatron: megatron-core keeps one parallel layout per process; set the same tp and pp, or "
+               f"{at}critic.backend=fsdp2")
 
     def _check_placement(self, at: str) -> None:
         _check(self.actor.backend == "fsdp2" or self.trainer.placement == "colocated", at + "trainer.placement",

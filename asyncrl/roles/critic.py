@@ -19,7 +19,13 @@ from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
-from asyncrl.train import FSDPEngine, mixed_precision_policy, parallelize
+from asyncrl.train import (
+    FSDPEngine,
+    TrainEngine,
+    compute_dtype,
+    mixed_precision_policy,
+    parallelize,
+)
 from asyncrl.train.load import either, load_sharded, materialize, new_head, skeleton
 from asyncrl.train.lora import apply_lora, fresh_adapter
 
@@ -33,9 +39,13 @@ class CriticWorker(Worker):
         setup_process(cfg, self.rank)
         same_init_on_every_rank(cfg)
         layout = self.register_mesh(ParallelLayout.from_config(cfg.critic.parallel, self.world_size))
+        path = cfg.critic.model_path or cfg.model.path
+        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
+        if cfg.critic.backend == "megatron":
+            self.critic = megatron_critic(cfg, path, layout, self.device)
+            return
         # the model's body with a fresh one-output token head (verl's critic layout), built on the
         # meta device and filled from rank 0's read of the checkpoint: one copy per node
-        path = cfg.critic.model_path or cfg.model.path
         model = skeleton(path, torch.float32, value_head=True)
         lora = cfg.critic.lora
         if lora.enabled:  # adapters on the body before FSDP wraps the layers; the new head trains in full
@@ -52,8 +62,6 @@ class CriticWorker(Worker):
             self.critic.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                                 "targets": lora.target_modules, "base_model": None}
         load_sharded(self.critic, path, fresh=either(fresh_adapter, head) if lora.enabled else head)
-        # by dp rank: the ranks of one TP group must shuffle their (shared) rows identically
-        self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
 
     @register(THREE_D_PROTO)
     @timed("values")
@@ -104,3 +112,15 @@ class CriticWorker(Worker):
         if "gen" in extra:
             self.shuffle_gen.set_state(extra.pop("gen"))
         return extra
+
+
+def megatron_critic(cfg: RLConfig, path: str, layout: ParallelLayout, device: torch.device) -> TrainEngine:
+    """critic.backend=megatron: the body as a megatron-core GPTModel and a replicated one-output
+    head (fresh, the same on every rank, when the checkpoint is a causal LM's)."""
+    from asyncrl.train.megatron import require_megatron
+
+    require_megatron()
+    from asyncrl.train.megatron.engine import MegatronEngine
+
+    return MegatronEngine(path, layout, optim=cfg.critic.optim, device=device, dtype=compute_dtype(device, cfg.model.dtype),
+                          seed=cfg.seed, recompute=cfg.critic.gradient_checkpointing, value_head=True)

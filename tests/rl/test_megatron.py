@@ -111,11 +111,26 @@ def test_models_it_cannot_map_are_refused_with_the_key() -> None:
 # -- the 2-rank jobs -------------------------------------------------------------------------------
 
 
+def hf_critic():
+    """A Qwen2 value model (HF's token classification, one output) with a trained-looking head."""
+    from transformers import Qwen2ForTokenClassification
+
+    config = hf_model("qwen2").config
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    torch.manual_seed(1)
+    model = Qwen2ForTokenClassification(config)
+    with torch.no_grad():
+        model.model.load_state_dict(hf_model("qwen2").model.state_dict())
+        model.score.bias.fill_(0.25)
+    return model
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron_models")
     for name in MODELS:
         hf_model(name).save_pretrained(root / name)
+    hf_critic().save_pretrained(root / "critic")
     return root
 
 
@@ -158,10 +173,11 @@ def _resume_elsewhere(rank: int, layout, out_dir: Path) -> dict:
                                                     for s in range(SAVE_AT, STEPS)]}
 
 
-def _engine(path: Path, layout, optim=OPTIM):
+def _engine(path: Path, layout, optim=OPTIM, value_head: bool = False):
     from asyncrl.train.megatron.engine import MegatronEngine
 
-    return MegatronEngine(str(path), layout, optim=optim, device="cpu", dtype=torch.float32, seed=0)
+    return MegatronEngine(str(path), layout, optim=optim, device="cpu", dtype=torch.float32, seed=0,
+                          value_head=value_head)
 
 
 def _rows_of(layout, rank: int, step: int, vocab: int, n: int = 1) -> list:
@@ -192,6 +208,13 @@ def _tp_job(rank: int, layout, out_dir: Path) -> dict:
         res[f"{name}/reshard"] = _reshards(engine, layout, rank)
         if name in ("qwen2", "llama_odd"):
             res[f"{name}/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab), lm_loss) for s in range(STEPS)]
+    # the critic: a value model's checkpoint (its head mapped) and a causal LM's (a fresh head)
+    ids, mask = probe(64)
+    for name in ("critic", "qwen2"):
+        critic = _engine(models / name, layout, value_head=True)
+        with torch.no_grad():
+            res[f"values/{name}"] = critic.model(input_ids=ids, attention_mask=mask).logits
+        res[f"values/{name}/step"] = critic.train_step([ids], lambda m, mb: (m(input_ids=mb).logits.square().mean(), {}))
     # resume: the steps after SAVE_AT equal the uninterrupted run's; the HF export holds the weights
     vocab = MODELS["qwen3"][1]
     engine = _engine(models / "qwen3", layout)
@@ -308,6 +331,20 @@ def test_training_steps_match_adamw_on_one_process(tp2, dp2, name: str) -> None:
             assert [g["lr"] for g in got] == pytest.approx([OPTIM.lr * m for m in (1.0, 1.0, 0.8535534, 0.5)], rel=1e-5)
 
 
+def test_the_critic_is_the_body_with_a_replicated_value_head(tp2) -> None:
+    """critic.backend=megatron at tp=2: a value model's checkpoint gives HF's values (its `score`
+    head mapped); a causal LM's gets a fresh head, the same on both ranks; both train."""
+    ids, mask = probe(64)
+    with torch.no_grad():
+        ref = hf_critic()(input_ids=ids, attention_mask=mask).logits
+    for res in tp2:
+        got = res["values/critic"]
+        assert got.shape == ref.shape == (3, SEQ, 1)
+        assert float((got - ref)[mask.bool()].abs().max()) <= 1e-4
+        assert res["values/qwen2/step"]["grad_norm"] > 0 and res["values/critic/step"]["grad_norm"] > 0
+    assert torch.equal(tp2[0]["values/qwen2"], tp2[1]["values/qwen2"])
+
+
 def test_resume_continues_exactly_and_the_export_loads_in_transformers(tp2) -> None:
     for rank, res in enumerate(tp2):
         assert res["qwen3/extra"] == {"rank": rank}
@@ -394,3 +431,14 @@ def test_reshard_from_pipeline_stages_moves_table_2_bytes(tp2pp2, name: str) -> 
         for k, t in two["shards"].items():
             dim = two["dims"][k]
             assert torch.equal(t, sd[k] if dim is None else sd[k].chunk(2, dim=dim)[two["gen_rank"]]), k
+
+
+def test_a_megatron_actor_and_critic_must_share_a_layout() -> None:
+    from asyncrl.config import rl_config
+    from transport.checks import ConfigError
+
+    base = {"algorithm": {"name": "ppo"}, "actor": {"backend": "megatron", "parallel": {"tp": 2}},
+            "critic": {"backend": "megatron"}}
+    with pytest.raises(ConfigError, match=r"critic.parallel.*must equal.*actor.parallel \(tp=2 pp=1\)"):
+        rl_config(base).check("")
+    rl_config({**base, "critic": {"backend": "fsdp2"}}).check("")

@@ -78,9 +78,12 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("grpo", ["actor.backend=megatron", "actor.parallel.tp=2", "rollout.parallel.tp=2", "actor.use_kl_loss=true"]),
     # ... and its pipeline stages (megatron's 1F1B schedule; the tied embedding and head on two stages)
     ("grpo", ["actor.backend=megatron", "actor.parallel.pp=2", "actor.use_kl_loss=true"]),
+    # PPO with both the actor and the critic on megatron-core
+    ("ppo", ["actor.backend=megatron", "critic.backend=megatron", "actor.parallel.tp=2", "critic.parallel.tp=2"]),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
         "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing",
-        "grpo_bf16", "grpo_multi_turn", "grpo_megatron_tp2_gen_tp2", "grpo_megatron_pp2"])
+        "grpo_bf16", "grpo_multi_turn", "grpo_megatron_tp2_gen_tp2", "grpo_megatron_pp2",
+        "ppo_megatron_actor_critic_tp2"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""

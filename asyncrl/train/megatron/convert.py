@@ -58,6 +58,7 @@ class GPTShape:
     rope_theta: float
     max_positions: int
     init_std: float
+    value_head: bool = False  # the critic: a one-output token head (HF's `score`) instead of the LM head
 
     @classmethod
     def from_hf(cls, config: Any) -> GPTShape:
@@ -120,9 +121,11 @@ class GPTShape:
                 yield Rule(tuple(f"model.layers.{i}.{h}" for h in r.hf), f"decoder.layers.{local}.{r.megatron}", r.kind)
         if last:
             yield Rule(("model.norm.weight",), "decoder.final_layernorm.weight", COPY)
-            if not self.tied:
+            if self.value_head:
+                yield from (Rule((f"score.{leaf}",), f"value_head.{leaf}", COPY) for leaf in ("weight", "bias"))
+            elif not self.tied:
                 yield Rule(("lm_head.weight",), "output_layer.weight", VOCAB)
-            elif not first:
+            elif not first:  # a tied head on a later stage: megatron's copy of the embedding
                 yield Rule(("model.embed_tokens.weight",), "output_layer.weight", VOCAB)
 
     def hf_numel(self, rule: Rule) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -56,19 +57,23 @@ class MegatronEngine:
     over the layout's tp × dp, and pp through megatron's 1F1B schedule (`pipelined`)."""
 
     def __init__(self, path: str, layout: ParallelLayout, *, optim: OptimConfig | None, device: str | torch.device,
-                 dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None) -> None:
+                 dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None,
+                 value_head: bool = False) -> None:
         from transformers import AutoConfig
 
         adapt_for_cpu()
         self.device, self.layout, self.optim_config = torch.device(device), layout, optim
-        self.hf_config = AutoConfig.from_pretrained(path)
-        self.shape = GPTShape.from_hf(self.hf_config)
+        self.hf_config = AutoConfig.from_pretrained(path, **({"num_labels": 1} if value_head else {}))
+        self.shape = replace(GPTShape.from_hf(self.hf_config), value_head=value_head)
+        if value_head:  # the export is the value model, as the FSDP2 critic's
+            self.hf_config.architectures = [type_name.replace("ForCausalLM", "ForTokenClassification")
+                                            for type_name in self.hf_config.architectures or []]
         self.tp, self.pp = layout.size("tp"), layout.size("pp")
         self.shape.check_tp(self.tp)
         self.shape.check_pp(self.pp)
         init_model_parallel(self.tp, self.pp, seed)
         self._groups()
-        self.rank, self.steps, self.lora = dist.get_rank(), 0, None
+        self.rank, self.steps, self.seed = dist.get_rank(), 0, seed
         with cuda_on_cpu():  # a tied head on its own stage is synchronised from the embedding's
             gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank)
         self.gpt = gpt.to(self.device)
@@ -127,7 +132,20 @@ class MegatronEngine:
         """Fill this rank's shards from HF tensors (each rank reads the parts it holds)."""
         local = self.local_tensors()
         for rule in self.rules:
-            local[rule.megatron].copy_(megatron_shard(rule, read, self.shape, self.tp, self.tp_rank))
+            try:
+                local[rule.megatron].copy_(megatron_shard(rule, read, self.shape, self.tp, self.tp_rank))
+            except KeyError:
+                if not rule.megatron.startswith("value_head."):
+                    raise
+                self._fresh_value_head(local[rule.megatron], rule.megatron.endswith("bias"))
+
+    def _fresh_value_head(self, param: Tensor, bias: bool) -> None:
+        """A causal LM's checkpoint has no value head: normal(0, init_std), the same on every rank."""
+        if bias:
+            param.zero_()
+            return
+        gen = torch.Generator().manual_seed(self.seed)
+        param.copy_(torch.randn(param.shape, generator=gen) * self.shape.init_std)
 
     def gather_tp(self, t: Tensor, group_ranks: int | None = None) -> list[Tensor]:
         """Every TP rank's shard of a tensor (a collective over the TP group)."""

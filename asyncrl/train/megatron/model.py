@@ -70,11 +70,15 @@ def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: 
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(shape, tp, pp, dtype, recompute)
+    tied = shape.tied and not shape.value_head
     gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
                     vocab_size=shape.padded_vocab(tp), max_sequence_length=shape.max_positions,
-                    share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                     rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
                     parallel_output=True, pre_process=stage == 0, post_process=stage == pp - 1)
+    if shape.value_head and gpt.post_process:  # the critic: a replicated one-output head, no LM head
+        gpt.output_layer = None
+        gpt.value_head = nn.Linear(shape.hidden, 1, dtype=dtype)
     return gpt
 
 
@@ -126,10 +130,12 @@ class HFView(nn.Module):
         return self.logits(_keep(hidden, logits_to_keep)) if gpt.post_process else hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Full-vocabulary logits [B, S, vocab] of hidden states [S, B, H]."""
+        """Full-vocabulary logits [B, S, vocab] of hidden states [S, B, H] (a critic's values [B, S, 1])."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         gpt = self.gpt
+        if getattr(gpt, "value_head", None) is not None:
+            return gpt.value_head(hidden).transpose(0, 1)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
         logits, _ = gpt.output_layer(hidden, weight=weight)
         return gather_from_tensor_model_parallel_region(logits)[..., :self.vocab].transpose(0, 1)
