@@ -33,6 +33,7 @@ def check_inputs(cfg: RLConfig) -> None:
     the parallel sizes against the model (`cfg.model.path` resolved)."""
     check_files(cfg)
     _check_tp_fits_model(cfg)
+    _check_megatron(cfg)
     _check_context_fits_model(cfg)
     check_memory(cfg)
 
@@ -134,6 +135,30 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
         if bad:
             raise ConfigError(f"{key}={tp} must divide the model's {', '.join(bad)} ({cfg.model.path}); "
                               "choose a common divisor")
+
+
+def _check_megatron(cfg: RLConfig) -> None:
+    """actor/critic.backend=megatron: megatron-core installed, and the model one it maps, with tp
+    and pp that divide it (each a paragraph naming the key, before any worker starts)."""
+    roles = [("actor", cfg.actor, cfg.model.path)]
+    if needs_critic(cfg.algorithm.name):
+        roles.append(("critic", cfg.critic, cfg.critic.model_path or cfg.model.path))
+    roles = [r for r in roles if r[1].backend == "megatron"]
+    if not roles:
+        return
+    from transformers import AutoConfig
+
+    from asyncrl.train.megatron import require_megatron
+    from asyncrl.train.megatron.convert import GPTShape
+
+    require_megatron()
+    for name, section, path in roles:
+        try:
+            shape = GPTShape.from_hf(AutoConfig.from_pretrained(path))
+            shape.check_tp(section.parallel.tp)
+            shape.check_pp(section.parallel.pp)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("actor.", f"{name}.") + f" ({path})") from None
 
 
 def check_round_trip(tokenizer: Any, items: list) -> bool:

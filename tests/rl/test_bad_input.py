@@ -66,6 +66,7 @@ def _one_paragraph(err: str) -> str:
     ("actor.optim.warmup_steps=100", "actor.optim.warmup_steps"),  # beyond total_steps: lr never peaked
     ("critic.model_path=/no/such/critic", "critic.model_path"),  # ppo: was a traceback in the worker
     ("cost_model.path=/no/such/cost", "cost_model.path"),  # safe_rlhf with a cost model
+    ("actor.backend=megatron-core", "actor.backend"),
 ])
 def test_bad_values_exit_2_naming_the_key(override, key, tiny_model, tmp_path, capsys):
     out = tmp_path / "out"

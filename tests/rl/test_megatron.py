@@ -442,3 +442,26 @@ def test_a_megatron_actor_and_critic_must_share_a_layout() -> None:
     with pytest.raises(ConfigError, match=r"critic.parallel.*must equal.*actor.parallel \(tp=2 pp=1\)"):
         rl_config(base).check("")
     rl_config({**base, "critic": {"backend": "fsdp2"}}).check("")
+
+
+def test_megatron_missing_is_one_paragraph_with_the_install_line(monkeypatch) -> None:
+    import sys
+
+    from asyncrl.train.megatron import require_megatron
+    from transport.checks import ConfigError
+
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(ConfigError, match=r"pip install 'asyncrl\[megatron\]'"):
+        require_megatron()
+
+
+def test_an_unknown_megatron_version_on_cpu_is_refused(monkeypatch) -> None:
+    import megatron.core
+
+    from asyncrl.train.megatron import cpu
+
+    monkeypatch.setattr(cpu, "_adapted", False)
+    monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
+    monkeypatch.delenv(cpu.ANY_VERSION_ENV, raising=False)
+    with pytest.raises(cpu.MegatronVersionError, match="0.99.0 on CPU ranks.*megatron-core==0.16.1"):
+        cpu.adapt_for_cpu()
