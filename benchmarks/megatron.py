@@ -3,8 +3,8 @@
     python -m benchmarks.megatron          # CPU: 2 gloo ranks
     python -m benchmarks.megatron --gpu    # one CUDA GPU: bf16 logits, step time and MFU at 0.5B / 1.5B
 
-CPU: `logits_max_abs_diff` (fp32, Llama / Qwen2 / Qwen3 shapes with GQA at tp 1 and 2, against the
-HF model), `roundtrip_exact` (HF -> Megatron -> HF), `reshard_bytes_ratio` (bytes each rank received
+CPU: `logits_max_abs_diff` (fp32, Llama / Qwen2 / Qwen3 shapes with GQA at (tp, pp) in (1, 1),
+(2, 1), (1, 2), (2, 2), against the HF model), `roundtrip_exact` (HF -> Megatron -> HF), `reshard_bytes_ratio` (bytes each rank received
 resharding tp2 into generation tp1, over HybridFlow Table 2's), `step_time_ratio` (a Megatron
 training step over an FSDP2 one: same 2 ranks (tp=2), model and micro-batches).
 GPU: the training step of a Qwen2.5-0.5B and a 1.5B shape (random weights) with each backend in
@@ -183,7 +183,32 @@ def bf16_logits(tmp: Path) -> dict:
 
 # -- CPU ------------------------------------------------------------------------------------------
 
+def _logits_job(rank: int, world: int, out_dir: Path) -> dict:
+    """fp32 logits of each architecture at this layout against HF's, and the weights' round trip."""
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed
+    from tests.rl.test_megatron import MODELS, hf_model, probe
+
+    init_distributed()
+    tp, pp = (int(x) for x in (out_dir / "layout").read_text().split())
+    layout = ParallelLayout.from_config(ParallelConfig(tp=tp, pp=pp), world)
+    res: dict = {}
+    for name in ("llama", "qwen2", "qwen3"):
+        engine = megatron_engine(out_dir / name, layout, "cpu", torch.float32)
+        ids, mask = probe(MODELS[name][1])
+        with torch.no_grad():
+            got = engine.forward([{"input_ids": ids, "attention_mask": mask}],
+                                 lambda model, mb: model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits)
+            ref = hf_model(name)(input_ids=ids, attention_mask=mask).logits
+        if got is not None:
+            res[f"{name}/tp{tp}pp{pp}"] = float((got[0] - ref)[mask.bool()].abs().max())
+        sd = hf_model(name).state_dict()
+        res[f"{name}/roundtrip"] = all(torch.equal(v, sd[k]) for k, v in engine.full_state_dict(False).items())
+    return res
+
+
 def _cpu_job(rank: int, world: int, out_dir: Path) -> dict:
+    """At tp = 2 on 2 ranks: the reshard's bytes into generation tp 1, and step times of both backends."""
     from asyncrl.single_controller.parallel import (
         GenerationParallelConfig,
         ParallelConfig,
@@ -191,27 +216,17 @@ def _cpu_job(rank: int, world: int, out_dir: Path) -> dict:
         generation_layout,
     )
     from asyncrl.train import init_distributed
-    from tests.rl.test_megatron import MODELS, hf_model, probe
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(tp=2), world)
-    res: dict = {"diffs": {}}
-    for name in ("llama", "qwen2", "qwen3"):
-        engine = megatron_engine(out_dir / name, layout, "cpu", torch.float32)
-        ids, mask = probe(MODELS[name][1])
-        with torch.no_grad():
-            got = engine.model(input_ids=ids, attention_mask=mask).logits
-            ref = hf_model(name)(input_ids=ids, attention_mask=mask).logits
-        res["diffs"][f"{name}/tp2"] = float((got - ref)[mask.bool()].abs().max())
-        sd = hf_model(name).state_dict()
-        res[f"{name}/roundtrip"] = all(torch.equal(v, sd[k]) for k, v in engine.full_state_dict(False).items())
+    path, res = out_dir / "step", {}
+    engine = megatron_engine(path, layout, "cpu", torch.float32)
     resharder = engine.resharder(generation_layout(layout, GenerationParallelConfig(tp=1)), None, torch.float32)
     resharder.reshard()
     split = sum(t.numel() for n, t in engine.local_tensors().items() if "norm" not in n) * 4  # this rank's shards
     res["reshard_bytes"], res["table2_bytes"] = resharder.stats.bytes_received, split * (2 - 1)  # (t - tg)/tg · M/t
-    path = out_dir / "step"
     mbs = rl_batch(8, 64, 64, 2048, "cpu").split(2)
-    res["megatron_step_s"] = step_seconds(megatron_engine(path, layout, "cpu", torch.float32), mbs, steps=3)
+    res["megatron_step_s"] = step_seconds(engine, mbs, steps=3)
     res["fsdp2_step_s"] = step_seconds(fsdp_engine(path, layout, "cpu", "float32"), mbs, steps=3)
     return res
 
@@ -224,11 +239,17 @@ def cpu_bench(tmp: Path) -> dict:
         hf_model(name).save_pretrained(tmp / name)
     qwen2({"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
            "num_key_value_heads": 2}, vocab=2048, dtype=torch.float32).save_pretrained(tmp / "step")
+    diffs, roundtrip = {}, True
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        (tmp / "layout").write_text(f"{tp} {pp}")
+        for r in run_ranks(_logits_job, tp * pp, tmp, timeout_s=600):
+            roundtrip &= all(v for k, v in r.items() if k.endswith("/roundtrip"))
+            for k, v in r.items():
+                if not k.endswith("/roundtrip"):
+                    diffs[k] = max(diffs.get(k, 0.0), v)
     ranks = run_ranks(_cpu_job, 2, tmp, timeout_s=600)
     r0 = ranks[0]
-    diffs = {k: max(r["diffs"][k] for r in ranks) for k in r0["diffs"]}
-    return {"logits_max_abs_diff": max(diffs.values()), "logits_by_layout": diffs,
-            "roundtrip_exact": all(v for r in ranks for k, v in r.items() if k.endswith("/roundtrip")),
+    return {"logits_max_abs_diff": max(diffs.values()), "logits_by_layout": diffs, "roundtrip_exact": roundtrip,
             "reshard_bytes_ratio": round(r0["reshard_bytes"] / r0["table2_bytes"], 4),
             "step_time_ratio": round(max(r["megatron_step_s"] for r in ranks) / max(r["fsdp2_step_s"] for r in ranks), 3),
             "megatron_step_s": round(r0["megatron_step_s"], 3), "fsdp2_step_s": round(r0["fsdp2_step_s"], 3)}
