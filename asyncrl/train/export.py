@@ -93,10 +93,11 @@ def _full(t: Tensor) -> Tensor:
 class ShardWriter:
     """Safetensors files of at most `max_shard_bytes`, written as tensors are added: one file,
     `model.safetensors`, or `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`
-    (the layout `save_pretrained` writes and `from_pretrained` reads)."""
+    (the layout `save_pretrained` writes and `from_pretrained` reads). Writers in several
+    processes (`prefix` apart) `flush` their files and one of them names them all (`name_shards`)."""
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
-        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
+    def __init__(self, out_dir: Path, max_shard_bytes: int, prefix: str = ".shard") -> None:
+        self.out_dir, self.max_shard_bytes, self.prefix = out_dir, max_shard_bytes, prefix
         self.current: dict[str, Tensor] = {}
         self.size = self.total = 0
         self.written: list[tuple[Path, list[str]]] = []
@@ -110,28 +111,39 @@ class ShardWriter:
         self.total += nbytes
 
     def _flush(self) -> None:
-        path = self.out_dir / f".shard-{len(self.written) + 1:05d}.safetensors"
+        path = self.out_dir / f"{self.prefix}-{len(self.written) + 1:05d}.safetensors"
         save_file(self.current, str(path), metadata={"format": "pt"})
         self.written.append((path, list(self.current)))
         self.current, self.size = {}, 0
+
+    def flush(self) -> list[tuple[Path, list[str]]]:
+        """Write what is left; the files written and the tensors in each (not yet named)."""
+        if self.current:
+            self._flush()
+        return self.written
 
     def close(self) -> list[Path]:
         """Write what is left and name the files; returns them."""
         if self.current or not self.written:
             self._flush()
-        if len(self.written) == 1:
-            final = self.out_dir / "model.safetensors"
-            self.written[0][0].rename(final)
-            return [final]
-        files, weight_map = [], {}
-        for i, (path, names) in enumerate(self.written, 1):
-            final = self.out_dir / f"model-{i:05d}-of-{len(self.written):05d}.safetensors"
-            path.rename(final)
-            files.append(final)
-            weight_map.update(dict.fromkeys(names, final.name))
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        return files
+        return name_shards(self.out_dir, self.written, self.total)
+
+
+def name_shards(out_dir: Path, written: list[tuple[Path, list[str]]], total: int) -> list[Path]:
+    """Rename written shard files to HF's names, with the index when there are several."""
+    if len(written) == 1:
+        final = out_dir / "model.safetensors"
+        written[0][0].rename(final)
+        return [final]
+    files, weight_map = [], {}
+    for i, (path, names) in enumerate(written, 1):
+        final = out_dir / f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(final)
+        files.append(final)
+        weight_map.update(dict.fromkeys(names, final.name))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
 
 
 def write_safetensors(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes: int) -> list[Path]:

@@ -158,9 +158,20 @@ def _pp_job(rank: int, layout, out_dir: Path) -> dict:
         res[f"{name}/sd"] = engine.full_state_dict(rank0_only=False)
         res[f"{name}/reshard"] = _reshards(engine, layout, rank)
         res[f"{name}/held"] = sum(t.numel() * 4 for t in engine.local_tensors().values())
+        if name == "llama":
+            res["llama/greedy"] = _greedy_from_reshard(engine, layout, rank)
         if name in ("qwen2", "llama_odd"):
             res[f"{name}/metrics"] = [engine.train_step(_rows_of(layout, rank, s, vocab, n=2), lm_loss)
                                       for s in range(STEPS)]
+        if name == "qwen2":  # the streamed export: each stage writes its own files, rank 0 the index
+            engine.save_checkpoint(out_dir / "pp_ckpt", extra={}, export_dtype=torch.float32)
+            trained = engine.full_state_dict(rank0_only=True)
+            if rank == 0:
+                from transformers import AutoModelForCausalLM
+
+                hf = AutoModelForCausalLM.from_pretrained(out_dir / "pp_ckpt" / "hf", dtype=torch.float32).state_dict()
+                res["qwen2/export_equal"] = all(torch.equal(hf[k], v) for k, v in trained.items())
+                res["qwen2/export_files"] = sorted(f.name for f in (out_dir / "pp_ckpt" / "hf").glob("*.safetensors"))
     return {**res, **_resume_elsewhere(rank, layout, out_dir)}
 
 
@@ -247,6 +258,30 @@ def _reshards(engine, layout, rank: int) -> dict:
                    "expected": resharder.expected_bytes_received(), "dims": {p.name: p.tp_dim for p in resharder.plans},
                    "gen_rank": gen.coords(rank)["tp"]}
         resharder.release()
+    return out
+
+
+def _greedy_from_reshard(engine, layout, rank: int) -> dict:
+    """Greedy responses of the native engine on the generation model bound to the reshard's
+    output, at generation TP 1 and 2 (tensor parallel generation over the TP ranks)."""
+    import torch.distributed as dist
+
+    from asyncrl.rollout import RolloutEngine, SamplingParams
+    from asyncrl.rollout.tp import GenerationModel
+    from asyncrl.single_controller.parallel import GenerationParallelConfig, generation_layout
+
+    ids, mask = probe(MODELS["llama"][1])
+    out = {}
+    for tg in (1, 2):
+        gen = generation_layout(layout, GenerationParallelConfig(tp=tg))
+        group = None
+        for ranks in gen.groups(("tp",)):
+            g = dist.new_group(sorted(ranks)) if len(ranks) > 1 else None
+            group = g if rank in ranks else group
+        model = GenerationModel(engine.hf_config, engine.generation_buffers(), group)
+        model.bind(engine.resharder(gen, model.model, torch.float32).reshard())
+        rollout = RolloutEngine(model.model, eos_token_id=-1, pad_token_id=0, device=engine.device)
+        out[tg] = rollout.generate(ids, mask, SamplingParams(greedy=True, max_tokens=6))["responses"]
     return out
 
 
@@ -465,3 +500,23 @@ def test_an_unknown_megatron_version_on_cpu_is_refused(monkeypatch) -> None:
     monkeypatch.delenv(cpu.ANY_VERSION_ENV, raising=False)
     with pytest.raises(cpu.MegatronVersionError, match="0.99.0 on CPU ranks.*megatron-core==0.16.1"):
         cpu.adapt_for_cpu()
+
+
+def test_greedy_generations_from_the_pipeline_reshard_equal_hf(tp2pp2) -> None:
+    """The native engine on the generation weights resharded from tp2 × pp2 (generation TP 1 and 2)
+    decodes greedily the tokens HF's `generate` does."""
+    ids, mask = probe(MODELS["llama"][1])
+    model = hf_model("llama")
+    model.generation_config.eos_token_id = None  # the native engine above stops at no token either
+    want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                          pad_token_id=0)[:, ids.shape[1]:]
+    for res in tp2pp2:
+        for tg in (1, 2):
+            assert torch.equal(res["llama/greedy"][tg], want), (tg, res["llama/greedy"][tg], want)
+
+
+def test_the_export_from_pipeline_stages_loads_in_transformers(tp2pp2) -> None:
+    """Each stage writes its own safetensors file and rank 0 the index: transformers loads the
+    trained tied Qwen2 (embedding on stage 0, its copy on stage 1 not written twice)."""
+    assert tp2pp2[0]["qwen2/export_equal"]
+    assert tp2pp2[0]["qwen2/export_files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]

@@ -47,9 +47,10 @@ def _launch(config: str, out: Path, model: Path, extra: list[str], timeout: floa
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """An HF export's tensors: one model.safetensors or its shards (pipeline stages write their own)."""
     from safetensors.torch import load_file
 
-    return load_file(str(path / "model.safetensors"))
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 @pytest.mark.parametrize("config,extra", [
@@ -77,9 +78,12 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     # the megatron-core backend: actor and reference as GPTModels at tp=2, generation resharded into tp=2
     ("grpo", ["actor.backend=megatron", "actor.parallel.tp=2", "rollout.parallel.tp=2", "actor.use_kl_loss=true"]),
     # ... and its pipeline stages (megatron's 1F1B schedule; the tied embedding and head on two stages)
-    ("grpo", ["actor.backend=megatron", "actor.parallel.pp=2", "actor.use_kl_loss=true"]),
+    # (~20 s each, slow: tests/rl/test_megatron.py checks the stages' training and the critic by default)
+    pytest.param("grpo", ["actor.backend=megatron", "actor.parallel.pp=2", "actor.use_kl_loss=true"],
+                 marks=pytest.mark.slow),
     # PPO with both the actor and the critic on megatron-core
-    ("ppo", ["actor.backend=megatron", "critic.backend=megatron", "actor.parallel.tp=2", "critic.parallel.tp=2"]),
+    pytest.param("ppo", ["actor.backend=megatron", "critic.backend=megatron", "actor.parallel.tp=2",
+                         "critic.parallel.tp=2"], marks=pytest.mark.slow),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
         "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing",
         "grpo_bf16", "grpo_multi_turn", "grpo_megatron_tp2_gen_tp2", "grpo_megatron_pp2",

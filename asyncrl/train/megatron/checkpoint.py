@@ -1,6 +1,6 @@
 """Megatron checkpoints in Hugging Face space: every parameter's fp32 master weight and Adam
 moments by HF name (`param/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`), one safetensors file
-per pipeline stage. A checkpoint so written resumes exactly in any tp × pp × dp layout: each rank
+per pipeline stage (or more, of at most 2 GiB). A checkpoint so written resumes exactly in any tp × pp × dp layout: each rank
 reads the parts its new shards cover (the same mapping as the weights), and its data-parallel
 slice of them goes into the distributed optimizer."""
 
@@ -42,17 +42,22 @@ def _full_states(engine: Any, param: Tensor) -> dict[str, Tensor]:
 
 def save_optimizer(engine: Any, out: Path) -> None:
     """Every stage's masters and moments by HF name (a collective over the engine's ranks; the
-    first TP and DP rank of each stage writes `stage{s}.safetensors`)."""
-    from safetensors.torch import save_file
+    first TP and DP rank of each stage writes them, a weight at a time, to `stage{s}-*.safetensors`)."""
+    from asyncrl.plan.memory import EXPORT_SHARD_BYTES
+    from asyncrl.train.export import ShardWriter
 
-    params, tensors = engine.local_tensors(), {}
+    writes = engine.tp_rank == 0 and dist.get_rank(engine.dp_group) == 0
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, EXPORT_SHARD_BYTES, prefix=f"stage{engine.pp_rank}") if writes else None
+    params = engine.local_tensors()
     for rule in engine.rules:
         for state, full in _full_states(engine, params[rule.megatron]).items():
             for name, t in hf_tensors(rule, engine.gather_tp(full), engine.shape, engine.tp).items():
-                tensors[f"{state}/{name}"] = t.cpu().contiguous()
-    if engine.tp_rank == 0 and dist.get_rank(engine.dp_group) == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / f"stage{engine.pp_rank}.safetensors"))
+                if writer is not None:
+                    writer.add(f"{state}/{name}", t.cpu().contiguous())
+    if writer is not None:
+        writer.flush()
 
 
 def adam_step(engine: Any) -> float:

@@ -8,7 +8,6 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from torch import Tensor
 from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.train.engine import LossFn
-from asyncrl.train.export import export_full
 from asyncrl.train.fsdp import EngineError, lr_multiplier, release_host_memory
 from asyncrl.train.megatron.checkpoint import adam_step, load_optimizer, save_optimizer
 from asyncrl.train.megatron.convert import (
@@ -29,6 +27,7 @@ from asyncrl.train.megatron.convert import (
     megatron_shard,
 )
 from asyncrl.train.megatron.cpu import adapt_for_cpu, cuda_on_cpu
+from asyncrl.train.megatron.export import export_hf
 from asyncrl.train.megatron.model import HFView, build_gpt, mark_tensor_parallel
 from asyncrl.train.megatron.schedule import run_pipeline
 from asyncrl.train.pipeline import all_gather_values, broadcast_value
@@ -271,10 +270,7 @@ class MegatronEngine:
             save_optimizer(self, path / "megatron" / "optim")
             state["adam_step"] = adam_step(self)
         torch.save(state, path / "megatron" / f"rank{self.rank}.pt")
-        full = self.full_state_dict(rank0_only=True)
-        if self.rank == 0:
-            export_full(SimpleNamespace(config=self.hf_config), path / "hf", full, set(), tokenizer, export_dtype)
-        dist.barrier()
+        export_hf(self, path / "hf", tokenizer, export_dtype)
         log.info("saved checkpoint %s", path)
 
     def checkpoint_pending(self) -> bool:
