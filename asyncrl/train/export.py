@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from asyncrl.plan.memory import EXPORT_SHARD_BYTES
+from asyncrl.train.experts import per_expert
 from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
             adapter.update({f"{module}.lora_A": a, f"{module}.lora_B": b})
         if writer is not None:
             cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
-            writer.add(name, full.detach().to("cpu", cast).contiguous())
+            for disk_name, t in per_expert(name, full.detach()):  # experts as checkpoints hold them
+                writer.add(disk_name, t.to("cpu", cast).contiguous())
         del full
     if writer is not None:
         writer.close()
@@ -66,8 +68,8 @@ def export_full(model: nn.Module, out_dir: Path, full_sd: dict[str, Tensor], tie
         log.warning("%s has no HF config; skipping the HF export", type(model).__name__)
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-               for k, v in full_sd.items() if k not in tied}
+    tensors = {name: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+               for k, full in full_sd.items() if k not in tied for name, v in per_expert(k, full)}
     write_safetensors(tensors, out_dir, EXPORT_SHARD_BYTES)
     write_hf_files(model, out_dir, tokenizer, dtype)
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncrl.train.experts import fuse_experts
 from asyncrl.train.fsdp import release_host_memory
 from asyncrl.train.lora import plain_name
 
@@ -211,12 +212,13 @@ def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype
     sd: dict[str, Tensor] = {}
     for f in files:
         sd.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
+    wanted = {n for names in aliases.values() for n in names}
+    fuse_experts(sd, wanted)
     for names in aliases.values():
         present = next((n for n in names if n in sd), None)
         for n in names:
             if present is not None and n not in sd:
                 sd[n] = sd[present]
-    wanted = {n for names in aliases.values() for n in names}
     missing = sorted(n for n in wanted - set(sd) if not (missing_ok and missing_ok(n)))
     if missing:
         raise KeyError(f"{path}: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''} "

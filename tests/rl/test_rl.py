@@ -122,6 +122,39 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert len(changed) > len(before) // 2, f"only {changed} changed"
 
 
+def test_a_mixture_of_experts_model_trains_and_exports_per_expert(tiny_model, tmp_path):
+    """GRPO on a tiny Qwen3-MoE (8 experts, top-2) built with the quickstart's tokenizer: FSDP2 and
+    the native engine, 2 steps that make better-scored responses likelier; the export holds the
+    experts as checkpoints do (per expert) and loads in transformers."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                            tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "moe"
+    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    res = _launch("grpo", out, model_dir, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
+                                          "trainer.loggers=[console,jsonl]", "job.entry=tests/helpers/rl_probe.py:main"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sum(summary["policy_gain"]) > 0, summary
+    exported = _weights(Path(summary["checkpoint"]))
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
+    assert not any(k.endswith("gate_up_proj") for k in exported)
+    assert type(AutoModelForCausalLM.from_pretrained(summary["checkpoint"])).__name__ == "Qwen3MoeForCausalLM"
+
+
 def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
