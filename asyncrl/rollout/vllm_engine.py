@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from asyncrl.rollout.engine import SamplingParams, WeightLoadError, rollout_outputs
+from asyncrl.train.experts import per_expert
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +321,10 @@ class VLLMRolloutEngine:
         """Load full Hugging Face-named tensors into the engine's model (in place, fusing q/k/v
         and gate/up, each TP rank taking its slice, as vLLM's loaders do); return how many. The
         tensors are consumed one at a time, so a generator can produce each just in time."""
-        # plain tensors: vLLM's loaders treat an nn.Parameter argument as one of their own
-        items = ((name, t.detach()) for name, t in (weights.items() if isinstance(weights, Mapping) else weights))
+        # plain tensors: vLLM's loaders treat an nn.Parameter argument as one of their own; experts
+        # fused in memory (transformers 5) go per expert, as vLLM's loaders read checkpoints
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        items = (item for name, t in pairs for item in per_expert(name, t.detach()))
         if self.asleep:
             self.wake_up(("weights",))
         try:
