@@ -1,6 +1,7 @@
-"""`MegatronEngine`: the `TrainEngine` over megatron-core's `GPTModel` — TP × DP over the worker
-group's own ranks (megatron's `parallel_state` built on the group's process group), its DDP and
-distributed optimizer (fp32 masters sharded over DP), asyncrl's loss functions and LR schedule."""
+"""`MegatronEngine`: the `TrainEngine` over megatron-core's `GPTModel` — TP × PP × DP over the
+worker group's own ranks (megatron's `parallel_state` built on the group's process group), its DDP,
+distributed optimizer (fp32 masters sharded over DP) and 1F1B schedule, asyncrl's loss functions
+and LR schedule."""
 
 from __future__ import annotations
 
