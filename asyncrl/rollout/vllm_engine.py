@@ -191,7 +191,19 @@ class AsyncRLWorkerExtension:
                 method.process_weights_after_loading(module)
             else:
                 owners[id(weight)] = module
+        self._repack_experts()
         return count
+
+    def _repack_experts(self) -> None:
+        """vLLM's CPU MoE kernel prepacks the experts into its grouped-gemm layout once, at the
+        first load, and a weight update leaves that copy as it was (a colocated engine would keep
+        generating with its dummy experts: log-probs 0.01-0.07 off): prepack them again."""
+        if self.model_runner.device.type != "cpu":
+            return
+        for module in self.model_runner.model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
 
     def asyncrl_add_adapter(self, adapter_id: int, tensors: dict[str, torch.Tensor], config: dict) -> list[int]:
         # in memory, as vLLM's loader would build it from a PEFT directory (the tensors are the
