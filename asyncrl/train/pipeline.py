@@ -242,6 +242,22 @@ def pad_micro_batches(inputs: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tens
     return torch.cat(out_ids), torch.cat(out_mask), torch.cat(out_pos)
 
 
+def forward_through(micro_batches: list[Any], fn: Callable[[Any, Any], Any], run: Callable[[Callable], None],
+                    device: torch.device, is_last: bool) -> list[Any] | None:
+    """A pipelined engine's forward-only pass: `run(on_output)` drives the stages, `fn(model,
+    micro_batch)` runs on the last one; its results there, None on the other stages."""
+    if not micro_batches:
+        raise EngineError("forward needs at least one micro-batch")
+    outs: dict[int, Any] = {}
+
+    def on_output(model: Any, i: int) -> Tensor:
+        outs[i] = fn(model, micro_batches[i])
+        return torch.zeros((), device=device)
+
+    run(on_output)
+    return [outs[i] for i in range(len(micro_batches))] if is_last else None
+
+
 class PipelineEngine(FSDPEngine):
     """`FSDPEngine` over a `DecoderStage` (see `parallelize`): the same train step, checkpoints
     and full state dicts, run as a pipeline over the layout's pp dim.
@@ -360,16 +376,8 @@ class PipelineEngine(FSDPEngine):
         """`fn(model, micro_batch)` per micro-batch, without gradients, as in the non-pipelined
         engine (e.g. `response_forward`): the list of its results on the last stage, None on
         the other stages."""
-        if not micro_batches:
-            raise EngineError("forward needs at least one micro-batch")
-        outs: dict[int, Any] = {}
-
-        def on_output(model: Any, i: int) -> Tensor:
-            outs[i] = fn(model, micro_batches[i])
-            return torch.zeros((), device=self.device)
-
-        self._run(micro_batches, on_output, train=False)
-        return [outs[i] for i in range(len(micro_batches))] if self.is_last else None
+        return forward_through(micro_batches, fn, lambda on_output: self._run(micro_batches, on_output, train=False),
+                               self.device, self.is_last)
 
     def _from_last_stage(self, value: Any) -> Any:
         if self.pp_group is None:

@@ -31,7 +31,7 @@ from asyncrl.train.megatron.cpu import adapt_for_cpu, cuda_on_cpu
 from asyncrl.train.megatron.export import export_hf
 from asyncrl.train.megatron.model import HFView, build_gpt, mark_tensor_parallel
 from asyncrl.train.megatron.schedule import run_pipeline
-from asyncrl.train.pipeline import all_gather_values, broadcast_value
+from asyncrl.train.pipeline import all_gather_values, broadcast_value, forward_through
 
 log = logging.getLogger(__name__)
 
@@ -236,16 +236,8 @@ class MegatronEngine:
     def forward(self, micro_batches: list[Any], fn: Any) -> list[Any] | None:
         """`fn(model, micro_batch)` per micro-batch through the pipeline, without gradients: the
         results on the last stage, None on the others."""
-        if not micro_batches:
-            raise EngineError("forward needs at least one micro-batch")
-        outs: dict[int, Any] = {}
-
-        def on_output(model: Any, i: int) -> Tensor:
-            outs[i] = fn(model, micro_batches[i])
-            return torch.zeros((), device=self.device)
-
-        run_pipeline(self, micro_batches, on_output, train=False)
-        return [outs[i] for i in range(len(micro_batches))] if self.is_last else None
+        return forward_through(micro_batches, fn, lambda on_output: run_pipeline(self, micro_batches, on_output, train=False),
+                               self.device, self.is_last)
 
     def _set_lr(self) -> float:
         lr = self.optim_config.lr * lr_multiplier(self.steps, self.optim_config)
