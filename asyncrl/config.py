@@ -55,6 +55,8 @@ class TinyModelConfig:
     hidden: int = 64
     layers: int = 2
     heads: int = 2  # head_dim 32: vLLM's CPU attention takes multiples of 32
+    experts: int = 0  # > 0: a Qwen3-MoE of this many experts (moe_quickstart), each 4 * hidden / experts_per_token wide
+    experts_per_token: int = 2
     sft_steps: int = 0
     # the warm start's answers: "format" (random symbols of the right shape: RL learns the task)
     # or "task" (the true answers; for `lookup`, a fifth of the conversations call the tool)
@@ -69,6 +71,10 @@ class TinyModelConfig:
             _positive(at + name, getattr(self, name))
         _check(self.hidden % self.heads == 0, at + "hidden", self.hidden,
                f"must divide by {at}heads={self.heads}")
+        _positive(at + "experts", self.experts, allow_zero=True)
+        _positive(at + "experts_per_token", self.experts_per_token)
+        _check(not self.experts or self.experts_per_token <= self.experts, at + "experts_per_token",
+               self.experts_per_token, f"must be at most {at}experts={self.experts}")
         _positive(at + "sft_steps", self.sft_steps, allow_zero=True)
 
 
@@ -113,6 +119,7 @@ class VLLMConfig:
 ROLLOUT_ENGINES = ("native", "vllm")
 PLACEMENTS = ("colocated", "split")
 POLICY_LOSSES = ("ppo", "decoupled", "tis")
+ROUTER_REPLAY = ("none", "rollout", "old_policy")  # actor.moe.router_replay
 
 
 @dataclass
@@ -272,6 +279,27 @@ class LoRAConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts actors (asyncrl/models/moe.py): routing replay and the router's losses;
+    a dense model refuses router_replay and ignores the rest."""
+
+    # none; rollout: the log-prob and update passes route each token to the experts the rollout
+    # engine chose (R3; the native engine records them); old_policy: the update routes as the
+    # old-policy log-prob pass did. The gate weights always come from the live router.
+    router_replay: str = "none"
+    # the Switch load-balancing loss (1.0 when balanced) and ST-MoE's router z-loss, added to the
+    # policy loss with these weights; both are logged every step either way. Off by default: a
+    # balancing push moves routing away from what the rollout engine sampled with.
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def check(self, at: str) -> None:
+        _one_of(at + "router_replay", self.router_replay, ROUTER_REPLAY)
+        _positive(at + "aux_loss_coef", self.aux_loss_coef, allow_zero=True)
+        _positive(at + "z_loss_coef", self.z_loss_coef, allow_zero=True)
+
+
+@dataclass
 class ActorConfig(PPOUpdateConfig):
     log_prob_micro_batch_size: int = 128
     log_prob_max_tokens_per_micro_batch: int = 0  # > 0: the log-prob passes' micro-batches by tokens
@@ -291,6 +319,7 @@ class ActorConfig(PPOUpdateConfig):
     policy_loss: str = "ppo"
     behav_imp_weight_cap: float = 5.0  # decoupled: tokens above it are dropped; tis: weights clipped to it
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters instead of full fine-tuning (rank > 0)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # routing replay and router losses (MoE models)
     # fsdp2: FSDP2 x DTensor TP (x pipeline stages); megatron: megatron-core's GPTModel, TP x DP with
     # its distributed optimizer (docs/megatron.md); the reference policy runs on the same backend
     backend: str = "fsdp2"
@@ -298,8 +327,12 @@ class ActorConfig(PPOUpdateConfig):
     def check(self, at: str) -> None:
         super().check(at)
         self.lora.check(at + "lora.")
+        self.moe.check(at + "moe.")
         _check_lora_layout(self, at)
         _check_megatron(self, at)
+        _check(self.moe.router_replay == "none" or self.parallel.pp == 1, at + "moe.router_replay",
+               self.moe.router_replay, f"needs {at}parallel.pp=1 (a pipeline interleaves micro-batches, so a "
+               "stage would replay another micro-batch's experts); set it to none or pp=1")
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
         _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
         _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
@@ -569,6 +602,7 @@ class RLConfig(LaunchConfig):
         self._check_layouts(at)
         self._check_placement(at)
         self._check_backends(at)
+        self._check_router_replay(at)
         training = self.trainer.mode == "train"  # an evaluation samples and scores only: n=1 and any batch do
         if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
@@ -604,6 +638,24 @@ class RLConfig(LaunchConfig):
                f"must equal {at}actor.parallel (tp={a.tp} pp={a.pp}) when both the actor and the critic run on "
                "megatron: megatron-core keeps one parallel layout per process; set the same tp and pp, or "
                f"{at}critic.backend=fsdp2")
+
+    def _check_router_replay(self, at: str) -> None:
+        """router_replay=rollout needs an engine that records each token's experts: the native one,
+        a call's rows decoded together (not the split pool's continuous batch, not agent turns)."""
+        mode, key = self.actor.moe.router_replay, at + "actor.moe.router_replay"
+        _check(mode == "none" or self.actor.backend == "fsdp2", key, mode,
+               f"replays experts in the Hugging Face models of {at}actor.backend=fsdp2; megatron has no MoE "
+               "support in asyncrl yet: set it to none or the backend to fsdp2")
+        if mode != "rollout":
+            return
+        _check(self.rollout.engine == "native", key, mode,
+               "needs rollout.engine=native, which records each token's experts; vLLM returns them only from its "
+               "model runner V2 (enable_return_routed_experts, CUDA with Triton), which asyncrl does not drive "
+               "yet: use the native engine, or router_replay=old_policy with vLLM")
+        _check(not self.rollout.multi_turn.enable and self.trainer.placement == "colocated", key, mode,
+               "records routes in a colocated, single-turn rollout (the split pool's continuous batch and agent "
+               "turns do not record them yet): use trainer.placement=colocated without rollout.multi_turn, or "
+               "router_replay=old_policy")
 
     def _check_placement(self, at: str) -> None:
         _check(self.actor.backend == "fsdp2" or self.trainer.placement == "colocated", at + "trainer.placement",

@@ -90,9 +90,10 @@ def check_files(cfg: RLConfig) -> None:
     from asyncrl.rewards import load_reward_fn
 
     if cfg.model.build_tiny is None:
-        resolve_model(cfg.model)
+        _check_moe(cfg, resolve_model(cfg.model))
     else:  # built by the job; a reasoning-gym build needs data.source's tasks
         tiny_settings(cfg.model.build_tiny, cfg.data)
+        _check_moe(cfg, None)
     if cfg.critic.model_path and needs_critic(cfg.algorithm.name):
         resolve_model(ModelConfig(path=cfg.critic.model_path), key="critic.model_path")
     if cfg.cost_model.path and cfg.cost_model.enable:
@@ -159,6 +160,23 @@ def _check_megatron(cfg: RLConfig) -> None:
             shape.check_pp(section.parallel.pp)
         except ConfigError as e:
             raise ConfigError(str(e).replace("actor.", f"{name}.") + f" ({path})") from None
+
+
+def _check_moe(cfg: RLConfig, path: str | None) -> None:
+    """actor.moe.router_replay needs a mixture-of-experts model (at `path`, or the tiny one the job
+    builds): a paragraph before anything starts."""
+    if cfg.actor.moe.router_replay == "none":
+        return
+    from transformers import AutoConfig
+
+    from asyncrl.models.moe import is_moe_config
+
+    moe = cfg.model.build_tiny.experts > 0 if path is None else is_moe_config(AutoConfig.from_pretrained(path))
+    if not moe:
+        what = "the tiny model this job builds is dense (set model.build_tiny.experts)" if path is None else (
+            f"{path} is a dense model (its config.json has no num_experts / num_local_experts)")
+        raise ConfigError(f"bad configuration: actor.moe.router_replay={cfg.actor.moe.router_replay} replays the "
+                          f"experts a mixture-of-experts model routed to, and {what}: set actor.moe.router_replay=none")
 
 
 def check_round_trip(tokenizer: Any, items: list) -> bool:

@@ -136,7 +136,7 @@ def _shapes() -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
 MAX_FUNCTION_LINES, MAX_ATTRIBUTES, MAX_METHODS = 60, 20, 35
 # what is over those today, each to be split by what it does (issue 43); a count may only shrink,
 # and a name leaves the list once it is under
-OVER = {"rollout/engine.py:generate": 84, "plan/profile.py:measure": 74,
+OVER = {"plan/profile.py:measure": 74,
         "rollout/vllm_engine.py:__init__": 73, "plan/search.py:mcmc": 64,
         "roles/actor.py:ActorRolloutRefWorker": 27, "train/reshard.py:Resharder": 26, "trainer.py:Trainer": 23}
 

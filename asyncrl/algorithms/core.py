@@ -523,3 +523,43 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 1024)
 def safe_rlhf_advantage(reward_adv: Tensor, cost_adv: Tensor, lam: float | Tensor) -> Tensor:
     """Safe-RLHF combined advantage (A_r - lambda * A_c) / (1 + lambda)."""
     return (reward_adv - lam * cost_adv) / (1 + lam)
+
+
+# mixture-of-experts routers -------------------------------------------------------------------
+def load_balancing_loss(logits: Tensor, chosen: Tensor, mask: Tensor) -> Tensor:
+    """Switch-Transformer load-balancing loss of one router over its masked-in tokens, 1.0 when
+    balanced (Megatron's normalisation; Hugging Face's is k times it): E / (N k) Σ_e n_e · P̄_e,
+    with n_e the tokens sent to expert e and P̄_e its mean routing probability.
+    logits [N, E], chosen [N, k] expert indices, mask [N]."""
+    n_experts, k = logits.shape[-1], chosen.shape[-1]
+    keep = mask.bool()
+    probs = torch.softmax(logits[keep].float(), dim=-1)
+    counts = torch.zeros(n_experts, device=logits.device).index_add_(
+        0, chosen[keep].reshape(-1).long(), torch.ones(chosen[keep].numel(), device=logits.device))
+    tokens = max(int(keep.sum()), 1)
+    return n_experts / (tokens * k) * (counts * probs.mean(0)).sum() if keep.any() else logits.new_zeros(())
+
+
+def router_z_loss(logits: Tensor, mask: Tensor) -> Tensor:
+    """ST-MoE's router z-loss: the mean squared log-partition of the router logits [N, E] over
+    masked-in tokens (keeps the logits small, so the softmax stays stable in low precision)."""
+    return masked_mean(torch.logsumexp(logits.float(), dim=-1) ** 2, mask)
+
+
+def expert_load(chosen: Tensor, mask: Tensor, n_experts: int) -> Tensor:
+    """Tokens routed to each expert, per layer: chosen [N, layers, k] → [layers, E]."""
+    keep = chosen[mask.bool()].long()  # [n, layers, k]
+    load = torch.zeros(chosen.shape[1], n_experts, device=chosen.device)
+    return load.scatter_add_(1, keep.transpose(0, 1).reshape(chosen.shape[1], -1),
+                             torch.ones(chosen.shape[1], keep.shape[0] * keep.shape[2], device=chosen.device))
+
+
+def routing_agreement(a: Tensor, b: Tensor, mask: Tensor) -> float:
+    """The share of top-k selections two routings [N, layers, k] have in common (as sets per token
+    and layer) over masked-in tokens: 1.0 when they route alike."""
+    keep = mask.bool()
+    a, b = a[keep].long(), b[keep].long()
+    if not a.numel():
+        return 1.0
+    shared = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum()
+    return float(shared) / a.numel()

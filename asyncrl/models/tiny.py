@@ -67,14 +67,20 @@ def build_tokenizer(symbols: list[str] | None = None):
     return tok
 
 
-def build_config(tokenizer, *, hidden: int, layers: int, heads: int):
-    """A small `LlamaConfig` sized to the tokenizer."""
-    from transformers import LlamaConfig
+def build_config(tokenizer, *, hidden: int, layers: int, heads: int, experts: int = 0, experts_per_token: int = 2):
+    """A small `LlamaConfig` sized to the tokenizer; with `experts` a `Qwen3MoeConfig` whose
+    experts are 4 * hidden / experts_per_token wide (the dense MLP's active parameters)."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
-    return LlamaConfig(
+    shape = {"intermediate_size": 4 * hidden}
+    if experts:
+        shape = {"intermediate_size": 4 * hidden, "num_experts": experts, "num_experts_per_tok": experts_per_token,
+                 "moe_intermediate_size": 4 * hidden // experts_per_token, "norm_topk_prob": True,
+                 "head_dim": hidden // heads, "router_aux_loss_coef": 0.0}
+    return (Qwen3MoeConfig if experts else LlamaConfig)(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
-        intermediate_size=4 * hidden,
+        **shape,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
@@ -212,6 +218,8 @@ def build_tiny_model(
     hidden: int = 128,
     layers: int = 2,
     heads: int = 4,
+    experts: int = 0,
+    experts_per_token: int = 2,
     seed: int = 0,
     sft_steps: int = 0,
     sft_lr: float = 1e-3,
@@ -219,10 +227,11 @@ def build_tiny_model(
     sft_targets: str = "format",
     reasoning_gym: dict | None = None,
 ) -> Path:
-    """Write tokenizer + (optionally SFT-warmed) random-init Llama to `out_dir`; return the path.
+    """Write tokenizer + (optionally SFT-warmed) random-init Llama (with `experts`: a Qwen3-MoE of
+    `experts` experts, top-`experts_per_token`) to `out_dir`; return the path.
     task="reasoning_gym" builds for `reasoning_gym` ({"source": data.source, **data.reasoning_gym}):
     the vocabulary is every word of its rows, the warm start its training rows."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if sft_targets not in ("task", "format"):
         raise ValueError(f"sft_targets must be 'task' or 'format', not {sft_targets!r}")
@@ -235,7 +244,8 @@ def build_tiny_model(
     loss = None
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(build_config(tokenizer, hidden=hidden, layers=layers, heads=heads))
+        model = AutoModelForCausalLM.from_config(build_config(tokenizer, hidden=hidden, layers=layers, heads=heads,
+                                                              experts=experts, experts_per_token=experts_per_token))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         if sft_steps > 0:
             loss = sft_warm_start(
@@ -245,21 +255,10 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _make_tokenizer_config_portable(out)
-    info = {
-        "task": task,
-        "hidden": hidden,
-        "layers": layers,
-        "heads": heads,
-        "seed": seed,
-        "sft_steps": sft_steps,
-        "sft_lr": sft_lr,
-        "sft_batch_size": sft_batch_size,
-        "sft_targets": sft_targets,
-        "reasoning_gym": reasoning_gym,
-        "vocab_size": len(tokenizer),
-        "sft_final_loss": loss,
-        "params": sum(p.numel() for p in model.parameters()),
-    }
+    info = {"task": task, "hidden": hidden, "layers": layers, "heads": heads, "experts": experts,
+            "experts_per_token": experts_per_token, "seed": seed, "sft_steps": sft_steps, "sft_lr": sft_lr,
+            "sft_batch_size": sft_batch_size, "sft_targets": sft_targets, "reasoning_gym": reasoning_gym,
+            "vocab_size": len(tokenizer), "sft_final_loss": loss, "params": sum(p.numel() for p in model.parameters())}
     # the marker goes last: a directory without it is a half-written build
     (out / MARKER).write_text(json.dumps(info, indent=1))
     log.info("built tiny model in %s (%.1fs): %s", out, time.perf_counter() - t0, info)
@@ -308,7 +307,9 @@ def ensure_tiny_model(out_dir: str | Path, **kw) -> Path:
     marker = out / MARKER
     if marker.exists():
         info = json.loads(marker.read_text())
-        differ = {k: (info.get(k), v) for k, v in settings.items() if info.get(k) != v}
+        # a setting newer than the build's marker has its default there
+        defaults = _settings({})
+        differ = {k: (info.get(k, defaults[k]), v) for k, v in settings.items() if info.get(k, defaults[k]) != v}
         if not differ:
             return out
         # never rebuilt in place: the directory may hold the user's own files or training since

@@ -32,6 +32,8 @@ from asyncrl.agents.rollout import (
 from asyncrl.algorithms import core
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
+from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, tap_of
+from asyncrl.roles import routing
 from asyncrl.roles.forward import response_forward
 from asyncrl.roles.pools import PoolWeights, StagedWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
@@ -426,6 +428,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             versions.append(self._policy_version())
 
         hook = {"before_step": before_step} if self.rollout.step_hooks else {}
+        if self.cfg.actor.moe.router_replay == "rollout":  # the experts each token went to (R3)
+            hook["record_routes"] = True
         out = self.rollout.generate(ids, mask, params, generator=gen, **hook)
         out["behav_versions"] = _token_versions(versions, out["responses"].shape, out["responses"].device)
         return out
@@ -454,17 +458,26 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return 1.0
         return float(batch.meta.get("temperature", self.cfg.rollout.temperature)) or 1.0
 
-    def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Response log-probs (and entropies); (None, None) on a pipeline stage other than the last."""
+    def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool, replay: str | None = None,
+                   routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs (and entropies); (None, None) on a pipeline stage other than the last.
+        A mixture-of-experts model replays the batch's column `replay` (if any) and, given a list
+        `routes`, appends each micro-batch's routing to it (then micro-batches keep every column)."""
         ac, temp = self.cfg.actor, self._temperature(batch)
         self._release_generation_weights()  # this step's generations are done: free their memory
         engine.model.eval()
         # by tokens never with pipeline stages (the config checks it)
-        mbs, join = row_micro_batches(batch, ac.log_prob_micro_batch_size, ac.log_prob_max_tokens_per_micro_batch)
+        by_tokens = 0 if routes is not None else ac.log_prob_max_tokens_per_micro_batch
+        mbs, join = row_micro_batches(batch, ac.log_prob_micro_batch_size, by_tokens)
 
         def forward(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return response_forward(model, mb, temp, with_entropy)
+            tap = routing.start(model, mb, ac.moe, replay=replay)
+            out = response_forward(model, mb, temp, with_entropy)
+            if tap is not None:
+                if routes is not None:
+                    routes.append(tap.chosen(used=True).reshape(*mb["input_ids"].shape, tap.layers, tap.top_k))
+                tap.stop()
+            return out
 
         with torch.no_grad():
             if engine.pipelined and mbs:
@@ -482,9 +495,18 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @register(THREE_D_PROTO)
     @timed("old_log_prob")
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """Current policy log-probs of the responses (`old_log_probs`) and their entropy."""
-        logp, ent = self._log_probs(self.actor, batch, with_entropy=True)
-        return Batch({"old_log_probs": logp, "entropy": ent}) if logp is not None else None
+        """Current policy log-probs of the responses (`old_log_probs`) and their entropy; with
+        actor.moe.router_replay=old_policy also the experts each token went to (`old_routed_experts`)."""
+        mode = self.cfg.actor.moe.router_replay
+        routes: list[torch.Tensor] | None = [] if mode == "old_policy" else None
+        logp, ent = self._log_probs(self.actor, batch, with_entropy=True,
+                                    replay=ROUTES if mode == "rollout" else None, routes=routes)
+        if logp is None:
+            return None
+        out = {"old_log_probs": logp, "entropy": ent}
+        if routes:
+            out[OLD_ROUTES] = torch.cat(routes).to(route_dtype(tap_of(self.actor.model).num_experts))
+        return Batch(out)
 
     @register(THREE_D_PROTO)
     @timed("ref_log_prob")
@@ -506,13 +528,12 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         temp = self._temperature(batch)
         norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
         use_kl_loss = ac.use_kl_loss and "ref_log_prob" in batch
-        if ac.policy_loss != "ppo" and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
-            raise ValueError(f"actor.policy_loss={ac.policy_loss} needs the behaviour policy's log-probs "
-                             "(rollout_log_probs, from generate_sequences) and the current policy's "
-                             "(old_log_probs, from compute_log_prob) in the batch; an algorithm that builds "
-                             "its own batch must keep both, or set actor.policy_loss=ppo")
+        _check_behaviour_columns(ac.policy_loss, batch)
+
+        replay = routing.REPLAYED.get(ac.moe.router_replay)
 
         def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
+            tap = routing.start(model, mb, ac.moe, replay=replay, losses=True)  # in force through the backward
             logp, ent = response_forward(model, mb, temp, with_entropy=True)  # logged for every algorithm
             mask = mb["response_mask"].float()
             # without recomputed old log-probs the update is on-policy (one epoch, one
@@ -538,10 +559,18 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                 kl = core.kl_loss(logp, mb["ref_log_prob"], mask, ac.kl_loss_type, ac.loss_agg_mode)
                 loss = loss + ac.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.detach()
+            if tap is not None:
+                router_loss, moe_metrics = routing.router_terms(tap, mb, ac.moe)
+                loss = loss + router_loss
+                metrics.update(moe_metrics)
             return loss, metrics
 
         self._release_generation_weights()
-        out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
+        try:
+            out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
+        finally:
+            if (tap := tap_of(self.actor.model)) is not None:
+                tap.stop()
         if "rollout_log_probs" in batch and "old_log_probs" in batch:  # engine mismatch (+ staleness)
             out["rollout/logprob_diff_max"] = core.max_abs_diff(batch["old_log_probs"], batch["rollout_log_probs"],
                                                                 batch["response_mask"])
@@ -655,6 +684,14 @@ def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRoll
                       concurrency=mt.concurrency, timeout_s=mt.step_timeout_s * mt.max_turns, context_length=positions)
 
 
+def _check_behaviour_columns(policy_loss: str, batch: Batch) -> None:
+    if policy_loss != "ppo" and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
+        raise ValueError(f"actor.policy_loss={policy_loss} needs the behaviour policy's log-probs "
+                         "(rollout_log_probs, from generate_sequences) and the current policy's "
+                         "(old_log_probs, from compute_log_prob) in the batch; an algorithm that builds "
+                         "its own batch must keep both, or set actor.policy_loss=ppo")
+
+
 def _tied(model: torch.nn.Module) -> bool:
     head = model.get_output_embeddings()
     return head is not None and head.weight is model.get_input_embeddings().weight
@@ -676,12 +713,14 @@ def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dic
     rows = out["responses"].shape[0]
 
     def pad(t: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.cat([t, t.new_full((rows, extra), value)], dim=1)
+        return torch.cat([t, t.new_full((rows, extra, *t.shape[2:]), value)], dim=1)
 
     out = dict(out)
     out["responses"] = pad(out["responses"], pad_id)
     out["response_mask"] = pad(out["response_mask"], 0)
     out["rollout_log_probs"] = pad(out["rollout_log_probs"], 0.0)
+    if ROUTES in out:  # nothing recorded for the padding
+        out[ROUTES] = pad(out[ROUTES], NOT_RECORDED)
     if "behav_versions" in out:
         out["behav_versions"] = pad(out["behav_versions"], 0)
     out["input_ids"] = pad(out["input_ids"], pad_id)

@@ -14,7 +14,8 @@ from asyncrl.single_controller.batch import Batch
 MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]
 
 
-SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")  # prompt + response wide
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids",  # prompt + response wide
+                    "routed_experts", "old_routed_experts")
 
 
 def row_micro_batches(batch: Batch, max_rows: int, max_tokens: int = 0

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from asyncrl.models.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
+
 
 class WeightLoadError(ValueError):
     """A tensor handed to `RolloutEngine.load_weights` does not fit the engine's model."""
@@ -238,6 +240,7 @@ class RolloutEngine:
         params: SamplingParams,
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
         before_step: Callable[[int], None] | None = None,
+        record_routes: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Sample `params.n` responses per left-padded prompt; rows come out as B*n, interleaved.
 
@@ -249,7 +252,9 @@ class RolloutEngine:
 
         Returns prompts, responses (right-padded to the longest response in this call),
         response_mask (1 up to and including the stop token), input_ids, attention_mask,
-        position_ids and rollout_log_probs (see the module docstring; 0 where masked).
+        position_ids and rollout_log_probs (see the module docstring; 0 where masked); with
+        `record_routes` (a mixture-of-experts model) also `routed_experts` [rows, prompt + response,
+        layers, k]: the experts each token was sent to (-1 for padding and the last token).
         """
         dev = self.device
         input_ids = input_ids.to(dev)
@@ -269,52 +274,97 @@ class RolloutEngine:
             self.eos_token_ids + list(params.stop_token_ids), dtype=torch.long, device=dev
         )
 
+        routes = _Routes(self.model, input_ids, attention_mask, n, max_tokens) if record_routes else None
         was_training = self.model.training
         self.model.eval()
         try:
-            cache = _new_cache(self.model)
-            position_ids = positions_from_mask(attention_mask)
-            logits = self._forward(input_ids, attention_mask, position_ids, cache)
-            if n > 1:
-                # prefill once per prompt, then fan out the cache: cheaper than n prefills
-                cache.batch_repeat_interleave(n)
-                logits = logits.repeat_interleave(n, dim=0)
-
-            # one preallocated mask for the whole call; step t attends to its first P+t+1 columns
-            full_mask = attention_mask.new_zeros((rows, prompt_len + max_tokens))
-            full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
-            responses = input_ids.new_full((rows, max_tokens), self.pad_token_id)
-            log_probs = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
-            next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
-            finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-
-            steps = 0
-            for t in range(max_tokens):
-                tokens, token_lp = sample_tokens(logits, params, generator,
-                                                 None if noise is None else noise[:, t:t + 1])
-                alive = ~finished
-                tokens = torch.where(alive, tokens, self.pad_token_id)
-                responses[:, t] = tokens
-                log_probs[:, t] = torch.where(alive, token_lp, 0.0)
-                full_mask[:, prompt_len + t] = alive
-                finished |= torch.isin(tokens, stop_ids)
-                steps = t + 1
-                # one sync per step to stop early; cheap next to a forward
-                if steps == max_tokens or bool(finished.all()):
-                    break
-                if before_step is not None:
-                    before_step(t)
-                logits = self._forward(
-                    tokens.unsqueeze(-1), full_mask[:, : prompt_len + t + 1], next_pos, cache
-                )
-                next_pos = next_pos + 1
+            responses, log_probs, full_mask, steps = self._decode(input_ids, attention_mask, params, generator,
+                                                                  noise, stop_ids, before_step, routes)
         finally:
             self.model.train(was_training)
+            if routes is not None:
+                routes.tap.stop()
 
         # trimmed copies, not views: callers may edit one output without touching another
         full_mask = full_mask[:, : prompt_len + steps].contiguous()
-        return rollout_outputs(input_ids.repeat_interleave(n, dim=0), full_mask,
-                               responses[:, :steps].contiguous(), log_probs[:, :steps].contiguous())
+        out = rollout_outputs(input_ids.repeat_interleave(n, dim=0), full_mask,
+                              responses[:, :steps].contiguous(), log_probs[:, :steps].contiguous())
+        if routes is not None:
+            out[ROUTES] = routes.table[:, :prompt_len + steps].contiguous()
+        return out
+
+    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None, noise: torch.Tensor | None, stop_ids: torch.Tensor,
+                before_step: Callable[[int], None] | None, routes: _Routes | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Prefill, then sample a token per row per step: responses, their log-probs, the full
+        attention mask (prompt + max_tokens columns) and the steps taken."""
+        dev, n, max_tokens = self.device, params.n, params.max_tokens
+        rows, prompt_len = input_ids.shape[0] * n, input_ids.shape[1]
+        cache = _new_cache(self.model)
+        position_ids = positions_from_mask(attention_mask)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if routes is not None:
+            routes.prefilled()
+        if n > 1:
+            # prefill once per prompt, then fan out the cache: cheaper than n prefills
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+
+        # one preallocated mask for the whole call; step t attends to its first P+t+1 columns
+        full_mask = attention_mask.new_zeros((rows, prompt_len + max_tokens))
+        full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
+        responses = input_ids.new_full((rows, max_tokens), self.pad_token_id)
+        log_probs = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
+        next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
+        finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        steps = 0
+        for t in range(max_tokens):
+            tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
+            alive = ~finished
+            tokens = torch.where(alive, tokens, self.pad_token_id)
+            responses[:, t] = tokens
+            log_probs[:, t] = torch.where(alive, token_lp, 0.0)
+            full_mask[:, prompt_len + t] = alive
+            finished |= torch.isin(tokens, stop_ids)
+            steps = t + 1
+            # one sync per step to stop early; cheap next to a forward
+            if steps == max_tokens or bool(finished.all()):
+                break
+            if before_step is not None:
+                before_step(t)
+            logits = self._forward(tokens.unsqueeze(-1), full_mask[:, : prompt_len + t + 1], next_pos, cache)
+            if routes is not None:
+                routes.decoded(t, alive)
+            next_pos = next_pos + 1
+        return responses, log_probs, full_mask, steps
+
+
+class _Routes:
+    """The experts a mixture-of-experts model's routers chose for each token of one `generate`
+    call: the prompts' from the prefill, each response token's from the decode step that reads it."""
+
+    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 n: int, max_tokens: int) -> None:
+        tap = tap_of(model)
+        if tap is None:
+            raise RoutingError("record_routes=True needs a mixture-of-experts model; this one has no routers")
+        self.tap, self.n, self.mask = tap, n, attention_mask
+        self.prompt_len = input_ids.shape[1]
+        rows = input_ids.shape[0] * n
+        self.table = torch.full((rows, self.prompt_len + max_tokens, tap.layers, tap.top_k), NOT_RECORDED,
+                                dtype=route_dtype(tap.num_experts), device=input_ids.device)
+        tap.start(record=True)
+
+    def prefilled(self) -> None:
+        batch = self.mask.shape[0]
+        chosen = self.tap.chosen().reshape(batch, self.prompt_len, self.tap.layers, self.tap.top_k)
+        chosen = chosen.masked_fill(~self.mask.bool()[:, :, None, None], NOT_RECORDED)
+        self.table[:, :self.prompt_len] = chosen.repeat_interleave(self.n, dim=0)
+
+    def decoded(self, t: int, alive: torch.Tensor) -> None:
+        chosen = self.tap.chosen().reshape(len(alive), self.tap.layers, self.tap.top_k)
+        self.table[:, self.prompt_len + t] = chosen.masked_fill(~alive[:, None, None], NOT_RECORDED)
 
 
 def rollout_outputs(prompts: torch.Tensor, attention_mask: torch.Tensor, responses: torch.Tensor,

@@ -67,6 +67,8 @@ def _one_paragraph(err: str) -> str:
     ("critic.model_path=/no/such/critic", "critic.model_path"),  # ppo: was a traceback in the worker
     ("cost_model.path=/no/such/cost", "cost_model.path"),  # safe_rlhf with a cost model
     ("actor.backend=megatron-core", "actor.backend"),
+    ("actor.moe.router_replay=rollout", "actor.moe.router_replay"),  # a dense model has no experts to replay
+    ("actor.moe.router_replay=always", "actor.moe.router_replay"),
 ])
 def test_bad_values_exit_2_naming_the_key(override, key, tiny_model, tmp_path, capsys):
     out = tmp_path / "out"

@@ -37,3 +37,159 @@ def test_checkpoint_experts_fuse_into_the_models_tensors_and_back(tmp_path):
     fused = dict(disk)
     fuse_experts(fused, set(own))
     assert all(torch.equal(fused[k], own[k]) for k in own)
+
+
+# routing: record, replay, router losses ---------------------------------------------------------
+def _sampled(model, dtype=torch.float32, rows: int = 4, seed: int = 0):
+    """A native-engine rollout of `model` (a copy in `dtype`) that records each token's experts."""
+    import copy
+
+    from asyncrl.rollout.engine import RolloutEngine, SamplingParams
+
+    engine = RolloutEngine(copy.deepcopy(model).to(dtype), eos_token_id=2, pad_token_id=0)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (rows, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0  # a left-padded prompt
+    return engine.generate(ids, mask, SamplingParams(temperature=1.0, max_tokens=8, n=2), generator=gen,
+                           record_routes=True)
+
+
+def _trainer_pass(model, out, replay=None, grad=False):
+    from asyncrl.models.moe import flat_routes, tap_of
+    from asyncrl.roles.forward import response_forward
+    from asyncrl.single_controller.batch import Batch
+
+    tap = tap_of(model)
+    tap.start(replay=None if replay is None else flat_routes(replay), record=True)
+    with torch.set_grad_enabled(grad):
+        logp, _ = response_forward(model, Batch(out))
+    used, own = tap.chosen(used=True), tap.chosen()
+    if not grad:
+        tap.stop()
+    return logp, used, own
+
+
+def test_the_native_engine_records_the_experts_the_trainer_routes_to():
+    """Every prompt and response token's experts per layer; -1 for left padding, finished rows and
+    the last token (no forward read it). In fp32 the trainer routes every recorded token alike
+    and replaying the routes changes no log-prob bit."""
+    from asyncrl.models.moe import flat_routes
+
+    model = tiny_qwen3_moe().eval()
+    out = _sampled(model)
+    routes = out["routed_experts"]
+    assert routes.dtype == torch.int8 and routes.shape == (*out["input_ids"].shape, 2, 2)
+    assert (routes[0:2, :3] == -1).all() and (routes[:, -1] == -1).all()  # padding, last token
+    assert ((routes >= 0).all(-1).all(-1) == out["attention_mask"].bool()).sum() >= routes[:, :-1].shape[0] * 10
+    free, used, _ = _trainer_pass(model, out)
+    replayed, _, _ = _trainer_pass(model, out, replay=routes)
+    recorded = flat_routes(routes)
+    valid = (recorded >= 0).all(-1).all(-1)
+    assert torch.equal(used[valid].sort(-1).values, recorded[valid].long().sort(-1).values)
+    assert torch.equal(free, replayed)
+    mask = out["response_mask"].bool()
+    assert (free - out["rollout_log_probs"]).abs()[mask].max() < 1e-5
+
+
+def test_replayed_experts_replace_top_k_and_the_router_keeps_its_gradient():
+    """Recorded routes (here: random ones) are the experts the forward uses, weighted by the live
+    router's renormalised probabilities, and the loss still reaches the router's weights."""
+    from asyncrl.models.moe import flat_routes, tap_of
+
+    model = tiny_qwen3_moe().eval()
+    out = _sampled(model)
+    gen = torch.Generator().manual_seed(1)
+    random_routes = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(out["input_ids"].numel() * 2)])
+    random_routes = random_routes.reshape(*out["input_ids"].shape, 2, 2).to(torch.int8)
+    free, _, _ = _trainer_pass(model, out)
+    logp, used, _ = _trainer_pass(model, out, replay=random_routes, grad=True)
+    assert torch.equal(used, flat_routes(random_routes).long())
+    assert (logp - free).abs().max() > 1e-3  # other experts: other log-probs
+    logp.sum().backward()
+    tap_of(model).stop()
+    assert all(float(r.weight.grad.abs().sum()) > 0 for r in tap_of(model).routers)
+    # gate weights of a replayed token: its recorded experts' softmax probabilities, renormalised
+    from asyncrl.models.moe import replay_scores
+
+    router = tap_of(model).routers[0]
+    logits = torch.randn(3, 4)
+    w, idx = replay_scores(router, logits, torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long),
+                           torch.tensor([[3, 1], [-1, -1], [0, 2]]))
+    p = logits.softmax(-1)
+    assert torch.equal(idx, torch.tensor([[3, 1], [0, 0], [0, 2]]))  # -1: the router's own choice stays
+    assert torch.allclose(w[0], p[0, [3, 1]] / p[0, [3, 1]].sum())
+
+
+def test_replay_holds_when_activation_checkpointing_recomputes_a_layer():
+    """Gradients with replayed routes equal with and without activation checkpointing (the
+    recompute in the backward replays the same experts)."""
+    from asyncrl.models.moe import tap_of
+
+    out = _sampled(tiny_qwen3_moe().eval())
+    routes = torch.randint(0, 4, (*out["input_ids"].shape, 2, 1), generator=torch.Generator().manual_seed(2))
+    routes = torch.cat([routes, (routes + 1) % 4], -1).to(torch.int8)  # two distinct experts per token
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_qwen3_moe().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logp, _, _ = _trainer_pass(model, out, replay=routes, grad=True)
+        logp.sum().backward()
+        tap_of(model).stop()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert set(grads[0]) == set(grads[1])
+    assert max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0]) < 1e-6
+
+
+def test_replay_closes_most_of_a_bf16_rollouts_log_prob_gap():
+    """A bf16 rollout routes some tokens elsewhere than the fp32 trainer (benchmarks.moe's model:
+    agreement 0.997); replaying its routes makes the trainer use its experts (agreement 1.0) and
+    shrinks the largest log-prob gap (0.025 -> 0.005 there; asserted: to under half)."""
+    from benchmarks.moe import routing_numbers
+
+    res = routing_numbers(torch.bfloat16)
+    assert res["routing_agreement_replay"] == 1.0 and res["routing_agreement_no_replay"] < 1.0, res
+    assert res["logprob_diff_replay"] < res["logprob_diff_no_replay"] / 2, res
+
+
+def test_router_losses_and_load_by_hand():
+    """Load-balancing loss 1.0 when balanced (Hugging Face's is k times ours), z-loss the mean
+    squared log-partition, loads per expert, agreement as shared selections."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from asyncrl.algorithms import core
+
+    logits = torch.zeros(4, 4)
+    chosen = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    ones = torch.ones(4)
+    assert float(core.load_balancing_loss(logits, chosen, ones)) == 1.0
+    skewed, peaked = torch.tensor([[0, 1]] * 4), torch.tensor([[20.0, 20.0, -20.0, -20.0]] * 4)
+    assert float(core.load_balancing_loss(logits, skewed, ones)) == 1.0  # the router spreads its probability
+    assert abs(float(core.load_balancing_loss(peaked, skewed, ones)) - 2.0) < 1e-6  # 4/(4*2) * (4 + 4) * 1/2
+    z = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    top = z.softmax(-1).topk(2).indices
+    hf = load_balancing_loss_func((z,), num_experts=8, top_k=2)
+    assert torch.allclose(hf, 2 * core.load_balancing_loss(z, top, torch.ones(6)), atol=1e-6)
+    assert torch.allclose(core.router_z_loss(z, torch.ones(6)), (z.logsumexp(-1) ** 2).mean())
+    load = core.expert_load(chosen[:, None, :], torch.tensor([1, 1, 1, 0]), 4)
+    assert load.tolist() == [[2.0, 2.0, 1.0, 1.0]]
+    a = torch.tensor([[[0, 1]], [[2, 3]]])
+    assert core.routing_agreement(a, torch.tensor([[[1, 0]], [[2, 0]]]), torch.ones(2)) == 0.75
+
+
+def test_router_replay_settings_that_cannot_work_exit_2(tmp_path, capsys):
+    """vLLM, a split rollout pool, multi-turn rollouts and pipeline stages: one paragraph each."""
+    from asyncrl.launch import main
+
+    cases = [(["rollout.engine=vllm"], "rollout.engine=native"),
+             (["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=1"], "trainer.placement=colocated"),
+             (["actor.parallel.pp=2", "trainer.n_workers=2"], "parallel.pp=1"),
+             (["actor.backend=megatron"], "fsdp2")]
+    for extra, hint in cases:
+        out = tmp_path / "out"
+        assert main(["--config-name", "moe_quickstart", f"trainer.output_dir={out}", "actor.moe.router_replay=rollout",
+                     *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert "actor.moe.router_replay" in err and hint in err, (extra, err)
+        assert not out.exists()

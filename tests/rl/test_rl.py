@@ -122,10 +122,15 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert len(changed) > len(before) // 2, f"only {changed} changed"
 
 
-def test_a_mixture_of_experts_model_trains_and_exports_per_expert(tiny_model, tmp_path):
+@pytest.mark.parametrize("replay", ["rollout", "old_policy"])
+def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_model, tmp_path):
     """GRPO on a tiny Qwen3-MoE (8 experts, top-2) built with the quickstart's tokenizer: FSDP2 and
-    the native engine, 2 steps that make better-scored responses likelier; the export holds the
-    experts as checkpoints do (per expert) and loads in transformers."""
+    the native engine, 2 steps (old log-probs recomputed) that make better-scored responses
+    likelier, replaying the rollout's experts (one mini-batch: the update's routers agree with the
+    rollout's) or the old policy's (two mini-batches; after one optimizer step this tiny model's
+    near-uniform routers agree with the rollout's on ~0.2 of their choices); the router losses and
+    expert load are logged; the export holds the experts as checkpoints do (per expert) and loads
+    in transformers."""
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
@@ -145,10 +150,18 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(tiny_model, tm
     tok.save_pretrained(model_dir)
     out = tmp_path / "run"
     res = _launch("grpo", out, model_dir, ["trainer.total_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
-                                          "trainer.loggers=[console,jsonl]", "job.entry=tests/helpers/rl_probe.py:main"])
+                                          "trainer.loggers=[console,jsonl]", "job.entry=tests/helpers/rl_probe.py:main",
+                                          f"actor.moe.router_replay={replay}", "actor.recompute_log_prob=always",
+                                          f"actor.ppo_mini_batches={1 if replay == 'rollout' else 2}",
+                                          "actor.moe.aux_loss_coef=0.01", "actor.moe.z_loss_coef=0.001"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert sum(summary["policy_gain"]) > 0, summary
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert all(r["rollout/logprob_diff_max"] < 1e-5 and r["moe/expert_load_max"] >= 1.0
+               and 0.5 < r["moe/aux_loss"] < 8 and r["moe/z_loss"] > 0 for r in steps), steps
+    if replay == "rollout":  # on-policy: the update's own routing is the rollout's
+        assert all(r["moe/routing_agreement"] == 1.0 for r in steps), steps
     exported = _weights(Path(summary["checkpoint"]))
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
     assert not any(k.endswith("gate_up_proj") for k in exported)

@@ -1,0 +1,113 @@
+"""Mixture-of-experts RL on CPU: routing replay and learning against a dense model.
+
+    python -m benchmarks.moe                 # routing numbers and 3 seeds of learning (~15 minutes)
+    python -m benchmarks.moe --seeds 0       # one seed of learning
+    python -m benchmarks.moe --skip-learning # the routing numbers only (~20 s)
+
+- Routing (in process, a tiny Qwen3-MoE with 8 experts, top-2, random weights): the native engine
+  samples 64 responses and records each token's experts; the trainer (fp32) recomputes the
+  sampled tokens' log-probs without and with replaying those experts. With an fp32 rollout
+  (`*_fp32`: the trainer's own numerics) and a bf16 rollout (`*_bf16`: a copy of the weights in
+  bf16, as a rollout engine in bf16 holds them): `routing_agreement_*` (the share of top-k
+  selections the trainer's routers make as the rollout's did), `logprob_diff_*` (the largest
+  |Δ log-prob| over response tokens). `routing_agreement_replay` is measured on the experts the
+  trainer's forward actually used.
+- Learning: `asyncrl-launch --config-name moe_quickstart` (routing replay on) against
+  `--config-name quickstart` (the dense Llama with the same active MLP parameters), the same
+  steps and seeds: `gain_ratio` = MoE's held-out gain / dense's (each the mean over seeds).
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from asyncrl.algorithms import core
+from asyncrl.models.moe import flat_routes, tap_of
+from asyncrl.roles.forward import response_forward
+from asyncrl.rollout.engine import RolloutEngine, SamplingParams
+from asyncrl.single_controller.batch import Batch
+
+
+def tiny_moe(vocab: int = 256, seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=256, moe_intermediate_size=128,
+                            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def trainer_pass(model: torch.nn.Module, batch: Batch, replay: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's log-probs of the sampled tokens and the experts its forward used."""
+    tap = tap_of(model)
+    tap.start(replay=flat_routes(batch["routed_experts"]) if replay else None, record=True)
+    with torch.no_grad():
+        logp, _ = response_forward(model, batch)
+    used = tap.chosen(used=True)
+    tap.stop()
+    return logp, used
+
+
+def routing_numbers(rollout_dtype: torch.dtype) -> dict[str, float]:
+    trainer = tiny_moe()
+    rollout_model = copy.deepcopy(trainer).to(rollout_dtype)
+    engine = RolloutEngine(rollout_model, eos_token_id=2, pad_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 256, (16, 24), generator=gen)
+    out = engine.generate(prompts, torch.ones_like(prompts), SamplingParams(temperature=1.0, max_tokens=32, n=4),
+                          generator=gen, record_routes=True)
+    batch = Batch(out)
+    recorded = flat_routes(out["routed_experts"])
+    valid = out["attention_mask"].reshape(-1).bool() & (recorded >= 0).all(-1).all(-1)
+    mask = out["response_mask"].bool()
+    res = {}
+    for replay in (False, True):
+        logp, used = trainer_pass(trainer, batch, replay)
+        tag = "replay" if replay else "no_replay"
+        res[f"routing_agreement_{tag}"] = round(core.routing_agreement(used, recorded, valid), 6)
+        res[f"logprob_diff_{tag}"] = core.max_abs_diff(logp, out["rollout_log_probs"], mask)
+    return res
+
+
+def learning(seeds: list[int], workdir: Path) -> dict[str, float]:
+    from benchmarks.lora import gain
+
+    moe = gain("moe_quickstart", [f"model.path={workdir}/tiny-moe"], workdir, "moe", seeds)
+    dense = gain("quickstart", [f"model.path={workdir}/tiny-dense"], workdir, "dense", seeds)
+    print(json.dumps({"moe": moe, "dense": dense}), flush=True)
+    return {"gain_ratio": round((moe["end"] - moe["start"]) / max(1e-9, dense["end"] - dense["start"]), 3),
+            "moe_reward_end": moe["end"], "dense_reward_end": dense["end"], "moe_ends": moe["ends"],
+            "dense_ends": dense["ends"], "moe_loop_s": moe["loop_s"], "dense_loop_s": dense["loop_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--skip-learning", action="store_true")
+    a = p.parse_args(argv)
+    out: dict = {"benchmark": "moe"}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        out.update({f"{k}_{name}": v for k, v in routing_numbers(dtype).items()})
+    out["routing_agreement_replay"] = min(out["routing_agreement_replay_fp32"], out["routing_agreement_replay_bf16"])
+    out["logprob_diff_replay"] = out["logprob_diff_replay_fp32"]
+    out["logprob_diff_no_replay"] = out["logprob_diff_no_replay_fp32"]
+    out["routing_agreement_no_replay"] = out["routing_agreement_no_replay_bf16"]
+    if not a.skip_learning:
+        with tempfile.TemporaryDirectory(prefix="asyncrl-moe-") as tmp:
+            out.update(learning(a.seeds, Path(tmp)))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
