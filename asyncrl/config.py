@@ -292,9 +292,16 @@ class MoEConfig:
     # balancing push moves routing away from what the rollout engine sampled with.
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    # keep the routers' weights as loaded (backend=fsdp2): the policy moves its experts, not which
+    # expert a token goes to
+    freeze_router: bool = False
+    # expert parallelism (backend=megatron): each of ep data-parallel ranks holds experts/ep whole
+    # experts, tokens reach them through megatron's all-gather dispatcher
+    ep: int = 1
 
     def check(self, at: str) -> None:
         _one_of(at + "router_replay", self.router_replay, ROUTER_REPLAY)
+        _positive(at + "ep", self.ep)
         _positive(at + "aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _positive(at + "z_loss_coef", self.z_loss_coef, allow_zero=True)
 
@@ -642,6 +649,16 @@ class RLConfig(LaunchConfig):
     def _check_router_replay(self, at: str) -> None:
         """router_replay=rollout needs an engine that records each token's experts: the native one,
         a call's rows decoded together (not the split pool's continuous batch, not agent turns)."""
+        ep, par = self.actor.moe.ep, self.actor.parallel
+        _check(ep == 1 or self.actor.backend == "megatron", at + "actor.moe.ep", ep,
+               f"expert parallelism runs on {at}actor.backend=megatron (FSDP2 shards experts with the rest); set "
+               "actor.backend=megatron or actor.moe.ep=1")
+        _check(not self.actor.moe.freeze_router or self.actor.backend == "fsdp2", at + "actor.moe.freeze_router", True,
+               f"freezes the Hugging Face routers of {at}actor.backend=fsdp2; set it to false on megatron")
+        dp = self.trainer.n_workers // (par.tp * par.pp) if self.trainer.placement == "colocated" else 0
+        _check(ep == 1 or (dp and dp % ep == 0), at + "actor.moe.ep", ep,
+               f"must divide the data-parallel ranks (trainer.n_workers / (tp x pp) = {dp}): experts are split "
+               "over ep of them")
         mode, key = self.actor.moe.router_replay, at + "actor.moe.router_replay"
         _check(mode == "none" or self.actor.backend == "fsdp2", key, mode,
                f"replays experts in the Hugging Face models of {at}actor.backend=fsdp2; megatron has no MoE "

@@ -158,6 +158,7 @@ def _check_megatron(cfg: RLConfig) -> None:
             shape = GPTShape.from_hf(AutoConfig.from_pretrained(path))
             shape.check_tp(section.parallel.tp)
             shape.check_pp(section.parallel.pp)
+            shape.check_ep(cfg.actor.moe.ep)
         except ConfigError as e:
             raise ConfigError(str(e).replace("actor.", f"{name}.") + f" ({path})") from None
 

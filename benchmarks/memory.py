@@ -4,6 +4,7 @@
     python -m benchmarks.memory                    # 4 ranks, then 2 (about 15 minutes on 2 cores)
     python -m benchmarks.memory --worlds 2 --steps 1
     python -m benchmarks.memory --worlds 1 --steps 1 --engine vllm   # on one GPU (tests/rl/test_memory_gpu.py)
+    python -m benchmarks.memory --model moe --worlds 2 --steps 1      # a mixture of experts (~0.5B, 32 experts)
 
 The model is built here with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings) and random bf16 weights, saved as a
@@ -22,7 +23,11 @@ hold at the generation phase with nothing else: fp32 master + Adam + gradient sh
 reference shard and the full generation weights in the compute dtype (the process's own ~0.75 GiB
 aside). The training state's share (master, grads, Adam) halves from 2 ranks to 4. Each phase's
 peak (the largest rank's, `Worker.memory_stats()["phases"]`, `evaluate` among them) is printed
-beside the estimate's phase. The last line printed is one JSON object.
+beside the estimate's phase. `--model moe` runs the same on a Qwen3-MoE-shaped model of the same
+size class (`MOE_SHAPE`: hidden 1024, 8 layers, 32 experts 384 wide, 4 per token, the same
+vocabulary: 0.48B parameters, 0.21B active) in `outputs/bench-memory/moe-model`, with
+`actor.moe.router_replay=rollout` (the routes column travels with the batch). The last line
+printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -44,20 +49,26 @@ QWEN05_SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layer
                 "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
                 "tie_word_embeddings": True}
 
+MOE_SHAPE = {"hidden_size": 1024, "intermediate_size": 3072, "moe_intermediate_size": 384, "num_experts": 32,
+             "num_experts_per_tok": 4, "norm_topk_prob": True, "num_hidden_layers": 8, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 32768,
+             "tie_word_embeddings": True}
 
-def build_model(out: Path) -> Path:
-    """A Qwen2.5-0.5B-shaped model with random bf16 weights and a small tokenizer at `out`."""
+
+def build_model(out: Path, moe: bool = False) -> Path:
+    """A Qwen2.5-0.5B-shaped model (or `MOE_SHAPE`'s Qwen3-MoE) with random bf16 weights and a small
+    tokenizer at `out`."""
     if (out / "config.json").is_file():
         return out
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from asyncrl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    config = Qwen2Config(**QWEN05_SHAPE, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    kind, shape = (Qwen3MoeConfig, MOE_SHAPE) if moe else (Qwen2Config, QWEN05_SHAPE)
+    config = kind(**shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = (Qwen3MoeForCausalLM if moe else Qwen2ForCausalLM)(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
@@ -65,8 +76,9 @@ def build_model(out: Path) -> Path:
 
 
 def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "bfloat16",
-              checkpointing: bool = True, engine: str = "native", val: int = 256, decode_slots: int = 16) -> list[str]:
-    return [f"model.path={model}", f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
+              checkpointing: bool = True, engine: str = "native", val: int = 256, decode_slots: int = 16,
+              moe: bool = False) -> list[str]:
+    return [f"model.path={model}", *(["actor.moe.router_replay=rollout"] if moe else []), f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
             f"rollout.engine={engine}",
             f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
             f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}",
@@ -77,7 +89,7 @@ def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "
 
 
 async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool, engine: str = "native",
-              val: int = 256, decode_slots: int = 16) -> dict:
+              val: int = 256, decode_slots: int = 16, moe: bool = False) -> dict:
     """One run of the trainer on `world` ranks (GPUs where this machine has them, else gloo CPU
     ranks); on a GPU also torch's peak allocation per phase (`cuda_phase_peak_gib`)."""
     from asyncrl.config import rl_config
@@ -88,8 +100,9 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     from asyncrl.trainer import Trainer
     from asyncrl.trainer import main as trainer_main
 
-    run_dir = OUT / f"run-dp{world}"
-    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing, engine, val, decode_slots))
+    run_dir = OUT / f"run-{'moe-' if moe else ''}dp{world}"
+    cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing, engine, val, decode_slots,
+                                        moe))
     typed = rl_config(cfg)
     on_gpu = torch.cuda.is_available()
     device_bytes = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
@@ -132,17 +145,21 @@ def main(argv: list[str] | None = None) -> int:
                                                          "the first and the last step")
     p.add_argument("--decode-slots", type=int, default=16, help="rollout.decode_slots: held-out rows decoded at once "
                                                                 "(a training batch's rows are fewer)")
+    p.add_argument("--model", default="dense", choices=["dense", "moe"], help="Qwen2.5-0.5B's shape or MOE_SHAPE")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from asyncrl.plan.workload import model_spec
 
-    model = build_model(OUT / "model")
-    out: dict = {"model": "Qwen2.5-0.5B shape", "params": model_spec(str(model)).params, "dtype": args.dtype,
+    moe = args.model == "moe"
+    model = build_model(OUT / ("moe-model" if moe else "model"), moe)
+    spec = model_spec(str(model))
+    out: dict = {"model": "Qwen3-MoE shape (MOE_SHAPE)" if moe else "Qwen2.5-0.5B shape", "params": spec.params,
+                 "active_params": spec.active_params, "dtype": args.dtype,
                  "gradient_checkpointing": not args.no_checkpointing, "held_out": args.val,
                  "decode_slots": args.decode_slots}
     for world in args.worlds:
         r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing, args.engine, args.val,
-                            args.decode_slots))
+                            args.decode_slots, moe))
         print(json.dumps(r), flush=True)
         tag = f"dp{world}"
         out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],

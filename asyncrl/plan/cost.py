@@ -78,8 +78,9 @@ def _compute(profile: DeviceProfile, flops: float, tokens: float, efficiency: fl
 
 
 def _flops_per_token(model: ModelSpec, context: float) -> float:
-    """Forward FLOPs per token: the matmuls (2 per weight) and causal attention over `context`."""
-    return 2.0 * model.params + 2.0 * model.layers * model.hidden * context
+    """Forward FLOPs per token: the matmuls (2 per weight a token uses: a mixture of experts' active
+    ones) and causal attention over `context`."""
+    return 2.0 * model.active_params + 2.0 * model.layers * model.hidden * context
 
 
 @dataclass(frozen=True)

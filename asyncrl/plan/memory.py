@@ -44,6 +44,7 @@ LOGIT_CHUNK_TOKENS = 1024  # positions whose fp32 logits exist at once in asyncr
 # count 34 x hidden for GPT without flash attention; a gated MLP adds its third projection)
 ACTIVATION_HIDDENS = 18
 ACTIVATION_FFNS = 3
+MOE_ACTIVATION_HIDDENS = 3  # per routed expert a token goes to (Hugging Face's loop over experts)
 
 
 @dataclass
@@ -132,6 +133,13 @@ def lora_params(spec: ModelSpec, lora: Any) -> int:
     return lora.rank * (spec.layers * sum(sizes[leaf] for leaf in leaves) + embeddings * (spec.vocab + spec.hidden))
 
 
+def _moe_extra(spec: ModelSpec) -> float:
+    """Saved activations a mixture-of-experts layer adds per token, in compute-dtype widths: each
+    of its k experts' gathered input, output and weighted output, and the router's fp32 logits
+    and probabilities."""
+    return spec.experts_per_token * MOE_ACTIVATION_HIDDENS * spec.hidden + 4 * spec.experts if spec.experts else 0.0
+
+
 # the terms: each a few named parts, bytes per device ------------------------------------------
 def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -> dict[str, float]:
     """A trained model's FSDP shard: fp32 master weights, fp32 gradients, Adam's two moments
@@ -176,7 +184,7 @@ def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int,
     if knobs.max_tokens_per_micro_batch:
         rows = min(rows, max(1.0, knobs.max_tokens_per_micro_batch / seq))
     tokens = rows * seq
-    per_layer = tokens * (ACTIVATION_HIDDENS * spec.hidden + ACTIVATION_FFNS * spec.ffn) * cb / tp
+    per_layer = tokens * (ACTIVATION_HIDDENS * spec.hidden + ACTIVATION_FFNS * spec.active_ffn + _moe_extra(spec)) * cb / tp
     kept = tokens * spec.hidden * cb * layers + per_layer if knobs.gradient_checkpointing else per_layer * layers
     gathered = _gathered(spec, tp, cb, knobs)
     return {"update activations": kept * in_flight,

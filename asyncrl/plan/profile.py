@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,11 @@ def measure_two_ranks(spec: ModelSpec, threads: int, rows: list[int], seq: int,
     return max(1e-6, small - sizes[0] / bw), bw, fsdp_per_micro, tp_per_micro
 
 
+def dense_proxy(spec: ModelSpec) -> ModelSpec:
+    """A dense Llama of the model's width (a mixture of experts' `ffn` is its dense MLP size)."""
+    return replace(spec, head_dim=0, experts=0, experts_per_token=0, expert_ffn=0, shared_ffn=0)
+
+
 def _model(spec: ModelSpec) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -128,6 +133,7 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
     import torch
     from transformers.cache_utils import DynamicCache
 
+    spec = dense_proxy(spec)  # the device's rates, measured on a dense layer of the model's width
     cores = os.cpu_count() or 1
     threads = max(1, cores // devices)
     torch.set_num_threads(threads)

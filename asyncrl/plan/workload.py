@@ -13,7 +13,8 @@ from asyncrl.config import ConfigError
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer's shape (Llama/Qwen-style: gated MLP, grouped KV heads)."""
+    """A decoder-only transformer's shape (Llama/Qwen-style: gated MLP, grouped KV heads; with
+    `experts`, a mixture-of-experts MLP in every layer: Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert)."""
 
     name: str
     layers: int
@@ -24,33 +25,75 @@ class ModelSpec:
     vocab: int
     tied: bool = False
     value_head: bool = False  # a critic or reward model: one output instead of the vocabulary
+    head_dim: int = 0  # 0: hidden / heads
+    experts: int = 0  # routed experts per layer (0: a dense MLP `ffn` wide)
+    experts_per_token: int = 0
+    expert_ffn: int = 0  # each routed expert's width
+    shared_ffn: int = 0  # a shared expert's width (Qwen2-MoE), 0 for none
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def attention_params(self) -> int:
+        q = self.heads * (self.head_dim or self.hidden // self.heads)
+        return 2 * self.hidden * q + 2 * self.hidden * self.kv_dim
+
+    def _mlp_params(self, experts: int) -> int:
+        if not self.experts:
+            return 3 * self.hidden * self.ffn
+        shared = 3 * self.hidden * self.shared_ffn + (self.hidden if self.shared_ffn else 0)
+        return experts * 3 * self.hidden * self.expert_ffn + self.hidden * self.experts + shared
 
     @property
     def layer_params(self) -> int:
-        kv = self.hidden * self.kv_heads // self.heads
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.attention_params + self._mlp_params(self.experts) + 2 * self.hidden
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' parameters (all layers): what expert parallelism splits."""
+        return self.layers * self.experts * 3 * self.hidden * self.expert_ffn
+
+    @property
+    def active_ffn(self) -> int:
+        """The MLP width one token runs through (k experts and the shared one, or the dense MLP)."""
+        return self.experts_per_token * self.expert_ffn + self.shared_ffn if self.experts else self.ffn
+
+    def _total(self, layer: int) -> int:
+        head = self.hidden if self.value_head else (0 if self.tied else self.vocab * self.hidden)
+        return self.vocab * self.hidden + self.layers * layer + head + self.hidden
 
     @property
     def params(self) -> int:
-        head = self.hidden if self.value_head else (0 if self.tied else self.vocab * self.hidden)
-        return self.vocab * self.hidden + self.layers * self.layer_params + head + self.hidden
+        return self._total(self.layer_params)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward multiplies by (a dense model's are all of them)."""
+        return self._total(self.attention_params + self._mlp_params(self.experts_per_token) + 2 * self.hidden)
 
     @property
     def kv_bytes_per_token(self) -> float:
         """Bytes of K and V cache per token, at 2 bytes per value (scaled by the device's width)."""
-        return 2 * self.layers * self.hidden * self.kv_heads // self.heads * 2
+        return 2 * self.layers * self.kv_dim * 2
 
     def as_value_model(self) -> ModelSpec:
-        return ModelSpec(self.name, self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab,
-                         tied=True, value_head=True)
+        return replace(self, tied=True, value_head=True)
 
     @classmethod
     def from_hf_config(cls, name: str, cfg: dict[str, Any]) -> ModelSpec:
         try:
             heads = int(cfg["num_attention_heads"])
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            moe = {} if not experts else {
+                "experts": experts, "experts_per_token": int(cfg["num_experts_per_tok"]),
+                "expert_ffn": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                "shared_ffn": int(cfg.get("shared_expert_intermediate_size") or 0)}
             return cls(name=name, layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]), heads=heads,
                        kv_heads=int(cfg.get("num_key_value_heads") or heads), ffn=int(cfg["intermediate_size"]),
-                       vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)))
+                       vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
+                       head_dim=int(cfg.get("head_dim") or 0), **moe)
         except KeyError as e:
             raise ConfigError(f"model {name}: its config.json lacks {e}, which the planner needs "
                               "(a Llama/Qwen/Mistral-style decoder)") from None
@@ -71,6 +114,10 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("Qwen/Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
         ModelSpec("Qwen/Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
         ModelSpec("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
+        ModelSpec("Qwen/Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151936, head_dim=128, experts=128,
+                  experts_per_token=8, expert_ffn=768),
+        ModelSpec("mistralai/Mixtral-8x7B-v0.1", 32, 4096, 32, 8, 14336, 32000, experts=8, experts_per_token=2,
+                  expert_ffn=14336),
     )
 }
 # instruction-tuned checkpoints have their base model's shape

@@ -32,7 +32,7 @@ from asyncrl.agents.rollout import (
 from asyncrl.algorithms import core
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
-from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, tap_of
+from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers, tap_of
 from asyncrl.roles import routing
 from asyncrl.roles.forward import response_forward
 from asyncrl.roles.pools import PoolWeights, StagedWeights
@@ -222,6 +222,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         if "actor" in self.roles:
             if lora.enabled:  # adapters before FSDP wraps the layers; everything else frozen
                 apply_lora(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules, freeze_a=lora.freeze_a)
+            if cfg.actor.moe.freeze_router:
+                for router in routers(base):
+                    router.weight.requires_grad_(False)
             if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model = parallelize(base, layout, mp)
@@ -666,9 +669,11 @@ def megatron_engines(cfg: RLConfig, roles: set[str], layout: ParallelLayout, dev
     from asyncrl.train.megatron.engine import MegatronEngine
 
     dtype = compute_dtype(device, cfg.model.dtype)
-    common = {"device": device, "dtype": dtype, "seed": cfg.seed}
+    moe = cfg.actor.moe
+    common = {"device": device, "dtype": dtype, "seed": cfg.seed, "ep": moe.ep}
     actor = (MegatronEngine(cfg.model.path, layout, optim=cfg.actor.optim, recompute=cfg.actor.gradient_checkpointing,
-                            **common) if "actor" in roles else None)
+                            aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, **common)
+             if "actor" in roles else None)
     ref = MegatronEngine(cfg.model.path, layout, optim=None, **common) if "ref" in roles else None
     return actor, ref
 

@@ -123,4 +123,5 @@ def megatron_critic(cfg: RLConfig, path: str, layout: ParallelLayout, device: to
     from asyncrl.train.megatron.engine import MegatronEngine
 
     return MegatronEngine(path, layout, optim=cfg.critic.optim, device=device, dtype=compute_dtype(device, cfg.model.dtype),
-                          seed=cfg.seed, recompute=cfg.critic.gradient_checkpointing, value_head=True)
+                          seed=cfg.seed, recompute=cfg.critic.gradient_checkpointing, value_head=True,
+                          ep=cfg.actor.moe.ep)  # megatron's parallel state is the process's: the actor's

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from asyncrl.plan.memory import EXPORT_SHARD_BYTES
-from asyncrl.train.experts import per_expert
+from asyncrl.train.experts import expert_names, per_expert
 from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
     if writer is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     scales = adapter_scales(model)  # LoRA: each adapted weight exported merged
+    names = expert_names(model.config)
     adapter: dict[str, Tensor] = {}
     state = model.state_dict()
     for name, value in state.items():
@@ -47,7 +48,7 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
             adapter.update({f"{module}.lora_A": a, f"{module}.lora_B": b})
         if writer is not None:
             cast = dtype if dtype is not None and full.is_floating_point() else full.dtype
-            for disk_name, t in per_expert(name, full.detach()):  # experts as checkpoints hold them
+            for disk_name, t in per_expert(name, full.detach(), names):  # experts as checkpoints hold them
                 writer.add(disk_name, t.to("cpu", cast).contiguous())
         del full
     if writer is not None:
@@ -69,7 +70,8 @@ def export_full(model: nn.Module, out_dir: Path, full_sd: dict[str, Tensor], tie
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-               for k, full in full_sd.items() if k not in tied for name, v in per_expert(k, full)}
+               for k, full in full_sd.items() if k not in tied
+               for name, v in per_expert(k, full, expert_names(config))}
     write_safetensors(tensors, out_dir, EXPORT_SHARD_BYTES)
     write_hf_files(model, out_dir, tokenizer, dtype)
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from asyncrl.train.experts import fuse_experts
+from asyncrl.train.experts import expert_names_at, fuse_experts
 from asyncrl.train.fsdp import release_host_memory
 from asyncrl.train.lora import plain_name
 
@@ -213,7 +213,7 @@ def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype
     for f in files:
         sd.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
     wanted = {n for names in aliases.values() for n in names}
-    fuse_experts(sd, wanted)
+    fuse_experts(sd, wanted, expert_names_at(path))
     for names in aliases.values():
         present = next((n for n in names if n in sd), None)
         for n in names:

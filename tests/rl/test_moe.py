@@ -193,3 +193,28 @@ def test_router_replay_settings_that_cannot_work_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "actor.moe.router_replay" in err and hint in err, (extra, err)
         assert not out.exists()
+
+
+def test_mixtral_checkpoints_load_and_export_under_their_own_names(tmp_path):
+    """Mixtral's checkpoints name the block `block_sparse_moe` and its experts' projections w1 / w3
+    / w2 (transformers 5 renames them at load): asyncrl's loader fuses them into the model's
+    tensors and `per_expert` writes the checkpoint's names back."""
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from asyncrl.train.experts import MIXTRAL, expert_names_at
+    from asyncrl.train.load import read_checkpoint, tied_aliases
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_local_experts=4,
+                           num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    disk = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in disk and expert_names_at(tmp_path) == MIXTRAL
+    loaded = read_checkpoint(str(tmp_path), tied_aliases(model), torch.float32)
+    own = model.state_dict()
+    assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
+    back = {n: t for k, v in own.items() for n, t in per_expert(k, v, MIXTRAL)}
+    assert set(back) == set(disk) and all(torch.equal(back[k], disk[k]) for k in disk)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from asyncrl.train.megatron.convert import Rule, SafetensorsReader, hf_tensors, megatron_shard
+from asyncrl.train.megatron.convert import Rule, SafetensorsReader, megatron_shard
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -26,8 +26,9 @@ def _owner(engine: Any, param: Tensor) -> tuple[Any, Any] | None:
     return None
 
 
-def _full_states(engine: Any, param: Tensor) -> dict[str, Tensor]:
-    """`param`'s fp32 master and moments over this rank's whole TP shard (a sum over DP ranks)."""
+def _full_states(engine: Any, param: Tensor, expert: bool) -> dict[str, Tensor]:
+    """`param`'s fp32 master and moments over this rank's whole TP shard (a sum over the DP ranks
+    that shard it: an expert's over the expert-data-parallel ranks)."""
     flat = {k: torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for k in STATES}
     owner = _owner(engine, param)
     if owner is not None:
@@ -36,7 +37,7 @@ def _full_states(engine: Any, param: Tensor) -> dict[str, Tensor]:
             if k in flat:
                 flat[k][part.start:part.end] = v.detach().float().reshape(-1)
     for t in flat.values():
-        dist.all_reduce(t, group=engine.dp_group)
+        dist.all_reduce(t, group=engine.expert_dp_group if expert else engine.dp_group)
     return {k: t.view(param.shape) for k, t in flat.items()}
 
 
@@ -51,9 +52,9 @@ def save_optimizer(engine: Any, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, EXPORT_SHARD_BYTES, prefix=f"stage{engine.pp_rank}") if writes else None
     params = engine.local_tensors()
-    for rule in engine.rules:
-        for state, full in _full_states(engine, params[rule.megatron]).items():
-            for name, t in hf_tensors(rule, engine.gather_tp(full), engine.shape, engine.tp).items():
+    for i, rule in enumerate(engine.rules):
+        for state, full in _full_states(engine, params[rule.megatron], ".local_experts." in rule.megatron).items():
+            for name, t in engine.hf_state(i, full).items():
                 if writer is not None:
                     writer.add(f"{state}/{name}", t.cpu().contiguous())
     if writer is not None:

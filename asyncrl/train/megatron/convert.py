@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from asyncrl.train.experts import QWEN, ExpertNames, expert_names
 from transport.checks import ConfigError
 
 COPY, ROW, COL, QKV, FC1, VOCAB = "copy", "row", "col", "qkv", "fc1", "vocab"
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 # read(name, dim, index, count): part `index` of `count` of HF tensor `name` along `dim` (None: whole)
 Reader = Callable[[str, int | None, int, int], Tensor]
@@ -59,6 +60,11 @@ class GPTShape:
     max_positions: int
     init_std: float
     value_head: bool = False  # the critic: a one-output token head (HF's `score`) instead of the LM head
+    experts: int = 0  # a mixture of experts in every layer: routed experts (0: a dense MLP)
+    topk: int = 0
+    moe_ffn: int = 0  # each expert's width
+    norm_topk: bool = True  # the top-k gate weights renormalised (Qwen3-MoE's norm_topk_prob, Mixtral)
+    names: ExpertNames = QWEN  # how the checkpoint names the MoE block and its experts
 
     @classmethod
     def from_hf(cls, config: Any) -> GPTShape:
@@ -66,13 +72,18 @@ class GPTShape:
         heads = config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        moe = {} if not experts else {
+            "experts": experts, "topk": config.num_experts_per_tok, "names": expert_names(config),
+            "moe_ffn": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+            "norm_topk": bool(getattr(config, "norm_topk_prob", True))}
+        return cls(**moe, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
                    groups=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    ffn=config.intermediate_size, vocab=config.vocab_size,
                    tied=bool(getattr(config, "tie_word_embeddings", False)),
                    qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-                   qk_norm=config.model_type == "qwen3", eps=float(config.rms_norm_eps), rope_theta=float(theta),
+                   qk_norm=config.model_type in ("qwen3", "qwen3_moe"), eps=float(config.rms_norm_eps), rope_theta=float(theta),
                    max_positions=int(config.max_position_embeddings),
                    init_std=float(getattr(config, "initializer_range", 0.02)))
 
@@ -81,20 +92,45 @@ class GPTShape:
         return -(-self.vocab // tp) * tp
 
     def check_tp(self, tp: int) -> None:
+        if self.experts and tp > 1:
+            raise ConfigError(f"actor.parallel.tp={tp} with a mixture-of-experts model on megatron: megatron-core "
+                              "runs MoE layers under TP only with sequence parallelism, which asyncrl's megatron "
+                              "path does not run yet; use tp=1 and split the experts with actor.moe.ep")
+        mlp = ("moe_intermediate_size", self.moe_ffn) if self.experts else ("intermediate_size", self.ffn)
         bad = [f"{k}={v}" for k, v in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups),
-                                       ("intermediate_size", self.ffn)) if v % tp]
+                                       mlp) if v % tp]
         if bad:
             raise ConfigError(f"actor.parallel.tp={tp} must divide the model's {', '.join(bad)} "
                               "(Megatron splits heads, query groups and the MLP over TP ranks); choose "
                               "a tp among their common divisors")
 
-    def layer_rules(self) -> list[Rule]:
+    def check_ep(self, ep: int) -> None:
+        if ep > 1 and (not self.experts or self.experts % ep):
+            what = f"the model's {self.experts} experts" if self.experts else "a dense model (it has no experts)"
+            raise ConfigError(f"actor.moe.ep={ep} must divide {what}: expert parallelism gives each of the ep "
+                              "ranks as many whole experts; choose an ep that divides the experts (1 for a dense model)")
+
+    def mlp_rules(self, ep_rank: int = 0, ep: int = 1) -> list[Rule]:
+        """A layer's MLP: the dense one, or the router and this EP rank's experts (each expert's
+        gate and up fused into its fc1, split over TP as the dense MLP is)."""
+        if not self.experts:
+            return [Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", FC1),
+                    Rule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", ROW)]
+        n, b = self.names, self.names.block
+        rules = [Rule((f"{b}.gate.weight",), "mlp.router.weight", COPY)]
+        local = self.experts // ep
+        for i, e in enumerate(range(ep_rank * local, (ep_rank + 1) * local)):
+            rules += [Rule((f"{b}.experts.{e}.{n.gate}.weight", f"{b}.experts.{e}.{n.up}.weight"),
+                           f"mlp.experts.local_experts.{i}.linear_fc1.weight", FC1),
+                      Rule((f"{b}.experts.{e}.{n.down}.weight",), f"mlp.experts.local_experts.{i}.linear_fc2.weight", ROW)]
+        return rules
+
+    def layer_rules(self, ep_rank: int = 0, ep: int = 1) -> list[Rule]:
         rules = [Rule(("input_layernorm.weight",), "input_layernorm.weight", COPY),
                  Rule(tuple(f"self_attn.{x}_proj.weight" for x in "qkv"), "self_attention.linear_qkv.weight", QKV),
                  Rule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", ROW),
                  Rule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", COPY),
-                 Rule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", FC1),
-                 Rule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", ROW)]
+                 *self.mlp_rules(ep_rank, ep)]
         if self.qkv_bias:
             rules.append(Rule(tuple(f"self_attn.{x}_proj.bias" for x in "qkv"), "self_attention.linear_qkv.bias", QKV))
         if self.qk_norm:
@@ -108,16 +144,17 @@ class GPTShape:
             raise ConfigError(f"actor.parallel.pp={pp} must divide the model's num_hidden_layers={self.layers} "
                               f"(Megatron gives each stage as many layers); choose pp among {fits}")
 
-    def rules(self, stage: int = 0, stages: int = 1) -> Iterator[Rule]:
-        """The tensors pipeline stage `stage` of `stages` holds (the whole model by default): HF
-        names in full, Megatron names as the stage numbers them (its layers from 0). A tied head
-        on a last stage of its own is its copy of the embedding."""
+    def rules(self, stage: int = 0, stages: int = 1, ep_rank: int = 0, ep: int = 1) -> Iterator[Rule]:
+        """The tensors pipeline stage `stage` of `stages` holds (the whole model by default) with
+        expert-parallel rank `ep_rank`'s experts: HF names in full, Megatron names as the stage
+        numbers them (its layers from 0, its experts from 0). A tied head on a last stage of its
+        own is its copy of the embedding."""
         per = self.layers // stages
         first, last = stage == 0, stage == stages - 1
         if first:
             yield Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB)
         for local, i in enumerate(range(stage * per, (stage + 1) * per)):
-            for r in self.layer_rules():
+            for r in self.layer_rules(ep_rank, ep):
                 yield Rule(tuple(f"model.layers.{i}.{h}" for h in r.hf), f"decoder.layers.{local}.{r.megatron}", r.kind)
         if last:
             yield Rule(("model.norm.weight",), "decoder.final_layernorm.weight", COPY)
@@ -132,8 +169,10 @@ class GPTShape:
         """Elements of the HF tensors of `rule`, all of them (no parallelism)."""
         d, h = self.head_dim, self.hidden
         leaf = rule.megatron.rsplit(".", 2)[-2]
+        ffn = self.moe_ffn if ".local_experts." in rule.megatron else self.ffn
         sizes = {"linear_qkv": (self.heads + 2 * self.groups) * d * (h if rule.hf[0].endswith("weight") else 1),
-                 "linear_proj": h * self.heads * d, "linear_fc1": 2 * self.ffn * h, "linear_fc2": self.ffn * h,
+                 "linear_proj": h * self.heads * d, "linear_fc1": 2 * ffn * h, "linear_fc2": ffn * h,
+                 "router": self.experts * h,
                  "word_embeddings": self.vocab * h, "output_layer": self.vocab * h,
                  "q_layernorm": d, "k_layernorm": d}
         return sizes.get(leaf, h)
@@ -146,6 +185,8 @@ def _check_architecture(config: Any) -> None:
                           f"{kind!r}: use actor.backend=fsdp2")
     unsupported = {
         "hidden_act": getattr(config, "hidden_act", "silu") != "silu",
+        "mlp_only_layers (dense layers among the MoE ones)": bool(getattr(config, "mlp_only_layers", None))
+        or getattr(config, "decoder_sparse_step", 1) != 1,
         "mlp_bias": bool(getattr(config, "mlp_bias", False)),
         "attention_bias (an o_proj bias)": kind == "llama" and bool(getattr(config, "attention_bias", False)),
         "use_sliding_window": bool(getattr(config, "use_sliding_window", False)),

@@ -40,8 +40,13 @@ def on_cpu() -> bool:
 
 
 def adapt_for_cpu() -> None:
-    """Adapt megatron-core's CUDA-only calls for this process (once; a no-op with CUDA)."""
+    """Adapt megatron-core's CUDA-only calls for this process (once; a no-op with CUDA, but for
+    the MoE router's reference to Transformer Engine's GEMM, unbound in 0.16 without TE)."""
     global _adapted
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # NameError in the router's forward otherwise
+        moe_utils.te_general_gemm = None
     if _adapted or not on_cpu():
         return
     import megatron.core

@@ -18,6 +18,7 @@ from torch import Tensor
 from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.train.engine import LossFn
+from asyncrl.train.experts import fuse_experts
 from asyncrl.train.fsdp import EngineError, lr_multiplier, release_host_memory
 from asyncrl.train.megatron.checkpoint import adam_step, load_optimizer, save_optimizer
 from asyncrl.train.megatron.convert import (
@@ -29,26 +30,29 @@ from asyncrl.train.megatron.convert import (
 )
 from asyncrl.train.megatron.cpu import adapt_for_cpu, cuda_on_cpu
 from asyncrl.train.megatron.export import export_hf
-from asyncrl.train.megatron.model import HFView, build_gpt, mark_tensor_parallel
+from asyncrl.train.megatron.model import HFView, build_gpt, mark_tensor_parallel, moe_config
 from asyncrl.train.megatron.schedule import run_pipeline
 from asyncrl.train.pipeline import all_gather_values, broadcast_value, forward_through
 
 log = logging.getLogger(__name__)
 
 
-def init_model_parallel(tp: int, pp: int, seed: int) -> None:
+def init_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     """megatron's parallel state over this process group's ranks (p-d-t, TP innermost, as
-    `ParallelLayout`), once per process; the TP RNG tracker seeded."""
+    `ParallelLayout`; experts split over `ep` of the data-parallel ranks), once per process; the
+    TP RNG tracker seeded."""
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise EngineError(f"megatron's parallel state is tp={have[0]} pp={have[1]} in this process; "
-                              f"an engine of tp={tp} pp={pp} cannot share it")
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise EngineError(f"megatron's parallel state is tp={have[0]} pp={have[1]} ep={have[2]} in this process; "
+                              f"an engine of tp={tp} pp={pp} ep={ep} cannot share it")
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -58,7 +62,7 @@ class MegatronEngine:
 
     def __init__(self, path: str, layout: ParallelLayout, *, optim: OptimConfig | None, device: str | torch.device,
                  dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None,
-                 value_head: bool = False) -> None:
+                 value_head: bool = False, ep: int = 1, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         from transformers import AutoConfig
 
         adapt_for_cpu()
@@ -68,18 +72,21 @@ class MegatronEngine:
         if value_head:  # the export is the value model, as the FSDP2 critic's
             self.hf_config.architectures = [type_name.replace("ForCausalLM", "ForTokenClassification")
                                             for type_name in self.hf_config.architectures or []]
-        self.tp, self.pp = layout.size("tp"), layout.size("pp")
+        self.tp, self.pp, self.ep = layout.size("tp"), layout.size("pp"), ep
         self.shape.check_tp(self.tp)
         self.shape.check_pp(self.pp)
-        init_model_parallel(self.tp, self.pp, seed)
+        self.shape.check_ep(ep)
+        init_model_parallel(self.tp, self.pp, seed, ep)
         self._groups()
         self.rank, self.steps, self.seed = dist.get_rank(), 0, seed
+        moe = moe_config(self.shape, ep, aux_loss_coef, z_loss_coef)
         with cuda_on_cpu():  # a tied head on its own stage is synchronised from the embedding's
-            gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank)
+            gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank, moe)
         self.gpt = gpt.to(self.device)
         for p in self.gpt.parameters():  # the local spec's torch norms are made in fp32
             p.data = p.data.to(dtype)
-        self.rules = list(self.shape.rules(self.pp_rank, self.pp))
+        self.rules = list(self.shape.rules(self.pp_rank, self.pp, self.ep_rank, ep))
+        self._ep_rules: list[list] | None = None
         mark_tensor_parallel(self.gpt, self.rules)
         self.load_hf(reader or SafetensorsReader(path))
         self.model = HFView(self.gpt, self.shape)
@@ -96,6 +103,9 @@ class MegatronEngine:
         self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
         self.pp_rank, self.pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
+        # experts: each EP rank holds its own, replicated over the expert-data-parallel ranks
+        self.ep_rank, self.ep_group = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
 
     @property
     def pipelined(self) -> bool:
@@ -155,21 +165,50 @@ class MegatronEngine:
         dist.all_gather(parts, t.contiguous(), group=self.tp_group)
         return parts
 
+    def gather_ep(self, index: int, tensors: dict[str, Tensor], stats: Any = None) -> dict[str, Tensor]:
+        """Rule `index`'s HF tensors from every expert-parallel rank: an expert rule's are each EP
+        rank's own experts (a collective over the EP group), any other rule's are the same
+        everywhere. `stats` (a `ReshardStats`) counts the bytes received."""
+        rule = self.rules[index]
+        if self.ep == 1 or ".local_experts." not in rule.megatron:
+            return tensors
+        if self._ep_rules is None:  # every EP rank's rules of this stage, aligned with ours
+            self._ep_rules = [list(self.shape.rules(self.pp_rank, self.pp, r, self.ep)) for r in range(self.ep)]
+        out = {}
+        for name, t in tensors.items():
+            parts = [torch.empty_like(t) for _ in range(self.ep)]
+            dist.all_gather(parts, t.contiguous(), group=self.ep_group)
+            if stats is not None:
+                stats.bytes_received += (self.ep - 1) * t.numel() * t.element_size()
+                stats.collectives += 1
+            for r, part in enumerate(parts):
+                out[self._ep_rules[r][index].hf[rule.hf.index(name)]] = part
+        return out
+
+    def hf_state(self, index: int, tensor: Tensor) -> dict[str, Tensor]:
+        """Rule `index`'s whole HF tensors (checkpoint names) from this rank's shard `tensor` of
+        it (a collective over the TP and EP groups)."""
+        rule = self.rules[index]
+        return self.gather_ep(index, hf_tensors(rule, self.gather_tp(tensor.detach()), self.shape, self.tp))
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Tensor]:
-        """The whole model by HF name, on CPU (a collective over the TP and PP groups)."""
+        """The whole model by HF name (the model's own: experts fused as transformers holds
+        them), on CPU (a collective over the TP, EP and PP groups)."""
         local, out = self.local_tensors(), {}
-        for rule in self.rules:
-            for name, t in hf_tensors(rule, self.gather_tp(local[rule.megatron].detach()), self.shape, self.tp).items():
-                out[name] = t.cpu()
+        for i, rule in enumerate(self.rules):
+            out.update({name: t.cpu() for name, t in self.hf_state(i, local[rule.megatron]).items()})
         if self.pp > 1:
             out = {k: v for stage in all_gather_values(out, self.pp_group, self.device) for k, v in stage.items()}
+        if self.shape.experts:
+            fuse_experts(out, None, self.shape.names)
         return {} if rank0_only and self.rank != 0 else out
 
     def load_full_state_dict(self, sd: dict[str, Tensor], broadcast_from_rank0: bool = False) -> None:
         if broadcast_from_rank0:
             raise EngineError("MegatronEngine.load_full_state_dict needs the whole state dict on every rank")
+        from asyncrl.train.experts import per_expert
         from asyncrl.train.megatron.convert import dict_reader
-        self.load_hf(dict_reader(sd))
+        self.load_hf(dict_reader({n: t for k, v in sd.items() for n, t in per_expert(k, v, self.shape.names)}))
 
     def generation_buffers(self) -> torch.device:
         """A generation model makes its own rotary tables, on this device."""

@@ -1,5 +1,6 @@
 """The HF export of a Megatron model, streamed: each pipeline stage's first TP and DP rank writes
-its stage's tensors (gathered over TP one weight at a time, never the whole model on a rank) and
+its stage's tensors (gathered over TP, and experts over EP, one weight at a time, never the whole
+model on a rank) and
 rank 0 names the files and writes the config, the index and the tokenizer."""
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch.distributed as dist
 
 from asyncrl.plan.memory import EXPORT_SHARD_BYTES
 from asyncrl.train.export import ShardWriter, name_shards, write_hf_files
-from asyncrl.train.megatron.convert import hf_tensors
 from asyncrl.train.pipeline import all_gather_values
 
 
@@ -24,10 +24,10 @@ def export_hf(engine: Any, out_dir: Path, tokenizer: Any, dtype: torch.dtype | N
         out_dir.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out_dir, EXPORT_SHARD_BYTES, prefix=f".stage{engine.pp_rank}") if writes else None
     local, seen = engine.local_tensors(), set()
-    for rule in engine.rules:
+    for i, rule in enumerate(engine.rules):
         if rule.megatron == "output_layer.weight" and engine.shape.tied:
             continue  # a later stage's copy of the tied embedding: the first stage writes it
-        for name, t in hf_tensors(rule, engine.gather_tp(local[rule.megatron].detach()), engine.shape, engine.tp).items():
+        for name, t in engine.hf_state(i, local[rule.megatron]).items():  # every EP rank's experts
             if writer is not None and name not in seen:
                 seen.add(name)
                 writer.add(name, (t.to(dtype) if dtype is not None else t).cpu().contiguous())

@@ -12,12 +12,28 @@ from torch import Tensor, nn
 from asyncrl.train.megatron.convert import COPY, ROW, GPTShape, Rule
 
 
-def transformer_config(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool):
+def moe_config(shape: GPTShape, ep: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> dict:
+    """The `TransformerConfig` fields of a mixture of experts (none for a dense model): HF's router
+    (softmax over the top-k logits = the top-k probabilities renormalised; without `norm_topk`,
+    the softmax over all experts first), dropless, sequential experts (no grouped GEMM kernel), the
+    all-gather token dispatcher (it runs on gloo and NCCL alike)."""
+    if not shape.experts:
+        return {}
+    return {"num_moe_experts": shape.experts, "moe_router_topk": shape.topk, "moe_ffn_hidden_size": shape.moe_ffn,
+            "moe_router_pre_softmax": not shape.norm_topk, "expert_model_parallel_size": ep,
+            "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
+            "moe_router_load_balancing_type": "aux_loss" if aux_loss_coef else "none",
+            "moe_aux_loss_coeff": aux_loss_coef, "moe_z_loss_coeff": z_loss_coef or None,
+            "moe_router_dtype": "fp32"}
+
+
+def transformer_config(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool, moe: dict | None = None):
     """The `TransformerConfig` of `shape` at (tp, pp): the HF model's maths, no fused kernels
-    that need Transformer Engine or apex."""
+    that need Transformer Engine or apex (`moe`: `moe_config`'s fields)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        **(moe or {}),
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         num_query_groups=shape.groups, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -58,18 +74,19 @@ def layer_spec(shape: GPTShape):
     """The local spec (no Transformer Engine) with `sdpa_attention` as its core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, num_experts=shape.experts or None,
+                                    moe_grouped_gemm=False)
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention()
     return spec
 
 
 def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False,
-              stage: int = 0) -> nn.Module:
-    """This rank's `GPTModel` (its TP shard; weights uninitialised: they are loaded next; its norms
-    on the CPU until the caller moves the model)."""
+              stage: int = 0, moe: dict | None = None) -> nn.Module:
+    """This rank's `GPTModel` (its TP shard, its EP rank's experts; weights uninitialised: they are
+    loaded next; its norms on the CPU until the caller moves the model)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    config = transformer_config(shape, tp, pp, dtype, recompute)
+    config = transformer_config(shape, tp, pp, dtype, recompute, moe)
     tied = shape.tied and not shape.value_head
     gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
                     vocab_size=shape.padded_vocab(tp), max_sequence_length=shape.max_positions,

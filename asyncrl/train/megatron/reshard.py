@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.train.experts import fuse_experts, in_memory_names
+from asyncrl.train.fsdp import EngineError
 from asyncrl.train.megatron.convert import COPY, ROW, VOCAB, hf_tensors
 from asyncrl.train.reshard import ReshardStats
 
@@ -36,6 +38,9 @@ class MegatronResharder:
     def __init__(self, engine, gen: ParallelLayout, dtype: torch.dtype) -> None:
         self.engine, self.dtype = engine, dtype
         self.tg = gen.size("tp")
+        if engine.shape.experts and self.tg > 1:
+            raise EngineError("a mixture-of-experts model generates at rollout.parallel.tp=1 for now (the "
+                              "generation model keeps every expert whole); set rollout.parallel.tp=1")
         t = engine.tp
         self.span = t // self.tg  # training TP shards per generation shard
         first = engine.tp_rank // self.span * self.span
@@ -52,6 +57,8 @@ class MegatronResharder:
         self.gen_splits_vocab = self.tg > 1 and vocab % self.tg == 0  # as GenerationModel splits it
         self.vocab_whole = engine.shape.padded_vocab(t) != vocab or vocab % self.tg != 0
         self.plans = [HFPlan(name, self._gen_dim(rule.kind)) for rule in engine.shape.rules() for name in rule.hf]
+        if engine.shape.experts:  # tg = 1: every generation tensor whole, experts fused
+            self.plans = [HFPlan(name, None) for name in in_memory_names([p.name for p in self.plans], engine.shape.names)]
         self.stats = ReshardStats()
         self._held: dict[str, Tensor] | None = None
 
@@ -69,6 +76,8 @@ class MegatronResharder:
             if rule.kind != COPY:
                 ranks = self.engine.tp if rule.kind == VOCAB and self.vocab_whole else self.span
                 total += (ranks - 1) * local[rule.megatron].numel() * size
+            if ".local_experts." in rule.megatron:  # the other EP ranks' experts, whole (tg = 1)
+                total += (self.engine.ep - 1) * local[rule.megatron].numel() * self.engine.tp * size
         for stage in range(self.engine.pp):
             if stage != self.engine.pp_rank:
                 total += sum(self._gen_numel(rule) for rule in self.engine.shape.rules(stage, self.engine.pp)) * size
@@ -91,9 +100,10 @@ class MegatronResharder:
         return out
 
     def _stage_tensors(self) -> dict[str, Tensor]:
+        """This stage's generation tensors: experts fused as the generation model holds them."""
         local, out = self.engine.local_tensors(), {}
         shape, tp = self.engine.shape, self.engine.tp
-        for rule in self.engine.rules:
+        for i, rule in enumerate(self.engine.rules):
             shard = local[rule.megatron].detach().to(self.dtype)
             if rule.kind == COPY:
                 out.update(hf_tensors(rule, [shard], shape, tp))
@@ -101,7 +111,10 @@ class MegatronResharder:
                 full = hf_tensors(rule, self._gather(shard, tp, self.engine.tp_group), shape, tp)
                 out.update({k: v.chunk(self.tg)[self.gen_rank] if self.gen_splits_vocab else v for k, v in full.items()})
             else:
-                out.update(hf_tensors(rule, self._gather(shard, self.span, self.micro_group), shape, tp))
+                parts = hf_tensors(rule, self._gather(shard, self.span, self.micro_group), shape, tp)
+                out.update(self.engine.gather_ep(i, parts, self.stats))
+        if shape.experts:
+            fuse_experts(out, None, shape.names)
         return out
 
     def _from_stages(self, mine: dict[str, Tensor]) -> dict[str, Tensor]:
