@@ -660,9 +660,6 @@ class RLConfig(LaunchConfig):
                f"must divide the data-parallel ranks (trainer.n_workers / (tp x pp) = {dp}): experts are split "
                "over ep of them")
         mode, key = self.actor.moe.router_replay, at + "actor.moe.router_replay"
-        _check(mode == "none" or self.actor.backend == "fsdp2", key, mode,
-               f"replays experts in the Hugging Face models of {at}actor.backend=fsdp2; megatron has no MoE "
-               "support in asyncrl yet: set it to none or the backend to fsdp2")
         if mode != "rollout":
             return
         _check(self.rollout.engine == "native", key, mode,

@@ -125,6 +125,14 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
     from transformers import AutoConfig
 
     model = AutoConfig.from_pretrained(cfg.model.path)
+    from asyncrl.models.moe import is_moe_config
+
+    moe_tp = [k for k, v in sizes.items() if v > 1 and is_moe_config(model)]
+    if moe_tp:
+        raise ConfigError(f"{moe_tp[0]}={sizes[moe_tp[0]]}: {cfg.model.path} is a mixture-of-experts model, which "
+                          "asyncrl trains and generates without tensor parallelism for now (FSDP2 shards its experts "
+                          "over the data-parallel ranks; actor.backend=megatron splits them with actor.moe.ep); "
+                          "set it to 1")
     if cfg.actor.parallel.pp > model.num_hidden_layers:
         raise ConfigError(f"actor.parallel.pp={cfg.actor.parallel.pp} but the model ({cfg.model.path}) has "
                           f"{model.num_hidden_layers} decoder layers; choose pp <= {model.num_hidden_layers}")

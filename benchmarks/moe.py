@@ -12,9 +12,13 @@
   selections the trainer's routers make as the rollout's did), `logprob_diff_*` (the largest
   |Δ log-prob| over response tokens). `routing_agreement_replay` is measured on the experts the
   trainer's forward actually used.
-- Learning: `asyncrl-launch --config-name moe_quickstart` (routing replay on) against
-  `--config-name quickstart` (the dense Llama with the same active MLP parameters), the same
-  steps and seeds: `gain_ratio` = MoE's held-out gain / dense's (each the mean over seeds).
+- Learning: `asyncrl-launch --config-name moe_quickstart` (FSDP2, routing replay on), the same on
+  Megatron with expert parallelism 2 (`actor.backend=megatron actor.moe.ep=2
+  actor.moe.router_replay=none`) and `--config-name quickstart` (the dense Llama with the same
+  active MLP parameters), the same steps and seeds: `gain_ratio` = MoE's held-out gain / dense's
+  (each the mean over seeds), `gain_ratio_megatron_ep2` the same for the Megatron arm, and
+  `step_time_ratio` = the Megatron arm's mean update time / FSDP2's (`timing/update_actor_s`, the
+  same 2 ranks).
 
 The last line printed is one JSON object.
 """
@@ -79,15 +83,35 @@ def routing_numbers(rollout_dtype: torch.dtype) -> dict[str, float]:
     return res
 
 
-def learning(seeds: list[int], workdir: Path) -> dict[str, float]:
-    from benchmarks.lora import gain
+MEGATRON_EP2 = ["actor.backend=megatron", "actor.moe.ep=2", "actor.moe.router_replay=none"]
 
-    moe = gain("moe_quickstart", [f"model.path={workdir}/tiny-moe"], workdir, "moe", seeds)
-    dense = gain("quickstart", [f"model.path={workdir}/tiny-dense"], workdir, "dense", seeds)
-    print(json.dumps({"moe": moe, "dense": dense}), flush=True)
-    return {"gain_ratio": round((moe["end"] - moe["start"]) / max(1e-9, dense["end"] - dense["start"]), 3),
-            "moe_reward_end": moe["end"], "dense_reward_end": dense["end"], "moe_ends": moe["ends"],
-            "dense_ends": dense["ends"], "moe_loop_s": moe["loop_s"], "dense_loop_s": dense["loop_s"]}
+
+def arm(config: str, extra: list[str], workdir: Path, name: str, seeds: list[int]) -> dict:
+    """Held-out reward at the start and the end (means over `seeds`) and the mean update time."""
+    from benchmarks.async_rl import launch
+
+    runs, update_s = [], []
+    for seed in seeds:
+        runs.append(launch(f"{name}-s{seed}", ["trainer.loggers=[jsonl]", f"seed={seed}", *extra], workdir,
+                           timeout_s=1800, config=config))
+        rows = [json.loads(ln) for ln in (workdir / f"{name}-s{seed}" / "metrics.jsonl").read_text().splitlines()]
+        update_s += [r["timing/update_actor_s"] for r in rows if r["step"] > 0]
+    mean = lambda key: round(sum(r[key] for r in runs) / len(runs), 4)  # noqa: E731
+    return {"start": mean("reward_start"), "end": mean("reward_end"), "ends": [r["reward_end"] for r in runs],
+            "update_s": sum(update_s) / len(update_s), "wall_s": [r["wall_s"] for r in runs]}
+
+
+def learning(seeds: list[int], workdir: Path) -> dict[str, float]:
+    moe = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe"], workdir, "moe", seeds)
+    megatron = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *MEGATRON_EP2], workdir, "moe-megatron", seeds)
+    dense = arm("quickstart", [f"model.path={workdir}/tiny-dense"], workdir, "dense", seeds)
+    print(json.dumps({"moe": moe, "moe_megatron_ep2": megatron, "dense": dense}), flush=True)
+    gain = lambda r: r["end"] - r["start"]  # noqa: E731
+    return {"gain_ratio": round(gain(moe) / max(1e-9, gain(dense)), 3),
+            "gain_ratio_megatron_ep2": round(gain(megatron) / max(1e-9, gain(dense)), 3),
+            "step_time_ratio": round(megatron["update_s"] / moe["update_s"], 3),
+            "moe_ends": moe["ends"], "moe_megatron_ep2_ends": megatron["ends"], "dense_ends": dense["ends"],
+            "wall_s": {"moe": moe["wall_s"], "moe_megatron_ep2": megatron["wall_s"], "dense": dense["wall_s"]}}
 
 
 def main(argv: list[str] | None = None) -> int:

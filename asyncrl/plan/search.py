@@ -144,6 +144,8 @@ class SearchSpace:
     def _enumerate_strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
         model = self.w.models["actor" if unit == ROLLOUT else unit]
         tps = [t for t in _powers_of_two(min(self.per_node, devices)) if model.heads % t == 0 and devices % t == 0]
+        if model.experts and self.deployable:  # asyncrl runs a mixture of experts without TP for now
+            tps = [1]
         if unit == ROLLOUT:
             tps = [1] if self.deployable else tps
             return tuple(Strategy(dp=devices // t, tp=1, gen_tp=t) for t in tps)

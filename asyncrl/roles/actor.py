@@ -508,7 +508,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return None
         out = {"old_log_probs": logp, "entropy": ent}
         if routes:
-            out[OLD_ROUTES] = torch.cat(routes).to(route_dtype(tap_of(self.actor.model).num_experts))
+            experts = (getattr(self.actor.model, "routes", None) or tap_of(self.actor.model)).num_experts
+            out[OLD_ROUTES] = torch.cat(routes).to(route_dtype(experts))
         return Batch(out)
 
     @register(THREE_D_PROTO)
@@ -572,7 +573,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         try:
             out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
         finally:
-            if (tap := tap_of(self.actor.model)) is not None:
+            if (tap := getattr(self.actor.model, "routes", None) or tap_of(self.actor.model)) is not None:
                 tap.stop()
         if "rollout_log_probs" in batch and "old_log_probs" in batch:  # engine mismatch (+ staleness)
             out["rollout/logprob_diff_max"] = core.max_abs_diff(batch["old_log_probs"], batch["rollout_log_probs"],
@@ -672,7 +673,8 @@ def megatron_engines(cfg: RLConfig, roles: set[str], layout: ParallelLayout, dev
     moe = cfg.actor.moe
     common = {"device": device, "dtype": dtype, "seed": cfg.seed, "ep": moe.ep}
     actor = (MegatronEngine(cfg.model.path, layout, optim=cfg.actor.optim, recompute=cfg.actor.gradient_checkpointing,
-                            aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, **common)
+                            aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
+                            router_replay=moe.router_replay != "none", **common)
              if "actor" in roles else None)
     ref = MegatronEngine(cfg.model.path, layout, optim=None, **common) if "ref" in roles else None
     return actor, ref

@@ -16,22 +16,31 @@ REPLAYED = {"rollout": ROUTES, "old_policy": OLD_ROUTES}  # router_replay -> the
 def start(model: torch.nn.Module, mb: Batch, moe: MoEConfig, *, replay: str | None, losses: bool = False
           ) -> RouterTap | None:
     """Set the routers of `model` for the forward over `mb`: replay column `replay` (None: route
-    freely), record their own choices, and keep their logits when `losses`. None for a dense model."""
-    tap = tap_of(model)
+    freely), record their own choices, and keep their logits when `losses`. None for a dense model
+    (or a Megatron model built without replay: its router losses are megatron's own)."""
+    megatron = getattr(model, "routes", None)  # `asyncrl.train.megatron.model.MegatronRoutes`
+    tap = megatron or tap_of(model)
     if tap is None:
         return None
     if replay is not None and replay not in mb:
         raise RoutingError(f"actor.moe.router_replay={moe.router_replay} replays the batch's {replay!r} column, "
                            "which this batch lacks: keep the columns generate_sequences (routed_experts) and "
                            "compute_log_prob (old_routed_experts) return in the batch you pass on")
-    tap.start(replay=None if replay is None else flat_routes(mb[replay]), record=True, keep_logits=losses)
+    routes = None if replay is None else flat_routes(mb[replay])
+    if megatron is not None:
+        megatron.start(replay=routes, record=True, rows=mb["input_ids"].shape[0])
+    else:
+        tap.start(replay=routes, record=True, keep_logits=losses)
     return tap
 
 
 def router_terms(tap: RouterTap, mb: Batch, moe: MoEConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The routers' weighted losses for the last forward over `mb` and the step's MoE metrics:
     load-balancing and z-loss (layer means), the busiest expert's load over the mean, and the
-    share of experts the trainer chose as the rollout engine did (when the batch has its routes)."""
+    share of experts the trainer chose as the rollout engine did (when the batch has its routes).
+    Megatron's routers add their losses themselves (nothing here)."""
+    if not getattr(tap, "hf", True):
+        return torch.zeros((), device=mb["attention_mask"].device), {}
     mask = mb["attention_mask"].reshape(-1).bool()
     logits, used, own = tap.take_logits(), tap.chosen(used=True), tap.chosen()
     aux = torch.stack([core.load_balancing_loss(z, used[:, i], mask) for i, z in enumerate(logits)]).mean()

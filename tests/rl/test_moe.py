@@ -183,16 +183,53 @@ def test_router_replay_settings_that_cannot_work_exit_2(tmp_path, capsys):
     from asyncrl.launch import main
 
     cases = [(["rollout.engine=vllm"], "rollout.engine=native"),
+             (["actor.moe.ep=2"], "actor.backend=megatron"),  # FSDP2 has no expert parallelism
              (["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=1"], "trainer.placement=colocated"),
-             (["actor.parallel.pp=2", "trainer.n_workers=2"], "parallel.pp=1"),
-             (["actor.backend=megatron"], "fsdp2")]
+             (["actor.parallel.pp=2", "trainer.n_workers=2"], "parallel.pp=1")]
     for extra, hint in cases:
         out = tmp_path / "out"
         assert main(["--config-name", "moe_quickstart", f"trainer.output_dir={out}", "actor.moe.router_replay=rollout",
                      *extra]) == 2, extra
         err = capsys.readouterr().err
-        assert "actor.moe.router_replay" in err and hint in err, (extra, err)
+        assert ("actor.moe.router_replay" in err or "actor.moe.ep" in err) and hint in err, (extra, err)
         assert not out.exists()
+
+
+def test_moe_layouts_asyncrl_cannot_run_exit_2_before_anything_starts(tmp_path, capsys):
+    """Tensor parallelism of a MoE model (no TP plan for its experts yet) or an expert-parallel size
+    that does not divide the experts: exit 2 with one paragraph naming the key, before a worker
+    starts (the model's config.json is read once the head is up, as for the other layout checks)."""
+    from asyncrl.launch import main
+
+    model = tmp_path / "moe"
+    tiny_qwen3_moe().save_pretrained(model)  # 4 experts
+    from asyncrl.models.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(model)
+    cases = [(["actor.parallel.tp=2", "trainer.n_workers=2"], "actor.parallel.tp=2: "),
+             (["actor.backend=megatron", "actor.moe.ep=3", "trainer.n_workers=3"], "actor.moe.ep=3 must divide"),
+             (["rollout.parallel.tp=2", "actor.parallel.tp=2", "trainer.n_workers=2"], "without tensor parallelism")]
+    for extra, hint in cases:
+        out = tmp_path / "out"
+        assert main(["--config-name", "grpo", f"trainer.output_dir={out}", f"model.path={model}", *extra]) == 2, extra
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("asyncrl-launch: ") and hint in last, (extra, last)
+        assert not list(out.glob("logs/*/*worker*")), extra
+
+
+def test_the_planner_counts_a_mixture_of_experts_total_and_active_parameters():
+    """Published counts (Qwen3-30B-A3B: 30.5B total, 3.3B active; Mixtral 8x7B: 46.7B, 12.9B), the
+    tiny model's own numel from its config.json, and plans without TP for a MoE model."""
+    from asyncrl.plan.workload import KNOWN_MODELS, ModelSpec
+
+    qwen, mixtral = KNOWN_MODELS["Qwen/Qwen3-30B-A3B"], KNOWN_MODELS["mistralai/Mixtral-8x7B-v0.1"]
+    assert round(qwen.params / 1e9, 1) == 30.5 and round(qwen.active_params / 1e9, 1) == 3.4
+    assert round(mixtral.params / 1e9, 1) == 46.7 and round(mixtral.active_params / 1e9, 1) == 12.9
+    model = tiny_qwen3_moe()
+    spec = ModelSpec.from_hf_config("tiny", model.config.to_dict())
+    norms = sum(p.numel() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n)
+    assert spec.params == sum(p.numel() for p in model.parameters()) - norms
+    assert spec.active_ffn == 2 * 16 and spec.experts == 4
 
 
 def test_mixtral_checkpoints_load_and_export_under_their_own_names(tmp_path):

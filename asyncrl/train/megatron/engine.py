@@ -30,7 +30,13 @@ from asyncrl.train.megatron.convert import (
 )
 from asyncrl.train.megatron.cpu import adapt_for_cpu, cuda_on_cpu
 from asyncrl.train.megatron.export import export_hf
-from asyncrl.train.megatron.model import HFView, build_gpt, mark_tensor_parallel, moe_config
+from asyncrl.train.megatron.model import (
+    HFView,
+    MegatronRoutes,
+    build_gpt,
+    mark_tensor_parallel,
+    moe_config,
+)
 from asyncrl.train.megatron.schedule import run_pipeline
 from asyncrl.train.pipeline import all_gather_values, broadcast_value, forward_through
 
@@ -62,7 +68,8 @@ class MegatronEngine:
 
     def __init__(self, path: str, layout: ParallelLayout, *, optim: OptimConfig | None, device: str | torch.device,
                  dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None,
-                 value_head: bool = False, ep: int = 1, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
+                 value_head: bool = False, ep: int = 1, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 router_replay: bool = False) -> None:
         from transformers import AutoConfig
 
         adapt_for_cpu()
@@ -79,9 +86,10 @@ class MegatronEngine:
         init_model_parallel(self.tp, self.pp, seed, ep)
         self._groups()
         self.rank, self.steps, self.seed = dist.get_rank(), 0, seed
-        moe = moe_config(self.shape, ep, aux_loss_coef, z_loss_coef)
+        moe = moe_config(self.shape, ep, aux_loss_coef, z_loss_coef, replay=router_replay and bool(self.shape.experts))
         with cuda_on_cpu():  # a tied head on its own stage is synchronised from the embedding's
             gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank, moe)
+        self.routes = self._router_replays(gpt) if moe.get("moe_enable_routing_replay") else None
         self.gpt = gpt.to(self.device)
         for p in self.gpt.parameters():  # the local spec's torch norms are made in fp32
             p.data = p.data.to(dtype)
@@ -90,12 +98,23 @@ class MegatronEngine:
         mark_tensor_parallel(self.gpt, self.rules)
         self.load_hf(reader or SafetensorsReader(path))
         self.model = HFView(self.gpt, self.shape)
+        self.model.routes = self.routes  # what `asyncrl.roles.routing.start` finds on the model
         self.ddp = self.optimizer = None
         if optim is None:
             self.gpt.requires_grad_(False)
             self.gpt.eval()
         else:
             self._build_optimizer(optim, dtype)
+
+    def _router_replays(self, gpt: Any) -> MegatronRoutes:
+        """This model's routers' `RouterReplay`s, in layer order (megatron lists every model's in
+        one process-wide list; only the actor's are built with replay)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        mine = [m.router_replay for m in gpt.modules() if getattr(m, "router_replay", None) is not None]
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if any(r is m for m in mine)]
+        return MegatronRoutes(mine, self.shape)
 
     def _groups(self) -> None:
         from megatron.core import parallel_state as ps
@@ -254,7 +273,26 @@ class MegatronEngine:
         out = self._metrics(results, len(micro_batches)) if self.is_last else None
         if self.pp > 1:
             out = broadcast_value(out, dist.get_global_rank(self.pp_group, self.pp - 1), self.pp_group, self.device)
-        return {**out, "grad_norm": float(grad_norm or 0.0), "lr": lr, "skipped": 0.0 if stepped else 1.0}
+        return {**out, **self._router_losses(len(micro_batches)), "grad_norm": float(grad_norm or 0.0), "lr": lr,
+                "skipped": 0.0 if stepped else 1.0}
+
+    def _router_losses(self, micro_batches: int) -> dict[str, float]:
+        """A mixture of experts' load-balancing and z-losses of this step (megatron tracks them
+        per layer when their coefficients are on), layer and micro-batch means, as `moe/aux_loss`
+        and `moe/z_loss` (the FSDP2 path's names); then cleared for the next step."""
+        if not self.shape.experts:
+            return {}
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        if not tracker:
+            return {}
+        moe_utils.reduce_aux_losses_tracker_across_ranks()
+        names = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
+        out = {names.get(k, f"moe/{k}"): float(v["values"].sum()) / (self.shape.layers * micro_batches)
+               for k, v in tracker.items()}
+        moe_utils.clear_aux_losses_tracker()
+        return out
 
     def _accumulate(self, micro_batches: list[Any], on_output: Any) -> None:
         from megatron.core.distributed import finalize_model_grads

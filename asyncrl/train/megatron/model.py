@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from asyncrl.train.megatron.convert import COPY, ROW, GPTShape, Rule
 
 
-def moe_config(shape: GPTShape, ep: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> dict:
+def moe_config(shape: GPTShape, ep: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+               replay: bool = False) -> dict:
     """The `TransformerConfig` fields of a mixture of experts (none for a dense model): HF's router
     (softmax over the top-k logits = the top-k probabilities renormalised; without `norm_topk`,
     the softmax over all experts first), dropless, sequential experts (no grouped GEMM kernel), the
@@ -24,7 +25,7 @@ def moe_config(shape: GPTShape, ep: int, aux_loss_coef: float = 0.0, z_loss_coef
             "moe_token_dispatcher_type": "allgather", "moe_grouped_gemm": False,
             "moe_router_load_balancing_type": "aux_loss" if aux_loss_coef else "none",
             "moe_aux_loss_coeff": aux_loss_coef, "moe_z_loss_coeff": z_loss_coef or None,
-            "moe_router_dtype": "fp32"}
+            "moe_router_dtype": "fp32", "moe_enable_routing_replay": replay}
 
 
 def transformer_config(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool, moe: dict | None = None):
@@ -109,6 +110,54 @@ def mark_tensor_parallel(gpt: nn.Module, rules: list[Rule]) -> None:
             param = params[rule.megatron]
             param.tensor_model_parallel, param.partition_stride = True, 1
             param.partition_dim = 1 if rule.kind == ROW else 0
+
+
+class MegatronRoutes:
+    """`asyncrl.models.moe.RouterTap`'s record and replay on megatron's routers (its
+    `RouterReplay`, one per MoE layer of this model): routes are [tokens, layers, k] over a
+    forward's rows × columns as asyncrl orders them (megatron's tokens run sequence-major);
+    positions with nothing recorded (-1: padding, a last token, whose outputs no log-prob reads)
+    replay experts 0..k-1. Router losses stay megatron's own (`moe_aux_loss_coeff`)."""
+
+    hf = False  # no router logits for `asyncrl.roles.routing.router_terms`
+
+    def __init__(self, instances: list, shape: GPTShape) -> None:
+        self.instances, self.layers, self.top_k, self.num_experts = instances, shape.layers, shape.topk, shape.experts
+        self.rows = 0
+
+    def start(self, replay: Tensor | None = None, record: bool = False, keep_logits: bool = False,
+              rows: int = 1) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.rows = rows
+        for layer, inst in enumerate(self.instances):
+            inst.clear_indices()
+            if replay is not None:
+                idx = replay[:, layer].long()
+                own = torch.arange(self.top_k, device=idx.device).expand_as(idx)
+                inst.set_target_indices(self._megatron_order(torch.where(idx >= 0, idx, own)))
+            inst.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD if replay is not None
+                                          else RouterReplayAction.RECORD)
+
+    def chosen(self, used: bool = False) -> Tensor:
+        """The experts of the last forward [tokens, layers, k], in asyncrl's order."""
+        got = [inst.target_topk_idx if inst.target_topk_idx is not None else inst.get_recorded_indices()
+               for inst in self.instances]
+        return torch.stack([self._asyncrl_order(t) for t in got], 1)
+
+    def stop(self) -> None:
+        for inst in self.instances:
+            inst.clear_indices()
+            inst.clear_router_replay_action()
+
+    def take_logits(self) -> list[Tensor]:
+        return []
+
+    def _megatron_order(self, t: Tensor) -> Tensor:  # [B*S, k] row-major -> [S*B, k]
+        return t.reshape(self.rows, -1, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
+
+    def _asyncrl_order(self, t: Tensor) -> Tensor:  # [S*B, k] -> [B*S, k]
+        return t.reshape(-1, self.rows, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:
