@@ -127,12 +127,13 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
     model = AutoConfig.from_pretrained(cfg.model.path)
     from asyncrl.models.moe import is_moe_config
 
-    moe_tp = [k for k, v in sizes.items() if v > 1 and is_moe_config(model)]
+    moe_tp = [k for k, v in sizes.items() if v > 1 and is_moe_config(model)
+              and not (k == "actor.parallel.tp" and cfg.actor.backend == "megatron")]
     if moe_tp:
         raise ConfigError(f"{moe_tp[0]}={sizes[moe_tp[0]]}: {cfg.model.path} is a mixture-of-experts model, which "
-                          "asyncrl trains and generates without tensor parallelism for now (FSDP2 shards its experts "
-                          "over the data-parallel ranks; actor.backend=megatron splits them with actor.moe.ep); "
-                          "set it to 1")
+                          "asyncrl generates, and trains on FSDP2, without tensor parallelism for now (FSDP2 shards "
+                          "its experts over the data-parallel ranks; actor.backend=megatron runs TP with sequence "
+                          "parallelism and splits experts with actor.moe.ep); set it to 1")
     if cfg.actor.parallel.pp > model.num_hidden_layers:
         raise ConfigError(f"actor.parallel.pp={cfg.actor.parallel.pp} but the model ({cfg.model.path}) has "
                           f"{model.num_hidden_layers} decoder layers; choose pp <= {model.num_hidden_layers}")
@@ -164,7 +165,7 @@ def _check_megatron(cfg: RLConfig) -> None:
     for name, section, path in roles:
         try:
             shape = GPTShape.from_hf(AutoConfig.from_pretrained(path))
-            shape.check_tp(section.parallel.tp)
+            shape.check_tp(section.parallel.tp, section.parallel.pp)
             shape.check_pp(section.parallel.pp)
             shape.check_ep(cfg.actor.moe.ep)
         except ConfigError as e:

@@ -143,7 +143,10 @@ def replay_scores(router: nn.Module, logits: Tensor, scores: Tensor, own: Tensor
 
 
 def tap_of(model: nn.Module) -> RouterTap | None:
-    """The model's `RouterTap`, made on first use; None for a dense model."""
+    """The model's `RouterTap`, made on first use; None for a dense model (or no module: a
+    pipeline stage's replayed logits)."""
+    if not isinstance(model, nn.Module):
+        return None
     tap = model.__dict__.get("_asyncrl_router_tap")
     if tap is None and "_asyncrl_router_tap" not in model.__dict__:
         tap = RouterTap(model) if routers(model) else None

@@ -95,6 +95,7 @@ class Knobs:
     lora_params: int = 0  # actor.lora: the adapters' parameters (they alone train; no reference model)
     critic_lora_params: int = 0  # critic.lora: its adapters' parameters (they and the value head train)
     megatron: bool = False  # actor.backend=megatron: whole TP x PP shards per rank, optimizer state over DP
+    ep: int = 1  # actor.moe.ep (megatron): each rank holds experts / ep of the experts
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -105,7 +106,7 @@ class Knobs:
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
-                   megatron=cfg.actor.backend == "megatron")
+                   megatron=cfg.actor.backend == "megatron", ep=cfg.actor.moe.ep)
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -150,13 +151,19 @@ def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -
             "Adam moments (fp32 shard)": 8 * grads}
 
 
-def megatron_state(spec: ModelSpec, model_shards: int, dp: int, cb: float) -> dict[str, float]:
-    """A megatron-core rank: its TP x PP shard in the compute dtype, an fp32 grad buffer of it,
-    the distributed optimizer's fp32 masters (a copy only below fp32) and Adam moments over DP, and
-    the fp32 temporaries of Adam's multi-tensor step over them (measured on an H100: +4 bytes a
-    parameter at the step)."""
-    shard = spec.params / model_shards
-    return {"weights (TP x PP shard)": cb * shard, "gradients (fp32 buffer)": 4 * shard,
+def megatron_held(spec: ModelSpec, model_shards: int, ep: int = 1) -> float:
+    """Parameters a megatron rank holds: its TP x PP shard, of the experts only its EP rank's."""
+    return (spec.params - spec.expert_params + spec.expert_params / ep) / model_shards
+
+
+def megatron_state(spec: ModelSpec, model_shards: int, dp: int, cb: float, ep: int = 1) -> dict[str, float]:
+    """A megatron-core rank: its TP x PP shard in the compute dtype (a mixture's experts also over
+    `ep`), an fp32 grad buffer of it, the distributed optimizer's fp32 masters (a copy only below
+    fp32) and Adam moments over DP (an expert's over the dp / ep ranks that hold it: the same
+    share), and the fp32 temporaries of Adam's multi-tensor step over them (measured on an H100:
+    +4 bytes a parameter at the step)."""
+    held, shard = megatron_held(spec, model_shards, ep), spec.params / model_shards
+    return {"weights (TP x PP shard)": cb * held, "gradients (fp32 buffer)": 4 * held,
             "fp32 masters (over DP)": (4 * shard / dp) if cb < 4 else 0.0, "Adam moments (over DP)": 8 * shard / dp,
             "Adam step temporaries (over DP)": 4 * shard / dp}
 
@@ -247,8 +254,8 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
 
     lora = knobs.lora_params  # the reference is the base with the adapters off: no copy
     if knobs.megatron:  # its DP ranks hold whole TP x PP shards
-        resident = {**megatron_state(spec, par.tp * par.pp, dp, knobs.compute_bytes),
-                    "reference policy (shard)": forward_only_weights(spec, par.tp * par.pp, knobs),
+        resident = {**megatron_state(spec, par.tp * par.pp, dp, knobs.compute_bytes, knobs.ep),
+                    "reference policy (shard)": knobs.compute_bytes * megatron_held(spec, par.tp * par.pp, knobs.ep),
                     "process (python, torch)": RUNTIME_BYTES}
     else:
         resident = {**training_state(spec, shards, lora or None),

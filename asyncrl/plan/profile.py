@@ -133,7 +133,6 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
     import torch
     from transformers.cache_utils import DynamicCache
 
-    spec = dense_proxy(spec)  # the device's rates, measured on a dense layer of the model's width
     cores = os.cpu_count() or 1
     threads = max(1, cores // devices)
     torch.set_num_threads(threads)
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"asyncrl-plan profile: {e}", file=sys.stderr)
         return 2
-    profile = measure(spec, cfg.cluster.cpu_devices, quick=args.quick)
+    profile = measure(dense_proxy(spec), cfg.cluster.cpu_devices, quick=args.quick)  # rates of a dense layer as wide
     out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

@@ -28,7 +28,7 @@ def start(model: torch.nn.Module, mb: Batch, moe: MoEConfig, *, replay: str | No
                            "compute_log_prob (old_routed_experts) return in the batch you pass on")
     routes = None if replay is None else flat_routes(mb[replay])
     if megatron is not None:
-        megatron.start(replay=routes, record=True, rows=mb["input_ids"].shape[0])
+        megatron.start(replay=routes, record=True, rows=mb["input_ids"].shape[0], columns=mb["input_ids"].shape[1])
     else:
         tap.start(replay=routes, record=True, keep_logits=losses)
     return tap

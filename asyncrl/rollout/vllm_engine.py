@@ -264,7 +264,6 @@ class VLLMRolloutEngine:
             _check_cpu_head_dim(model_path)
         self.eos_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.pad_token_id = pad_token_id
-        self.expert_names = expert_names_at(model_path)  # the checkpoint names its loaders read experts by
         on_cuda = self.device.type == "cuda"
         self.sleep_enabled = on_cuda if enable_sleep_mode is None else enable_sleep_mode and on_cuda
         self.sleep_level = 2
@@ -337,7 +336,8 @@ class VLLMRolloutEngine:
         # plain tensors: vLLM's loaders treat an nn.Parameter argument as one of their own; experts
         # fused in memory (transformers 5) go per expert, as vLLM's loaders read checkpoints
         pairs = weights.items() if isinstance(weights, Mapping) else weights
-        items = (item for name, t in pairs for item in per_expert(name, t.detach(), self.expert_names))
+        names = expert_names_at(self.llm.model_config.model)  # the checkpoint names its loaders read experts by
+        items = (item for name, t in pairs for item in per_expert(name, t.detach(), names))
         if self.asleep:
             self.wake_up(("weights",))
         try:

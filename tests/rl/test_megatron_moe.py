@@ -1,8 +1,9 @@
 """Mixture-of-experts models on the Megatron backend: Qwen3-MoE and Mixtral checkpoints map to
 megatron-core's MoE layers (router, experts split over expert-parallel ranks and TP) and back
-exactly; on two gloo CPU ranks at expert parallelism 2 the logits and the weights equal Hugging
-Face's, the generation reshard holds every expert, training steps learn, and a checkpoint
-resumes without expert parallelism with the export equal to the trained weights."""
+exactly; on two gloo CPU ranks at expert parallelism 2 and at TP 2 (sequence-parallel) the logits
+and the weights equal Hugging Face's, the generation reshard holds every expert, training steps
+learn, routes replay as Hugging Face's do, and a checkpoint resumes on one rank with the export
+equal to the trained weights."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("megatron.core")
 from asyncrl.train.megatron.convert import GPTShape, dict_reader, hf_tensors, megatron_shard  # noqa: E402
 from tests.helpers.gloo_ranks import run_ranks  # noqa: E402
 
-SEQ = 10
+SEQ = 9  # odd: a sequence-parallel forward pads it to a multiple of tp
 
 
 def hf_moe(arch: str):
@@ -173,11 +174,14 @@ def _resume_job(rank: int, world_size: int, out_dir: Path) -> dict:
     return {"resumed": engine.full_state_dict(rank0_only=False)}
 
 
-def test_moe_at_expert_parallelism_2_equals_hugging_face_and_trains(moe_checkpoints, tmp_path) -> None:
-    """At (tp, ep) = (1, 2) on two gloo ranks (each rank half the experts): logits within 1e-4 of
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_checkpoints, tmp_path) -> None:
+    """At (tp, ep) = (1, 2) (each rank half the experts) and (2, 1) (each expert split over TP, the
+    sequence split over TP: megatron's sequence parallelism) on two gloo ranks, and (2, 2) on four
+    (slow): logits within 1e-4 of
     Hugging Face's on left-padded rows, the full state dict and the tg=1 generation reshard equal
-    the checkpoint's tensors (the other EP rank's experts received: bytes as expected), four steps
-    on the same rows lower the loss, and the checkpoint resumes on one rank (ep=1) with the same
+    the checkpoint's tensors (the other ranks' parts received: bytes as expected), four steps
+    on the same rows lower the loss, and the checkpoint resumes on one rank (tp=ep=1) with the same
     weights, which the HF export holds too. Router replay (megatron's `RouterReplay`): its own
     routes are Hugging Face's top-k, and replaying random routes gives Hugging Face's logits under
     the same replay (`asyncrl.models.moe`)."""
@@ -187,8 +191,8 @@ def test_moe_at_expert_parallelism_2_equals_hugging_face_and_trains(moe_checkpoi
 
     for arch in ARCHS:
         shutil.copytree(moe_checkpoints / arch, tmp_path / arch)
-    (tmp_path / "layout").write_text("1 2")
-    results = run_ranks(_job, 2, tmp_path, timeout_s=240)
+    (tmp_path / "layout").write_text(f"{tp} {ep}")
+    results = run_ranks(_job, tp * ep, tmp_path, timeout_s=400)
     ids, mask = probe()
     for arch in ARCHS:
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / arch, dtype=torch.float32)

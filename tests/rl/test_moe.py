@@ -230,6 +230,15 @@ def test_the_planner_counts_a_mixture_of_experts_total_and_active_parameters():
     norms = sum(p.numel() for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n)
     assert spec.params == sum(p.numel() for p in model.parameters()) - norms
     assert spec.active_ffn == 2 * 16 and spec.experts == 4
+    # expert parallelism on megatron: each rank holds its experts' weights and grad buffer only;
+    # the optimizer state is the same share (an expert's over the dp / ep ranks that hold it)
+    from asyncrl.plan.memory import megatron_state
+
+    one, two = megatron_state(qwen, 1, 8, 2.0), megatron_state(qwen, 1, 8, 2.0, ep=8)
+    saved = qwen.expert_params * (1 - 1 / 8)
+    assert one["weights (TP x PP shard)"] - two["weights (TP x PP shard)"] == 2.0 * saved
+    assert one["gradients (fp32 buffer)"] - two["gradients (fp32 buffer)"] == 4.0 * saved
+    assert one["Adam moments (over DP)"] == two["Adam moments (over DP)"]
 
 
 def test_mixtral_checkpoints_load_and_export_under_their_own_names(tmp_path):
@@ -255,3 +264,31 @@ def test_mixtral_checkpoints_load_and_export_under_their_own_names(tmp_path):
     assert set(loaded) == set(own) and all(torch.equal(loaded[k], own[k]) for k in own)
     back = {n: t for k, v in own.items() for n, t in per_expert(k, v, MIXTRAL)}
     assert set(back) == set(disk) and all(torch.equal(back[k], disk[k]) for k in disk)
+
+
+def test_qwen2_moe_routers_replay_beside_their_shared_expert():
+    """Qwen2-MoE (a shared expert with its own sigmoid gate beside the routed ones, top-k without
+    renormalisation): its routers are found, own routes replay bit for bit, random ones change
+    the logits, and the shared expert's gate is not taken for a router."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from asyncrl.models.moe import flat_routes, tap_of
+
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(config).eval()
+    tap = tap_of(model)
+    assert tap.layers == 2 and tap.top_k == 2
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tap.start(record=True)
+        free = model(ids).logits
+        own = tap.chosen()
+        tap.start(replay=own)
+        assert torch.equal(model(ids).logits, free)
+        tap.start(replay=flat_routes((own.reshape(2, 8, 2, 2) + 1) % 4))
+        assert (model(ids).logits - free).abs().max() > 1e-4
+    tap.stop()

@@ -37,7 +37,7 @@ def _full_states(engine: Any, param: Tensor, expert: bool) -> dict[str, Tensor]:
             if k in flat:
                 flat[k][part.start:part.end] = v.detach().float().reshape(-1)
     for t in flat.values():
-        dist.all_reduce(t, group=engine.expert_dp_group if expert else engine.dp_group)
+        dist.all_reduce(t, group=engine.experts.dp_group if expert else engine.dp_group)
     return {k: t.view(param.shape) for k, t in flat.items()}
 
 

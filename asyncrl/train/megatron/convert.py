@@ -91,11 +91,11 @@ class GPTShape:
         """The vocabulary rounded up to a multiple of `tp` (each rank an equal slice)."""
         return -(-self.vocab // tp) * tp
 
-    def check_tp(self, tp: int) -> None:
-        if self.experts and tp > 1:
-            raise ConfigError(f"actor.parallel.tp={tp} with a mixture-of-experts model on megatron: megatron-core "
-                              "runs MoE layers under TP only with sequence parallelism, which asyncrl's megatron "
-                              "path does not run yet; use tp=1 and split the experts with actor.moe.ep")
+    def check_tp(self, tp: int, pp: int = 1) -> None:
+        if self.experts and tp > 1 and pp > 1:
+            raise ConfigError(f"actor.parallel.tp={tp} with pp={pp} for a mixture-of-experts model on megatron: "
+                              "a MoE under TP runs sequence-parallel, which asyncrl's pipeline stages do not pass "
+                              "on yet; use pp=1 (or tp=1)")
         mlp = ("moe_intermediate_size", self.moe_ffn) if self.experts else ("intermediate_size", self.ffn)
         bad = [f"{k}={v}" for k, v in (("num_attention_heads", self.heads), ("num_key_value_heads", self.groups),
                                        mlp) if v % tp]

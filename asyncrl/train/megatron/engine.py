@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,18 @@ def init_model_parallel(tp: int, pp: int, seed: int, ep: int = 1) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+@dataclass
+class ExpertParallel:
+    """A mixture of experts' expert parallelism: `size` ranks (`group`) each hold experts / size of
+    the experts, replicated over the ranks of `dp_group` (where the optimizer shards them)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+    dp_group: Any = None
+    stage_rules: list | None = None  # every EP rank's rules of this stage (made on first use)
+
+
 class MegatronEngine:
     """An HF decoder trained (or, with `optim=None`, run forward only) as megatron-core's GPTModel,
     over the layout's tp × dp, and pp through megatron's 1F1B schedule (`pipelined`)."""
@@ -79,32 +91,35 @@ class MegatronEngine:
         if value_head:  # the export is the value model, as the FSDP2 critic's
             self.hf_config.architectures = [type_name.replace("ForCausalLM", "ForTokenClassification")
                                             for type_name in self.hf_config.architectures or []]
-        self.tp, self.pp, self.ep = layout.size("tp"), layout.size("pp"), ep
-        self.shape.check_tp(self.tp)
+        self.tp, self.pp = layout.size("tp"), layout.size("pp")
+        self.shape.check_tp(self.tp, self.pp)
         self.shape.check_pp(self.pp)
         self.shape.check_ep(ep)
         init_model_parallel(self.tp, self.pp, seed, ep)
         self._groups()
-        self.rank, self.steps, self.seed = dist.get_rank(), 0, seed
+        self.steps, self.seed = 0, seed
         moe = moe_config(self.shape, ep, aux_loss_coef, z_loss_coef, replay=router_replay and bool(self.shape.experts))
         with cuda_on_cpu():  # a tied head on its own stage is synchronised from the embedding's
             gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank, moe)
-        self.routes = self._router_replays(gpt) if moe.get("moe_enable_routing_replay") else None
+        routes = self._router_replays(gpt) if moe.get("moe_enable_routing_replay") else None
         self.gpt = gpt.to(self.device)
         for p in self.gpt.parameters():  # the local spec's torch norms are made in fp32
             p.data = p.data.to(dtype)
-        self.rules = list(self.shape.rules(self.pp_rank, self.pp, self.ep_rank, ep))
-        self._ep_rules: list[list] | None = None
+        self.rules = list(self.shape.rules(self.pp_rank, self.pp, self.experts.rank, ep))
         mark_tensor_parallel(self.gpt, self.rules)
         self.load_hf(reader or SafetensorsReader(path))
         self.model = HFView(self.gpt, self.shape)
-        self.model.routes = self.routes  # what `asyncrl.roles.routing.start` finds on the model
+        self.model.routes = routes  # what `asyncrl.roles.routing.start` finds on the model
         self.ddp = self.optimizer = None
         if optim is None:
             self.gpt.requires_grad_(False)
             self.gpt.eval()
         else:
             self._build_optimizer(optim, dtype)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
 
     def _router_replays(self, gpt: Any) -> MegatronRoutes:
         """This model's routers' `RouterReplay`s, in layer order (megatron lists every model's in
@@ -114,7 +129,7 @@ class MegatronEngine:
         mine = [m.router_replay for m in gpt.modules() if getattr(m, "router_replay", None) is not None]
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if any(r is m for m in mine)]
-        return MegatronRoutes(mine, self.shape)
+        return MegatronRoutes(mine, self.shape, self.tp, self.tp_rank, self.tp_group)
 
     def _groups(self) -> None:
         from megatron.core import parallel_state as ps
@@ -122,9 +137,8 @@ class MegatronEngine:
         self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
         self.pp_rank, self.pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
-        # experts: each EP rank holds its own, replicated over the expert-data-parallel ranks
-        self.ep_rank, self.ep_group = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()
-        self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.experts = ExpertParallel(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+                                      ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group())
 
     @property
     def pipelined(self) -> bool:
@@ -189,19 +203,20 @@ class MegatronEngine:
         rank's own experts (a collective over the EP group), any other rule's are the same
         everywhere. `stats` (a `ReshardStats`) counts the bytes received."""
         rule = self.rules[index]
-        if self.ep == 1 or ".local_experts." not in rule.megatron:
+        ep = self.experts
+        if ep.size == 1 or ".local_experts." not in rule.megatron:
             return tensors
-        if self._ep_rules is None:  # every EP rank's rules of this stage, aligned with ours
-            self._ep_rules = [list(self.shape.rules(self.pp_rank, self.pp, r, self.ep)) for r in range(self.ep)]
+        if ep.stage_rules is None:  # every EP rank's rules of this stage, aligned with ours
+            ep.stage_rules = [list(self.shape.rules(self.pp_rank, self.pp, r, ep.size)) for r in range(ep.size)]
         out = {}
         for name, t in tensors.items():
-            parts = [torch.empty_like(t) for _ in range(self.ep)]
-            dist.all_gather(parts, t.contiguous(), group=self.ep_group)
+            parts = [torch.empty_like(t) for _ in range(ep.size)]
+            dist.all_gather(parts, t.contiguous(), group=ep.group)
             if stats is not None:
-                stats.bytes_received += (self.ep - 1) * t.numel() * t.element_size()
+                stats.bytes_received += (ep.size - 1) * t.numel() * t.element_size()
                 stats.collectives += 1
             for r, part in enumerate(parts):
-                out[self._ep_rules[r][index].hf[rule.hf.index(name)]] = part
+                out[ep.stage_rules[r][index].hf[rule.hf.index(name)]] = part
         return out
 
     def hf_state(self, index: int, tensor: Tensor) -> dict[str, Tensor]:

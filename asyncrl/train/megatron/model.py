@@ -30,11 +30,12 @@ def moe_config(shape: GPTShape, ep: int, aux_loss_coef: float = 0.0, z_loss_coef
 
 def transformer_config(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool, moe: dict | None = None):
     """The `TransformerConfig` of `shape` at (tp, pp): the HF model's maths, no fused kernels
-    that need Transformer Engine or apex (`moe`: `moe_config`'s fields)."""
+    that need Transformer Engine or apex (`moe`: `moe_config`'s fields). A mixture of experts
+    under TP runs sequence-parallel (megatron requires it there)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        **(moe or {}),
+        **(moe or {}), sequence_parallel=bool(shape.experts) and tp > 1,
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         num_query_groups=shape.groups, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -71,14 +72,35 @@ def sdpa_attention():
     return SDPAttention
 
 
-def layer_spec(shape: GPTShape):
-    """The local spec (no Transformer Engine) with `sdpa_attention` as its core attention."""
+def layer_spec(shape: GPTShape, sequence_parallel: bool = False):
+    """The local spec (no Transformer Engine) with `sdpa_attention` as its core attention; under
+    sequence parallelism, norms whose weight gradients megatron sums over TP (`sp_rms_norm`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, num_experts=shape.experts or None,
                                     moe_grouped_gemm=False)
-    spec.submodules.self_attention.submodules.core_attention = sdpa_attention()
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = sdpa_attention()
+    if sequence_parallel:
+        norm = sp_rms_norm()
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+        if shape.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = norm
     return spec
+
+
+def sp_rms_norm():
+    """torch's RMSNorm (what megatron's local spec uses) built the way megatron builds its norms,
+    for sequence parallelism, which megatron's torch wrapper refuses: each TP rank normalises its
+    part of the sequence, so its weight's gradient is a partial sum that megatron's grad
+    finalisation adds up over TP (the `sequence_parallel` mark)."""
+
+    class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+        def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+            super().__init__(hidden_size, eps=eps)
+            self.weight.sequence_parallel = config.sequence_parallel
+
+    return SequenceParallelRMSNorm
 
 
 def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False,
@@ -86,10 +108,14 @@ def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: 
     """This rank's `GPTModel` (its TP shard, its EP rank's experts; weights uninitialised: they are
     loaded next; its norms on the CPU until the caller moves the model)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     config = transformer_config(shape, tp, pp, dtype, recompute, moe)
     tied = shape.tied and not shape.value_head
-    gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(shape),
+    spec = layer_spec(shape, config.sequence_parallel)
+    if config.sequence_parallel:  # the final norm too (pp = 1: every layer on this rank)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * shape.layers, layer_norm=sp_rms_norm())
+    gpt = GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=shape.padded_vocab(tp), max_sequence_length=shape.max_positions,
                     share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                     rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
@@ -121,15 +147,22 @@ class MegatronRoutes:
 
     hf = False  # no router logits for `asyncrl.roles.routing.router_terms`
 
-    def __init__(self, instances: list, shape: GPTShape) -> None:
+    def __init__(self, instances: list, shape: GPTShape, tp: int = 1, tp_rank: int = 0, tp_group=None) -> None:
         self.instances, self.layers, self.top_k, self.num_experts = instances, shape.layers, shape.topk, shape.experts
-        self.rows = 0
+        self.rows, self.pad = 0, 0
+        # sequence parallelism (a MoE under TP): each TP rank routes its own part of the sequence
+        self.tp, self.tp_rank, self.tp_group = tp, tp_rank, tp_group
 
     def start(self, replay: Tensor | None = None, record: bool = False, keep_logits: bool = False,
-              rows: int = 1) -> None:
+              rows: int = 1, columns: int = 1) -> None:
+        """For the next forward over `rows` × `columns` tokens: replay `replay` [tokens, layers, k],
+        or record the routers' own top-k."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        self.rows = rows
+        self.rows, self.pad = rows, sp_padding(columns, self.tp)  # a sequence-parallel forward's left padding
+        if replay is not None and self.pad:
+            replay = F.pad(replay.reshape(rows, columns, *replay.shape[1:]), (0, 0, 0, 0, self.pad, 0), value=-1)
+            replay = replay.reshape(-1, *replay.shape[2:])
         for layer, inst in enumerate(self.instances):
             inst.clear_indices()
             if replay is not None:
@@ -143,7 +176,17 @@ class MegatronRoutes:
         """The experts of the last forward [tokens, layers, k], in asyncrl's order."""
         got = [inst.target_topk_idx if inst.target_topk_idx is not None else inst.get_recorded_indices()
                for inst in self.instances]
-        return torch.stack([self._asyncrl_order(t) for t in got], 1)
+        return torch.stack([self._asyncrl_order(self._whole(t)) for t in got], 1)
+
+    def _whole(self, t: Tensor) -> Tensor:
+        """A TP rank's part of the sequence's routes, with the other ranks' (sequence parallelism)."""
+        if self.tp == 1:
+            return t
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return torch.cat(parts)
 
     def stop(self) -> None:
         for inst in self.instances:
@@ -153,11 +196,13 @@ class MegatronRoutes:
     def take_logits(self) -> list[Tensor]:
         return []
 
-    def _megatron_order(self, t: Tensor) -> Tensor:  # [B*S, k] row-major -> [S*B, k]
-        return t.reshape(self.rows, -1, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
+    def _megatron_order(self, t: Tensor) -> Tensor:  # [B*S, k] row-major -> [S*B, k] (this TP rank's part)
+        t = t.reshape(self.rows, -1, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
+        return t.chunk(self.tp)[self.tp_rank] if self.tp > 1 else t
 
-    def _asyncrl_order(self, t: Tensor) -> Tensor:  # [S*B, k] -> [B*S, k]
-        return t.reshape(-1, self.rows, t.shape[-1]).transpose(0, 1).reshape(-1, t.shape[-1])
+    def _asyncrl_order(self, t: Tensor) -> Tensor:  # [S*B, k] -> [B*S, k], without the padding
+        t = t.reshape(-1, self.rows, t.shape[-1])[self.pad:]
+        return t.transpose(0, 1).reshape(-1, t.shape[-1])
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:
@@ -173,18 +218,28 @@ class HFView(nn.Module):
     """`gpt` called as the roles call an HF causal LM: `input_ids`, `attention_mask`,
     `logits_to_keep` (a count or position indices) -> `.logits` [B, kept, vocab], the vocabulary
     gathered over the TP ranks and trimmed of its padding. Rotary positions count from the first
-    column: RoPE scores depend only on position differences, so left padding changes nothing."""
+    column: RoPE scores depend only on position differences, so left padding changes nothing
+    (sequence parallelism pads rows on the left to a multiple of tp that way)."""
 
     def __init__(self, gpt: nn.Module, shape: GPTShape) -> None:
         super().__init__()
         self.gpt = gpt
         self.vocab = shape.vocab
+        self.sp = gpt.config.sequence_parallel and gpt.config.tensor_model_parallel_size > 1
+        self.tp = gpt.config.tensor_model_parallel_size
+        self.routes = None  # `MegatronRoutes` when the model replays routes
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
                 use_cache: bool = False, logits_to_keep: int | Tensor = 0, **_: object) -> SimpleNamespace:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        return SimpleNamespace(logits=self.stage(input_ids, attention_mask, logits_to_keep))
+        pad = sp_padding(input_ids.shape[1], self.tp) if self.sp else 0
+        if pad:
+            input_ids, attention_mask = F.pad(input_ids, (pad, 0)), F.pad(attention_mask, (pad, 0))
+            if isinstance(logits_to_keep, Tensor):
+                logits_to_keep = logits_to_keep + pad
+        logits = self.stage(input_ids, attention_mask, logits_to_keep)
+        return SimpleNamespace(logits=logits[:, pad:] if pad and not _counted(logits_to_keep) else logits)
 
     def stage(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int | Tensor = 0) -> Tensor:
         """This pipeline stage's output: hidden states [S, B, H] (the next stage's input; a later
@@ -193,7 +248,13 @@ class HFView(nn.Module):
         hidden = gpt.embedding(input_ids=input_ids, position_ids=None) if gpt.pre_process else None
         hidden = gpt.decoder(hidden_states=hidden, attention_mask=causal_padding_mask(attention_mask),
                              rotary_pos_emb=gpt.rotary_pos_emb(input_ids.shape[1]))
-        return self.logits(_keep(hidden, logits_to_keep)) if gpt.post_process else hidden
+        if not gpt.post_process:
+            return hidden
+        if self.sp:  # the whole sequence on every TP rank (the backward keeps each rank's own part)
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return self.logits(_keep(hidden, logits_to_keep))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits [B, S, vocab] of hidden states [S, B, H] (a critic's values [B, S, 1])."""
@@ -203,8 +264,18 @@ class HFView(nn.Module):
         if getattr(gpt, "value_head", None) is not None:
             return gpt.value_head(hidden).transpose(0, 1)
         weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
-        logits, _ = gpt.output_layer(hidden, weight=weight)
+        head, head.sequence_parallel = gpt.output_layer, False  # `hidden` is whole already
+        logits, _ = head(hidden, weight=weight)
         return gather_from_tensor_model_parallel_region(logits)[..., :self.vocab].transpose(0, 1)
+
+
+def sp_padding(seq: int, tp: int) -> int:
+    """Columns a sequence-parallel forward prepends so that the sequence splits over tp ranks."""
+    return -seq % tp
+
+
+def _counted(keep: int | Tensor) -> bool:
+    return isinstance(keep, Tensor) or keep > 0
 
 
 def _keep(hidden: Tensor, keep: int | Tensor) -> Tensor:

@@ -77,7 +77,7 @@ class MegatronResharder:
                 ranks = self.engine.tp if rule.kind == VOCAB and self.vocab_whole else self.span
                 total += (ranks - 1) * local[rule.megatron].numel() * size
             if ".local_experts." in rule.megatron:  # the other EP ranks' experts, whole (tg = 1)
-                total += (self.engine.ep - 1) * local[rule.megatron].numel() * self.engine.tp * size
+                total += (self.engine.experts.size - 1) * local[rule.megatron].numel() * self.engine.tp * size
         for stage in range(self.engine.pp):
             if stage != self.engine.pp_rank:
                 total += sum(self._gen_numel(rule) for rule in self.engine.shape.rules(stage, self.engine.pp)) * size
