@@ -24,7 +24,7 @@ def hf_moe(arch: str):
     import transformers as T
 
     common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=64, num_experts_per_tok=2)
+                  head_dim=8, max_position_embeddings=64, num_experts_per_tok=2, pad_token_id=0)
     if arch == "mixtral":
         config, cls = T.MixtralConfig(**common, intermediate_size=16, num_local_experts=4), T.MixtralForCausalLM
     else:
@@ -102,7 +102,8 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
     arch = "qwen3_moe"  # training: the same rows on both ranks, the loss falls; a checkpoint resumes at ep=1
     engine = MegatronEngine(str(out_dir / arch), layout, optim=optim, device="cpu", dtype=torch.float32, seed=0, ep=ep)
     rows = torch.randint(0, 64, (4, SEQ), generator=torch.Generator().manual_seed(3))
-    res["losses"] = [engine.train_step([rows], _lm_loss)["loss"] for _ in range(4)]
+    steps = [engine.train_step([rows], _lm_loss) for _ in range(4)]
+    res["losses"], res["grad_norm"] = [m["loss"] for m in steps], steps[0]["grad_norm"]
     engine.save_checkpoint(out_dir / "ckpt", extra={}, export_dtype=torch.float32)
     res["trained"] = engine.full_state_dict(rank0_only=False)
     return res
@@ -225,6 +226,14 @@ def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_c
         assert (r["replay/logits"] - replayed).abs()[mask.bool()].max() < 1e-4
         valid = (r["replay/routes"] >= 0).all(-1).all(-1)
         assert torch.equal(r["replay/used"][valid].long(), r["replay/routes"][valid].long())
+    # the first step's gradient is HF's: a real token of the padding id (in these rows) trains no
+    # embedding row (HF's padding_idx; its row is zero, and megatron trained it 100x harder before)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe", dtype=torch.float32)
+    rows = torch.randint(0, 64, (4, SEQ), generator=torch.Generator().manual_seed(3))
+    assert (rows == 0).any() and hf.model.embed_tokens.weight[0].abs().sum() == 0
+    _lm_loss(hf, rows)[0].backward()
+    want = torch.sqrt(sum((p.grad ** 2).sum() for p in hf.parameters() if p.grad is not None))
+    assert abs(results[0]["grad_norm"] - float(want)) < 1e-4 * float(want), (results[0]["grad_norm"], float(want))
     losses = results[0]["losses"]
     assert losses[-1] < losses[0] - 0.1, losses
     trained = results[0]["trained"]

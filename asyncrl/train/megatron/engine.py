@@ -34,6 +34,7 @@ from asyncrl.train.megatron.model import (
     HFView,
     MegatronRoutes,
     build_gpt,
+    keep_padding_row,
     mark_tensor_parallel,
     moe_config,
 )
@@ -103,6 +104,7 @@ class MegatronEngine:
             gpt = build_gpt(self.shape, self.tp, self.pp, dtype, recompute, self.pp_rank, moe)
         routes = self._router_replays(gpt) if moe.get("moe_enable_routing_replay") else None
         self.gpt = gpt.to(self.device)
+        keep_padding_row(self.gpt, getattr(self.hf_config, "pad_token_id", None))
         for p in self.gpt.parameters():  # the local spec's torch norms are made in fp32
             p.data = p.data.to(dtype)
         self.rules = list(self.shape.rules(self.pp_rank, self.pp, self.experts.rank, ep))

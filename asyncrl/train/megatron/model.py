@@ -126,6 +126,23 @@ def build_gpt(shape: GPTShape, tp: int, pp: int, dtype: torch.dtype, recompute: 
     return gpt
 
 
+def keep_padding_row(gpt: nn.Module, pad_token_id: int | None) -> None:
+    """Hugging Face's embeddings never train the padding token's row (`padding_idx`): a lookup of
+    it passes no gradient back. megatron's embedding has no such index, so its lookups of the
+    padding token are detached here (a real token of that id, such as a sampled one, otherwise
+    trained a row HF keeps, at zero: 100x the other gradients through the first norm)."""
+    if pad_token_id is None or not getattr(gpt, "pre_process", False):
+        return
+
+    def detach_padding(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        pad = args[0] == pad_token_id  # [b, s]
+        if module.reduce_scatter_embeddings:  # sequence parallelism: out is [s / tp, b, h], this rank's part
+            pad = pad.t().chunk(module.tp_group.size())[module.tp_group.rank()]
+        return torch.where(pad[..., None], out.detach(), out)
+
+    gpt.embedding.word_embeddings.register_forward_hook(detach_padding)
+
+
 def mark_tensor_parallel(gpt: nn.Module, rules: list[Rule]) -> None:
     """Set megatron's `tensor_model_parallel` / `partition_dim` on every split weight: its
     layers set them only when they initialise the weights (`perform_initialization`), which a
