@@ -144,8 +144,8 @@ class SearchSpace:
     def _enumerate_strategies(self, unit: str, devices: int) -> tuple[Strategy, ...]:
         model = self.w.models["actor" if unit == ROLLOUT else unit]
         tps = [t for t in _powers_of_two(min(self.per_node, devices)) if model.heads % t == 0 and devices % t == 0]
-        if model.experts and self.deployable:  # asyncrl runs a mixture of experts without TP for now
-            tps = [1]
+        if model.experts and self.deployable and (unit == ROLLOUT or not self.knobs.megatron):
+            tps = [1]  # a mixture of experts generates, and trains on FSDP2, without TP for now
         if unit == ROLLOUT:
             tps = [1] if self.deployable else tps
             return tuple(Strategy(dp=devices // t, tp=1, gen_tp=t) for t in tps)
@@ -164,6 +164,7 @@ class SearchSpace:
                 if unit == "actor":
                     limit = tp if self.deployable else tp * pp
                     gens = [g for g in _powers_of_two(min(limit, self.per_node)) if limit % g == 0 and model.heads % g == 0]
+                    gens = [1] if model.experts and self.deployable else gens
                 for mb in mbs:
                     out.extend(Strategy(dp, tp, pp, mb, g) for g in gens)
         return tuple(out)
