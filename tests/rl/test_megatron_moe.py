@@ -171,8 +171,12 @@ def _resume_job(rank: int, world_size: int, out_dir: Path) -> dict:
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
     engine = MegatronEngine(str(out_dir / "qwen3_moe"), layout, optim=OptimConfig(lr=1e-2, warmup_steps=1, total_steps=6),
                             device="cpu", dtype=torch.float32, seed=0)
+    fresh = {}
+    with torch.no_grad():  # (tp, ep) = (1, 1): the checkpoint's logits before loading the trained weights
+        ids, mask = probe()
+        fresh["logits"] = engine.model(input_ids=ids, attention_mask=mask).logits
     engine.load_checkpoint(out_dir / "ckpt")
-    return {"resumed": engine.full_state_dict(rank0_only=False)}
+    return {"resumed": engine.full_state_dict(rank0_only=False), **fresh}
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
@@ -237,8 +241,11 @@ def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_c
     losses = results[0]["losses"]
     assert losses[-1] < losses[0] - 0.1, losses
     trained = results[0]["trained"]
-    resumed = run_ranks(_resume_job, 1, tmp_path, timeout_s=120)[0]["resumed"]
-    assert all(torch.equal(trained[k], v) for k, v in resumed.items())
+    one_rank = run_ranks(_resume_job, 1, tmp_path, timeout_s=120)[0]
+    assert all(torch.equal(trained[k], v) for k, v in one_rank["resumed"].items())
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe", dtype=torch.float32)
+    with torch.no_grad():
+        assert (one_rank["logits"] - hf(input_ids=ids, attention_mask=mask).logits).abs()[mask.bool()].max() < 1e-4
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf", dtype=torch.float32).state_dict()
     assert all(torch.equal(trained[k], exported[k]) for k in trained)
 
