@@ -1,8 +1,8 @@
-"""Mixture-of-experts RL on CPU: routing replay and learning against a dense model.
+"""Mixture-of-experts RL on CPU: Megatron's logits, routing replay, learning against a dense model.
 
-    python -m benchmarks.moe                 # routing numbers and 3 seeds of learning (~15 minutes)
+    python -m benchmarks.moe                 # all of it, 3 seeds of learning (~17 minutes)
     python -m benchmarks.moe --seeds 0       # one seed of learning
-    python -m benchmarks.moe --skip-learning # the routing numbers only (~20 s)
+    python -m benchmarks.moe --skip-learning # Megatron's logits and the routing numbers (~2 minutes)
 
 - Routing (in process, a tiny Qwen3-MoE with 8 experts, top-2, random weights): the native engine
   samples 64 responses and records each token's experts; the trainer (fp32) recomputes the
@@ -12,6 +12,9 @@
   selections the trainer's routers make as the rollout's did), `logprob_diff_*` (the largest
   |Δ log-prob| over response tokens). `routing_agreement_replay` is measured on the experts the
   trainer's forward actually used.
+- Megatron (gloo CPU ranks): `logits_max_abs_diff`, the largest |Δ logit| against Hugging Face's
+  over Qwen3-MoE (with and without `norm_topk_prob`) and Mixtral (4 experts, top-2, left-padded
+  rows) at (tp, ep) ∈ {(1, 1), (1, 2), (2, 1), (2, 2)} (`logits_by_layout`).
 - Learning: `asyncrl-launch --config-name moe_quickstart` (FSDP2, routing replay on), the same on
   Megatron with expert parallelism 2 (`actor.backend=megatron actor.moe.ep=2
   actor.moe.router_replay=none`) and `--config-name quickstart` (the dense Llama with the same
@@ -101,6 +104,41 @@ def arm(config: str, extra: list[str], workdir: Path, name: str, seeds: list[int
             "update_s": sum(update_s) / len(update_s), "wall_s": [r["wall_s"] for r in runs]}
 
 
+def _logits_job(rank: int, world: int, out_dir: Path) -> dict:
+    """fp32 logits of each MoE architecture at this (tp, ep) against HF's."""
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed
+    from asyncrl.train.megatron.engine import MegatronEngine
+    from tests.rl.test_megatron_moe import ARCHS, hf_moe, probe
+
+    init_distributed()
+    tp, ep = (int(x) for x in (out_dir / "layout").read_text().split())
+    layout = ParallelLayout.from_config(ParallelConfig(tp=tp), world)
+    res = {}
+    for arch in ARCHS:
+        engine = MegatronEngine(str(out_dir / arch), layout, optim=None, device="cpu", dtype=torch.float32, ep=ep)
+        ids, mask = probe()
+        with torch.no_grad():
+            got = engine.model(input_ids=ids, attention_mask=mask).logits
+            want = hf_moe(arch)(input_ids=ids, attention_mask=mask).logits
+        res[f"{arch}/tp{tp}ep{ep}"] = float((got - want).abs()[mask.bool()].max())
+    return res
+
+
+def megatron_logits(workdir: Path) -> dict:
+    from tests.helpers.gloo_ranks import run_ranks
+    from tests.rl.test_megatron_moe import ARCHS, hf_moe
+
+    for arch in ARCHS:
+        hf_moe(arch).save_pretrained(workdir / arch)
+    diffs: dict[str, float] = {}
+    for tp, ep in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        (workdir / "layout").write_text(f"{tp} {ep}")
+        for r in run_ranks(_logits_job, tp * ep, workdir, timeout_s=600):
+            diffs.update({k: max(diffs.get(k, 0.0), v) for k, v in r.items()})
+    return {"logits_max_abs_diff": max(diffs.values()), "logits_by_layout": diffs}
+
+
 def learning(seeds: list[int], workdir: Path) -> dict[str, float]:
     moe = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe"], workdir, "moe", seeds)
     megatron = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *MEGATRON_EP2], workdir, "moe-megatron", seeds)
@@ -118,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--skip-learning", action="store_true")
+    p.add_argument("--skip-megatron", action="store_true", help="no megatron-core logits (it is not installed)")
     a = p.parse_args(argv)
     out: dict = {"benchmark": "moe"}
+    if not a.skip_megatron:
+        with tempfile.TemporaryDirectory(prefix="asyncrl-moe-logits-") as tmp:
+            out.update(megatron_logits(Path(tmp)))
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         out.update({f"{k}_{name}": v for k, v in routing_numbers(dtype).items()})
     out["routing_agreement_replay"] = min(out["routing_agreement_replay_fp32"], out["routing_agreement_replay_bf16"])
