@@ -129,6 +129,10 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
 
     moe_tp = [k for k, v in sizes.items() if v > 1 and is_moe_config(model)
               and not (k == "actor.parallel.tp" and cfg.actor.backend == "megatron")]
+    if is_moe_config(model) and cfg.actor.backend == "fsdp2" and cfg.actor.parallel.pp > 1:
+        raise ConfigError(f"actor.parallel.pp={cfg.actor.parallel.pp}: {cfg.model.path} is a mixture-of-experts model, "
+                          "whose pipeline stages asyncrl's FSDP2 path does not load yet (experts are stored per expert, "
+                          "held fused); use pp=1, or actor.backend=megatron (pipeline stages at tp=1)")
     if moe_tp:
         raise ConfigError(f"{moe_tp[0]}={sizes[moe_tp[0]]}: {cfg.model.path} is a mixture-of-experts model, which "
                           "asyncrl generates, and trains on FSDP2, without tensor parallelism for now (FSDP2 shards "

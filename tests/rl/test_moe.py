@@ -196,8 +196,8 @@ def test_router_replay_settings_that_cannot_work_exit_2(tmp_path, capsys):
 
 
 def test_moe_layouts_asyncrl_cannot_run_exit_2_before_anything_starts(tmp_path, capsys):
-    """Tensor parallelism of a MoE model (no TP plan for its experts yet) or an expert-parallel size
-    that does not divide the experts: exit 2 with one paragraph naming the key, before a worker
+    """Tensor parallelism or FSDP2 pipeline stages of a MoE model (neither loads its experts yet) or
+    an expert-parallel size that does not divide the experts: exit 2 with one paragraph naming the key, before a worker
     starts (the model's config.json is read once the head is up, as for the other layout checks)."""
     from asyncrl.launch import main
 
@@ -208,7 +208,8 @@ def test_moe_layouts_asyncrl_cannot_run_exit_2_before_anything_starts(tmp_path, 
     build_tokenizer().save_pretrained(model)
     cases = [(["actor.parallel.tp=2", "trainer.n_workers=2"], "actor.parallel.tp=2: "),
              (["actor.backend=megatron", "actor.moe.ep=3", "trainer.n_workers=3"], "actor.moe.ep=3 must divide"),
-             (["rollout.parallel.tp=2", "actor.parallel.tp=2", "trainer.n_workers=2"], "without tensor parallelism")]
+             (["rollout.parallel.tp=2", "actor.parallel.tp=2", "trainer.n_workers=2"], "without tensor parallelism"),
+             (["actor.parallel.pp=2", "trainer.n_workers=2"], "actor.parallel.pp=2: ")]
     for extra, hint in cases:
         out = tmp_path / "out"
         assert main(["--config-name", "grpo", f"trainer.output_dir={out}", f"model.path={model}", *extra]) == 2, extra
