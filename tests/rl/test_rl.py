@@ -198,11 +198,13 @@ def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
 
 def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
     """Saved asynchronously (the step-2 checkpoint is marked complete once its background write
-    ends, while training goes on), killed with SIGKILL, resumed from step 2."""
+    ends, while training goes on; the step-4 save waits for it), killed with SIGKILL once step 2
+    is complete, resumed from the last complete checkpoint to the end. (With 4 steps in all the
+    run could finish before the kill landed: seen once in CI, 2026-11-27.)"""
     out = tmp_path / "resume"
     args = [*LAUNCH, "--config-name", "quickstart", f"trainer.output_dir={out}", f"model.path={tiny_model}",
-            "model.build_tiny=null", *SMALL, "trainer.total_steps=4", "trainer.save_every=2",
-            "trainer.eval_every=2", "trainer.loggers=[console,jsonl]", "trainer.async_save=true"]
+            "model.build_tiny=null", *SMALL, "trainer.total_steps=8", "trainer.save_every=2",
+            "trainer.eval_every=4", "trainer.loggers=[console,jsonl]", "trainer.async_save=true"]
     proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -216,16 +218,16 @@ def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
     finally:
         kill_group(proc, grace_s=1)
     rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert max(rows) in (2, 3)  # killed after the step-2 checkpoint, before the end
+    assert 2 <= max(rows) < 8  # killed after the step-2 checkpoint, before the end
     res = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 4
+    assert summary["steps"] == 8
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert 3 in steps[steps.index(2) + 1:]  # step 3 ran after step 2 (before the kill, or resumed)
-    assert steps[-1] == 4 and steps.count(1) == 1  # continued from step 2, not restarted at 1
-    state = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert steps[-1] == 8 and steps.count(1) == 1  # continued from a checkpoint, not restarted at 1
+    state = json.loads((out / "checkpoints" / "step_8" / "trainer_state.json").read_text())
     assert state["loader"]["position"] + state["loader"]["epoch"] * 10**6 > 0
 
 
