@@ -32,7 +32,7 @@ from asyncrl.agents.rollout import (
 from asyncrl.algorithms import core
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
-from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers, tap_of
+from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.roles import routing
 from asyncrl.roles.forward import response_forward
 from asyncrl.roles.pools import PoolWeights, StagedWeights
@@ -508,8 +508,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return None
         out = {"old_log_probs": logp, "entropy": ent}
         if routes:
-            experts = (getattr(self.actor.model, "routes", None) or tap_of(self.actor.model)).num_experts
-            out[OLD_ROUTES] = torch.cat(routes).to(route_dtype(experts))
+            out[OLD_ROUTES] = torch.cat(routes).to(route_dtype(routing.tap_for(self.actor.model).num_experts))
         return Batch(out)
 
     @register(THREE_D_PROTO)
@@ -573,7 +572,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         try:
             out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
         finally:
-            if (tap := getattr(self.actor.model, "routes", None) or tap_of(self.actor.model)) is not None:
+            if (tap := routing.tap_for(self.actor.model)) is not None:
                 tap.stop()
         if "rollout_log_probs" in batch and "old_log_probs" in batch:  # engine mismatch (+ staleness)
             out["rollout/logprob_diff_max"] = core.max_abs_diff(batch["old_log_probs"], batch["rollout_log_probs"],

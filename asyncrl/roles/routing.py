@@ -13,13 +13,18 @@ from asyncrl.single_controller.batch import Batch
 REPLAYED = {"rollout": ROUTES, "old_policy": OLD_ROUTES}  # router_replay -> the column it replays
 
 
+def tap_for(model: torch.nn.Module) -> RouterTap | None:
+    """The routers' tap of a model: megatron's `MegatronRoutes`, else the HF routers' (None: dense)."""
+    return getattr(model, "routes", None) or tap_of(model)
+
+
 def start(model: torch.nn.Module, mb: Batch, moe: MoEConfig, *, replay: str | None, losses: bool = False
           ) -> RouterTap | None:
     """Set the routers of `model` for the forward over `mb`: replay column `replay` (None: route
     freely), record their own choices, and keep their logits when `losses`. None for a dense model
     (or a Megatron model built without replay: its router losses are megatron's own)."""
-    megatron = getattr(model, "routes", None)  # `asyncrl.train.megatron.model.MegatronRoutes`
-    tap = megatron or tap_of(model)
+    tap = tap_for(model)
+    megatron = tap if getattr(model, "routes", None) is not None else None
     if tap is None:
         return None
     if replay is not None and replay not in mb:
