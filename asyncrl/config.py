@@ -202,6 +202,9 @@ class PPOUpdateConfig:
     # length and packed so that rows x the longest row (padding counted) stays within it, at most
     # micro_batch_size rows each; the loss is weighted to equal one pass over the mini-batch
     max_tokens_per_micro_batch: int = 0
+    # each micro-batch's rows as one packed row, no padding computed (asyncrl.train.packing):
+    # null = wherever the model has a varlen path (FSDP2 without pipeline stages), true = required
+    pack_sequences: bool | None = None
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
     shuffle: bool = True  # shuffle rows into mini-batches
     loss_agg_mode: str = "token-mean"
@@ -215,6 +218,15 @@ class PPOUpdateConfig:
         _check(not self.max_tokens_per_micro_batch or self.parallel.pp == 1, at + "max_tokens_per_micro_batch",
                self.max_tokens_per_micro_batch, f"needs {at}parallel.pp=1 (pipeline stages exchange activations "
                "of one shape, so their micro-batches are rows); set it to 0")
+        _check(self.pack_sequences is not True or self.parallel.pp == 1, at + "pack_sequences", True,
+               f"needs {at}parallel.pp=1 (pipeline stages exchange activations of one padded shape); "
+               "set it to null or false")
+        if self.parallel.sp > 1:
+            sp = at + "parallel.sp"
+            _check(self.pack_sequences is not False, sp, self.parallel.sp,
+                   f"Ulysses shards packed micro-batches; set {at}pack_sequences to null or true, or sp=1")
+            _check(self.parallel.pp == 1, sp, self.parallel.sp,
+                   f"runs without pipeline stages; set {at}parallel.pp=1 or sp=1")
         _one_of(at + "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
@@ -236,6 +248,12 @@ def _check_megatron(section: ActorConfig | CriticConfig, at: str) -> None:
         return
     _check(not section.lora.enabled, at + "lora.rank", section.lora.rank,
            f"LoRA trains with {at}backend=fsdp2 only; set {at}lora.rank=0 or {at}backend=fsdp2")
+    _check(section.parallel.sp == 1, at + "parallel.sp", section.parallel.sp,
+           f"Ulysses sequence parallelism runs on {at}backend=fsdp2 only (megatron's context parallelism "
+           "is not wired); set sp=1 or the fsdp2 backend")
+    _check(section.pack_sequences is not True, at + "pack_sequences", True,
+           f"packed sequences run on {at}backend=fsdp2 only for now (megatron's micro-batches are padded; "
+           "it trims their padding columns); set it to null or false")
 
 
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
@@ -601,6 +619,18 @@ class RLConfig(LaunchConfig):
     plan: PlanConfig = field(default_factory=PlanConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
+    def _check_token_budgets(self, at: str) -> None:
+        """A row is never split across micro-batches: every token budget holds the longest row."""
+        longest = self.data.max_prompt_len + self.rollout.max_tokens
+        budgets = {"actor.max_tokens_per_micro_batch": self.actor.max_tokens_per_micro_batch,
+                   "actor.log_prob_max_tokens_per_micro_batch": self.actor.log_prob_max_tokens_per_micro_batch,
+                   "critic.max_tokens_per_micro_batch": self.critic.max_tokens_per_micro_batch}
+        for key, budget in budgets.items():
+            _check(not budget or budget >= longest, at + key, budget,
+                   f"a row can reach data.max_prompt_len + rollout.max_tokens = {longest} tokens and a row is "
+                   f"never split across micro-batches; raise {key} to at least {longest} (or to 0: micro-batches "
+                   "by rows)")
+
     def check(self, at: str) -> None:
         super().check(at)
         if self.algorithm.name != "grpo" and self.algorithm.estimator != "grpo":
@@ -610,6 +640,7 @@ class RLConfig(LaunchConfig):
         self._check_placement(at)
         self._check_backends(at)
         self._check_router_replay(at)
+        self._check_token_budgets(at)
         training = self.trainer.mode == "train"  # an evaluation samples and scores only: n=1 and any batch do
         if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "

@@ -33,6 +33,7 @@ def check_inputs(cfg: RLConfig) -> None:
     the parallel sizes against the model (`cfg.model.path` resolved)."""
     check_files(cfg)
     _check_tp_fits_model(cfg)
+    _check_sequence_parallel(cfg)
     _check_megatron(cfg)
     _check_context_fits_model(cfg)
     check_memory(cfg)
@@ -149,6 +150,43 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
         if bad:
             raise ConfigError(f"{key}={tp} must divide the model's {', '.join(bad)} ({cfg.model.path}); "
                               "choose a common divisor")
+
+
+def _check_sequence_parallel(cfg: RLConfig) -> None:
+    """actor/critic.parallel.sp: it must divide the heads each TP rank holds, and the model must
+    have a varlen attention path (packed rows); mixture-of-experts routing is not sharded yet."""
+    from transformers import AutoConfig
+
+    from asyncrl.models.moe import is_moe_config
+    from asyncrl.train.ulysses import SequenceParallelError, check_sp
+
+    for role, path in (("actor", cfg.model.path), ("critic", cfg.critic.model_path or cfg.model.path)):
+        par = getattr(cfg, role).parallel
+        if par.sp == 1 or (role == "critic" and not needs_critic(cfg.algorithm.name)):
+            continue
+        model = AutoConfig.from_pretrained(path)
+        try:
+            check_sp(model, par.sp, par.tp)
+        except SequenceParallelError as e:
+            raise ConfigError(f"{role}.parallel.sp={par.sp}: {e} ({path})") from None
+        if is_moe_config(model):
+            raise ConfigError(f"{role}.parallel.sp={par.sp}: {path} is a mixture-of-experts model, whose routing "
+                              "asyncrl does not shard over sequence-parallel ranks yet; set sp=1")
+        reason = _packing_unsupported(model)
+        if reason:
+            raise ConfigError(f"{role}.parallel.sp={par.sp}: Ulysses runs on packed rows and {reason} ({path}); "
+                              "set sp=1")
+
+
+def _packing_unsupported(config: Any) -> str | None:
+    """Why the causal LM of `config` has no varlen attention path (None: it has one)."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    classes = [getattr(transformers, n, None) for n in names]
+    if not any(c is not None and getattr(c, "_supports_attention_backend", False) for c in classes):
+        return f"its architecture {names or config.model_type} does not route attention through transformers' interface"
+    return None
 
 
 def _check_megatron(cfg: RLConfig) -> None:

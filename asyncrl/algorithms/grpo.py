@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from asyncrl.algorithms import advantage, core
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
+from asyncrl.algorithms.roles import Roles, balance_tokens, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
 from asyncrl.metrics import mean_metrics
 from asyncrl.rewards.rules import REWARD_EXTRA
@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 
 
 async def _rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch) -> DistBatch:
-    gen = roles.rollout.generate_sequences(prompts)  # a future: the calls below wait on it, not the driver
+    gen = await balance_tokens(roles, await roles.rollout.generate_sequences(prompts))
     reward = roles.reward.compute_reward(gen)
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
-    return union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
+    return union_all(gen, await reward, *[await f for f in (old, ref) if f is not None])
 
 
 async def _grouped_rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch,
@@ -35,6 +35,7 @@ async def _grouped_rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch,
     if refill is None or not cfg.algorithm.filter_groups.enable:
         return await _rollout(roles, cfg, prompts), {}
     batch, meta = await dynamic_sample(roles, cfg, prompts, refill)
+    batch = await balance_tokens(roles, batch)
     old = roles.actor.compute_log_prob(batch) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(batch) if uses_ref(cfg) else None
     return union_all(batch, *[await f for f in (old, ref) if f is not None]), meta

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
+from asyncrl.algorithms.roles import Roles, balance_tokens, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
 from asyncrl.metrics import mean_metrics
 from asyncrl.single_controller.distbatch import DistBatch
@@ -17,12 +17,12 @@ from asyncrl.single_controller.distbatch import DistBatch
 
 async def ppo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
     """PPO with GAE (critic), KL penalty in the reward, clipped policy and value losses."""
-    gen = roles.rollout.generate_sequences(prompts)
+    gen = await balance_tokens(roles, await roles.rollout.generate_sequences(prompts))
     values = roles.critic.compute_values(gen)
     reward = roles.reward.compute_reward(gen)
     old = roles.actor.compute_log_prob(gen)
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
-    batch = union_all(await gen, await values, await reward, await old, *([await ref] if ref else []))
+    batch = union_all(gen, await values, await reward, await old, *([await ref] if ref else []))
     algo = cfg.algorithm
     adv = await roles.actor.apply(advantage.gae, batch, gamma=algo.gamma, lam=algo.lam, kl_coef=ctl.kl_coef,
                                   kl_penalty=algo.kl_penalty)
@@ -36,13 +36,13 @@ async def safe_rlhf_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts:
                          pretrain: DistBatch | None = None) -> dict[str, float]:
     """Safe-RLHF: reward (GAE critic) and cost advantages combined by the Lagrange multiplier
     (which the trainer moves after the step while the mean cost exceeds its limit)."""
-    gen = roles.rollout.generate_sequences(prompts)
+    gen = await balance_tokens(roles, await roles.rollout.generate_sequences(prompts))
     values = roles.critic.compute_values(gen)
     reward = roles.reward.compute_reward(gen)
     cost = roles.cost.compute_reward(gen) if roles.cost is not None else None
     old = roles.actor.compute_log_prob(gen)
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
-    batch = union_all(await gen, await values, await reward, await old,
+    batch = union_all(gen, await values, await reward, await old,
                       *[await f for f in (cost, ref) if f is not None])
     algo = cfg.algorithm
     adv = await roles.actor.apply(advantage.safe_rlhf, batch, gamma=algo.gamma, lam=algo.lam,

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config import RLConfig
+from asyncrl.single_controller.balance import balanced_shards, imbalance
 from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.parallel import TRAIN
+
+ROW_TOKENS = "row_tokens"  # each generated row's prompt + response tokens (generate_sequences)
 
 
 @dataclass
@@ -34,6 +38,34 @@ def union_all(first: DistBatch, *rest: DistBatch) -> DistBatch:
 
 
 def timings(batch: DistBatch) -> dict[str, float]:
-    """The per-phase worker timings (`timing/*_s`) the producing calls left in the batch's meta."""
-    return {k: float(v) for k, v in batch.meta.items() if k.startswith("timing/")}
+    """The per-phase worker timings (`timing/*_s`) the producing calls left in the batch's meta,
+    and the step's `perf/` numbers (`balance_tokens`)."""
+    return {k: float(v) for k, v in batch.meta.items() if k.startswith(("timing/", "perf/"))}
+
+
+async def balance_tokens(roles: Roles, batch: DistBatch) -> DistBatch:
+    """`batch`'s rows reordered so the actor's data-parallel ranks get near-equal tokens (each
+    prompt's samples kept together where the groups allow; `balanced_shards`); only the rows'
+    token counts come to the driver. The meta carries `perf/dp_token_imbalance` (the largest
+    rank's tokens over the mean) and `perf/dp_token_imbalance_unbalanced` (the arrival order's)."""
+    shards = roles.actor.layouts[TRAIN].data_shards(("dp",)) if TRAIN in roles.actor.layouts else 1
+    if ROW_TOKENS not in batch.columns or len(batch) == 0:
+        return batch
+    few = await batch.select(*[c for c in (ROW_TOKENS, "uid") if c in batch.columns], meta=False).fetch()
+    tokens = few[ROW_TOKENS].tolist()
+    before = imbalance(_shard_loads(tokens, shards))
+    if shards == 1 or len(tokens) % shards:  # the dispatch pads such a batch: left as it is
+        return batch.with_meta(**{"perf/dp_token_imbalance": before, "perf/dp_token_imbalance_unbalanced": before})
+    ids: dict = {}
+    groups = [ids.setdefault(u, len(ids)) for u in few["uid"]] if "uid" in few else None
+    order = balanced_shards(tokens, shards, groups)
+    after = imbalance(_shard_loads([tokens[i] for i in order], shards))
+    return batch.take(order).with_meta(**{"perf/dp_token_imbalance": after,
+                                          "perf/dp_token_imbalance_unbalanced": before})
+
+
+def _shard_loads(tokens: list[int], shards: int) -> list[float]:
+    """The tokens each of `shards` consecutive equal chunks holds (as the dispatch splits)."""
+    size = -(-len(tokens) // shards)
+    return [float(sum(tokens[i:i + size])) for i in range(0, len(tokens), size)] or [0.0]
 

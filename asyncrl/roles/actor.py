@@ -30,11 +30,12 @@ from asyncrl.agents.rollout import (
     trajectories_to_tensors,
 )
 from asyncrl.algorithms import core
+from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.roles import routing
-from asyncrl.roles.forward import response_forward
+from asyncrl.roles.forward import packed_view, response_forward
 from asyncrl.roles.pools import PoolWeights, StagedWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
@@ -69,7 +70,9 @@ from asyncrl.train.lora import (
     merged_weight,
     plain_name,
 )
+from asyncrl.train.packing import is_packing, resolve_packing
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
+from asyncrl.train.ulysses import run_turns, sequence_parallel, turn_loss
 from asyncrl.train.weight_sync import (
     Sending,
     TensorSpec,
@@ -107,6 +110,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             self._rollout_replica(base, layout)
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy="actor" in self.roles)
+        self._pack_engines(layout)
         self._hybrid_engine(base, layout)  # the reshard from training into generation weights
         self._pool_state()  # split placement: versions of weights from the training pool
         # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
@@ -249,6 +253,16 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             materialize(ref, self.device)
             copy_shards(self.actor.model, ref)
             self.ref = engine_cls(ref, layout, optim=None, device=self.device)
+
+    def _pack_engines(self, layout: ParallelLayout) -> None:
+        """Packed micro-batches (`actor.pack_sequences`) for the actor and the reference policy,
+        and Ulysses sequence parallelism over them (`actor.parallel.sp`)."""
+        engines = [e for e in (self.actor, self.ref) if e is not None]
+        for engine in engines:
+            resolve_packing(engine.model, self.cfg.actor.pack_sequences, "actor.",
+                            pipelined=getattr(engine, "pipelined", False))
+        if self.cfg.actor.parallel.sp > 1 and "actor" in self.roles:
+            sequence_parallel(layout, self.cfg.actor.parallel.sp, [e.model for e in engines], "actor.")
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:
@@ -403,6 +417,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         else:
             out, waves = self._generate_waves(prompts["input_ids"], prompts["attention_mask"], params, gen)
         out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
+        out[ROW_TOKENS] = out["attention_mask"].sum(-1)  # what balance_tokens reads on the driver
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
         timing = {"timing/sync_s": t1 - t0, "timing/gen_s": time.perf_counter() - t1}
@@ -471,14 +486,17 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         engine.model.eval()
         # by tokens never with pipeline stages (the config checks it)
         by_tokens = 0 if routes is not None else ac.log_prob_max_tokens_per_micro_batch
-        mbs, join = row_micro_batches(batch, ac.log_prob_micro_batch_size, by_tokens)
+        mbs, join = row_micro_batches(batch, ac.log_prob_micro_batch_size, by_tokens, is_packing(engine.model))
 
         def forward(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-            tap = routing.start(model, mb, ac.moe, replay=replay)
-            out = response_forward(model, mb, temp, with_entropy)
+            pk, view = packed_view(model, mb)
+            tap = routing.start(model, view, ac.moe, replay=replay)
+            out = response_forward(model, mb, temp, with_entropy, packed=pk)
             if tap is not None:
                 if routes is not None:
-                    routes.append(tap.chosen(used=True).reshape(*mb["input_ids"].shape, tap.layers, tap.top_k))
+                    chosen = tap.chosen(used=True)
+                    routes.append(pk.unpack(chosen, fill=NOT_RECORDED) if pk is not None
+                                  else chosen.reshape(*mb["input_ids"].shape, tap.layers, tap.top_k))
                 tap.stop()
             return out
 
@@ -488,7 +506,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                 if outs is None:
                     return None, None
             else:
-                outs = [forward(engine.model, mb) for mb in mbs]
+                outs = run_turns(engine.model, mbs, lambda mb: forward(engine.model, mb))
                 engine.release_unsharded()  # no backward follows a forward-only pass to reshard it
         if not outs:
             return torch.zeros(0, device=engine.device), None
@@ -536,8 +554,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         replay = routing.REPLAYED.get(ac.moe.router_replay)
 
         def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
-            tap = routing.start(model, mb, ac.moe, replay=replay, losses=True)  # in force through the backward
-            logp, ent = response_forward(model, mb, temp, with_entropy=True)  # logged for every algorithm
+            pk, view = packed_view(model, mb)
+            tap = routing.start(model, view, ac.moe, replay=replay, losses=True)  # in force through the backward
+            logp, ent = response_forward(model, mb, temp, with_entropy=True, packed=pk)  # logged for every algorithm
             mask = mb["response_mask"].float()
             # without recomputed old log-probs the update is on-policy (one epoch, one
             # mini-batch): the ratio is 1 and the gradient that of the clipped objective
@@ -563,7 +582,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                 loss = loss + ac.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.detach()
             if tap is not None:
-                router_loss, moe_metrics = routing.router_terms(tap, mb, ac.moe)
+                router_loss, moe_metrics = routing.router_terms(tap, view, ac.moe)
                 loss = loss + router_loss
                 metrics.update(moe_metrics)
             return loss, metrics
@@ -596,7 +615,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return coef * nll * (len(mb) / rows), {"actor/pretrain_loss": nll.detach()}
 
         self._release_generation_weights()
-        out = self.actor.train_step(micro_batches(batch, self.cfg.actor.micro_batch_size), loss_fn)
+        mbs = micro_batches(batch, self.cfg.actor.micro_batch_size)
+        out = self.actor.train_step(*turn_loss(self.actor.model, mbs, loss_fn))
         return {"actor/pretrain_loss": out["actor/pretrain_loss"]}
 
     @register(THREE_D_PROTO)

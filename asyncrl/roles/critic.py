@@ -28,6 +28,8 @@ from asyncrl.train import (
 )
 from asyncrl.train.load import either, load_sharded, materialize, new_head, skeleton
 from asyncrl.train.lora import apply_lora, fresh_adapter
+from asyncrl.train.packing import is_packing, resolve_packing
+from asyncrl.train.ulysses import run_turns, sequence_parallel
 
 VALUE_HEAD = ("score.", "classifier.")  # the token head transformers adds: not in a causal LM checkpoint
 
@@ -56,6 +58,9 @@ class CriticWorker(Worker):
         model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
         materialize(model, self.device)
         self.critic = FSDPEngine(model, layout, optim=cfg.critic.optim, device=self.device)
+        resolve_packing(model, cfg.critic.pack_sequences, "critic.")
+        if cfg.critic.parallel.sp > 1:
+            sequence_parallel(layout, cfg.critic.parallel.sp, [model], "critic.")
         head = new_head(VALUE_HEAD, model.config.initializer_range)
         if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)
             # no PEFT export: the critic's export is the merged value model (the head is no adapter)
@@ -68,9 +73,10 @@ class CriticWorker(Worker):
     def compute_values(self, batch: Batch) -> Batch:
         cc = self.cfg.critic
         self.critic.model.eval()
-        mbs, join = row_micro_batches(batch, cc.micro_batch_size, cc.max_tokens_per_micro_batch)
+        mbs, join = row_micro_batches(batch, cc.micro_batch_size, cc.max_tokens_per_micro_batch,
+                                      is_packing(self.critic.model))
         with torch.no_grad():
-            values = join([values_forward(self.critic.model, mb) for mb in mbs])
+            values = join(run_turns(self.critic.model, mbs, lambda mb: values_forward(self.critic.model, mb)))
             self.critic.release_unsharded()  # no backward follows a forward-only pass to reshard it
         return Batch({"values": values * batch["response_mask"].float()})
 

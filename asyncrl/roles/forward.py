@@ -14,26 +14,62 @@ from asyncrl.algorithms.core import entropy_from_logits, logprobs_from_logits
 from asyncrl.plan.memory import LOGIT_CHUNK_TOKENS
 from asyncrl.rollout.engine import last_positions
 from asyncrl.single_controller.batch import Batch
+from asyncrl.train.packing import Packed, is_packing, pack, predicting_slots
+from asyncrl.train.ulysses import LOGPROBS, VALUES, ulysses_of
 
 log = logging.getLogger(__name__)
 
 
 
 def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, packed: Packed | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, R] of `responses` (and entropies) under one forward of `model`.
 
     Logits are computed at the response positions only (`logits_to_keep`), and turned into
     log-probs and entropies in fp32 a chunk of positions at a time: no [rows, sequence, vocab]
     tensor and no full fp32 copy of the logits. Under autograd each chunk is recomputed in the
-    backward pass (activation checkpointing), so the graph keeps only the model's own logits."""
+    backward pass (activation checkpointing), so the graph keeps only the model's own logits.
+    A model set up for packing (`asyncrl.train.packing`) runs the rows as one packed row
+    (`packed`, or `mb` packed here); zeros where a row has no response token."""
     responses = mb["responses"]
     r = responses.shape[1]
+    if (sp := ulysses_of(model)) is not None:  # this rank's turn (asyncrl.train.ulysses.run_turns)
+        return sp.forward(model, mb, LOGPROBS, temperature, with_entropy)
+    if packed is not None or is_packing(model):
+        pk = packed or pack(mb)
+        slots = predicting_slots(pk, r)
+        keep = slots >= 0
+        logits = _packed_logits(model, mb, pk, slots[keep])
+        lp, ent = response_logprobs(logits, responses[keep][None], temperature, with_entropy)
+        return _scatter(lp[0], keep), (_scatter(ent[0], keep) if with_entropy else None)
     ids = mb["input_ids"]
     kwargs = {"logits_to_keep": last_positions(ids.shape[1], r + 1, ids.device)} if _keeps_logits(model) else {}
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                 position_ids=mb["position_ids"], use_cache=False, **kwargs)
     return response_logprobs(out.logits[:, -r - 1:-1], responses, temperature, with_entropy)
+
+
+def packed_view(model: torch.nn.Module, mb: Batch) -> tuple[Packed | None, Batch]:
+    """For a model set up for packing: `mb`'s packing and its packed view (what per-token hooks
+    read); else (None, `mb`)."""
+    if not is_packing(model):
+        return None, mb
+    pk = pack(mb)
+    return pk, pk.view(mb)
+
+
+def _packed_logits(model: torch.nn.Module, mb: Batch, pk: Packed, positions: torch.Tensor) -> torch.Tensor:
+    """The model's logits [1, len(positions), V] at packed `positions` of `mb` run packed."""
+    if _keeps_logits(model):
+        return model(**pk.model_kwargs(mb), use_cache=False, logits_to_keep=positions).logits
+    return model(**pk.model_kwargs(mb), use_cache=False).logits[:, positions]  # a token head: narrow
+
+
+def _scatter(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[kept] values back into a [B, R] grid of zeros at `keep` (differentiable)."""
+    out = values.new_zeros(keep.shape)
+    return out.masked_scatter(keep, values)
 
 
 def response_logprobs(logits: torch.Tensor, responses: torch.Tensor, temperature: float = 1.0,
@@ -83,12 +119,38 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:  # once per class, not per
         return False
 
 
-def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+def values_forward(model: torch.nn.Module, mb: Batch, packed: Packed | None = None) -> torch.Tensor:
     """Critic values [B, R] at the positions that predict each response token."""
     r = mb["responses"].shape[1]
+    if (sp := ulysses_of(model)) is not None:
+        return sp.forward(model, mb, VALUES)
+    if packed is not None or is_packing(model):
+        pk = packed or pack(mb)
+        slots = predicting_slots(pk, r)
+        keep = slots >= 0
+        return _scatter(_packed_logits(model, mb, pk, slots[keep])[0, :, 0].float(), keep)
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                 position_ids=mb["position_ids"], use_cache=False)
     return out.logits[:, -r - 1:-1, 0].float()
+
+
+def sequence_scores(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+    """A sequence classifier's scores [B, labels] for `mb`, read (as transformers does) at each
+    row's last token that is not the pad id; packed when the model is set up for it."""
+    if not is_packing(model) or not hasattr(model, "score"):
+        return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                     position_ids=mb["position_ids"]).logits
+    pk, ids = pack(mb), mb["input_ids"]
+    pad = model.config.pad_token_id
+    kept = ids != pad if pad is not None else torch.ones_like(ids, dtype=torch.bool)
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    last = (columns * kept).argmax(-1)
+    slots = pk.slots()[torch.arange(len(ids), device=ids.device), last]
+    kwargs = pk.model_kwargs(mb)
+    kwargs.pop("input_ids")
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=pk.pack(ids), use_cache=False, **kwargs).last_hidden_state
+    return model.score(hidden[0, slots.clamp(min=0)])
 
 
 def response_span(batch: Batch) -> torch.Tensor:

@@ -23,7 +23,7 @@ from asyncrl.rewards import (
     checked_score,
     load_reward_fn,
 )
-from asyncrl.roles.forward import decode_responses, response_span
+from asyncrl.roles.forward import decode_responses, response_span, sequence_scores
 from asyncrl.roles.process import check_node_paths, same_init_on_every_rank, setup_process
 from asyncrl.roles.update import micro_batches
 from asyncrl.single_controller.batch import Batch
@@ -31,6 +31,7 @@ from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
 from asyncrl.single_controller.protocols import DP_PROTO, LOCAL_ROWS, ONE_TO_ALL
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train.fsdp import compute_dtype
+from asyncrl.train.packing import resolve_packing
 
 
 class RuleRewardWorker(Worker):
@@ -147,6 +148,7 @@ class RewardModelWorker(Worker):
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()  # pulled batches arrive on self.device (Worker._run)
+        resolve_packing(self.model, None, "reward.")  # rows packed where the model can (exact)
         self.name = f"the {'reward' if output == 'scores' else 'cost'} model {path}"
 
     @register(DP_PROTO)
@@ -155,8 +157,7 @@ class RewardModelWorker(Worker):
         outs = []
         with torch.no_grad():
             for mb in micro_batches(batch, self.cfg.cost_model.micro_batch_size):
-                logits = self.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                                    position_ids=mb["position_ids"]).logits
+                logits = sequence_scores(self.model, mb)
                 outs.append(logits[:, 0].float())
         scores = torch.cat(outs)
         bad = (~torch.isfinite(scores)).nonzero()

@@ -8,24 +8,22 @@ import torch
 
 from asyncrl.config import PPOUpdateConfig
 from asyncrl.metrics import mean_metrics
+from asyncrl.single_controller.balance import karmarkar_karp
 from asyncrl.single_controller.batch import Batch
+from asyncrl.train.packing import SEQUENCE_COLUMNS, is_packing
+from asyncrl.train.ulysses import turn_loss
 
 # (model, micro-batch) -> (loss of that micro-batch as a mean over its rows, metrics)
 MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]
 
 
-SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids",  # prompt + response wide
-                    "routed_experts", "old_routed_experts")
-
-
-def row_micro_batches(batch: Batch, max_rows: int, max_tokens: int = 0
+def row_micro_batches(batch: Batch, max_rows: int, max_tokens: int = 0, packed: bool = False
                       ) -> tuple[list[Batch], Callable[[list[torch.Tensor]], torch.Tensor]]:
     """Micro-batches of `batch` for a forward-only pass with per-row outputs [rows_i, width_i],
     and how to join those outputs back into the batch's rows: by tokens when `max_tokens` > 0
-    (`token_micro_batches`: sorted, trimmed; outputs padded back and unpermuted), else `max_rows`
-    rows in order."""
+    (`token_micro_batches`: outputs padded back and unpermuted), else `max_rows` rows in order."""
     if max_tokens and len(batch):
-        mbs, order = token_micro_batches(batch, max_tokens, max_rows)
+        mbs, order = token_micro_batches(batch, max_tokens, max_rows, packed, agree=agreed_count)
         width = batch["responses"].shape[1]
         return mbs, lambda parts: unpermute(parts, order, width)
     return micro_batches(batch, max_rows), torch.cat
@@ -37,18 +35,53 @@ def micro_batches(batch: Batch, size: int, trim: bool = False) -> list[Batch]:
     return [trim_padding(mb) for mb in mbs] if trim else mbs
 
 
-def token_micro_batches(batch: Batch, max_tokens: int, max_rows: int) -> tuple[list[Batch], torch.Tensor]:
-    """`batch` in micro-batches of at most `max_tokens` tokens each, padding counted (rows x the
-    longest prompt + the longest response among them, the shape `trim_padding` leaves) and at most
-    `max_rows` rows: rows sorted longest first and packed greedily, so rows of similar length
-    share a micro-batch; a row longer than `max_tokens` goes alone. Returns the trimmed
-    micro-batches and the row order they hold (`batch.take(order)` concatenated)."""
+def token_micro_batches(batch: Batch, max_tokens: int, max_rows: int, packed: bool = False,
+                        agree: Callable[[int], int] | None = None) -> tuple[list[Batch], torch.Tensor]:
+    """`batch` in micro-batches of at most `max_tokens` tokens and `max_rows` rows each.
+
+    Packed (`packed`: the model runs each micro-batch as one row without padding) a micro-batch's
+    tokens are its rows' own, and the rows are split into the fewest micro-batches that fit,
+    balanced by tokens (Karmarkar–Karp). Padded, a micro-batch costs rows x (the longest prompt
+    + the longest response among them), the shape `trim_padding` leaves: rows sorted longest
+    first and packed greedily, so rows of similar length share one. A row over the budget goes
+    alone (the config refuses budgets below the longest row a run can make). `agree(count)`
+    returns the count every rank of the group uses (data-parallel ranks must run the same
+    number of forwards: each one gathers the sharded weights). Returns the trimmed micro-batches
+    and the row order they hold (`batch.take(order)` concatenated)."""
     prompt_len, response_len = _row_lengths(batch)
-    order = torch.argsort(prompt_len + response_len, descending=True, stable=True)
+    if packed:
+        groups = _packed_groups((prompt_len + response_len).tolist(), max_tokens, max_rows)
+    else:
+        groups = _padded_groups(prompt_len.tolist(), response_len.tolist(), max_tokens, max_rows)
+    if agree is not None:
+        count = agree(len(groups))
+        if count > len(groups):
+            groups = (_packed_groups((prompt_len + response_len).tolist(), max_tokens, max_rows, count) if packed
+                      else _split_to(groups, count))
+    mbs = [trim_padding(batch.take(torch.tensor(g))) for g in groups]
+    return mbs, torch.tensor([i for g in groups for i in g], dtype=torch.long)
+
+
+def _packed_groups(lengths: list[int], max_tokens: int, max_rows: int, at_least: int = 1) -> list[list[int]]:
+    """The fewest (>= `at_least`) token-balanced sets of rows within the budgets."""
+    n = len(lengths)
+    count = max(at_least, -(-sum(lengths) // max_tokens), -(-n // max_rows))
+    while True:
+        sets = [s for s in karmarkar_karp(lengths, min(count, n)) if s]
+        fits = all(len(s) <= max_rows and (len(s) == 1 or sum(lengths[i] for i in s) <= max_tokens) for s in sets)
+        if (fits and len(sets) >= min(at_least, n)) or count >= n:
+            return sets
+        count += 1
+
+
+def _padded_groups(prompt_len: list[int], response_len: list[int], max_tokens: int, max_rows: int
+                   ) -> list[list[int]]:
+    """Rows longest first, greedily into micro-batches whose padded shape fits the budgets."""
+    order = sorted(range(len(prompt_len)), key=lambda i: -(prompt_len[i] + response_len[i]))
     groups: list[list[int]] = []
     widest_prompt = widest_response = 0
-    for i in order.tolist():
-        p, r = int(prompt_len[i]), int(response_len[i])
+    for i in order:
+        p, r = prompt_len[i], response_len[i]
         if groups:
             wp, wr = max(widest_prompt, p), max(widest_response, r)
             if len(groups[-1]) < max_rows and (len(groups[-1]) + 1) * (wp + wr) <= max_tokens:
@@ -57,8 +90,33 @@ def token_micro_batches(batch: Batch, max_tokens: int, max_rows: int) -> tuple[l
                 continue
         groups.append([i])
         widest_prompt, widest_response = p, r
-    mbs = [trim_padding(batch.take(torch.tensor(g))) for g in groups]
-    return mbs, torch.tensor([i for g in groups for i in g], dtype=torch.long)
+    return groups
+
+
+def _split_to(groups: list[list[int]], count: int) -> list[list[int]]:
+    """`groups` split (the one with the most rows, in halves) until there are `count` of them."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        big = max(range(len(groups)), key=lambda j: len(groups[j]))
+        if len(groups[big]) < 2:
+            raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, groups))} rows")
+        g = groups.pop(big)
+        groups[big:big] = [g[:len(g) // 2], g[len(g) // 2:]]
+    return groups
+
+
+def agreed_count(count: int) -> int:
+    """The largest `count` over the ranks of this process group (a collective; `count` alone
+    outside a distributed run)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _row_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +186,8 @@ def ppo_update(engine, batch: Batch, cfg: PPOUpdateConfig, loss: MicroLoss,
         for mini in mini_batches(batch, cfg.ppo_mini_batches, cfg.shuffle, generator):
             by_tokens = cfg.max_tokens_per_micro_batch > 0  # then the loss is that of one pass over `mini`
             if by_tokens:
-                mbs, _ = token_micro_batches(mini, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size)
+                mbs, _ = token_micro_batches(mini, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size,
+                                             packed=is_packing(engine.model), agree=agreed_count)
             else:  # pipeline stages exchange activations of one shape: keep the padding there
                 mbs = micro_batches(mini, cfg.micro_batch_size, trim=not getattr(engine, "pipelined", False))
 
@@ -138,7 +197,7 @@ def ppo_update(engine, batch: Batch, cfg: PPOUpdateConfig, loss: MicroLoss,
                 share = micro_weight(mb, mini, cfg.loss_agg_mode) if by_tokens else len(mb) / len(mini)
                 return value * share, metrics
 
-            history.append(engine.train_step(mbs, weighted))
+            history.append(engine.train_step(*turn_loss(engine.model, mbs, weighted)))
     out = mean_metrics(history)
     out.pop("loss", None)
     return out

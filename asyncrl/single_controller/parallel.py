@@ -45,6 +45,9 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     dp: int = 0
+    # Ulysses sequence parallelism: groups of `sp` data-parallel ranks share each micro-batch's
+    # tokens (asyncrl.train.ulysses); it must divide dp and the heads per TP rank
+    sp: int = 1
 
 
 @dataclass
@@ -102,6 +105,11 @@ class ParallelLayout:
                 raise LayoutError(
                     f"parallel pp={cfg.pp} x dp={dp} x tp={cfg.tp} = {dp * model} ranks, but the "
                     f"world size is {world_size}; set dp=0 to fill it, or make pp*dp*tp = {world_size}")
+        sp = getattr(cfg, "sp", 1)
+        if sp < 1 or dp % sp:
+            raise LayoutError(f"parallel.sp={sp} must be >= 1 and divide the data-parallel size dp={dp} "
+                              "(sequence-parallel groups are sp data-parallel ranks); choose sp among "
+                              f"{[k for k in range(1, dp + 1) if dp % k == 0]}")
         return cls(TRAIN_DIMS, (cfg.pp, dp, cfg.tp), TRAIN)
 
     @classmethod

@@ -279,6 +279,7 @@ class FSDPEngine:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, Tensor] = {}
+        counts: dict[str, int] = {}  # a sequence-parallel turn this rank does not own logs nothing
         for micro_batch in micro_batches:
             loss, metrics = loss_fn(self.model, micro_batch)
             loss.backward()
@@ -286,12 +287,13 @@ class FSDPEngine:
             for k, v in metrics.items():
                 v = torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
                 metric_sums[k] = metric_sums.get(k, 0.0) + v
+                counts[k] = counts.get(k, 0) + 1
 
         grad_norm, lr, finite = self._optimizer_step()
 
         # One collective for every logged number; TP peers hold equal values, so dp suffices.
         names = sorted(metric_sums)
-        packed = torch.stack([loss_sum] + [metric_sums[k] / len(micro_batches) for k in names])
+        packed = torch.stack([loss_sum] + [metric_sums[k] / counts[k] for k in names])
         dist.all_reduce(packed, group=self.mesh.get_group())
         values = (packed / self.mesh.size()).tolist()
         out = {"loss": values[0], **dict(zip(names, values[1:], strict=True))}

@@ -1,0 +1,281 @@
+"""Packed sequences (`asyncrl.train.packing`), token-balanced partitions
+(`asyncrl.single_controller.balance`) and micro-batches by tokens: packed passes equal padded ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.roles.forward import packed_view, response_forward, sequence_scores, values_forward
+from asyncrl.roles.update import agreed_count, token_micro_batches, unpermute
+from asyncrl.single_controller.balance import balanced_shards, imbalance, karmarkar_karp
+from asyncrl.single_controller.batch import Batch
+from asyncrl.train.packing import enable_packing, is_packing, pack
+from tests.helpers.gloo_ranks import run_ranks
+
+TOL = 1e-5  # fp32: packed and padded differ by summation order only
+
+
+def lengths_batch(prompt_lens: list[int], response_lens: list[int], vocab: int = 64, prompt: int | None = None,
+                  response: int | None = None, seed: int = 0) -> Batch:
+    """A rollout-shaped batch: prompts left-padded to `prompt`, responses right-padded to `response`."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(prompt_lens)
+    p, r = prompt or max(prompt_lens), response or max(response_lens)
+    mask = torch.zeros(rows, p + r, dtype=torch.long)
+    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        mask[i, p - pl:p] = 1
+        mask[i, p:p + rl] = 1
+    ids = torch.randint(1, vocab, (rows, p + r), generator=g) * mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": positions, "responses": ids[:, p:],
+                  "response_mask": mask[:, p:]})
+
+
+def qwen2(cls_name: str = "Qwen2ForCausalLM", seed: int = 0, **extra):
+    import transformers
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0) | extra
+    config = transformers.Qwen2Config(**shape)
+    return getattr(transformers, cls_name)(config)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+BATCH = dict(prompt_lens=[6, 3, 1, 4, 2], response_lens=[9, 2, 0, 5, 11])
+
+
+def test_packed_log_probs_entropy_and_gradients_equal_padded():
+    model, mb = qwen2(), lengths_batch(**BATCH)
+    mask = mb["response_mask"].float()
+    inputs = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    attended = mb["attention_mask"].bool()
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    lp, ent = response_forward(model, mb, temperature=0.7, with_entropy=True)
+    (lp * mask).sum().backward()
+    padded = grads(model)
+    enable_packing(model)
+    assert is_packing(model)
+    lp2, ent2 = response_forward(model, mb, temperature=0.7, with_entropy=True)
+    (lp2 * mask).sum().backward()
+    lp, ent, lp2, ent2 = (t.detach() for t in (lp, ent, lp2, ent2))
+    assert float(((lp - lp2) * mask).abs().max()) < TOL
+    assert float(((ent - ent2) * mask).abs().max()) < TOL
+    assert max_diff(padded, grads(model)) < TOL
+    with torch.no_grad():  # a padded batch through a packing model: sdpa, unchanged
+        assert float((model(**inputs).logits - logits)[attended].abs().max()) == 0
+
+
+def test_packing_holds_under_activation_checkpointing():
+    """The recompute in the backward sees the row bounds (they travel in the forward's kwargs)."""
+    model, mb = qwen2(), lengths_batch(**BATCH)
+    mask = mb["response_mask"].float()
+    (response_forward(model, mb)[0] * mask).sum().backward()
+    padded = grads(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    enable_packing(model)
+    (response_forward(model, mb)[0] * mask).sum().backward()
+    assert max_diff(padded, grads(model)) < TOL
+
+
+def test_packed_values_and_reward_scores_equal_padded():
+    mb = lengths_batch(**BATCH)
+    critic = qwen2("Qwen2ForTokenClassification", num_labels=1, classifier_dropout=0.0)
+    v = values_forward(critic, mb)
+    enable_packing(critic)
+    mask = mb["response_mask"].float()
+    assert float(((values_forward(critic, mb) - v) * mask).detach().abs().max()) < TOL
+    reward = qwen2("Qwen2ForSequenceClassification", num_labels=1).eval()
+    mb["input_ids"][4, -1] = 0  # a response ending in the pad id: transformers reads the token before it
+    s = sequence_scores(reward, mb)
+    enable_packing(reward)
+    assert float((sequence_scores(reward, mb) - s).abs().max()) < TOL
+
+
+def test_a_mixture_of_experts_replays_and_records_the_same_routes_packed():
+    from asyncrl.config import MoEConfig
+    from asyncrl.models.moe import NOT_RECORDED
+    from asyncrl.roles import routing
+    from tests.rl.test_moe import tiny_qwen3_moe
+
+    model, mb = tiny_qwen3_moe(), lengths_batch(**BATCH)
+    mask = mb["attention_mask"].bool()
+    moe = MoEConfig(router_replay="old_policy")
+
+    def run(replay: str | None):
+        pk, view = packed_view(model, mb)
+        tap = routing.start(model, view, moe, replay=replay)
+        lp, _ = response_forward(model, mb, packed=pk)
+        chosen = tap.chosen(used=True)
+        routes = (pk.unpack(chosen, fill=NOT_RECORDED) if pk is not None
+                  else chosen.reshape(*mb["input_ids"].shape, tap.layers, tap.top_k))
+        tap.stop()
+        return lp, routes
+
+    lp, routes = run(None)
+    enable_packing(model)
+    lp2, routes2 = run(None)
+    rm = mb["response_mask"].bool()
+    assert float((lp - lp2)[rm].abs().max()) < TOL
+    assert torch.equal(routes[mask], routes2[mask]) and bool((routes2[~mask] == NOT_RECORDED).all())
+    mb["old_routed_experts"] = torch.randint(0, 4, routes.shape, generator=torch.Generator().manual_seed(1))
+    replayed, _ = run("old_routed_experts")  # packed, random routes replayed
+    model.set_attn_implementation("sdpa")
+    padded, _ = run("old_routed_experts")
+    assert float((replayed - padded)[rm].abs().max()) < TOL and float((replayed - lp)[rm].abs().max()) > 1e-3
+
+
+def test_packed_micro_batches_fit_the_budget_balance_tokens_and_cover_every_row_once():
+    lens = [3, 50, 7, 7, 20, 33, 1, 12, 40, 5, 9, 26]
+    mb = lengths_batch([2] * len(lens), lens, seed=3)
+    total = sum(lens) + 2 * len(lens)
+    mbs, order = token_micro_batches(mb, max_tokens=60, max_rows=8, packed=True)
+    tokens = [int(m["attention_mask"].sum()) for m in mbs]
+    assert max(tokens) <= 60 and sum(tokens) == total and len(mbs) == -(-total // 60) + 1
+    assert imbalance(tokens) < 1.15
+    assert sorted(order.tolist()) == list(range(len(lens)))
+    back = unpermute([m["response_mask"] for m in mbs], order, mb["responses"].shape[1])
+    assert torch.equal(back, mb["response_mask"])
+    more, _ = token_micro_batches(mb, max_tokens=60, max_rows=8, packed=True, agree=lambda k: k + 2)
+    assert len(more) == len(mbs) + 2  # another rank needs more forwards: everyone runs as many
+    padded, _ = token_micro_batches(mb, max_tokens=60, max_rows=8, agree=lambda k: k + 1)
+    assert len(padded) == len(token_micro_batches(mb, 60, 8)[0]) + 1
+
+
+def test_karmarkar_karp_balances_and_keeps_groups_whole():
+    weights = [100, 3, 3, 3, 3, 50, 50, 1, 2, 90, 10, 10]
+    sets = karmarkar_karp(weights, 3)
+    assert sorted(i for s in sets for i in s) == list(range(len(weights)))
+    loads = [sum(weights[i] for i in s) for s in sets]
+    assert imbalance(loads) < 1.05
+    equal = karmarkar_karp(weights, 4, equal_size=True)
+    assert {len(s) for s in equal} == {3}
+    # 4 groups of 2 rows each over 2 shards: a group never straddles shards
+    tokens = [900, 880, 800, 820, 10, 12, 20, 30]
+    groups = [0, 0, 1, 1, 2, 2, 3, 3]
+    order = balanced_shards(tokens, 2, groups)
+    shards = [order[:4], order[4:]]
+    assert all(len({groups[i] for i in s}) == 2 for s in shards)
+    naive = imbalance([sum(tokens[:4]), sum(tokens[4:])])
+    balanced = imbalance([sum(tokens[i] for i in s) for s in shards])
+    assert balanced < 1.1 < naive
+    with pytest.raises(ValueError, match="equal sets"):
+        karmarkar_karp([1, 2, 3], 2, equal_size=True)
+
+
+def _tp_ranks(rank: int, world: int, out_dir):
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed, parallelize
+
+    init_distributed()
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2), world)
+    mb = lengths_batch(**BATCH)
+    mask = mb["response_mask"].float()
+    out = {}
+    for packed in (False, True):
+        model = parallelize(qwen2(), layout)
+        if packed:
+            enable_packing(model)
+        lp, ent = response_forward(model, mb, with_entropy=True)
+        (lp * mask).sum().backward()
+        out[packed] = (lp.detach(), ent.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    return out
+
+
+def _dp_ranks(rank: int, world: int, out_dir):
+    """Rank 0 holds long rows, rank 1 short ones: the token micro-batch counts must agree."""
+    from asyncrl.train import init_distributed
+
+    init_distributed()
+    mb = lengths_batch([2] * 4, [30, 28, 31, 29] if rank == 0 else [2, 3, 1, 2], seed=rank)
+    mine = len(token_micro_batches(mb, max_tokens=40, max_rows=4, packed=True)[0])
+    agreed = len(token_micro_batches(mb, max_tokens=40, max_rows=4, packed=True, agree=agreed_count)[0])
+    return mine, agreed
+
+
+def test_packing_under_tensor_parallelism_equals_padded(tmp_path):
+    for rank_out in run_ranks(_tp_ranks, 2, tmp_path):
+        (lp, ent, g), (lp2, ent2, g2) = rank_out[False], rank_out[True]
+        mask = BATCH_MASK()
+        assert float(((lp - lp2) * mask).abs().max()) < TOL and float(((ent - ent2) * mask).abs().max()) < TOL
+        assert max_diff(g, g2) < TOL
+
+
+def test_data_parallel_ranks_agree_on_their_micro_batch_count(tmp_path):
+    (mine0, agreed0), (mine1, agreed1) = run_ranks(_dp_ranks, 2, tmp_path)
+    assert mine0 == 4 and mine1 == 1 and agreed0 == agreed1 == 4
+
+
+def BATCH_MASK() -> torch.Tensor:  # noqa: N802 - the module's batch's response mask
+    return lengths_batch(**BATCH)["response_mask"].float()
+
+
+def test_pack_keeps_each_rows_tokens_in_order():
+    mb = lengths_batch([2, 1], [1, 3])
+    pk = pack(mb)
+    assert pk.cu.tolist() == [0, 3, 7] and pk.max_len == 4
+    packed = pk.pack(mb["input_ids"])[0]
+    assert packed.tolist() == mb["input_ids"][mb["attention_mask"].bool()].tolist()
+    assert pk.pack(mb["position_ids"])[0].tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert torch.equal(pk.unpack(pk.pack(mb["input_ids"])), mb["input_ids"])
+
+
+def _sp_ranks(rank: int, world: int, out_dir):
+    """Each rank its own rows (one long); sp=1 (plain data parallel) against sp=2 (Ulysses)."""
+    import torch.distributed as dist
+
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed
+    from asyncrl.train.ulysses import run_turns, sequence_parallel, turn_loss
+
+    init_distributed()
+    layout = ParallelLayout.from_config(ParallelConfig(), world)
+    mb = lengths_batch([3, 2, 4], [25, 3, 7] if rank == 0 else [1, 9, 2], seed=rank)
+    mask = mb["response_mask"].float()
+    out = {}
+    for kv in (2, 1):  # kv heads that divide sp, and one that is repeated up to the query heads
+        for sp in (1, 2):
+            model = qwen2(num_key_value_heads=kv)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_packing(model)
+            if sp > 1:
+                sequence_parallel(layout, sp, [model], "actor.")
+            with torch.no_grad():
+                (lp, ent), = run_turns(model, [mb], lambda b: response_forward(model, b, 0.9, with_entropy=True))
+            halves = [mb.slice(0, 2), mb.slice(2, 3)]  # two micro-batches: turns interleave with the other rank's
+            steps, loss_fn = turn_loss(model, halves, lambda m, b: ((response_forward(m, b, 0.9)[0]
+                                                                     * b["response_mask"]).sum(), {"n": 1.0}))
+            logged = []
+            for step in steps:
+                loss, metrics = loss_fn(model, step)
+                loss.backward()
+                logged.append(metrics)
+            g = {n: p.grad for n, p in model.named_parameters()}
+            for t in g.values():
+                dist.all_reduce(t)
+            out[kv, sp] = ((lp * mask).detach(), (ent * mask).detach(), g, len(steps), sum(bool(m) for m in logged))
+    return out
+
+
+def test_ulysses_sequence_parallel_equals_data_parallel(tmp_path):
+    """sp=2 over two ranks: the same log-probs, entropies and summed gradients as sp=1, with a
+    row longer than all the other rows together, activation checkpointing on, GQA kv heads of 2 and 1."""
+    for out in run_ranks(_sp_ranks, 2, tmp_path):
+        for kv in (2, 1):
+            (lp, ent, g, n, owned), (lp2, ent2, g2, n2, owned2) = out[kv, 1], out[kv, 2]
+            assert float((lp - lp2).abs().max()) < TOL and float((ent - ent2).abs().max()) < TOL
+            assert max_diff(g, g2) < TOL
+            assert (n, owned, n2, owned2) == (2, 2, 4, 2)  # two turns each: one owned, one shared
