@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 
 
 async def _rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch) -> DistBatch:
-    gen = await balance_tokens(roles, await roles.rollout.generate_sequences(prompts))
+    gen = roles.rollout.generate_sequences(prompts)  # a future: the calls below wait on it, not the driver
     reward = roles.reward.compute_reward(gen)
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
-    return union_all(gen, await reward, *[await f for f in (old, ref) if f is not None])
+    return union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
 
 
 async def _grouped_rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch,
@@ -35,7 +35,6 @@ async def _grouped_rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch,
     if refill is None or not cfg.algorithm.filter_groups.enable:
         return await _rollout(roles, cfg, prompts), {}
     batch, meta = await dynamic_sample(roles, cfg, prompts, refill)
-    batch = await balance_tokens(roles, batch)
     old = roles.actor.compute_log_prob(batch) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(batch) if uses_ref(cfg) else None
     return union_all(batch, *[await f for f in (old, ref) if f is not None]), meta
@@ -98,7 +97,8 @@ async def grpo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
     norm = cfg.algorithm.estimator == "grpo" and cfg.algorithm.norm_adv_by_std
     adv = await roles.actor.apply(advantage.grpo, batch, norm_by_std=norm, kl_coef=ctl.kl_coef,
                                   kl_penalty=cfg.algorithm.kl_penalty)
-    actor = await roles.actor.update_actor(batch.union(adv))
+    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **dynamic, **adv.meta, **mean_metrics(actor)}
 
 
@@ -107,7 +107,8 @@ async def rloo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
     """RLOO: leave-one-out baseline over each prompt's n samples."""
     batch, dynamic = await _grouped_rollout(roles, cfg, prompts, refill)
     adv = await roles.actor.apply(advantage.rloo, batch, kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
-    actor = await roles.actor.update_actor(batch.union(adv))
+    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **dynamic, **adv.meta, **mean_metrics(actor)}
 
 
@@ -116,5 +117,6 @@ async def reinforce_pp_step(roles: Roles, cfg: RLConfig, ctl: Controllers, promp
     batch = await _rollout(roles, cfg, prompts)
     adv = await roles.actor.apply(advantage.reinforce_pp, batch, gamma=cfg.algorithm.gamma,
                                   kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
-    actor = await roles.actor.update_actor(batch.union(adv))
+    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **adv.meta, **mean_metrics(actor)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
-from asyncrl.algorithms.roles import Roles, timings, union_all, uses_ref
+from asyncrl.algorithms.roles import Roles, balance_tokens, timings, union_all, uses_ref
 from asyncrl.config import RLConfig
 from asyncrl.metrics import mean_metrics
 from asyncrl.single_controller.distbatch import DistBatch
@@ -20,5 +20,6 @@ async def remax_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dis
     batch = union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
     adv = await roles.actor.apply(advantage.remax, batch, baseline=await baseline, kl_coef=ctl.kl_coef,
                                   kl_penalty=cfg.algorithm.kl_penalty)
-    actor = await roles.actor.update_actor(batch.union(adv))
+    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **adv.meta, **mean_metrics(actor)}

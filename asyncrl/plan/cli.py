@@ -104,12 +104,14 @@ def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile) -> list[st
     else:
         out.append("trainer.placement=colocated")
     a = s["actor"]
-    out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}",
-            f"actor.micro_batch_size={a.micro_batch}", f"actor.log_prob_micro_batch_size={a.micro_batch}",
+    out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}"]
+    out += [f"actor.parallel.sp={a.sp}"] if a.sp > 1 else []
+    out += [f"actor.micro_batch_size={a.micro_batch}", f"actor.log_prob_micro_batch_size={a.micro_batch}",
             f"rollout.parallel.tp={s[ROLLOUT].gen_tp if plan.split else a.gen_tp}"]
     if "critic" in s:
         c = s["critic"]
         out += [f"critic.parallel.dp={c.dp}", f"critic.parallel.tp={c.tp}", f"critic.micro_batch_size={c.micro_batch}"]
+        out += [f"critic.parallel.sp={c.sp}"] if c.sp > 1 else []
     if "reward" in s:
         out.append(f"cost_model.micro_batch_size={s['reward'].micro_batch}")
     return out

@@ -12,7 +12,7 @@ preflight's and `asyncrl-plan`'s breakdown: one model of it), priced with the co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import (
@@ -39,13 +39,14 @@ class Strategy:
     pp: int = 1
     micro_batch: int = 1
     gen_tp: int = 1
+    sp: int = 1  # Ulysses: groups of sp dp ranks share each micro-batch's tokens
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
 
     def label(self) -> str:
-        text = f"dp{self.dp}·tp{self.tp}·pp{self.pp} mb{self.micro_batch}"
+        text = f"dp{self.dp}·tp{self.tp}·pp{self.pp}" + (f"·sp{self.sp}" if self.sp > 1 else "") + f" mb{self.micro_batch}"
         return text + (f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else "")
 
 
@@ -122,6 +123,9 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
     if s.pp > 1:
         bw, latency = profile.bandwidth(mesh.spans(s.pp, s.tp))
         stage += (2 if train else 1) * (latency + act / bw)
+    if s.sp > 1:  # Ulysses: per layer and pass, q/k/v out and attention back, each (sp-1)/sp of a slice
+        bw, latency = profile.bandwidth(mesh.spans(s.sp, s.tp * s.pp))
+        stage += passes * model.layers / s.pp * 4 * (latency + (s.sp - 1) / s.sp * act / s.tp / bw)
     # FSDP (asyncrl's engine reshards after forward and syncs gradients every micro-batch): each
     # micro-batch gathers every block's parameters for forward (and again for backward) and
     # reduce-scatters its gradients; the bytes are prefetched and overlap the compute, the
@@ -136,7 +140,7 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
     if train:  # the optimizer reads and writes the state shard
         per_step += 2 * model.params * TRAIN_STATE_BYTES / (s.tp * s.pp * s.dp) / (profile.mem_bw * profile.mem_bw_efficiency)
     time_s = steps * per_step + profile.call_overhead_s
-    knobs = knobs or Knobs(compute_bytes=profile.bytes_per_param)
+    knobs = replace(knobs or Knobs(compute_bytes=profile.bytes_per_param), sp=s.sp)
     width = w.response_len + 1  # the scored positions
     if train:
         parts = update_pass(model, rows, w.seq_len, width, s.tp, knobs, layers=model.layers / s.pp,

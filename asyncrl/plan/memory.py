@@ -96,6 +96,7 @@ class Knobs:
     critic_lora_params: int = 0  # critic.lora: its adapters' parameters (they and the value head train)
     megatron: bool = False  # actor.backend=megatron: whole TP x PP shards per rank, optimizer state over DP
     ep: int = 1  # actor.moe.ep (megatron): each rank holds experts / ep of the experts
+    sp: int = 1  # actor.parallel.sp (Ulysses): a micro-batch's tokens split over sp ranks
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -106,7 +107,7 @@ class Knobs:
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
-                   megatron=cfg.actor.backend == "megatron", ep=cfg.actor.moe.ep)
+                   megatron=cfg.actor.backend == "megatron", ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp)
 
 
 def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -176,8 +177,8 @@ def forward_only_weights(spec: ModelSpec, shards: int, knobs: Knobs) -> float:
 def forward_pass(spec: ModelSpec, rows: float, width: float, tp: int, knobs: Knobs) -> dict[str, float]:
     """A log-prob (or value) pass over `rows` rows of `width` scored positions: the logits there and
     an fp32 chunk, two gathered layers, and the gathered embedding (FSDP's root unit)."""
-    cb = knobs.compute_bytes
-    return {"log-prob logits": rows * width * _outputs(spec) / tp * cb + 2 * _chunk(spec, rows * width),
+    cb, scored = knobs.compute_bytes, rows * width / knobs.sp  # sequence parallel: a rank scores its slice
+    return {"log-prob logits": scored * _outputs(spec) / tp * cb + 2 * _chunk(spec, scored),
             **_gathered(spec, tp, cb, knobs)}
 
 
@@ -190,16 +191,26 @@ def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int,
     cb, layers = knobs.compute_bytes, spec.layers if layers is None else layers
     if knobs.max_tokens_per_micro_batch:
         rows = min(rows, max(1.0, knobs.max_tokens_per_micro_batch / seq))
-    tokens = rows * seq
+    tokens = rows * seq / knobs.sp  # this rank's slice of the micro-batch (Ulysses)
     per_layer = tokens * (ACTIVATION_HIDDENS * spec.hidden + ACTIVATION_FFNS * spec.active_ffn + _moe_extra(spec)) * cb / tp
     kept = tokens * spec.hidden * cb * layers + per_layer if knobs.gradient_checkpointing else per_layer * layers
     gathered = _gathered(spec, tp, cb, knobs)
+    scored = rows * width / knobs.sp
     return {"update activations": kept * in_flight,
-            "update logits and their gradient": 2 * rows * width * _outputs(spec) / tp * cb
-            + 3 * _chunk(spec, rows * width),
+            **({"Ulysses all-to-all buffers": ulysses_buffers(spec, tokens, tp, knobs)} if knobs.sp > 1 else {}),
+            "update logits and their gradient": 2 * scored * _outputs(spec) / tp * cb
+            + 3 * _chunk(spec, scored),
             **gathered,  # LoRA: the embedding is frozen, no gradient
             "embedding gradient (unsharded)": 0.0 if knobs.lora_params or knobs.megatron else
             (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
+
+
+def ulysses_buffers(spec: ModelSpec, tokens: float, tp: int, knobs: Knobs) -> float:
+    """One layer's all-to-all exchange around attention: q, k and v (kv heads repeated up to the
+    query heads when they do not divide by sp) sent and received, and the output's way back."""
+    kv = spec.kv_heads if spec.kv_heads % knobs.sp == 0 else spec.heads
+    width = (spec.head_dim or spec.hidden // spec.heads) * (2 * spec.heads + 2 * kv) / tp
+    return 2 * tokens * width * knobs.compute_bytes
 
 
 def generation(spec: ModelSpec, rows: float, seq: float, gen_tp: int, knobs: Knobs) -> dict[str, float]:

@@ -35,6 +35,7 @@ from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import RUNTIME_BYTES, Knobs, checkpoint_phases
 from asyncrl.plan.workload import Stage, Workload
 
+SP_FROM_TOKENS = 8192  # sequences at least this long: the search also tries Ulysses sequence parallelism
 ROLLOUT = "rollout"  # the generation engine as a unit of its own (asyncrl's trainer.placement=split)
 
 
@@ -165,8 +166,11 @@ class SearchSpace:
                     limit = tp if self.deployable else tp * pp
                     gens = [g for g in _powers_of_two(min(limit, self.per_node)) if limit % g == 0 and model.heads % g == 0]
                     gens = [1] if model.experts and self.deployable else gens
+                sps = [1]
+                if self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic"):
+                    sps = [k for k in _powers_of_two(min(dp, self.per_node)) if (model.heads // tp) % k == 0]
                 for mb in mbs:
-                    out.extend(Strategy(dp, tp, pp, mb, g) for g in gens)
+                    out.extend(Strategy(dp, tp, pp, mb, g, sp) for g in gens for sp in sps)
         return tuple(out)
 
     # pricing ----------------------------------------------------------------------------------
