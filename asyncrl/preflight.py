@@ -153,16 +153,25 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
 
 
 def _check_sequence_parallel(cfg: RLConfig) -> None:
-    """actor/critic.parallel.sp: it must divide the heads each TP rank holds, and the model must
-    have a varlen attention path (packed rows); mixture-of-experts routing is not sharded yet."""
+    """actor/critic.pack_sequences=true and parallel.sp: the model must have a varlen attention
+    path (packed rows), sp must divide the heads each TP rank holds, and mixture-of-experts
+    routing is not sharded over sequence-parallel ranks yet."""
     from transformers import AutoConfig
 
     from asyncrl.models.moe import is_moe_config
     from asyncrl.train.ulysses import SequenceParallelError, check_sp
 
     for role, path in (("actor", cfg.model.path), ("critic", cfg.critic.model_path or cfg.model.path)):
-        par = getattr(cfg, role).parallel
-        if par.sp == 1 or (role == "critic" and not needs_critic(cfg.algorithm.name)):
+        section = getattr(cfg, role)
+        par = section.parallel
+        if role == "critic" and not needs_critic(cfg.algorithm.name):
+            continue
+        if section.pack_sequences and par.sp == 1:
+            reason = _packing_unsupported(AutoConfig.from_pretrained(path))
+            if reason:
+                raise ConfigError(f"{role}.pack_sequences=true: packed rows need a varlen attention path and {reason} "
+                                  f"({path}); set it to null (pack where possible) or false")
+        if par.sp == 1:
             continue
         model = AutoConfig.from_pretrained(path)
         try:

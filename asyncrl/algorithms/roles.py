@@ -44,21 +44,19 @@ def timings(batch: DistBatch) -> dict[str, float]:
 
 
 async def balance_tokens(roles: Roles, batch: DistBatch) -> DistBatch:
-    """`batch`'s rows reordered so the actor's data-parallel ranks get near-equal tokens (each
-    prompt's samples kept together where the groups allow; `balanced_shards`); only the rows'
-    token counts come to the driver. The meta carries `perf/dp_token_imbalance` (the largest
-    rank's tokens over the mean) and `perf/dp_token_imbalance_unbalanced` (the arrival order's)."""
+    """`batch`'s rows reordered so the actor's data-parallel ranks get near-equal tokens for the
+    update (Karmarkar–Karp over rows: the advantages are computed by then, so a prompt's samples
+    need not stay together); only the rows' token counts come to the driver. The meta carries
+    `perf/dp_token_imbalance` (the largest rank's tokens over the mean) and
+    `perf/dp_token_imbalance_unbalanced` (the arrival order's)."""
     shards = roles.actor.layouts[TRAIN].data_shards(("dp",)) if TRAIN in roles.actor.layouts else 1
     if ROW_TOKENS not in batch.columns or len(batch) == 0:
         return batch
-    few = await batch.select(*[c for c in (ROW_TOKENS, "uid") if c in batch.columns], meta=False).fetch()
-    tokens = few[ROW_TOKENS].tolist()
+    tokens = (await batch.select(ROW_TOKENS, meta=False).fetch())[ROW_TOKENS].tolist()
     before = imbalance(_shard_loads(tokens, shards))
     if shards == 1 or len(tokens) % shards:  # the dispatch pads such a batch: left as it is
         return batch.with_meta(**{"perf/dp_token_imbalance": before, "perf/dp_token_imbalance_unbalanced": before})
-    ids: dict = {}
-    groups = [ids.setdefault(u, len(ids)) for u in few["uid"]] if "uid" in few else None
-    order = balanced_shards(tokens, shards, groups)
+    order = balanced_shards(tokens, shards)
     after = imbalance(_shard_loads([tokens[i] for i in order], shards))
     return batch.take(order).with_meta(**{"perf/dp_token_imbalance": after,
                                           "perf/dp_token_imbalance_unbalanced": before})

@@ -49,29 +49,11 @@ def imbalance(loads: Sequence[float]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def balanced_shards(tokens: Sequence[float], shards: int, groups: Sequence[int] | None = None) -> list[int]:
-    """A row order whose `shards` equal consecutive chunks carry near-equal tokens: rows of one
-    group (e.g. a GRPO prompt's samples, `groups[i]` = its group id) stay in one shard when
-    every group has the same size and the groups divide evenly; else rows are balanced alone.
-    The rows divide by `shards` (the dispatch pads to it first)."""
-    n = len(tokens)
-    units = _units(groups, n, shards)
-    weights = [sum(tokens[i] for i in unit) for unit in units]
-    sets = karmarkar_karp(weights, shards, equal_size=True)
-    return [i for s in sets for u in s for i in units[u]]
-
-
-def _units(groups: Sequence[int] | None, n: int, shards: int) -> list[list[int]]:
-    """The indivisible units of rows: whole groups when they are equal-sized and their count
-    divides by `shards` (so every shard gets the same number of rows), else single rows."""
-    if groups is not None and len(groups) == n:
-        members: dict[int, list[int]] = {}
-        for i, g in enumerate(groups):
-            members.setdefault(g, []).append(i)
-        units = list(members.values())
-        if len({len(u) for u in units}) == 1 and len(units) % shards == 0:
-            return units
-    return [[i] for i in range(n)]
+def balanced_shards(tokens: Sequence[float], shards: int) -> list[int]:
+    """A row order whose `shards` equal consecutive chunks (the dispatch's split) carry
+    near-equal tokens; the rows must divide by `shards`."""
+    sets = karmarkar_karp(tokens, shards, equal_size=True)
+    return [i for s in sets for i in s]
 
 
 __all__ = ["balanced_shards", "imbalance", "karmarkar_karp"]

@@ -1,0 +1,276 @@
+"""Long, long-tailed responses on CPU ranks: packed against padded training steps, token-balanced
+data parallelism, and Ulysses sequence parallelism's memory.
+
+    python -m benchmarks.long_context            # ~6 minutes on 2 cores
+    python -m benchmarks.long_context --quick    # smaller batch and a 4 K-token row (~2 minutes)
+
+- Throughput (2 gloo ranks, FSDP2, the actor's update as `update_actor` runs it: `ppo_update`
+  with the PPO-clip loss, fp32): a batch of `--rows` rows, prompts of 64-128 tokens, responses
+  log-normal (median 256, sigma 1, clipped to 64 … 4 096 tokens; `response_p99_over_p50` is the
+  batch's own), split over the ranks as `balance_tokens` splits it. `packed_speedup` = training
+  tokens / s with `actor.pack_sequences` (default) over `pack_sequences=false`, micro-batches of
+  `micro_batch_size` rows each; `packed_speedup_token_budget` the same with
+  `max_tokens_per_micro_batch` (the padded path then sorts rows by length: its best case).
+  The model: Qwen2 with hidden 512, 8 heads / 2 KV heads, intermediate 1 536, 2 layers,
+  vocabulary 8 192 (random weights).
+- `packed_max_abs_diff`: the largest |Δ log-prob| and |Δ grad| between the packed and the padded
+  forward of that model over 8 of the batch's rows (fp32).
+- `dp_token_imbalance`: the largest rank's tokens over the mean after `balance_tokens`'
+  Karmarkar–Karp split of that batch over the 2 ranks, beside `dp_token_imbalance_unbalanced`
+  (the arrival order's equal chunks); `*_256x8` the same for 256 rows over 8 ranks.
+- Ulysses (2 gloo ranks, each with one row of `--sp-tokens` tokens: 3/4 prompt, 1/4 response; the
+  Qwen2.5-0.5B shape with 2 layers and a 32 768 vocabulary, activation checkpointing on): the
+  update's peak resident memory above the memory before it, per rank, sp = 2 over sp = 1
+  (`sp2_memory_ratio`), and the estimate's (`asyncrl.plan.memory.update_pass`) ratio beside it.
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=8192, max_position_embeddings=16384)
+QWEN05_2L = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=32768, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def model_of(shape: dict, seed: int = 0, checkpointing: bool = False):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(pad_token_id=0, **shape))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def rollout_batch(rows: int, vocab: int, seed: int = 0, max_response: int = 4096):
+    """Rows shaped as generate_sequences returns them, with the step's advantages and old log-probs."""
+    from asyncrl.single_controller.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(64, 129, (rows,), generator=g)
+    responses = torch.exp(math.log(256) + torch.randn(rows, generator=g)).round().clamp(64, max_response).long()
+    p, r = int(prompts.max()), int(responses.max())
+    mask = torch.zeros(rows, p + r, dtype=torch.long)
+    for i in range(rows):
+        mask[i, p - prompts[i]:p] = 1
+        mask[i, p:p + responses[i]] = 1
+    ids = torch.randint(1, vocab, (rows, p + r), generator=g) * mask
+    batch = Batch({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                   "responses": ids[:, p:], "response_mask": mask[:, p:],
+                   "advantages": torch.randn(rows, r, generator=g) * mask[:, p:],
+                   "old_log_probs": torch.zeros(rows, r)})
+    return batch, (prompts + responses).tolist(), responses
+
+
+def _loss(model, mb):
+    from asyncrl.algorithms import core
+    from asyncrl.roles.forward import response_forward
+
+    logp, _ = response_forward(model, mb)
+    mask = mb["response_mask"].float()
+    loss, _ = core.ppo_policy_loss(logp.detach(), logp, mb["advantages"], mask, clip_ratio_low=0.2,
+                                   clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    return loss, {}
+
+
+def _engine(shape: dict, packed: bool, sp: int = 1, checkpointing: bool = False):
+    from asyncrl.config import OptimConfig
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import FSDPEngine, init_distributed, parallelize
+    from asyncrl.train.packing import enable_packing
+    from asyncrl.train.ulysses import sequence_parallel
+
+    init_distributed()
+    layout = ParallelLayout.from_config(ParallelConfig(sp=sp), int(os.environ["WORLD_SIZE"]))
+    model = parallelize(model_of(shape, checkpointing=checkpointing), layout)
+    engine = FSDPEngine(model, layout, optim=OptimConfig(lr=1e-6), device="cpu")
+    if packed:
+        enable_packing(model)
+    if sp > 1:
+        sequence_parallel(layout, sp, [model], "actor.")
+    return engine
+
+
+def _update_cfg(micro_rows: int, max_tokens: int):
+    from asyncrl.config import PPOUpdateConfig
+
+    return PPOUpdateConfig(micro_batch_size=micro_rows, max_tokens_per_micro_batch=max_tokens, shuffle=False)
+
+
+def _throughput_rank(rank: int, args: dict) -> dict:
+    """Training tokens / s of one update over this rank's balanced share, packed and padded."""
+    from asyncrl.roles.update import ppo_update
+    from asyncrl.single_controller.balance import balanced_shards
+
+    batch, tokens, _ = rollout_batch(args["rows"], SMALL["vocab_size"])
+    order = balanced_shards(tokens, 2)
+    half = len(order) // 2
+    mine = batch.take(torch.tensor(order[rank * half:(rank + 1) * half]))
+    warm = mine.take(torch.tensor([half - 1]))  # a short row: lazy initialisation outside the timing
+    out = {}
+    for packed in (True, False):
+        for label, cfg in (("rows", _update_cfg(args["micro_rows"], 0)),
+                           ("budget", _update_cfg(args["micro_rows"], args["budget"]))):
+            engine = _engine(SMALL, packed)
+            gen = torch.Generator().manual_seed(0)
+            ppo_update(engine, warm, cfg, _loss, gen)
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            ppo_update(engine, mine, cfg, _loss, gen)
+            torch.distributed.barrier()
+            out[packed, label] = time.perf_counter() - t0
+    return out
+
+
+def _sp_rank(rank: int, args: dict) -> dict:
+    """The update's peak resident memory above its start, for one row of `sp_tokens` tokens."""
+    from asyncrl.roles.update import ppo_update
+    from asyncrl.single_controller.batch import Batch
+    from asyncrl.single_controller.memory import _reset, _status
+
+    n = args["sp_tokens"]
+    p, r = n * 3 // 4, n // 4
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(1, QWEN05_2L["vocab_size"], (1, n), generator=g)
+    mb = Batch({"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long),
+                "position_ids": torch.arange(n)[None], "responses": ids[:, p:], "response_mask": torch.ones(1, r),
+                "advantages": torch.randn(1, r, generator=g), "old_log_probs": torch.zeros(1, r)})
+    engine = _engine(QWEN05_2L, packed=True, sp=args["sp"], checkpointing=True)
+    cfg = _update_cfg(1, 0)
+    gen = torch.Generator().manual_seed(0)
+    ppo_update(engine, mb.take(torch.tensor([0])), cfg, _loss, gen)  # optimizer state and buffers exist now
+    torch.distributed.barrier()
+    _reset("cpu")
+    before = _status()[0]
+    t0 = time.perf_counter()
+    ppo_update(engine, mb, cfg, _loss, gen)
+    return {"peak_above_gib": (_status()[1] - before) / 2**30, "seconds": time.perf_counter() - t0}
+
+
+def _rank_main(fn_name: str, rank: int, world: int, port: int, out_dir: str, args: dict) -> None:
+    try:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        result = globals()[fn_name](rank, args)
+        torch.save(result, Path(out_dir) / f"result{rank}.pt")
+        torch.distributed.barrier()
+    except BaseException:
+        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn_name: str, world: int, args: dict, timeout_s: float = 1800) -> list:
+    from daemons.proc import free_port, run_spawned
+
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        codes = run_spawned(_rank_main, [(fn_name, r, world, port, out, args) for r in range(world)], timeout_s)
+        errors = [f.read_text() for f in sorted(Path(out).glob("error*.txt"))]
+        if errors or any(codes):
+            raise RuntimeError(f"{fn_name}: exit codes {codes}\n" + "\n".join(errors))
+        return [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world)]
+
+
+def exactness(rows: int = 8, limit: int = 512) -> dict[str, float]:
+    """The largest |Δ log-prob| and |Δ grad| (of the token-mean log-likelihood) between the packed
+    and the padded forward (fp32)."""
+    from asyncrl.roles.forward import response_forward
+    from asyncrl.train.packing import enable_packing
+
+    batch, _, _ = rollout_batch(rows, SMALL["vocab_size"], max_response=limit)
+    model = model_of(SMALL)
+    mask = batch["response_mask"].float()
+    logps, grads = [], []
+    for packed in (False, True):
+        if packed:
+            enable_packing(model)
+        lp, _ = response_forward(model, batch)
+        ((lp * mask).sum() / mask.sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+        logps.append(lp.detach() * mask)
+    return {"logprob": float((logps[0] - logps[1]).abs().max()),
+            "grad": max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])}
+
+
+def imbalances(rows: int, shards: int, seed: int = 0) -> tuple[float, float]:
+    from asyncrl.algorithms.roles import _shard_loads
+    from asyncrl.single_controller.balance import balanced_shards, imbalance
+
+    _, tokens, _ = rollout_batch(rows, 16, seed=seed)
+    order = balanced_shards(tokens, shards)
+    return (imbalance(_shard_loads([tokens[i] for i in order], shards)), imbalance(_shard_loads(tokens, shards)))
+
+
+def sp_estimate_ratio(tokens: int) -> float:
+    from asyncrl.plan.memory import Knobs, update_pass
+    from asyncrl.plan.workload import ModelSpec
+
+    spec = ModelSpec("bench", QWEN05_2L["num_hidden_layers"], QWEN05_2L["hidden_size"], 14, 2,
+                     QWEN05_2L["intermediate_size"], QWEN05_2L["vocab_size"], tied=True)
+    per = [sum(v for k, v in update_pass(spec, 1, tokens, tokens // 4 + 1, 1, Knobs(4.0, True, sp=sp)).items()
+               if "gathered" not in k and "embedding" not in k) for sp in (1, 2)]
+    return per[1] / per[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--micro-rows", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--sp-tokens", type=int, default=8192)
+    args = ap.parse_args()
+    if args.quick:
+        args.rows, args.sp_tokens = 16, 4096
+    t0 = time.perf_counter()
+    _, tokens, responses = rollout_batch(args.rows, 16)
+    q = torch.quantile(responses.float(), torch.tensor([0.5, 0.99]))
+    result: dict = {"rows": args.rows, "tokens": sum(tokens), "response_p99_over_p50": round(float(q[1] / q[0]), 2)}
+    diff = exactness()
+    result.update(packed_max_abs_diff=max(diff.values()), packed_logprob_max_abs_diff=diff["logprob"],
+                  packed_grad_max_abs_diff=diff["grad"])
+    print(f"packed vs padded: max |diff| {diff}", file=sys.stderr)
+    after, before = imbalances(args.rows, 2)
+    result.update(dp_token_imbalance=round(after, 4), dp_token_imbalance_unbalanced=round(before, 4))
+    after, before = imbalances(256, 8, seed=1)
+    result.update(dp_token_imbalance_256x8=round(after, 4), dp_token_imbalance_unbalanced_256x8=round(before, 4))
+    times = run_ranks("_throughput_rank", 2, {"rows": args.rows, "micro_rows": args.micro_rows, "budget": args.budget})
+    slowest = {k: max(t[k] for t in times) for k in times[0]}
+    result["update_s"] = {f"{'packed' if k[0] else 'padded'}_{k[1]}": round(v, 2) for k, v in slowest.items()}
+    result["packed_speedup"] = round(slowest[False, "rows"] / slowest[True, "rows"], 3)
+    result["packed_speedup_token_budget"] = round(slowest[False, "budget"] / slowest[True, "budget"], 3)
+    print(f"update seconds {result['update_s']}", file=sys.stderr)
+    peaks = {}
+    for sp in (1, 2):
+        per_rank = run_ranks("_sp_rank", 2, {"sp_tokens": args.sp_tokens, "sp": sp})
+        peaks[sp] = max(r["peak_above_gib"] for r in per_rank)
+        result[f"sp{sp}_update_s"] = round(max(r["seconds"] for r in per_rank), 2)
+        print(f"sp={sp}: update peak above its start {peaks[sp]:.3f} GiB per rank", file=sys.stderr)
+    result.update(sp_tokens=args.sp_tokens, sp1_peak_gib=round(peaks[1], 3), sp2_peak_gib=round(peaks[2], 3),
+                  sp2_memory_ratio=round(peaks[2] / peaks[1], 3),
+                  sp2_estimate_ratio=round(sp_estimate_ratio(args.sp_tokens), 3),
+                  wall_s=round(time.perf_counter() - t0, 1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
