@@ -3,6 +3,7 @@ data parallelism, and Ulysses sequence parallelism's memory.
 
     python -m benchmarks.long_context            # ~6 minutes on 2 cores
     python -m benchmarks.long_context --quick    # smaller batch and a 4 K-token row (~2 minutes)
+    python -m benchmarks.long_context --sp4 --skip-throughput --sp-tokens 16384   # sp = 1, 2, 4 on a 16 K row
 
 - Throughput (2 gloo ranks, FSDP2, the actor's update as `update_actor` runs it: `ppo_update`
   with the PPO-clip loss, fp32): a batch of `--rows` rows, prompts of 64-128 tokens, responses
@@ -20,8 +21,9 @@ data parallelism, and Ulysses sequence parallelism's memory.
   (the arrival order's equal chunks); `*_256x8` the same for 256 rows over 8 ranks.
 - Ulysses (2 gloo ranks, each with one row of `--sp-tokens` tokens: 3/4 prompt, 1/4 response; the
   Qwen2.5-0.5B shape with 2 layers and a 32 768 vocabulary, activation checkpointing on): the
-  update's peak resident memory above the memory before it, per rank, sp = 2 over sp = 1
-  (`sp2_memory_ratio`), and the estimate's (`asyncrl.plan.memory.update_pass`) ratio beside it.
+  update's peak resident memory above the memory before it, per rank (`sp{k}_peak_gib`), beside
+  the estimate's update terms (`asyncrl.plan.memory.update_pass`, `sp{k}_estimate_gib`);
+  `sp2_memory_ratio` = sp 2 over sp 1 (`--sp4`: also sp = 4 on 4 ranks).
 
 The last line printed is one JSON object.
 """
@@ -220,24 +222,27 @@ def imbalances(rows: int, shards: int, seed: int = 0) -> tuple[float, float]:
     return (imbalance(_shard_loads([tokens[i] for i in order], shards)), imbalance(_shard_loads(tokens, shards)))
 
 
-def sp_estimate_ratio(tokens: int) -> float:
+def sp_estimate(tokens: int, sp: int) -> float:
+    """The memory estimate's update phase above the resident state (`update_pass`: activations
+    with checkpointing, logits and their gradient, gathered layers and embedding, the embedding's
+    gradient, the all-to-all buffers) for one row of `tokens` at `sp`, fp32."""
     from asyncrl.plan.memory import Knobs, update_pass
     from asyncrl.plan.workload import ModelSpec
 
     spec = ModelSpec("bench", QWEN05_2L["num_hidden_layers"], QWEN05_2L["hidden_size"], 14, 2,
                      QWEN05_2L["intermediate_size"], QWEN05_2L["vocab_size"], tied=True)
-    per = [sum(v for k, v in update_pass(spec, 1, tokens, tokens // 4 + 1, 1, Knobs(4.0, True, sp=sp)).items()
-               if "gathered" not in k and "embedding" not in k) for sp in (1, 2)]
-    return per[1] / per[0]
+    return sum(update_pass(spec, 1, tokens, tokens // 4 + 1, 1, Knobs(4.0, True, sp=sp)).values()) / 2**30
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--micro-rows", type=int, default=4)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--sp-tokens", type=int, default=8192)
+    ap.add_argument("--sp4", action="store_true", help="also sp=4 over 4 ranks (each the same row length)")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.sp_tokens = 16, 4096
@@ -253,21 +258,26 @@ def main() -> None:
     result.update(dp_token_imbalance=round(after, 4), dp_token_imbalance_unbalanced=round(before, 4))
     after, before = imbalances(256, 8, seed=1)
     result.update(dp_token_imbalance_256x8=round(after, 4), dp_token_imbalance_unbalanced_256x8=round(before, 4))
-    times = run_ranks("_throughput_rank", 2, {"rows": args.rows, "micro_rows": args.micro_rows, "budget": args.budget})
-    slowest = {k: max(t[k] for t in times) for k in times[0]}
-    result["update_s"] = {f"{'packed' if k[0] else 'padded'}_{k[1]}": round(v, 2) for k, v in slowest.items()}
-    result["packed_speedup"] = round(slowest[False, "rows"] / slowest[True, "rows"], 3)
-    result["packed_speedup_token_budget"] = round(slowest[False, "budget"] / slowest[True, "budget"], 3)
-    print(f"update seconds {result['update_s']}", file=sys.stderr)
+    if not args.skip_throughput:
+        times = run_ranks("_throughput_rank", 2, {"rows": args.rows, "micro_rows": args.micro_rows,
+                                                  "budget": args.budget})
+        slowest = {k: max(t[k] for t in times) for k in times[0]}
+        result["update_s"] = {f"{'packed' if k[0] else 'padded'}_{k[1]}": round(v, 2) for k, v in slowest.items()}
+        result["packed_speedup"] = round(slowest[False, "rows"] / slowest[True, "rows"], 3)
+        result["packed_speedup_token_budget"] = round(slowest[False, "budget"] / slowest[True, "budget"], 3)
+        print(f"update seconds {result['update_s']}", file=sys.stderr)
     peaks = {}
-    for sp in (1, 2):
-        per_rank = run_ranks("_sp_rank", 2, {"sp_tokens": args.sp_tokens, "sp": sp})
+    result["sp_tokens"] = args.sp_tokens
+    for sp in (1, 2, 4) if args.sp4 else (1, 2):
+        per_rank = run_ranks("_sp_rank", max(2, sp), {"sp_tokens": args.sp_tokens, "sp": sp})
         peaks[sp] = max(r["peak_above_gib"] for r in per_rank)
-        result[f"sp{sp}_update_s"] = round(max(r["seconds"] for r in per_rank), 2)
-        print(f"sp={sp}: update peak above its start {peaks[sp]:.3f} GiB per rank", file=sys.stderr)
-    result.update(sp_tokens=args.sp_tokens, sp1_peak_gib=round(peaks[1], 3), sp2_peak_gib=round(peaks[2], 3),
-                  sp2_memory_ratio=round(peaks[2] / peaks[1], 3),
-                  sp2_estimate_ratio=round(sp_estimate_ratio(args.sp_tokens), 3),
+        estimate = sp_estimate(args.sp_tokens, sp)
+        result.update({f"sp{sp}_peak_gib": round(peaks[sp], 3), f"sp{sp}_estimate_gib": round(estimate, 3),
+                       f"sp{sp}_update_s": round(max(r["seconds"] for r in per_rank), 2)})
+        print(f"sp={sp}: update peak above its start {peaks[sp]:.3f} GiB per rank (estimate {estimate:.3f})",
+              file=sys.stderr)
+    result.update(sp2_memory_ratio=round(peaks[2] / peaks[1], 3),
+                  sp2_estimate_ratio=round(sp_estimate(args.sp_tokens, 2) / sp_estimate(args.sp_tokens, 1), 3),
                   wall_s=round(time.perf_counter() - t0, 1))
     print(json.dumps(result))
 

@@ -124,13 +124,14 @@ def varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, sca
         return _cuda_varlen()(q, k, v, cu, max_len, scale)
     gqa = k.shape[0] != q.shape[0]
     bounds = cu.tolist()
+    q, k, v = q[None], k[None], v[None]  # 4-D: the CPU flash kernel's layout (3-D takes the O(L²) math path)
     out = q.new_empty(q.shape)
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end > start:
-            out[:, start:end] = F.scaled_dot_product_attention(
-                q[:, start:end], k[:, start:end], v[:, start:end], dropout_p=dropout, is_causal=True,
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], dropout_p=dropout, is_causal=True,
                 scale=scale, enable_gqa=gqa)
-    return out
+    return out[0]
 
 
 @functools.cache
