@@ -20,7 +20,7 @@ data parallelism, and Ulysses sequence parallelism's memory.
   Karmarkar–Karp split of that batch over the 2 ranks, beside `dp_token_imbalance_unbalanced`
   (the arrival order's equal chunks); `*_256x8` the same for 256 rows over 8 ranks.
 - Ulysses (2 gloo ranks, each with one row of `--sp-tokens` tokens: 3/4 prompt, 1/4 response; the
-  Qwen2.5-0.5B shape with 2 layers and a 32 768 vocabulary, activation checkpointing on): the
+  Qwen2.5-0.5B shape with `--sp-layers` (4) of its 24 layers, activation checkpointing on, fp32): the
   update's peak resident memory above the memory before it, per rank (`sp{k}_peak_gib`), beside
   the estimate's update terms (`asyncrl.plan.memory.update_pass`, `sp{k}_estimate_gib`);
   `sp2_memory_ratio` = sp 2 over sp 1 (`--sp4`: also sp = 4 on 4 ranks).
@@ -44,8 +44,8 @@ import torch
 
 SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=8192, max_position_embeddings=16384)
-QWEN05_2L = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=32768, max_position_embeddings=32768, tie_word_embeddings=True)
+QWEN05_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 
 
 def model_of(shape: dict, seed: int = 0, checkpointing: bool = False):
@@ -140,6 +140,7 @@ def _throughput_rank(rank: int, args: dict) -> dict:
 
 def _sp_rank(rank: int, args: dict) -> dict:
     """The update's peak resident memory above its start, for one row of `sp_tokens` tokens."""
+    QWEN05_SHAPE["num_hidden_layers"] = args["layers"]
     from asyncrl.roles.update import ppo_update
     from asyncrl.single_controller.batch import Batch
     from asyncrl.single_controller.memory import _reset, _status
@@ -147,11 +148,11 @@ def _sp_rank(rank: int, args: dict) -> dict:
     n = args["sp_tokens"]
     p, r = n * 3 // 4, n // 4
     g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(1, QWEN05_2L["vocab_size"], (1, n), generator=g)
+    ids = torch.randint(1, QWEN05_SHAPE["vocab_size"], (1, n), generator=g)
     mb = Batch({"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long),
                 "position_ids": torch.arange(n)[None], "responses": ids[:, p:], "response_mask": torch.ones(1, r),
                 "advantages": torch.randn(1, r, generator=g), "old_log_probs": torch.zeros(1, r)})
-    engine = _engine(QWEN05_2L, packed=True, sp=args["sp"], checkpointing=True)
+    engine = _engine(QWEN05_SHAPE, packed=True, sp=args["sp"], checkpointing=True)
     cfg = _update_cfg(1, 0)
     gen = torch.Generator().manual_seed(0)
     ppo_update(engine, mb.take(torch.tensor([0])), cfg, _loss, gen)  # optimizer state and buffers exist now
@@ -222,15 +223,15 @@ def imbalances(rows: int, shards: int, seed: int = 0) -> tuple[float, float]:
     return (imbalance(_shard_loads([tokens[i] for i in order], shards)), imbalance(_shard_loads(tokens, shards)))
 
 
-def sp_estimate(tokens: int, sp: int) -> float:
+def sp_estimate(tokens: int, sp: int, layers: int) -> float:
     """The memory estimate's update phase above the resident state (`update_pass`: activations
     with checkpointing, logits and their gradient, gathered layers and embedding, the embedding's
     gradient, the all-to-all buffers) for one row of `tokens` at `sp`, fp32."""
     from asyncrl.plan.memory import Knobs, update_pass
     from asyncrl.plan.workload import ModelSpec
 
-    spec = ModelSpec("bench", QWEN05_2L["num_hidden_layers"], QWEN05_2L["hidden_size"], 14, 2,
-                     QWEN05_2L["intermediate_size"], QWEN05_2L["vocab_size"], tied=True)
+    spec = ModelSpec("bench", layers, QWEN05_SHAPE["hidden_size"], 14, 2,
+                     QWEN05_SHAPE["intermediate_size"], QWEN05_SHAPE["vocab_size"], tied=True)
     return sum(update_pass(spec, 1, tokens, tokens // 4 + 1, 1, Knobs(4.0, True, sp=sp)).values()) / 2**30
 
 
@@ -242,6 +243,7 @@ def main() -> None:
     ap.add_argument("--micro-rows", type=int, default=4)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--sp-tokens", type=int, default=8192)
+    ap.add_argument("--sp-layers", type=int, default=4)
     ap.add_argument("--sp4", action="store_true", help="also sp=4 over 4 ranks (each the same row length)")
     args = ap.parse_args()
     if args.quick:
@@ -269,15 +271,16 @@ def main() -> None:
     peaks = {}
     result["sp_tokens"] = args.sp_tokens
     for sp in (1, 2, 4) if args.sp4 else (1, 2):
-        per_rank = run_ranks("_sp_rank", max(2, sp), {"sp_tokens": args.sp_tokens, "sp": sp})
+        per_rank = run_ranks("_sp_rank", max(2, sp), {"sp_tokens": args.sp_tokens, "sp": sp, "layers": args.sp_layers})
         peaks[sp] = max(r["peak_above_gib"] for r in per_rank)
-        estimate = sp_estimate(args.sp_tokens, sp)
+        estimate = sp_estimate(args.sp_tokens, sp, args.sp_layers)
         result.update({f"sp{sp}_peak_gib": round(peaks[sp], 3), f"sp{sp}_estimate_gib": round(estimate, 3),
                        f"sp{sp}_update_s": round(max(r["seconds"] for r in per_rank), 2)})
         print(f"sp={sp}: update peak above its start {peaks[sp]:.3f} GiB per rank (estimate {estimate:.3f})",
               file=sys.stderr)
     result.update(sp2_memory_ratio=round(peaks[2] / peaks[1], 3),
-                  sp2_estimate_ratio=round(sp_estimate(args.sp_tokens, 2) / sp_estimate(args.sp_tokens, 1), 3),
+                  sp2_estimate_ratio=round(sp_estimate(args.sp_tokens, 2, args.sp_layers)
+                                           / sp_estimate(args.sp_tokens, 1, args.sp_layers), 3),
                   wall_s=round(time.perf_counter() - t0, 1))
     print(json.dumps(result))
 

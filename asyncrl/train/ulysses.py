@@ -2,8 +2,8 @@
 
 `sp` neighbouring data-parallel ranks form a group. Each rank keeps its own rows (the dispatch,
 FSDP and the losses are unchanged); the group takes turns: at each step one member (the owner)
-shares its packed micro-batch's token ids, and every member runs the model over a 1/sp slice
-of it. Around attention, an all-to-all turns [tokens/sp, heads] into [tokens, heads/sp] (each
+shares its packed micro-batch's token ids, and every member runs the model over 1/sp of its
+tokens (dealt round-robin, so each gets its share of the responses and of their logits). Around attention, an all-to-all turns [tokens/sp, heads] into [tokens, heads/sp] (each
 rank attends whole rows for its share of the heads) and back; the log-probs (or values) each
 rank computes for its slice are gathered back to the owner, whose loss is the only non-zero one.
 So a micro-batch of T tokens costs T/sp activations per rank, the gradient is the sum of every
@@ -110,11 +110,22 @@ class Ulysses:
         if k.shape[1] % self.size:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return tuple(_AllToAll.apply(t, self.group, 1, 2) for t in (q, k, v))
+        return tuple(self._natural(_AllToAll.apply(t, self.group, 1, 2)) for t in (q, k, v))
 
     def gather_heads(self, out: Tensor) -> Tensor:
         """[1, heads/sp, tokens, dim] -> [1, heads, tokens/sp, dim]."""
-        return _AllToAll.apply(out, self.group, 2, 1)
+        return _AllToAll.apply(self._by_rank(out), self.group, 2, 1)
+
+    # rank r holds tokens r, r + sp, r + 2 sp, ... (so that every rank gets its share of a row's
+    # response, which sits at the row's end); the exchange delivers them rank after rank
+    def _natural(self, x: Tensor) -> Tensor:
+        """[1, h, tokens, d] rank after rank -> the tokens' own order."""
+        h, t, d = x.shape[1:]
+        return x.reshape(1, h, self.size, t // self.size, d).transpose(2, 3).reshape(1, h, t, d)
+
+    def _by_rank(self, x: Tensor) -> Tensor:
+        h, t, d = x.shape[1:]
+        return x.reshape(1, h, t // self.size, self.size, d).transpose(2, 3).reshape(1, h, t, d)
 
     def attach(self, model: nn.Module) -> None:
         """Run `model`'s attention layers under this group (they read `sequence_parallel`)."""
@@ -174,12 +185,12 @@ class Ulysses:
     def _run(self, model: nn.Module, plan: _Plan) -> Tensor:
         """This rank's slice of the plan through `model`; the outputs at every target, gathered
         ([channels, K], in the owner's order)."""
-        width = len(plan.ids) // self.size
-        lo, hi = self.rank * width, (self.rank + 1) * width
-        counts = [int(((plan.targets >= r * width) & (plan.targets < (r + 1) * width)).sum()) for r in range(self.size)]
-        mine = (plan.targets >= lo) & (plan.targets < hi)
-        local = torch.cat([plan.targets[mine] - lo, plan.targets.new_tensor([width - 1])])  # + an anchor
-        out = model(input_ids=plan.ids[lo:hi][None], position_ids=plan.positions[lo:hi][None], attention_mask=None,
+        width, sp, me = len(plan.ids) // self.size, self.size, self.rank
+        holder = plan.targets % sp  # the rank holding each target (tokens are dealt round-robin)
+        counts = [int((holder == r).sum()) for r in range(sp)]
+        mine = holder == me
+        local = torch.cat([plan.targets[mine] // sp, plan.targets.new_tensor([width - 1])])  # + an anchor
+        out = model(input_ids=plan.ids[me::sp][None], position_ids=plan.positions[me::sp][None], attention_mask=None,
                     cu_seq_lens_q=plan.cu, cu_seq_lens_k=plan.cu, max_length_q=plan.max_len,
                     max_length_k=plan.max_len, use_cache=False, **_keep(model, local))
         logits = out.logits if _keeps(model) else out.logits[:, local]
@@ -195,7 +206,9 @@ class Ulysses:
         widest = max(1, *counts)
         mine_out = torch.stack([torch.nn.functional.pad(r, (0, widest - len(r))) for r in rows]) + anchor
         gathered = _GatherOwned.apply(mine_out, self.group)
-        return torch.cat([gathered[:, r * widest:r * widest + counts[r]] for r in range(self.size)], 1)
+        by_rank = torch.cat([gathered[:, r * widest:r * widest + counts[r]] for r in range(sp)], 1)
+        order = torch.cat([(holder == r).nonzero()[:, 0] for r in range(sp)])  # by_rank's targets
+        return by_rank[:, torch.argsort(order)]
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
