@@ -3,7 +3,7 @@ data parallelism, and Ulysses sequence parallelism's memory.
 
     python -m benchmarks.long_context            # ~6 minutes on 2 cores
     python -m benchmarks.long_context --quick    # smaller batch and a 4 K-token row (~2 minutes)
-    python -m benchmarks.long_context --sp4 --skip-throughput --sp-tokens 16384   # sp = 1, 2, 4 on a 16 K row
+    python -m benchmarks.long_context --skip-throughput --sp4    # + sp = 4 on a 16 K row, 1.5B shape
 
 - Throughput (2 gloo ranks, FSDP2, the actor's update as `update_actor` runs it: `ppo_update`
   with the PPO-clip loss, fp32): a batch of `--rows` rows, prompts of 64-128 tokens, responses
@@ -19,11 +19,14 @@ data parallelism, and Ulysses sequence parallelism's memory.
 - `dp_token_imbalance`: the largest rank's tokens over the mean after `balance_tokens`'
   Karmarkar–Karp split of that batch over the 2 ranks, beside `dp_token_imbalance_unbalanced`
   (the arrival order's equal chunks); `*_256x8` the same for 256 rows over 8 ranks.
-- Ulysses (2 gloo ranks, each with one row of `--sp-tokens` tokens: 3/4 prompt, 1/4 response; the
-  Qwen2.5-0.5B shape with `--sp-layers` (4) of its 24 layers, activation checkpointing on, fp32): the
-  update's peak resident memory above the memory before it, per rank (`sp{k}_peak_gib`), beside
-  the estimate's update terms (`asyncrl.plan.memory.update_pass`, `sp{k}_estimate_gib`);
-  `sp2_memory_ratio` = sp 2 over sp 1 (`--sp4`: also sp = 4 on 4 ranks).
+- Ulysses (gloo ranks; rank 0 owns one row of `--sp-tokens` tokens, 3/4 prompt and 1/4 response;
+  the Qwen2.5-0.5B shape with `--sp-layers` (4) of its 24 layers and its 151 936 vocabulary,
+  activation checkpointing on, fp32, the model replicated with its gradients allocated): the
+  update pass's peak resident memory above the memory before it, per rank: its activations,
+  logits and their transients (`sp{k}_activation_gib`), beside the estimate's activation terms
+  (`asyncrl.plan.memory.update_pass`, `sp{k}_estimate_gib`); `sp2_memory_ratio` = sp 2 over sp 1.
+  `--sp4`: the same at sp = 1 and 4 (4 ranks) on the Qwen2.5-1.5B shape (12 heads) with 2 layers
+  and a `--sp4-tokens` row (`sp4_memory_ratio`).
 
 The last line printed is one JSON object.
 """
@@ -44,8 +47,11 @@ import torch
 
 SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=8192, max_position_embeddings=16384)
-QWEN05_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+QWEN05_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+QWEN15_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+SHAPES = {"0.5b": QWEN05_SHAPE, "1.5b": QWEN15_SHAPE}
 
 
 def model_of(shape: dict, seed: int = 0, checkpointing: bool = False):
@@ -139,29 +145,50 @@ def _throughput_rank(rank: int, args: dict) -> dict:
 
 
 def _sp_rank(rank: int, args: dict) -> dict:
-    """The update's peak resident memory above its start, for one row of `sp_tokens` tokens."""
-    QWEN05_SHAPE["num_hidden_layers"] = args["layers"]
-    from asyncrl.roles.update import ppo_update
-    from asyncrl.single_controller.batch import Batch
+    """Peak activation memory of one update pass (forward and backward, the actor's loss) per rank:
+    rank 0 owns one row of `tokens` tokens (3/4 prompt, 1/4 response), the others a 256-token row.
+    The model is replicated (no FSDP) with its gradients allocated by a first pass, so what the
+    pass adds on top of the memory before it is activations, logits and their transients."""
     from asyncrl.single_controller.memory import _reset, _status
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed
+    from asyncrl.train.packing import enable_packing
+    from asyncrl.train.ulysses import sequence_parallel, turn_loss
 
-    n = args["sp_tokens"]
-    p, r = n * 3 // 4, n // 4
-    g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(1, QWEN05_SHAPE["vocab_size"], (1, n), generator=g)
-    mb = Batch({"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long),
-                "position_ids": torch.arange(n)[None], "responses": ids[:, p:], "response_mask": torch.ones(1, r),
-                "advantages": torch.randn(1, r, generator=g), "old_log_probs": torch.zeros(1, r)})
-    engine = _engine(QWEN05_SHAPE, packed=True, sp=args["sp"], checkpointing=True)
-    cfg = _update_cfg(1, 0)
-    gen = torch.Generator().manual_seed(0)
-    ppo_update(engine, mb.take(torch.tensor([0])), cfg, _loss, gen)  # optimizer state and buffers exist now
+    init_distributed()
+    shape = {**SHAPES[args["shape"]], "num_hidden_layers": args["layers"]}
+    model = model_of(shape, checkpointing=True)
+    model.train()
+    enable_packing(model)
+    if args["sp"] > 1:
+        layout = ParallelLayout.from_config(ParallelConfig(), int(os.environ["WORLD_SIZE"]))
+        sequence_parallel(layout, args["sp"], [model], "actor.")
+
+    def update(mb) -> None:
+        steps, loss_fn = turn_loss(model, [mb], _loss)
+        for step in steps:
+            loss_fn(model, step)[0].backward()
+
+    update(_row(256, shape["vocab_size"], rank))  # gradients exist from here on
+    model.zero_grad(set_to_none=False)
+    mb = _row(args["tokens"] if rank == 0 else 256, shape["vocab_size"], rank)
     torch.distributed.barrier()
     _reset("cpu")
     before = _status()[0]
     t0 = time.perf_counter()
-    ppo_update(engine, mb, cfg, _loss, gen)
+    update(mb)
     return {"peak_above_gib": (_status()[1] - before) / 2**30, "seconds": time.perf_counter() - t0}
+
+
+def _row(n: int, vocab: int, seed: int):
+    from asyncrl.single_controller.batch import Batch
+
+    p, r = n * 3 // 4, n - n * 3 // 4
+    ids = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+    return Batch({"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long),
+                  "position_ids": torch.arange(n)[None], "responses": ids[:, p:], "response_mask": torch.ones(1, r),
+                  "advantages": torch.randn(1, r, generator=torch.Generator().manual_seed(seed)),
+                  "old_log_probs": torch.zeros(1, r)})
 
 
 def _rank_main(fn_name: str, rank: int, world: int, port: int, out_dir: str, args: dict) -> None:
@@ -223,16 +250,31 @@ def imbalances(rows: int, shards: int, seed: int = 0) -> tuple[float, float]:
     return (imbalance(_shard_loads([tokens[i] for i in order], shards)), imbalance(_shard_loads(tokens, shards)))
 
 
-def sp_estimate(tokens: int, sp: int, layers: int) -> float:
-    """The memory estimate's update phase above the resident state (`update_pass`: activations
-    with checkpointing, logits and their gradient, gathered layers and embedding, the embedding's
-    gradient, the all-to-all buffers) for one row of `tokens` at `sp`, fp32."""
+def sp_estimate(shape: dict, tokens: int, sp: int) -> float:
+    """The memory estimate's activation terms for that pass (`update_pass` with checkpointing:
+    the kept layer inputs and one layer's recompute, the logits and their gradient with the fp32
+    chunks, the all-to-all buffers), fp32, GiB."""
     from asyncrl.plan.memory import Knobs, update_pass
     from asyncrl.plan.workload import ModelSpec
 
-    spec = ModelSpec("bench", layers, QWEN05_SHAPE["hidden_size"], 14, 2,
-                     QWEN05_SHAPE["intermediate_size"], QWEN05_SHAPE["vocab_size"], tied=True)
-    return sum(update_pass(spec, 1, tokens, tokens // 4 + 1, 1, Knobs(4.0, True, sp=sp)).values()) / 2**30
+    spec = ModelSpec("bench", shape["num_hidden_layers"], shape["hidden_size"], shape["num_attention_heads"],
+                     shape["num_key_value_heads"], shape["intermediate_size"], shape["vocab_size"], tied=True)
+    parts = update_pass(spec, 1, tokens, tokens - tokens * 3 // 4 + 1, 1, Knobs(4.0, True, sp=sp))
+    return sum(v for k, v in parts.items() if "gathered" not in k and "embedding" not in k) / 2**30
+
+
+def sp_memory(shape: str, layers: int, tokens: int, sps: tuple[int, ...], result: dict, tag: str) -> dict[int, float]:
+    peaks = {}
+    for sp in sps:
+        per_rank = run_ranks("_sp_rank", max(2, sp), {"shape": shape, "layers": layers, "tokens": tokens, "sp": sp})
+        peaks[sp] = max(r["peak_above_gib"] for r in per_rank)
+        estimate = sp_estimate({**SHAPES[shape], "num_hidden_layers": layers}, tokens, sp)
+        result.update({f"{tag}sp{sp}_activation_gib": round(peaks[sp], 3),
+                       f"{tag}sp{sp}_estimate_gib": round(estimate, 3),
+                       f"{tag}sp{sp}_s": round(max(r["seconds"] for r in per_rank), 1)})
+        print(f"{shape} x {layers} layers, {tokens} tokens, sp={sp}: {peaks[sp]:.3f} GiB of activations per rank "
+              f"(estimate {estimate:.3f})", file=sys.stderr)
+    return peaks
 
 
 def main() -> None:
@@ -244,7 +286,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--sp-tokens", type=int, default=8192)
     ap.add_argument("--sp-layers", type=int, default=4)
-    ap.add_argument("--sp4", action="store_true", help="also sp=4 over 4 ranks (each the same row length)")
+    ap.add_argument("--sp4", action="store_true", help="also sp=4 over 4 ranks on the Qwen2.5-1.5B shape")
+    ap.add_argument("--sp4-tokens", type=int, default=16384)
     args = ap.parse_args()
     if args.quick:
         args.rows, args.sp_tokens = 16, 4096
@@ -268,20 +311,13 @@ def main() -> None:
         result["packed_speedup"] = round(slowest[False, "rows"] / slowest[True, "rows"], 3)
         result["packed_speedup_token_budget"] = round(slowest[False, "budget"] / slowest[True, "budget"], 3)
         print(f"update seconds {result['update_s']}", file=sys.stderr)
-    peaks = {}
     result["sp_tokens"] = args.sp_tokens
-    for sp in (1, 2, 4) if args.sp4 else (1, 2):
-        per_rank = run_ranks("_sp_rank", max(2, sp), {"sp_tokens": args.sp_tokens, "sp": sp, "layers": args.sp_layers})
-        peaks[sp] = max(r["peak_above_gib"] for r in per_rank)
-        estimate = sp_estimate(args.sp_tokens, sp, args.sp_layers)
-        result.update({f"sp{sp}_peak_gib": round(peaks[sp], 3), f"sp{sp}_estimate_gib": round(estimate, 3),
-                       f"sp{sp}_update_s": round(max(r["seconds"] for r in per_rank), 2)})
-        print(f"sp={sp}: update peak above its start {peaks[sp]:.3f} GiB per rank (estimate {estimate:.3f})",
-              file=sys.stderr)
-    result.update(sp2_memory_ratio=round(peaks[2] / peaks[1], 3),
-                  sp2_estimate_ratio=round(sp_estimate(args.sp_tokens, 2, args.sp_layers)
-                                           / sp_estimate(args.sp_tokens, 1, args.sp_layers), 3),
-                  wall_s=round(time.perf_counter() - t0, 1))
+    peaks = sp_memory("0.5b", args.sp_layers, args.sp_tokens, (1, 2), result, "")
+    result["sp2_memory_ratio"] = round(peaks[2] / peaks[1], 3)
+    if args.sp4:  # 12 heads: sp = 4 divides them (the 0.5B shape's 14 do not)
+        peaks = sp_memory("1.5b", 2, args.sp4_tokens, (1, 4), result, "qwen1.5b_")
+        result["sp4_memory_ratio"] = round(peaks[4] / peaks[1], 3)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
 
 

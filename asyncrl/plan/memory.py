@@ -178,7 +178,7 @@ def forward_pass(spec: ModelSpec, rows: float, width: float, tp: int, knobs: Kno
     """A log-prob (or value) pass over `rows` rows of `width` scored positions: the logits there and
     an fp32 chunk, two gathered layers, and the gathered embedding (FSDP's root unit)."""
     cb, scored = knobs.compute_bytes, rows * width / knobs.sp  # sequence parallel: a rank scores its slice
-    return {"log-prob logits": scored * _outputs(spec) / tp * cb + 2 * _chunk(spec, scored),
+    return {"log-prob logits": scored * _outputs(spec) / tp * cb + 2 * _chunk(spec, scored, knobs.sp),
             **_gathered(spec, tp, cb, knobs)}
 
 
@@ -199,7 +199,7 @@ def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int,
     return {"update activations": kept * in_flight,
             **({"Ulysses all-to-all buffers": ulysses_buffers(spec, tokens, tp, knobs)} if knobs.sp > 1 else {}),
             "update logits and their gradient": 2 * scored * _outputs(spec) / tp * cb
-            + 3 * _chunk(spec, scored),
+            + 3 * _chunk(spec, scored, knobs.sp),
             **gathered,  # LoRA: the embedding is frozen, no gradient
             "embedding gradient (unsharded)": 0.0 if knobs.lora_params or knobs.megatron else
             (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
@@ -287,7 +287,8 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     return MemoryEstimate({**resident, **gen, **eval_kv, **lp, **up}, phases, host)
 
 
-def _chunk(spec: ModelSpec, tokens: float) -> float:
+def _chunk(spec: ModelSpec, tokens: float, sp: int = 1) -> float:
     """One fp32 chunk of logits in the log-prob and entropy computation (its softmax and, in the
-    backward, its gradient are as large: counted by the callers)."""
-    return min(LOGIT_CHUNK_TOKENS, tokens) * spec.vocab * 4.0
+    backward, its gradient are as large: counted by the callers); Ulysses ranks take chunks of
+    1/sp the positions."""
+    return min(LOGIT_CHUNK_TOKENS // sp, tokens) * spec.vocab * 4.0

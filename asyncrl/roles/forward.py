@@ -37,10 +37,7 @@ def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0
     if (sp := ulysses_of(model)) is not None:  # this rank's turn (asyncrl.train.ulysses.run_turns)
         return sp.forward(model, mb, LOGPROBS, temperature, with_entropy)
     if packed is not None or is_packing(model):
-        pk = packed or pack(mb)
-        slots = predicting_slots(pk, r)
-        keep = slots >= 0
-        logits = _packed_logits(model, mb, pk, slots[keep])
+        logits, keep = _response_logits(model, mb, packed or pack(mb))
         lp, ent = response_logprobs(logits, responses[keep][None], temperature, with_entropy)
         return _scatter(lp[0], keep), (_scatter(ent[0], keep) if with_entropy else None)
     ids = mb["input_ids"]
@@ -59,11 +56,14 @@ def packed_view(model: torch.nn.Module, mb: Batch) -> tuple[Packed | None, Batch
     return pk, pk.view(mb)
 
 
-def _packed_logits(model: torch.nn.Module, mb: Batch, pk: Packed, positions: torch.Tensor) -> torch.Tensor:
-    """The model's logits [1, len(positions), V] at packed `positions` of `mb` run packed."""
+def _response_logits(model: torch.nn.Module, mb: Batch, pk: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mb` run packed: the logits [1, K, V] at the K positions that predict a response column,
+    and which of the [B, R] response columns they are."""
+    slots = predicting_slots(pk, mb["responses"].shape[1])
+    keep = slots >= 0
     if _keeps_logits(model):
-        return model(**pk.model_kwargs(mb), use_cache=False, logits_to_keep=positions).logits
-    return model(**pk.model_kwargs(mb), use_cache=False).logits[:, positions]  # a token head: narrow
+        return model(**pk.model_kwargs(mb), use_cache=False, logits_to_keep=slots[keep]).logits, keep
+    return model(**pk.model_kwargs(mb), use_cache=False).logits[:, slots[keep]], keep  # a token head: narrow
 
 
 def _scatter(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -125,10 +125,8 @@ def values_forward(model: torch.nn.Module, mb: Batch, packed: Packed | None = No
     if (sp := ulysses_of(model)) is not None:
         return sp.forward(model, mb, VALUES)
     if packed is not None or is_packing(model):
-        pk = packed or pack(mb)
-        slots = predicting_slots(pk, r)
-        keep = slots >= 0
-        return _scatter(_packed_logits(model, mb, pk, slots[keep])[0, :, 0].float(), keep)
+        logits, keep = _response_logits(model, mb, packed or pack(mb))
+        return _scatter(logits[0, :, 0].float(), keep)
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                 position_ids=mb["position_ids"], use_cache=False)
     return out.logits[:, -r - 1:-1, 0].float()
@@ -146,10 +144,7 @@ def sequence_scores(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     columns = torch.arange(ids.shape[1], device=ids.device)
     last = (columns * kept).argmax(-1)
     slots = pk.slots()[torch.arange(len(ids), device=ids.device), last]
-    kwargs = pk.model_kwargs(mb)
-    kwargs.pop("input_ids")
-    body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=pk.pack(ids), use_cache=False, **kwargs).last_hidden_state
+    hidden = getattr(model, model.base_model_prefix)(**pk.model_kwargs(mb), use_cache=False).last_hidden_state
     return model.score(hidden[0, slots.clamp(min=0)])
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncrl.plan.memory import LOGIT_CHUNK_TOKENS
 from asyncrl.single_controller.batch import Batch
 from asyncrl.train.packing import pack, predicting_slots
 
@@ -201,7 +202,8 @@ class Ulysses:
         else:
             from asyncrl.roles.forward import response_logprobs
 
-            lp, ent = response_logprobs(logits, plan.labels[mine][None], plan.temperature, plan.with_entropy)
+            lp, ent = response_logprobs(logits, plan.labels[mine][None], plan.temperature, plan.with_entropy,
+                                        chunk_tokens=max(1, LOGIT_CHUNK_TOKENS // sp))  # fp32 chunks shrink too
             rows = [lp[0]] + ([ent[0]] if plan.with_entropy else [])
         widest = max(1, *counts)
         mine_out = torch.stack([torch.nn.functional.pad(r, (0, widest - len(r))) for r in rows]) + anchor

@@ -259,3 +259,32 @@ def test_lora_params_count_an_adapted_embedding():
         made = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
         spec = ModelSpec("t", 2, 32, 4, 2, 64, 96, tied=tied)
         assert lora_params(spec, SimpleNamespace(rank=4, target_modules=targets)) == made
+
+
+def test_sequence_parallelism_is_priced_and_offered_for_long_sequences():
+    """sp divides a micro-batch's activations and scored positions over its ranks (plus the
+    all-to-all buffers) and costs all-to-all time; the search offers it from 8 K tokens."""
+    from asyncrl.config import rl_config
+    from asyncrl.plan.memory import worker_memory
+    from asyncrl.plan.workload import ModelSpec
+
+    spec = ModelSpec("qwen0.5b-shape", 24, 896, 14, 2, 4864, 151936, tied=True)
+    base = {"data": {"batch_size": 4, "max_prompt_len": 1024}, "rollout": {"n": 2, "max_tokens": 15360},
+            "trainer": {"n_workers": 4}}
+
+    def est(sp: int):
+        return worker_memory(rl_config({**base, "actor": {"micro_batch_size": 1, "gradient_checkpointing": True,
+                                                          "parallel": {"sp": sp}}}), spec, on_gpu=True)
+
+    one, two = est(1), est(2)
+    assert two.parts["update activations"] == pytest.approx(one.parts["update activations"] / 2)
+    assert two.parts["Ulysses all-to-all buffers"] > 0 and "Ulysses all-to-all buffers" not in one.parts
+    assert two.parts["log-prob logits"] < 0.6 * one.parts["log-prob logits"]
+    w = replace(ppo(sequences=64, prompt=1024, response=15360), micro_batch_sizes=(1,))
+    mesh = Mesh(8, 8)
+    call = next(c for c in w.calls if c.kind == "train" and c.model == "actor")
+    plain, sharded = (forward_backward(LLAMA7, Strategy(8, 1, sp=sp), w, call, mesh, H100) for sp in (1, 2))
+    assert sharded.time_s > plain.time_s and sharded.memory_bytes < 0.7 * plain.memory_bytes
+    space = SearchSpace(w, H100, 1, 8, deployable=True)
+    assert any(s.sp == 2 for s in space.strategies("actor", 8))
+    assert not any(s.sp > 1 for s in SearchSpace(ppo(), H100, 1, 8, deployable=True).strategies("actor", 8))
