@@ -6,7 +6,8 @@ CPU (`../shared/probes/packing_position_ids.py`), so `enable_packing` registers 
 implementation of our own: given `cu_seq_lens_q` (the rows' cumulative lengths, passed through
 the model's forward kwargs so that activation checkpointing's recompute sees them too) it runs
 causal attention per row — `torch.nn.attention.varlen.varlen_attn` on CUDA where torch has it,
-one `scaled_dot_product_attention` per row elsewhere; without them it is `sdpa`, unchanged.
+one `scaled_dot_product_attention` per distinct row length elsewhere; without them it is `sdpa`,
+unchanged.
 With Ulysses sequence parallelism (`asyncrl.train.ulysses`) each rank holds a slice of the packed
 row and the heads are exchanged around this same function.
 """
@@ -123,15 +124,17 @@ def varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, sca
     if q.is_cuda and dropout == 0.0 and _cuda_varlen() is not None:
         return _cuda_varlen()(q, k, v, cu, max_len, scale)
     gqa = k.shape[0] != q.shape[0]
-    bounds = cu.tolist()
-    q, k, v = q[None], k[None], v[None]  # 4-D: the CPU flash kernel's layout (3-D takes the O(L²) math path)
+    lengths = cu[1:] - cu[:-1]
     out = q.new_empty(q.shape)
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            out[:, :, start:end] = F.scaled_dot_product_attention(
-                q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], dropout_p=dropout, is_causal=True,
-                scale=scale, enable_gqa=gqa)
-    return out[0]
+    for length in lengths.unique().tolist():  # rows of one length attend in one call (4-D [rows, heads,
+        if length == 0:                       # length, dim]: the CPU flash kernel's layout)
+            continue
+        starts = cu[:-1][lengths == length].long()
+        at = (starts[:, None] + torch.arange(length, device=cu.device)).reshape(-1)
+        rows = [t[:, at].unflatten(1, (len(starts), length)).transpose(0, 1) for t in (q, k, v)]
+        o = F.scaled_dot_product_attention(*rows, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[:, at] = o.transpose(0, 1).flatten(1, 2)
+    return out
 
 
 @functools.cache
