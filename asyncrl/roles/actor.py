@@ -110,7 +110,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             self._rollout_replica(base, layout)
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy="actor" in self.roles)
-        self._pack_engines(layout)
+        pack_engines(self.cfg, [e for e in (self.actor, self.ref) if e is not None], layout, "actor" in self.roles)
         self._hybrid_engine(base, layout)  # the reshard from training into generation weights
         self._pool_state()  # split placement: versions of weights from the training pool
         # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
@@ -253,16 +253,6 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             materialize(ref, self.device)
             copy_shards(self.actor.model, ref)
             self.ref = engine_cls(ref, layout, optim=None, device=self.device)
-
-    def _pack_engines(self, layout: ParallelLayout) -> None:
-        """Packed micro-batches (`actor.pack_sequences`) for the actor and the reference policy,
-        and Ulysses sequence parallelism over them (`actor.parallel.sp`)."""
-        engines = [e for e in (self.actor, self.ref) if e is not None]
-        for engine in engines:
-            resolve_packing(engine.model, self.cfg.actor.pack_sequences, "actor.",
-                            pipelined=getattr(engine, "pipelined", False))
-        if self.cfg.actor.parallel.sp > 1 and "actor" in self.roles:
-            sequence_parallel(layout, self.cfg.actor.parallel.sp, [e.model for e in engines], "actor.")
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:
@@ -728,6 +718,15 @@ def _token_versions(versions: list[int], shape: torch.Size, device: torch.device
     from the version of token 0 followed by one per decode step."""
     steps = torch.tensor(versions[:shape[1]], dtype=torch.long, device=device)
     return steps.expand(shape[0], -1).clone()
+
+
+def pack_engines(cfg: RLConfig, engines: list[TrainEngine], layout: ParallelLayout, training: bool) -> None:
+    """Packed micro-batches (`actor.pack_sequences`) for the actor and the reference policy, and
+    Ulysses sequence parallelism over them (`actor.parallel.sp`, a collective)."""
+    for engine in engines:
+        resolve_packing(engine.model, cfg.actor.pack_sequences, "actor.", pipelined=getattr(engine, "pipelined", False))
+    if cfg.actor.parallel.sp > 1 and training:
+        sequence_parallel(layout, cfg.actor.parallel.sp, [e.model for e in engines], "actor.")
 
 
 def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from asyncrl.plan.memory import LOGIT_CHUNK_TOKENS
 from asyncrl.single_controller.batch import Batch
+from asyncrl.train.logits import keeps_logits, response_logprobs
 from asyncrl.train.packing import pack, predicting_slots
 
 LOGPROBS, VALUES = 0, 1  # what a step computes at its positions
@@ -194,14 +195,12 @@ class Ulysses:
         out = model(input_ids=plan.ids[me::sp][None], position_ids=plan.positions[me::sp][None], attention_mask=None,
                     cu_seq_lens_q=plan.cu, cu_seq_lens_k=plan.cu, max_length_q=plan.max_len,
                     max_length_k=plan.max_len, use_cache=False, **_keep(model, local))
-        logits = out.logits if _keeps(model) else out.logits[:, local]
+        logits = out.logits if keeps_logits(model) else out.logits[:, local]
         anchor = logits[0, -1].float().sum() * 0.0  # ties every rank's whole slice to the gathered outputs
         logits = logits[:, :-1]
         if plan.kind == VALUES:
             rows = [logits[0, :, 0].float()]
         else:
-            from asyncrl.roles.forward import response_logprobs
-
             lp, ent = response_logprobs(logits, plan.labels[mine][None], plan.temperature, plan.with_entropy,
                                         chunk_tokens=max(1, LOGIT_CHUNK_TOKENS // sp))  # fp32 chunks shrink too
             rows = [lp[0]] + ([ent[0]] if plan.with_entropy else [])
@@ -217,14 +216,8 @@ class Ulysses:
             else torch.device("cpu")
 
 
-def _keeps(model: nn.Module) -> bool:
-    from asyncrl.roles.forward import _keeps_logits
-
-    return _keeps_logits(model)
-
-
 def _keep(model: nn.Module, local: Tensor) -> dict:
-    return {"logits_to_keep": local} if _keeps(model) else {}
+    return {"logits_to_keep": local} if keeps_logits(model) else {}
 
 
 def ulysses_of(model: nn.Module) -> Ulysses | None:

@@ -308,3 +308,36 @@ def test_long_sequence_settings_that_cannot_work_exit_2(tmp_path, capsys):
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("asyncrl-launch: ") and hint in last, (extra, last)
         assert not list(out.glob("logs/*/*worker*")), extra
+
+
+def _sp_tp_ranks(rank: int, world: int, out_dir):
+    """dp=2 x tp=2 under FSDP2 and DTensor TP: sp=1 against sp=2 (the sp groups are the dp pairs
+    of one TP coordinate; each attends its TP heads, split again over sp)."""
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import init_distributed, parallelize
+    from asyncrl.train.ulysses import sequence_parallel, turn_loss
+
+    init_distributed()
+    out = {}
+    for sp in (1, 2):
+        layout = ParallelLayout.from_config(ParallelConfig(tp=2, sp=sp), world)
+        dp = layout.dp_rank(rank)
+        mb = lengths_batch([3, 2], [17, 4] if dp == 0 else [1, 6], seed=dp)
+        model = parallelize(qwen2(), layout)
+        enable_packing(model)
+        if sp > 1:
+            sequence_parallel(layout, sp, [model], "actor.")
+        steps, loss_fn = turn_loss(model, [mb], lambda m, b: ((response_forward(m, b)[0] * b["response_mask"]).sum(), {}))
+        kept = []
+        for step in steps:
+            loss, _ = loss_fn(model, step)
+            loss.backward()
+            kept.append(loss.detach())
+        out[sp] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}, sum(kept)
+    return out
+
+
+def test_ulysses_composes_with_tensor_parallelism_and_fsdp(tmp_path):
+    for out in run_ranks(_sp_tp_ranks, 4, tmp_path):
+        (g1, loss1), (g2, loss2) = out[1], out[2]
+        assert max_diff(g1, g2) < TOL and abs(float(loss1 - loss2)) < TOL
