@@ -97,21 +97,18 @@ def _loss(model, mb):
     return loss, {}
 
 
-def _engine(shape: dict, packed: bool, sp: int = 1, checkpointing: bool = False):
+def _engine(shape: dict, packed: bool):
     from asyncrl.config import OptimConfig
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
     from asyncrl.train import FSDPEngine, init_distributed, parallelize
     from asyncrl.train.packing import enable_packing
-    from asyncrl.train.ulysses import sequence_parallel
 
     init_distributed()
-    layout = ParallelLayout.from_config(ParallelConfig(sp=sp), int(os.environ["WORLD_SIZE"]))
-    model = parallelize(model_of(shape, checkpointing=checkpointing), layout)
+    layout = ParallelLayout.from_config(ParallelConfig(), int(os.environ["WORLD_SIZE"]))
+    model = parallelize(model_of(shape), layout)
     engine = FSDPEngine(model, layout, optim=OptimConfig(lr=1e-6), device="cpu")
     if packed:
         enable_packing(model)
-    if sp > 1:
-        sequence_parallel(layout, sp, [model], "actor.")
     return engine
 
 

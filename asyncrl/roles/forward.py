@@ -69,13 +69,13 @@ def _scatter(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return out.masked_scatter(keep, values)
 
 
-def values_forward(model: torch.nn.Module, mb: Batch, packed: Packed | None = None) -> torch.Tensor:
+def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     """Critic values [B, R] at the positions that predict each response token."""
     r = mb["responses"].shape[1]
     if (sp := ulysses_of(model)) is not None:
         return sp.forward(model, mb, VALUES)
-    if packed is not None or is_packing(model):
-        logits, keep = _response_logits(model, mb, packed or pack(mb))
+    if is_packing(model):
+        logits, keep = _response_logits(model, mb, pack(mb))
         return _scatter(logits[0, :, 0].float(), keep)
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                 position_ids=mb["position_ids"], use_cache=False)

@@ -92,6 +92,7 @@ class _Plan:
     max_len: int
     targets: Tensor  # [K] packed positions the owner wants outputs at (ascending)
     labels: Tensor  # [K] the tokens they predict (log-probs)
+    keep: Tensor | None  # the owner's [B, R] response columns the targets fill (None on the others)
     kind: int
     temperature: float
     with_entropy: bool
@@ -152,8 +153,7 @@ class Ulysses:
         out = self._run(model, plan)  # [channels, K] on every rank
         if not mine:
             return out.sum() * 0.0
-        keep = predicting_slots(pack(mb), mb["responses"].shape[1]) >= 0
-        grid = [out.new_zeros(keep.shape).masked_scatter(keep, row) for row in out]
+        grid = [out.new_zeros(plan.keep.shape).masked_scatter(plan.keep, row) for row in out]
         if kind == VALUES:
             return grid[0]
         return grid[0], (grid[1] if with_entropy else None)
@@ -180,9 +180,10 @@ class Ulysses:
             ids, positions = (torch.empty(n_ids, dtype=torch.long, device=dev) for _ in range(2))
             targets, labels = (torch.empty(n_targets, dtype=torch.long, device=dev) for _ in range(2))
             cu = torch.empty(n_cu, dtype=torch.int32, device=dev)
+            keep = None
         for t in (ids, positions, cu, targets, labels):
             dist.broadcast(t, src, group=self.group)
-        return _Plan(ids, positions, cu, max_len, targets, labels, kind, float(header[6]), bool(ent))
+        return _Plan(ids, positions, cu, max_len, targets, labels, keep, kind, float(header[6]), bool(ent))
 
     def _run(self, model: nn.Module, plan: _Plan) -> Tensor:
         """This rank's slice of the plan through `model`; the outputs at every target, gathered
