@@ -293,6 +293,9 @@ def test_long_sequence_settings_that_cannot_work_exit_2(tmp_path, capsys):
     from asyncrl.models.tiny import build_tokenizer
 
     build_tokenizer().save_pretrained(moe)
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    dense = ensure_tiny_model(tmp_path / "dense", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
     two = ["trainer.n_workers=2"]
     cases = [(["actor.parallel.sp=3", "trainer.n_workers=3"], "actor.parallel.sp=3: sequence parallel size 3 must divide"),
              (["actor.parallel.sp=2", "actor.pack_sequences=false", *two], "Ulysses shards packed micro-batches"),
@@ -304,7 +307,8 @@ def test_long_sequence_settings_that_cannot_work_exit_2(tmp_path, capsys):
              (["actor.parallel.sp=2", f"model.path={moe}", *two], "mixture-of-experts model")]
     for extra, hint in cases:
         out = tmp_path / "out"
-        assert main(["--config-name", "grpo", f"trainer.output_dir={out}", *extra]) == 2, extra
+        model = [] if any(e.startswith("model.path=") for e in extra) else [f"model.path={dense}"]
+        assert main(["--config-name", "grpo", f"trainer.output_dir={out}", *model, *extra]) == 2, extra
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("asyncrl-launch: ") and hint in last, (extra, last)
         assert not list(out.glob("logs/*/*worker*")), extra
