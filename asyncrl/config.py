@@ -118,7 +118,10 @@ class VLLMConfig:
 
 ROLLOUT_ENGINES = ("native", "vllm")
 PLACEMENTS = ("colocated", "split")
-POLICY_LOSSES = ("ppo", "decoupled", "tis")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "decoupled", "tis")
+BEHAVIOUR_LOSSES = ("decoupled", "tis")
+CORRECTION_MODES = ("none", "tis", "mis", "icepop", "geo_mask")  # actor.rollout_correction.mode
+CORRECTION_LEVELS = ("token", "sequence")  # losses that weigh by pi_old / pi_rollout themselves
 ROUTER_REPLAY = ("none", "rollout", "old_policy")  # actor.moe.router_replay
 
 
@@ -325,6 +328,85 @@ class MoEConfig:
 
 
 @dataclass
+class GSPOConfig:
+    """GSPO's clip range on the length-normalised sequence ratio (the paper's 3e-4 / 4e-4)."""
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+    def check(self, at: str) -> None:
+        _positive(at + "clip_low", self.clip_low)
+        _positive(at + "clip_high", self.clip_high)
+
+
+@dataclass
+class CISPOConfig:
+    """CISPO's bounds on the detached importance weight (absolute; no lower clip by default)."""
+
+    weight_low: float = 0.0
+    weight_high: float = 4.0
+
+    def check(self, at: str) -> None:
+        _positive(at + "weight_low", self.weight_low, allow_zero=True)
+        _check(self.weight_high > max(1.0, self.weight_low), at + "weight_high", self.weight_high,
+               f"must be > 1 and > {at}weight_low")
+
+
+@dataclass
+class CovConfig:
+    """Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs")."""
+
+    clip_ratio: float = 2e-4  # clip_cov: share of tokens whose gradient is detached
+    clip_low: float = 1.0  # clip_cov: the covariance band they are drawn from
+    clip_high: float = 5.0
+    kl_ratio: float = 2e-3  # kl_cov: share of tokens (largest covariance) given the KL penalty
+    kl_coef: float = 1.0
+
+    def check(self, at: str) -> None:
+        for name in ("clip_ratio", "kl_ratio"):
+            _check(0 < getattr(self, name) <= 1, at + name, getattr(self, name), "must be in (0, 1]")
+        _check(self.clip_high > self.clip_low, at + "clip_high", self.clip_high, f"must be > {at}clip_low")
+        _positive(at + "kl_coef", self.kl_coef, allow_zero=True)
+
+
+# each mode's (level, low, high) when left null; from the papers (docs/algorithms.md)
+CORRECTION_DEFAULTS = {"tis": ("token", 0.0, 2.0), "mis": ("token", 0.0, 2.0), "icepop": ("token", 0.5, 5.0),
+                       "geo_mask": ("sequence", 0.999, 1.001)}
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance correction for the rollout engine sampling from a slightly different policy than
+    the trainer's (r = pi_trainer / pi_rollout per token; docs/algorithms.md#rollout-correction)."""
+
+    mode: str = "none"  # none | tis | mis | icepop | geo_mask
+    level: str | None = None  # token | sequence (tis, mis); null = the mode's
+    low: float | None = None  # the ratio band kept (mis, icepop, geo_mask); null = the mode's
+    high: float | None = None  # tis: the weight cap; the others: the band's top
+
+    def check(self, at: str) -> None:
+        _one_of(at + "mode", self.mode, CORRECTION_MODES)
+        if self.mode == "none":
+            for name in ("level", "low", "high"):
+                _check(getattr(self, name) is None, at + name, getattr(self, name),
+                       f"has no effect while {at}mode=none; set the mode (tis, mis, icepop, geo_mask) or drop it")
+            return
+        if self.level is not None:
+            _one_of(at + "level", self.level, CORRECTION_LEVELS)
+        fixed = {"icepop": "token", "geo_mask": "sequence"}.get(self.mode)
+        _check(fixed is None or self.level in (None, fixed), at + "level", self.level,
+               f"{self.mode} is defined at {fixed} level; leave it null")
+        level, low, high = self.resolved()
+        _check(0 <= low <= 1 <= high and low < high, at + "high" if self.high is not None else at + "low",
+               f"[{low}, {high}]", "the kept ratio band must contain 1 (0 <= low <= 1 <= high, low < high)")
+
+    def resolved(self) -> tuple[str, float, float]:
+        """(level, low, high) with the mode's defaults filled in."""
+        level, low, high = CORRECTION_DEFAULTS[self.mode]
+        return (self.level or level, low if self.low is None else self.low, high if self.high is None else self.high)
+
+
+@dataclass
 class ActorConfig(PPOUpdateConfig):
     log_prob_micro_batch_size: int = 128
     log_prob_max_tokens_per_micro_batch: int = 0  # > 0: the log-prob passes' micro-batches by tokens
@@ -341,8 +423,13 @@ class ActorConfig(PPOUpdateConfig):
     # ppo: PPO against the old policy; decoupled: AReaL's decoupled PPO (clip around the
     # proximal policy, importance weight to the behaviour policy that sampled); tis: PPO with
     # truncated importance sampling to the behaviour policy. For rollout.max_staleness > 0.
+    # gspo, cispo, clip_cov, kl_cov: the losses of 2025 (docs/algorithms.md#policy-losses)
     policy_loss: str = "ppo"
     behav_imp_weight_cap: float = 5.0  # decoupled: tokens above it are dropped; tis: weights clipped to it
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)
+    cov: CovConfig = field(default_factory=CovConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters instead of full fine-tuning (rank > 0)
     moe: MoEConfig = field(default_factory=MoEConfig)  # routing replay and router losses (MoE models)
     # fsdp2: FSDP2 x DTensor TP (x pipeline stages); megatron: megatron-core's GPTModel, TP x DP with
@@ -360,9 +447,21 @@ class ActorConfig(PPOUpdateConfig):
                "stage would replay another micro-batch's experts); set it to none or pp=1")
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
         _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
+        self.gspo.check(at + "gspo.")
+        self.cispo.check(at + "cispo.")
+        self.cov.check(at + "cov.")
+        self.rollout_correction.check(at + "rollout_correction.")
+        _check(self.policy_loss != "gspo" or self.loss_agg_mode == "seq-mean-token-mean", at + "loss_agg_mode",
+               self.loss_agg_mode, f"{at}policy_loss=gspo is a sequence-level objective: it is defined with "
+               "seq-mean-token-mean (each sequence's tokens averaged, then the sequences); set "
+               f"{at}loss_agg_mode=seq-mean-token-mean (configs/gspo.yaml does)")
+        _check(self.rollout_correction.mode == "none" or self.policy_loss not in BEHAVIOUR_LOSSES,
+               at + "rollout_correction.mode", self.rollout_correction.mode,
+               f"{at}policy_loss={self.policy_loss} already weighs tokens by pi_old / pi_rollout; use one of the "
+               f"two: {at}policy_loss=ppo with the correction, or the correction off")
         _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
                "must be > 1 (the largest pi_old / pi_behaviour ratio a token may carry)")
-        _check(self.policy_loss == "ppo" or self.recompute_log_prob != "never", at + "recompute_log_prob",
+        _check(self.policy_loss not in BEHAVIOUR_LOSSES or self.recompute_log_prob != "never", at + "recompute_log_prob",
                self.recompute_log_prob, f"must not be never with {at}policy_loss={self.policy_loss}: it needs "
                "the current policy's log-probs before the update (the proximal/old policy)")
         _one_of(at + "kl_loss_type", self.kl_loss_type, KL_TYPES)
@@ -392,7 +491,7 @@ class ActorConfig(PPOUpdateConfig):
         """Whether old log-probs need a forward pass of their own (only when off-policy, or for
         a loss that compares them with the behaviour policy's)."""
         if self.recompute_log_prob == "auto":
-            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1 or self.policy_loss != "ppo"
+            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1 or self.policy_loss in BEHAVIOUR_LOSSES
         return self.recompute_log_prob == "always"
 
 

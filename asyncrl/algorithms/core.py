@@ -340,7 +340,7 @@ def agg_loss(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def _clipped_token_losses(
+def ppo_token_losses(
     old_logprob: Tensor, logprob: Tensor, advantages: Tensor, response_mask: Tensor,
     clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -384,7 +384,7 @@ def ppo_policy_loss(
     Metrics: clipfrac (share of tokens where the ratio clip was active), approx_kl (mean of
     old - new log-prob, the k1 estimate), clipfrac_lower (share hitting the dual clip).
     """
-    losses, metrics = _clipped_token_losses(old_logprob, logprob, advantages, response_mask,
+    losses, metrics = ppo_token_losses(old_logprob, logprob, advantages, response_mask,
                                             clip_ratio_low, clip_ratio_high, clip_ratio_c)
     return agg_loss(losses, response_mask, loss_agg_mode, norm_len), metrics
 
@@ -425,7 +425,7 @@ def decoupled_ppo_loss(
     does), so a few far-off-policy tokens cannot dominate. With pi_behav == pi_prox it is PPO.
     """
     w, capped, wm = behaviour_importance_weights(prox_logprob, behav_logprob, response_mask, imp_weight_cap)
-    losses, metrics = _clipped_token_losses(prox_logprob, logprob, advantages, response_mask,
+    losses, metrics = ppo_token_losses(prox_logprob, logprob, advantages, response_mask,
                                             clip_ratio_low, clip_ratio_high, clip_ratio_c)
     keep = response_mask * (~capped).to(response_mask.dtype)
     return agg_loss(losses * w, keep, loss_agg_mode, norm_len), {**metrics, **wm}
@@ -448,9 +448,141 @@ def tis_ppo_loss(
     behaviour policy (Yao et al. 2025, "Your efficient RL framework secretly brings you
     off-policy RL training"): each token's loss times min(pi_old / pi_behav, cap), detached."""
     w, _, wm = behaviour_importance_weights(old_logprob, behav_logprob, response_mask, imp_weight_cap)
-    losses, metrics = _clipped_token_losses(old_logprob, logprob, advantages, response_mask,
+    losses, metrics = ppo_token_losses(old_logprob, logprob, advantages, response_mask,
                                             clip_ratio_low, clip_ratio_high, clip_ratio_c)
     return agg_loss(losses * w.clamp(max=imp_weight_cap), response_mask, loss_agg_mode, norm_len), {**metrics, **wm}
+
+
+# Losses of 2025: GSPO, CISPO, Clip-Cov, KL-Cov ---------------------------------------------------
+# Each returns per-token losses [B, T] and its metrics; the caller aggregates (`agg_loss`) over the
+# response mask times any rollout-correction keep mask, and multiplies by correction weights first.
+
+
+def gspo_token_losses(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, response_mask: Tensor,
+                      clip_low: float = 3e-4, clip_high: float = 4e-4) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): one clipped ratio per sequence, the length-normalised
+    s_i = exp(mean_t log(pi / pi_old)); each token carries s_i's value and 1/|y_i| of its gradient,
+    so aggregate with "seq-mean-token-mean" to get the sequence-level objective."""
+    mask = response_mask.to(logprob.dtype)
+    log_ratio = logprob - old_logprob
+    seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / mask.sum(-1).clamp(min=1)
+    log_s = (logprob - logprob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    s = torch.exp(log_s)
+    unclipped = -advantages * s
+    clipped = -advantages * s.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    return losses, {"clipfrac": masked_mean((clipped > unclipped).to(mask.dtype), mask).detach(),
+                    "approx_kl": masked_mean(-log_ratio, mask).detach()}
+
+
+def cispo_token_losses(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, response_mask: Tensor,
+                       weight_low: float = 0.0, weight_high: float = 4.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): -sg(clip(pi / pi_old, low, high)) * A * log pi, every token's
+    gradient kept (the weight is clipped, not the update); bounds as absolute weights."""
+    log_ratio = (logprob - old_logprob).detach().clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(weight_low, weight_high)
+    clipped = (ratio < weight_low) | (ratio > weight_high)
+    return -weight * advantages * logprob, {
+        "clipfrac": masked_mean(clipped.to(logprob.dtype), response_mask),
+        "approx_kl": masked_mean(-log_ratio, response_mask)}
+
+
+def token_covariance(advantages: Tensor, logprob: Tensor, response_mask: Tensor) -> Tensor:
+    """(A - mean A) * (log pi - mean log pi) per token, centred over the masked tokens: the
+    covariance terms that drive entropy change (Cui et al. 2025); -inf where masked out."""
+    lp = logprob.detach()
+    cov = (advantages - masked_mean(advantages, response_mask)) * (lp - masked_mean(lp, response_mask))
+    return cov.masked_fill(~response_mask.bool(), float("-inf"))
+
+
+def clip_cov_token_losses(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, response_mask: Tensor,
+                          clip_low: float = 0.2, clip_high: float = 0.2, ratio: float = 2e-4,
+                          cov_low: float = 1.0, cov_high: float = 5.0,
+                          generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov: PPO's clipped losses, and of the tokens PPO did not clip whose covariance lies in
+    (cov_low, cov_high), a random `ratio` share (at least one) loses its gradient."""
+    log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
+    r = torch.exp(log_ratio)
+    unclipped = -advantages * r
+    clipped = -advantages * r.clamp(1.0 - clip_low, 1.0 + clip_high)
+    cov = token_covariance(advantages, logprob, response_mask)
+    band = (cov > cov_low) & (cov < cov_high) & ~(clipped > unclipped)
+    candidates = band.flatten().nonzero().squeeze(-1)
+    n = max(int(ratio * float(response_mask.sum())), 1)
+    pick = torch.randperm(candidates.numel(), generator=generator)[:n].to(candidates.device)
+    detached = torch.zeros(band.numel(), dtype=torch.bool, device=band.device)
+    detached[candidates[pick]] = True
+    detached = detached.view_as(band)
+    losses = torch.maximum(unclipped, clipped).masked_fill(detached, 0.0)
+    return losses, {"clipfrac": masked_mean((clipped > unclipped).to(r.dtype), response_mask).detach(),
+                    "cov_detached_frac": masked_mean(detached.to(r.dtype), response_mask),
+                    "approx_kl": masked_mean(-log_ratio, response_mask).detach()}
+
+
+def kl_cov_token_losses(old_logprob: Tensor, logprob: Tensor, advantages: Tensor, response_mask: Tensor,
+                        ratio: float = 2e-3, kl_coef: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov: the unclipped surrogate -A * pi / pi_old, plus kl_coef * |log(pi / pi_old)| on the
+    `ratio` share (at least one) of tokens with the largest covariance."""
+    log_ratio = (logprob - old_logprob).clamp(-20.0, 20.0)
+    losses = -advantages * torch.exp(log_ratio)
+    cov = token_covariance(advantages, logprob, response_mask).flatten()
+    n = min(max(int(ratio * float(response_mask.sum())), 1), int(response_mask.sum()))
+    top = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    top[cov.topk(n).indices] = True
+    top = top.view_as(losses)
+    losses = losses + kl_coef * log_ratio.abs() * top.to(losses.dtype)
+    return losses, {"cov_penalised_frac": masked_mean(top.to(losses.dtype), response_mask),
+                    "approx_kl": masked_mean(log_ratio.abs(), response_mask).detach()}
+
+
+# Rollout correction: the engine that sampled is not the trainer ----------------------------------
+# r = pi_trainer / pi_rollout per token (old log-probs against the engine's rollout log-probs).
+
+def rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, response_mask: Tensor, mode: str,
+                       level: str, low: float, high: float) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-token weights (detached) and keep mask [B, T] correcting for the rollout engine's policy.
+
+    tis: weight min(r, high) (truncated IS; Yao et al. 2025), kept all. mis: weight r where
+    low <= r <= high, the rest masked out (masked IS). icepop: mis at token level (Ling team
+    2025). geo_mask: no weight, sequences whose geometric-mean ratio exp(mean log r) leaves
+    [low, high] masked out. At sequence level r is the product over the sequence's tokens.
+    """
+    mask = response_mask.bool()
+    log_r = ((old_logprob - rollout_logprob).detach() * mask).clamp(-20.0, 20.0)
+    if mode == "geo_mask" or level == "sequence":
+        seq = masked_sum(log_r, mask, dim=-1)
+        if mode == "geo_mask":
+            seq = seq / mask.sum(-1).clamp(min=1)
+        log_r = seq.clamp(-20.0, 20.0).unsqueeze(-1).expand_as(log_r)
+    r = torch.exp(log_r)
+    if mode == "tis":
+        weight, keep = r.clamp(max=high), mask
+    elif mode in ("mis", "icepop", "geo_mask"):
+        inside = (r >= low) & (r <= high)
+        weight, keep = (torch.ones_like(r) if mode == "geo_mask" else r), mask & inside
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}; expected tis, mis, icepop or geo_mask")
+    weight = weight * keep
+    rows = mask.any(-1)
+    dropped = mask & ~keep
+    return weight, keep, {
+        "capped_frac": masked_mean((r > high).to(r.dtype), mask),
+        "masked_token_frac": masked_mean(dropped.to(r.dtype), mask),
+        "masked_seq_frac": (dropped.any(-1) & rows).float().sum() / rows.float().sum().clamp(min=1),
+        "weight_mean": masked_mean(weight, mask)}
+
+
+def mismatch_metrics(old_logprob: Tensor, rollout_logprob: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    """How far the trainer's log-probs are from the rollout engine's on the sampled tokens:
+    mean and max |delta|, k3 KL(rollout || trainer), and the perplexity ratio trainer / rollout."""
+    mask = response_mask.bool()
+    delta = (old_logprob - rollout_logprob).detach().clamp(-20.0, 20.0)
+    absdiff = delta.abs().masked_fill(~mask, 0.0)
+    return {"logprob_diff_mean": masked_mean(absdiff, mask),
+            "logprob_diff_max": absdiff.max() if absdiff.numel() else absdiff.new_zeros(()),
+            "k3_kl": masked_mean(torch.exp(delta) - 1.0 - delta, mask),
+            "ppl_ratio": torch.exp(masked_mean(-delta, mask))}
 
 
 def value_loss(

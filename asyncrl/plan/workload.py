@@ -217,8 +217,7 @@ def workload_from_config(cfg: Any, spec: ModelSpec) -> Workload:
     name = cfg.algorithm.name
     critic = needs_critic(name)
     ref = bool(cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss)
-    off_policy = cfg.actor.ppo_epochs > 1 or cfg.actor.ppo_mini_batches > 1 or cfg.actor.policy_loss != "ppo"
-    recompute = cfg.actor.recompute_log_prob == "always" or (cfg.actor.recompute_log_prob == "auto" and off_policy)
+    recompute = cfg.actor.recompute_old_log_probs()
     models = {"actor": spec}
     if ref:
         models["ref"] = spec

@@ -31,7 +31,7 @@ from asyncrl.agents.rollout import (
 )
 from asyncrl.algorithms import core
 from asyncrl.algorithms.roles import ROW_TOKENS
-from asyncrl.config import RLConfig, rl_config
+from asyncrl.config import BEHAVIOUR_LOSSES, ActorConfig, RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.roles import routing
@@ -539,7 +539,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         temp = self._temperature(batch)
         norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
         use_kl_loss = ac.use_kl_loss and "ref_log_prob" in batch
-        _check_behaviour_columns(ac.policy_loss, batch)
+        _check_behaviour_columns(ac, batch)
 
         replay = routing.REPLAYED.get(ac.moe.router_replay)
 
@@ -551,15 +551,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             # without recomputed old log-probs the update is on-policy (one epoch, one
             # mini-batch): the ratio is 1 and the gradient that of the clipped objective
             old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
-            clip = {"clip_ratio_low": ac.clip_low, "clip_ratio_high": ac.clip_high, "clip_ratio_c": ac.clip_ratio_c,
-                    "loss_agg_mode": ac.loss_agg_mode, "norm_len": norm_len}
-            if ac.policy_loss == "ppo":
-                loss, m = core.ppo_policy_loss(old, logp, mb["advantages"], mask, **clip)
-            else:
-                behav_loss = core.decoupled_ppo_loss if ac.policy_loss == "decoupled" else core.tis_ppo_loss
-                loss, m = behav_loss(old, logp, mb["rollout_log_probs"], mb["advantages"], mask,
-                                     imp_weight_cap=ac.behav_imp_weight_cap, **clip)
-            metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()}}
+            loss, m, rollout_m = policy_loss(ac, old, logp, mb, mask, norm_len, self.shuffle_gen)
+            metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()},
+                       **{f"rollout/{k}": v for k, v in rollout_m.items()}}
             if ent is not None:
                 if ac.entropy_coeff == 0:
                     ent = ent.detach()  # a metric only: no graph kept for it
@@ -583,9 +577,6 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         finally:
             if (tap := routing.tap_for(self.actor.model)) is not None:
                 tap.stop()
-        if "rollout_log_probs" in batch and "old_log_probs" in batch:  # engine mismatch (+ staleness)
-            out["rollout/logprob_diff_max"] = core.max_abs_diff(batch["old_log_probs"], batch["rollout_log_probs"],
-                                                                batch["response_mask"])
         release_host_memory()  # the update's transient pages back to the OS before generation
         self.update_steps += 1
         out["actor/lr"] = out.pop("lr", 0.0)
@@ -700,12 +691,49 @@ def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRoll
                       concurrency=mt.concurrency, timeout_s=mt.step_timeout_s * mt.max_turns, context_length=positions)
 
 
-def _check_behaviour_columns(policy_loss: str, batch: Batch) -> None:
-    if policy_loss != "ppo" and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
-        raise ValueError(f"actor.policy_loss={policy_loss} needs the behaviour policy's log-probs "
+def _check_behaviour_columns(ac: ActorConfig, batch: Batch) -> None:
+    if ac.policy_loss in BEHAVIOUR_LOSSES and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
+        raise ValueError(f"actor.policy_loss={ac.policy_loss} needs the behaviour policy's log-probs "
                          "(rollout_log_probs, from generate_sequences) and the current policy's "
                          "(old_log_probs, from compute_log_prob) in the batch; an algorithm that builds "
                          "its own batch must keep both, or set actor.policy_loss=ppo")
+    if ac.rollout_correction.mode != "none" and "rollout_log_probs" not in batch:
+        raise ValueError(f"actor.rollout_correction.mode={ac.rollout_correction.mode} needs the rollout engine's "
+                         "log-probs (rollout_log_probs, from generate_sequences) in the batch; an algorithm that "
+                         "builds its own batch must keep them, or set actor.rollout_correction.mode=none")
+
+
+def policy_loss(ac: ActorConfig, old: torch.Tensor, logp: torch.Tensor, mb: Batch, mask: torch.Tensor,
+                norm_len: int, gen: torch.Generator) -> tuple[torch.Tensor, dict, dict]:
+    """The micro-batch's policy loss as `actor.policy_loss` and `actor.rollout_correction` say; its
+    metrics, and the rollout engine's mismatch with the trainer (wherever its log-probs came along)."""
+    adv, rollout = mb["advantages"], mb["rollout_log_probs"] if "rollout_log_probs" in mb else None
+    rollout_m = core.mismatch_metrics(old, rollout, mask) if rollout is not None else {}
+    clip = {"clip_ratio_low": ac.clip_low, "clip_ratio_high": ac.clip_high, "clip_ratio_c": ac.clip_ratio_c}
+    if ac.policy_loss in BEHAVIOUR_LOSSES:  # the asynchronous runs' losses weigh by pi_old / pi_rollout themselves
+        behav_loss = core.decoupled_ppo_loss if ac.policy_loss == "decoupled" else core.tis_ppo_loss
+        loss, m = behav_loss(old, logp, rollout, adv, mask, imp_weight_cap=ac.behav_imp_weight_cap,
+                             loss_agg_mode=ac.loss_agg_mode, norm_len=norm_len, **clip)
+        return loss, m, rollout_m
+    if ac.policy_loss == "gspo":
+        losses, m = core.gspo_token_losses(old, logp, adv, mask, ac.gspo.clip_low, ac.gspo.clip_high)
+    elif ac.policy_loss == "cispo":
+        losses, m = core.cispo_token_losses(old, logp, adv, mask, ac.cispo.weight_low, ac.cispo.weight_high)
+    elif ac.policy_loss == "clip_cov":
+        losses, m = core.clip_cov_token_losses(old, logp, adv, mask, ac.clip_low, ac.clip_high, ac.cov.clip_ratio,
+                                               ac.cov.clip_low, ac.cov.clip_high, generator=gen)
+    elif ac.policy_loss == "kl_cov":
+        losses, m = core.kl_cov_token_losses(old, logp, adv, mask, ac.cov.kl_ratio, ac.cov.kl_coef)
+    else:
+        losses, m = core.ppo_token_losses(old, logp, adv, mask, **clip)
+    keep = mask
+    if ac.rollout_correction.mode != "none":
+        weight, keep, corr = core.rollout_correction(old, rollout, mask, ac.rollout_correction.mode,
+                                                     *ac.rollout_correction.resolved())
+        losses = losses * weight
+        keep = keep.to(mask.dtype)
+        rollout_m.update({f"correction_{k}": v for k, v in corr.items()})
+    return core.agg_loss(losses, keep, ac.loss_agg_mode, norm_len), m, rollout_m
 
 
 def _tied(model: torch.nn.Module) -> bool:

@@ -1,8 +1,10 @@
 """What the training modules share below the engines: the engine error, the model's
-blocks and which pipeline stage holds what."""
+blocks, which pipeline stage holds what, and how a step's metrics are reduced."""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -39,3 +41,22 @@ def owner_stage(name: str, n_layers: int, pp_size: int) -> int:
     if parts[:2] == ["model", "embed_tokens"]:
         return 0
     return pp_size - 1  # the final norm and the LM head
+
+
+def reduce_step_metrics(loss_sum: torch.Tensor, per_micro: dict[str, list[torch.Tensor]],
+                        group: dist.ProcessGroup | None) -> dict[str, float]:
+    """A step's logged numbers over its micro-batches and the dp ranks of `group`: the summed
+    loss and each metric's mean averaged over ranks, except that a name ending in `_max` takes the
+    largest value (two collectives at most)."""
+    names = sorted(per_micro)
+    means = [k for k in names if not k.endswith("_max")]
+    maxes = [k for k in names if k.endswith("_max")]
+    size = dist.get_world_size(group)
+    packed = torch.stack([loss_sum.float()] + [torch.stack(per_micro[k]).mean() for k in means])
+    dist.all_reduce(packed, group=group)
+    out = dict(zip(["loss", *means], (packed / size).tolist(), strict=True))
+    if maxes:
+        top = torch.stack([torch.stack(per_micro[k]).max() for k in maxes])
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        out.update(zip(maxes, top.tolist(), strict=True))
+    return out

@@ -44,7 +44,7 @@ from asyncrl.config import OptimConfig
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import open_group as open_peer_group
-from asyncrl.train.common import EngineError, find_blocks
+from asyncrl.train.common import EngineError, find_blocks, reduce_step_metrics
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
 
@@ -278,25 +278,17 @@ class FSDPEngine:
             raise EngineError("train_step needs at least one micro-batch")
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        metric_sums: dict[str, Tensor] = {}
-        counts: dict[str, int] = {}  # a sequence-parallel turn this rank does not own logs nothing
+        per_micro: dict[str, list[Tensor]] = {}  # a sequence-parallel turn this rank does not own logs nothing
         for micro_batch in micro_batches:
             loss, metrics = loss_fn(self.model, micro_batch)
             loss.backward()
             loss_sum += loss.detach().float()
             for k, v in metrics.items():
-                v = torch.as_tensor(v, dtype=torch.float32).detach().to(self.device)
-                metric_sums[k] = metric_sums.get(k, 0.0) + v
-                counts[k] = counts.get(k, 0) + 1
+                per_micro.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).detach().to(self.device))
 
         grad_norm, lr, finite = self._optimizer_step()
-
-        # One collective for every logged number; TP peers hold equal values, so dp suffices.
-        names = sorted(metric_sums)
-        packed = torch.stack([loss_sum] + [metric_sums[k] / counts[k] for k in names])
-        dist.all_reduce(packed, group=self.mesh.get_group())
-        values = (packed / self.mesh.size()).tolist()
-        out = {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
+        # TP peers hold equal values, so reducing over dp suffices
+        out = reduce_step_metrics(loss_sum, per_micro, self.mesh.get_group())
         out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
         return out
 

@@ -69,6 +69,10 @@ def _one_paragraph(err: str) -> str:
     ("actor.backend=megatron-core", "actor.backend"),
     ("actor.moe.router_replay=rollout", "actor.moe.router_replay"),  # a dense model has no experts to replay
     ("actor.moe.router_replay=always", "actor.moe.router_replay"),
+    ("actor.policy_loss=gspo", "actor.loss_agg_mode"),  # gspo is defined at sequence level
+    ("actor.rollout_correction.mode=sometimes", "actor.rollout_correction.mode"),
+    ("actor.rollout_correction.high=3", "actor.rollout_correction.high"),  # no mode: it would do nothing
+    ("actor.cispo.weight_high=0.5", "actor.cispo.weight_high"),
 ])
 def test_bad_values_exit_2_naming_the_key(override, key, tiny_model, tmp_path, capsys):
     out = tmp_path / "out"

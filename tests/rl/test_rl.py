@@ -81,13 +81,19 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     # (~20 s each, slow: tests/rl/test_megatron.py checks the stages' training and the critic by default)
     pytest.param("grpo", ["actor.backend=megatron", "actor.parallel.pp=2", "actor.use_kl_loss=true"],
                  marks=pytest.mark.slow),
+    # the losses of 2025, each with a rollout correction (recipes under configs/ where whole)
+    ("gspo", ["actor.rollout_correction.mode=tis"]),
+    ("cispo", ["actor.rollout_correction.mode=icepop"]),
+    ("grpo", ["actor.policy_loss=clip_cov", "actor.ppo_mini_batches=2", "actor.rollout_correction.mode=mis",
+              "actor.rollout_correction.level=sequence"]),
+    ("grpo", ["actor.policy_loss=kl_cov", "actor.ppo_mini_batches=2", "actor.rollout_correction.mode=geo_mask"]),
     # PPO with both the actor and the critic on megatron-core
     pytest.param("ppo", ["actor.backend=megatron", "critic.backend=megatron", "actor.parallel.tp=2",
                          "critic.parallel.tp=2"], marks=pytest.mark.slow),
 ], ids=["grpo", "ppo", "remax", "rloo", "reinforce_pp", "safe_rlhf", "drgrpo", "safe_rlhf_cost_model",
         "remax_uneven", "grpo_tp2", "ppo_tp2_gen_tp2", "grpo_pp2", "ppo_token_budget_checkpointing",
         "grpo_bf16", "grpo_multi_turn", "grpo_megatron_tp2_gen_tp2", "grpo_megatron_pp2",
-        "ppo_megatron_actor_critic_tp2"])
+        "gspo_tis", "cispo_icepop", "clip_cov_seq_mis", "kl_cov_geo_mask", "ppo_megatron_actor_critic_tp2"])
 def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     """Each algorithm trains through the real trainer; its actor updates must make better-scored
     responses likelier (a flipped advantage sign anywhere makes `policy_gain` negative)."""
@@ -97,7 +103,7 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
                                             "job.entry=tests/helpers/rl_probe.py:main", *extra])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["algorithm"] == config and summary["steps"] == 2
+    assert summary["algorithm"] == {"gspo": "grpo", "cispo": "grpo"}.get(config, config) and summary["steps"] == 2
     assert len(summary["policy_gain"]) == 2 and sum(summary["policy_gain"]) > 0, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
@@ -107,6 +113,12 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert all(r["timing/gen_s"] > 0 and r["timing/update_actor_s"] > 0 and r["timing/overhead_s"] >= 0
                for r in steps)
     assert all(0.1 < r["perf/peak_rss_gib"] < 20 for r in steps)  # the actor's largest rank, logged each step
+    # the engine's mismatch with the trainer, every step of every run
+    assert all(r["rollout/logprob_diff_max"] >= r["rollout/logprob_diff_mean"] >= 0 and r["rollout/k3_kl"] >= 0
+               for r in steps), steps
+    if any("rollout_correction" in e for e in extra):  # fp32, an agreeing engine: nothing capped or masked
+        assert all(r["rollout/logprob_diff_max"] < 1e-3 and r["rollout/correction_masked_token_frac"] == 0
+                   for r in steps), steps
     if not extra:  # advantages where the rows live: no rank pulls another's rows for them
         assert all(r["perf/advantage_cross_rank_mb"] == 0 and r["perf/compute_reward_cross_rank_mb"] == 0
                    for r in steps), steps

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.train.common import reduce_step_metrics
 from asyncrl.train.engine import LossFn
 from asyncrl.train.experts import fuse_experts
 from asyncrl.train.fsdp import EngineError, lr_multiplier, release_host_memory
@@ -319,13 +320,9 @@ class MegatronEngine:
         finalize_model_grads([self.ddp])
 
     def _metrics(self, results: dict[int, tuple[Tensor, dict[str, Tensor]]], n: int) -> dict[str, float]:
-        """The summed loss and the metrics' means over micro-batches, averaged over DP."""
-        names = sorted(results[0][1])
-        packed = torch.stack([torch.stack([results[i][0] for i in range(n)]).sum()]
-                             + [torch.stack([results[i][1][k] for i in range(n)]).mean() for k in names])
-        dist.all_reduce(packed, group=self.dp_group)
-        values = (packed / dist.get_world_size(self.dp_group)).tolist()
-        return {"loss": values[0], **dict(zip(names, values[1:], strict=True))}
+        """The summed loss and the metrics' means over micro-batches, averaged over DP (`_max`: the largest)."""
+        per_micro = {k: [results[i][1][k] for i in range(n)] for k in results[0][1]}
+        return reduce_step_metrics(torch.stack([results[i][0] for i in range(n)]).sum(), per_micro, self.dp_group)
 
     def forward(self, micro_batches: list[Any], fn: Any) -> list[Any] | None:
         """`fn(model, micro_batch)` per micro-batch through the pipeline, without gradients: the
