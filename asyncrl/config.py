@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from asyncrl.agents.config import MultiTurnConfig
-from asyncrl.algorithms.registry import algorithms, needs_critic
+from asyncrl.algorithms.registry import algorithms, needs_critic, needs_teacher
 from asyncrl.data.config import DataConfig, tiny_model_tasks
 from asyncrl.data.config import SyntheticDataConfig as SyntheticDataConfig
 from asyncrl.single_controller.config import LaunchConfig
@@ -546,6 +546,25 @@ class CostModelConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (algorithm.name=opd): a frozen policy that scores the
+    student's sampled tokens; each token's reward is kl_coef * (log pi_teacher - log pi_student)."""
+
+    path: str | None = None  # a causal LM with the student's tokenizer
+    n_workers: int = 0  # 0: on the actor's pool (colocated); > 0: a pool of its own
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # FSDP2 x TP over its workers
+    micro_batch_size: int = 64  # rows per forward
+    kl_coef: float = 1.0  # weight of the per-token reverse-KL reward
+    task_reward_coef: float = 0.0  # > 0: plus this times GRPO's advantage of the task reward
+
+    def check(self, at: str) -> None:
+        _positive(at + "n_workers", self.n_workers, allow_zero=True)
+        _positive(at + "micro_batch_size", self.micro_batch_size)
+        _positive(at + "kl_coef", self.kl_coef)
+        _positive(at + "task_reward_coef", self.task_reward_coef, allow_zero=True)
+
+
+@dataclass
 class KLControllerConfig:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001
@@ -713,10 +732,29 @@ class RLConfig(LaunchConfig):
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+
+    def _check_teacher(self, at: str) -> None:
+        """A teacher where the algorithm distils, and nowhere else; its layout fits its pool."""
+        wants = needs_teacher(self.algorithm.name)
+        _check(not wants or bool(self.teacher.path), at + "teacher.path", self.teacher.path,
+               f"algorithm.name={self.algorithm.name} distils from a teacher: set {at}teacher.path to its model")
+        _check(wants or self.teacher.path is None, at + "teacher.path", self.teacher.path,
+               f"only algorithm.name=opd uses a teacher (got {self.algorithm.name}); remove it")
+        if wants:
+            _check(self.teacher.parallel.pp == 1, at + "teacher.parallel.pp", self.teacher.parallel.pp,
+                   "the teacher runs forward only over FSDP2 x TP; set it to 1")
+            _check(self.teacher.task_reward_coef == 0 or self.rollout.n >= 2, at + "rollout.n", self.rollout.n,
+                   "teacher.task_reward_coef > 0 compares each prompt's samples (GRPO's advantage); set rollout.n >= 2")
+            size = self.teacher.n_workers or self.trainer.n_workers
+            try:
+                ParallelLayout.from_config(self.teacher.parallel, size)
+            except LayoutError as e:
+                raise ConfigError(f"bad configuration: {at}teacher.{e} (its pool: {size} workers)") from None
 
     def _check_token_budgets(self, at: str) -> None:
         """A row is never split across micro-batches: every token budget holds the longest row."""
@@ -740,6 +778,7 @@ class RLConfig(LaunchConfig):
         self._check_backends(at)
         self._check_router_replay(at)
         self._check_token_budgets(at)
+        self._check_teacher(at)
         training = self.trainer.mode == "train"  # an evaluation samples and scores only: n=1 and any batch do
         if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from asyncrl.algorithms.registry import needs_critic
+from asyncrl.algorithms.registry import needs_critic, needs_teacher
 from asyncrl.config import ModelConfig, RLConfig
 from asyncrl.models.resolve import resolve_model, tiny_settings
 from asyncrl.rundir import check_output_dir
@@ -36,7 +36,31 @@ def check_inputs(cfg: RLConfig) -> None:
     _check_sequence_parallel(cfg)
     _check_megatron(cfg)
     _check_context_fits_model(cfg)
+    _check_teacher(cfg)
     check_memory(cfg)
+
+
+def _check_teacher(cfg: RLConfig) -> None:
+    """On-policy distillation compares the teacher's log-probs of the student's token ids with the
+    student's own: both must read those ids as the same tokens."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (cfg.teacher.path and needs_teacher(cfg.algorithm.name)):
+        return
+    path = cfg.teacher.path = resolve_model(ModelConfig(path=cfg.teacher.path), key="teacher.path")
+    student, teacher = AutoTokenizer.from_pretrained(cfg.model.path), AutoTokenizer.from_pretrained(path)
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    differ = sorted(set(s_vocab.items()) ^ set(t_vocab.items()), key=str)[:3]
+    if differ or student.eos_token_id != teacher.eos_token_id:
+        what = f"e.g. {differ}" if differ else f"eos ids {student.eos_token_id} vs {teacher.eos_token_id}"
+        raise ConfigError(f"teacher.path={path}: its tokenizer differs from the student's (model.path="
+                          f"{cfg.model.path}; {len(s_vocab)} vs {len(t_vocab)} tokens, {what}). On-policy "
+                          "distillation scores the student's token ids under the teacher, so both must share "
+                          "one tokenizer: pick a teacher of the same family")
+    rows = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+    if rows is not None and rows < len(s_vocab):
+        raise ConfigError(f"teacher.path={path}: its vocab_size {rows} is smaller than the tokenizer's "
+                          f"{len(s_vocab)} tokens; the teacher cannot score every token the student samples")
 
 
 def check_memory(cfg: RLConfig) -> None:

@@ -38,6 +38,7 @@ from asyncrl.rewards import NonFiniteRewardError
 from asyncrl.roles.actor import ActorRolloutRefWorker
 from asyncrl.roles.critic import CriticWorker
 from asyncrl.roles.reward import RewardModelWorker, RuleRewardWorker
+from asyncrl.roles.teacher import TeacherWorker
 from asyncrl.rollout.ahead import Generations
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
@@ -245,7 +246,13 @@ class Trainer:
             roles["critic"] = (CriticWorker, wire)
         if cfg.cost_model.enable:
             roles["cost"] = (RewardModelWorker, (wire, "costs", cfg.cost_model.path), {})
+        if self.algorithm.needs_teacher and not cfg.teacher.n_workers:  # colocated with the actor
+            roles["teacher"] = (TeacherWorker, wire)
         groups = await self.ctx.spawn(pool, **roles)
+        teacher = groups.get("teacher")
+        if self.algorithm.needs_teacher and cfg.teacher.n_workers:  # a pool of its own
+            teacher = await self.ctx.spawn_group(self._pool("teacher", "teacher.n_workers", cfg.teacher.n_workers),
+                                                 TeacherWorker, wire, role="teacher")
         self.rollout = groups.actor  # the group that generates
         if split:
             rollout_pool = self._pool("rollout", "rollout.n_workers", cfg.rollout.n_workers)
@@ -256,7 +263,7 @@ class Trainer:
         if split or cfg.rollout.max_staleness > 0:
             self.generations = Generations(self.rollout, self.data.loader, stream=split and cfg.rollout.engine == "native")
         self.roles = Roles(actor=groups.actor, rollout=self.generations or self.rollout, reward=groups.reward,
-                           critic=groups.get("critic"), cost=groups.get("cost"))
+                           critic=groups.get("critic"), cost=groups.get("cost"), teacher=teacher)
         self.evaluator = Evaluator(cfg, self.data, self.roles)
 
     @property

@@ -84,6 +84,24 @@ def safe_rlhf(batch: Batch, *, gamma: float, lam: float, lagrange: float, kl_coe
     return _result(batch, adv, ret, rewards, stats, peers)
 
 
+def distill(batch: Batch, *, kl_coef: float, task_coef: float = 0.0, norm_by_std: bool = True,
+            peers: Peers = ONE) -> Batch:
+    """On-policy distillation: the teacher's log-probs of the student's tokens against the
+    student's own (per-token reverse KL as the reward); plus task_coef times GRPO's advantage of
+    the task reward when > 0. The task reward is scored and logged either way."""
+    rewards, mask, stats = _token_rewards(batch, 0.0, "kl")
+    student = batch["old_log_probs"] if "old_log_probs" in batch else batch["rollout_log_probs"]
+    teacher = batch["teacher_log_probs"].float()
+    adv = core.distillation_advantage(student.float(), teacher, mask, kl_coef)
+    if task_coef > 0:
+        scores, uids = core.masked_sum(rewards, mask, dim=-1), _groups(batch, "opd")
+        task, _ = core.grpo_advantage(scores, uids, mask, norm_by_std=norm_by_std,
+                                      stats=_group_stats(scores, uids, peers))
+        adv = adv + task_coef * task
+    stats.mean("distill/reverse_kl", core.masked_sum(student.float() - teacher, mask), mask.sum())
+    return _result(batch, adv, adv, rewards, stats, peers)
+
+
 # batch-wide numbers from every rank's rows ------------------------------------------------------------
 class Metrics:
     """Means, maxima and minima over the batch, from each rank's sums (one collective each)."""

@@ -276,6 +276,14 @@ def reinforce_pp_advantage(
     return (masked_whiten(returns, mask) if whiten else returns), returns
 
 
+def distillation_advantage(student_logprob: Tensor, teacher_logprob: Tensor, response_mask: Tensor,
+                           kl_coef: float = 1.0) -> Tensor:
+    """On-policy distillation (Agarwal et al. 2024; Qwen3; Thinking Machines 2025): each sampled
+    token's advantage is kl_coef * (log pi_teacher - log pi_student), minus the per-token estimate
+    of the reverse KL(student || teacher); undiscounted, not passed back to earlier tokens."""
+    return kl_coef * (teacher_logprob - student_logprob).detach() * response_mask.to(student_logprob.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # KL penalty and controllers
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ class Algorithm:
     step_path: str  # "module:function": async (roles, cfg, ctl, prompts, **data) -> metrics
     needs_critic: bool = False
     needs_pretrain: bool = False  # takes a `pretrain=` batch (Safe-RLHF's SFT term)
+    needs_teacher: bool = False  # a teacher worker group scores the samples (`teacher.*`)
 
     @property
     def step(self) -> Step:
@@ -34,6 +35,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     "reinforce_pp": Algorithm("asyncrl.algorithms.grpo:reinforce_pp_step"),
     "remax": Algorithm("asyncrl.algorithms.remax:remax_step"),
     "safe_rlhf": Algorithm("asyncrl.algorithms.ppo:safe_rlhf_step", needs_critic=True, needs_pretrain=True),
+    "opd": Algorithm("asyncrl.algorithms.opd:opd_step", needs_teacher=True),
 }
 
 
@@ -54,7 +56,7 @@ def algorithms() -> dict[str, Algorithm]:
 
 def register_algorithm(name: str, step: Step | str, **needs: Any) -> Algorithm:
     """Add `name` to the table: `step` is a module-level async function (or its "module:function");
-    `needs`: needs_critic, needs_pretrain."""
+    `needs`: needs_critic, needs_pretrain, needs_teacher."""
     path = step if isinstance(step, str) else f"{step.__module__}:{step.__qualname__}"
     ALGORITHMS[name] = Algorithm(path, **needs)
     return ALGORITHMS[name]
@@ -64,3 +66,9 @@ def needs_critic(name: str) -> bool:
     """Whether algorithm `name` trains a critic (critic.* is used)."""
     table = algorithms()
     return name in table and table[name].needs_critic
+
+
+def needs_teacher(name: str) -> bool:
+    """Whether algorithm `name` distils from a teacher (teacher.* is used)."""
+    table = algorithms()
+    return name in table and table[name].needs_teacher

@@ -23,6 +23,7 @@ class Roles:
     reward: Any  # compute_reward
     critic: Any | None = None  # compute_values, update_critic
     cost: Any | None = None  # a cost model's compute_reward (Safe-RLHF with cost_model.enable)
+    teacher: Any | None = None  # on-policy distillation's compute_teacher_log_prob (teacher.path)
 
 
 def uses_ref(cfg: RLConfig) -> bool:

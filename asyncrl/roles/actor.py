@@ -35,7 +35,7 @@ from asyncrl.config import BEHAVIOUR_LOSSES, ActorConfig, RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.roles import routing
-from asyncrl.roles.forward import packed_view, response_forward
+from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
 from asyncrl.roles.pools import PoolWeights, StagedWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
@@ -461,10 +461,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     # log-probs -------------------------------------------------------------------------------------
     def _temperature(self, batch: Batch) -> float:
-        """The sampling temperature of these responses (log-probs must use the same one)."""
-        if batch.meta.get("greedy"):
-            return 1.0
-        return float(batch.meta.get("temperature", self.cfg.rollout.temperature)) or 1.0
+        return sampling_temperature(batch, self.cfg.rollout.temperature)
 
     def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool, replay: str | None = None,
                    routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 
 
 
+def sampling_temperature(batch: Batch, default: float) -> float:
+    """The temperature `batch`'s responses were sampled at (log-probs must use the same one)."""
+    if batch.meta.get("greedy"):
+        return 1.0
+    return float(batch.meta.get("temperature", default)) or 1.0
+
+
 def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0,
                      with_entropy: bool = False, packed: Packed | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -6,7 +6,8 @@ score minus its prompt group's mean; minus the cost for Safe-RLHF) × the change
 response's log-probability under the update. It measures the update against the reward itself,
 not against the advantages the update was given: an update that makes better-scored responses
 likelier is positive; a flipped sign anywhere (advantage estimator, loss, aggregation) makes the
-policy move away from reward and the gain negative.
+policy move away from reward and the gain negative. On-policy distillation's gain is per token:
+(log pi_teacher - log pi_student) × the token's change of log-probability, averaged.
 """
 
 from __future__ import annotations
@@ -33,10 +34,14 @@ class UpdateProbe:
         before = await self.group.compute_log_prob(batch)
         metrics = await self.group.update_actor(batch)
         after = await self.group.compute_log_prob(batch)
-        cols = [c for c in ("scores", "costs", "response_mask", "uid") if c in batch.columns]
+        cols = [c for c in ("scores", "costs", "response_mask", "uid", "teacher_log_probs") if c in batch.columns]
         b = await batch.select(*cols).fetch()
         lp0 = (await before.select("old_log_probs").fetch())["old_log_probs"]
         lp1 = (await after.select("old_log_probs").fetch())["old_log_probs"]
+        if "teacher_log_probs" in b:  # distillation: tokens the teacher likes more should get likelier
+            mask = b["response_mask"].float()
+            self.gains.append(float(((b["teacher_log_probs"] - lp0) * (lp1 - lp0) * mask).sum() / mask.sum()))
+            return metrics
         moved = ((lp1 - lp0) * b["response_mask"].float()).sum(-1)  # Δ log p(response)
         outcome = b["scores"].float() - (b["costs"].float() if "costs" in b else 0.0)
         groups = b["uid"] if "uid" in b else [0] * len(outcome)

@@ -185,3 +185,26 @@ def test_correction_settings_that_cannot_work_are_refused():
     # the losses that need no behaviour policy ask for no extra log-prob pass on policy
     assert not actor(policy_loss="cispo").actor.recompute_old_log_probs()
     assert actor(policy_loss="tis").actor.recompute_old_log_probs()
+
+
+def test_distillation_advantage_is_the_per_token_reverse_kl_signal():
+    from asyncrl.algorithms import advantage
+    from asyncrl.single_controller.batch import Batch
+
+    student = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.1, 0.2, 0.5]]))
+    teacher = torch.log(torch.tensor([[0.25, 0.5, 0.5], [0.4, 0.2, 0.9]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = core.distillation_advantage(student, teacher, mask, kl_coef=2.0)
+    # 2 * log(teacher / student) per token: [-2 ln 2, 2 ln 2, 0], [2 ln 4, 0, masked]
+    assert torch.allclose(adv, torch.tensor([[-2 * math.log(2), 2 * math.log(2), 0.0], [2 * math.log(4), 0.0, 0.0]]),
+                          atol=1e-6)
+    batch = Batch({"rollout_log_probs": student, "teacher_log_probs": teacher, "response_mask": mask,
+                   "scores": torch.tensor([1.0, 0.0])}, {"uid": ["a", "a"]})
+    out = advantage.distill(batch, kl_coef=2.0)
+    assert torch.allclose(out["advantages"], adv, atol=1e-6)
+    # reverse KL estimate, mean over the 5 real tokens: (ln 2 - ln 2 + 0 - ln 4 + 0) / 5
+    assert out.meta["distill/reverse_kl"] == pytest.approx(-math.log(4) / 5, abs=1e-6)
+    # plus the task: GRPO's advantages of scores 1 and 0 in one group, (+-1/std) on every token
+    mixed = advantage.distill(batch, kl_coef=2.0, task_coef=0.5)["advantages"]
+    task = (mixed - adv) / 0.5
+    assert task[0, 0] > 0 and task[1, 0] < 0 and torch.allclose(task[0], task[0, 0].expand(3))

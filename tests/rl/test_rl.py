@@ -180,6 +180,38 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
     assert type(AutoModelForCausalLM.from_pretrained(summary["checkpoint"])).__name__ == "Qwen3MoeForCausalLM"
 
 
+@pytest.mark.parametrize("pool", [[], ["teacher.n_workers=1", "cluster.cpu_devices=3"]], ids=["colocated", "own_pool"])
+def test_on_policy_distillation_moves_the_student_toward_the_teacher(pool, tiny_model, tmp_path):
+    """OPD with a teacher of the same tokenizer (another init): every update raises the tokens the
+    teacher prefers (`policy_gain` per token), the reverse KL is logged, the teacher's pool where
+    asked. A teacher of another vocabulary is refused before a worker starts (exit 2)."""
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    teacher = ensure_tiny_model(tmp_path / "teacher", task="sort", hidden=64, layers=2, heads=4, sft_steps=0, seed=1)
+    out = tmp_path / "opd"
+    res = _launch("opd", out, tiny_model, [f"teacher.path={teacher}", "trainer.total_steps=2", "trainer.eval_every=2",
+                                           "trainer.save_every=2", "trainer.loggers=[jsonl]",
+                                           "job.entry=tests/helpers/rl_probe.py:main", *pool])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["algorithm"] == "opd" and len(summary["policy_gain"]) == 2 and min(summary["policy_gain"]) > 0, summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["distill/reverse_kl"]) and r["timing/teacher_log_prob_s"] > 0 for r in rows if r["step"] > 0)
+    if pool:
+        return
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.models.tiny import build_tokenizer
+
+    bad = tmp_path / "bad_teacher"  # the teacher's weights with a tokenizer of one more token
+    AutoModelForCausalLM.from_pretrained(teacher).save_pretrained(bad)
+    tok = build_tokenizer()
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(bad)
+    res = _launch("opd", tmp_path / "bad", tiny_model, [f"teacher.path={bad}"])
+    assert res.returncode == 2 and "its tokenizer differs from the student's" in res.stderr, res.stderr[-2000:]
+
+
 def test_checkpoint_loads_in_transformers(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,0 +1,62 @@
+"""On-policy distillation's teacher: a frozen policy of its own (`teacher.path`) that scores the
+student's sampled tokens, sharded with FSDP2 x TP over its workers like the reference policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.config import RLConfig, rl_config
+from asyncrl.metrics import timed
+from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
+from asyncrl.roles.process import setup_process
+from asyncrl.roles.update import row_micro_batches
+from asyncrl.single_controller.batch import Batch
+from asyncrl.single_controller.parallel import ParallelLayout
+from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
+from asyncrl.single_controller.worker import Worker, register
+from asyncrl.train import parallelize
+from asyncrl.train.fsdp import FSDPEngine, compute_dtype, mixed_precision_policy
+from asyncrl.train.load import load_sharded, materialize, skeleton
+from asyncrl.train.packing import is_packing, resolve_packing
+
+TEACHER_LOG_PROBS = "teacher_log_probs"
+
+
+class TeacherWorker(Worker):
+    """The teacher's log-probs of each response token, at the temperature it was sampled with."""
+
+    def __init__(self, config: RLConfig | dict[str, Any]) -> None:
+        super().__init__()
+        self.cfg = cfg = rl_config(config)
+        setup_process(cfg, self.rank)
+        layout = self.register_mesh(ParallelLayout.from_config(cfg.teacher.parallel, self.world_size))
+        dtype = compute_dtype(self.device, cfg.model.dtype)  # forward only: no master copy
+        model = parallelize(skeleton(cfg.teacher.path, dtype), layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
+        materialize(model, self.device)
+        self.engine = FSDPEngine(model, layout, optim=None, device=self.device)
+        load_sharded(self.engine, cfg.teacher.path)  # rank 0 reads, the shards are broadcast
+        resolve_packing(self.engine.model, None, "teacher.")  # rows packed where the model can (exact)
+
+    @register(THREE_D_PROTO)
+    @timed("teacher_log_prob")
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        model = self.engine.model
+        model.eval()
+        temp = sampling_temperature(batch, self.cfg.rollout.temperature)
+        mbs, join = row_micro_batches(batch, self.cfg.teacher.micro_batch_size, packed=is_packing(model))
+        with torch.no_grad():
+            outs = [response_forward(model, mb, temp, packed=packed_view(model, mb)[0])[0] for mb in mbs]
+        self.engine.release_unsharded()
+        width = batch["responses"].shape[1]
+        return Batch({TEACHER_LOG_PROBS: join(outs) if outs else torch.zeros(0, width, device=self.device)})
+
+    @register(ONE_TO_ALL)
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        return str(Path(path))  # frozen: nothing to save
+
+    @register(ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        return {}
