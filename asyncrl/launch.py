@@ -41,6 +41,7 @@ from asyncrl.metrics import json_line
 from asyncrl.single_controller.schema import explain, job_schema, register_with_hydra
 from daemons.errors import DaemonError
 from daemons.logs import setup_logging
+from daemons.slurm import check_gpus, cluster_overrides, job_keys, remove_job_keys, slurm_step
 from transport import AuthenticationError, TransportError
 from transport.checks import ConfigError
 from transport.loop import run
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"asyncrl-launch: {e}", file=sys.stderr)
             return 2
         return 0
+    step = slurm_step()  # inside `srun`: the cluster flags come from SLURM's environment
+    if step is not None and not (args.cfg or args.info):
+        args.overrides = [*cluster_overrides(step, args.overrides), *args.overrides]
+    made_keys = False
     try:
         if args.config_dir and not Path(args.config_dir).expanduser().is_dir():
             raise ConfigError(f"--config-dir {args.config_dir}: no such directory")
@@ -204,15 +209,23 @@ def main(argv: list[str] | None = None) -> int:
         for overrides in jobs:
             cfg = load_config(config_name, overrides, args.config_dir, daemon)
             job = job_schema(OmegaConf.get_type(cfg))
+            if step is not None:
+                check_gpus(step, cfg.cluster.gpus_per_node, OmegaConf.select(cfg, "trainer.n_workers"))
             if not args.multirun and not args.cfg and job and job.preflight:
                 # the job's own checks (the RL trainer's: run directory, model, data, reward files)
                 head = cfg.cluster.coordinator is None and not args.info
                 job.preflight(check_config(cfg), _override(overrides, "hydra.run.dir"), head)
+        if step is not None and step.ntasks > 1 and not (args.cfg or args.info) and cfg.cluster.key_dir:
+            made_keys = job_keys(step, cfg.cluster.key_dir)
     except ConfigError as e:
         print(f"asyncrl-launch: {e}", file=sys.stderr)
         return 2
     codes: list[int] = []
-    _hydra(argv, args, config_name, daemon, codes)
+    try:
+        _hydra(argv, args, config_name, daemon, codes)
+    finally:
+        if made_keys:
+            remove_job_keys(step)
     return max(codes, default=0)
 
 

@@ -228,6 +228,10 @@ def test_grpo_with_vllm_rollout_learns(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["val_reward_end"] - summary["val_reward_start"] >= 0.15, summary
+    # vLLM's log-probs against the trainer's, every step (fp32 on both sides: close)
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"actor/pg_loss"' in x]
+    assert len(steps) == 100 and all(r["rollout/logprob_diff_max"] < 1e-3 and 0 <= r["rollout/k3_kl"] < 1e-6 and
+                                     abs(r["rollout/ppl_ratio"] - 1) < 1e-3 for r in steps), steps[:3]
 
 
 @pytest.mark.slow  # ~23 s: vLLM TP on CPU; test_grpo_with_vllm_rollout_learns covers the learning
