@@ -4,6 +4,7 @@
     asyncrl-plan --config-name ppo cluster.nnodes=16 cluster.gpus_per_node=8 model.path=meta-llama/Llama-2-7b-hf
     asyncrl-plan --config-name quickstart --explain      # on this machine (its measured CPU profile)
     asyncrl-plan profile                                  # measure this machine's CPU profile
+    asyncrl-plan --config-name grpo cluster.nnodes=2 cluster.gpus_per_node=8 --sbatch > run.sbatch
 
 Overrides are Hydra's, checked like `asyncrl-launch`'s (a typo is an error); `plan.*` keys pick
 the device profile and the search (see asyncrl/config.py, PlanConfig).
@@ -192,6 +193,9 @@ def plan_main(args: argparse.Namespace) -> int:
               "actor.max_tokens_per_micro_batch, actor.gradient_checkpointing=true, or a larger "
               "actor.parallel.tp", file=sys.stderr)
         return 1
+    if args.sbatch:  # the script alone on stdout (`> run.sbatch`)
+        print(sbatch_script(args, launch_command(args.overrides, launch), nnodes, per_node, profile.kind == "gpu"))
+        return 0
     if args.json:
         print(json.dumps({"model": spec.name, "params": spec.params, "device": profile.name, "nnodes": nnodes,
                           "devices_per_node": per_node, "search": result.method, "search_s": round(result.seconds, 3),
@@ -215,6 +219,24 @@ def plan_main(args: argparse.Namespace) -> int:
     print("\nrun the best plan with:")
     print("  " + shlex.join(_launch_argv(args, launch_command(args.overrides, launch))))
     return 0
+
+
+SLURM_GIVES = ("cluster.nnodes", "cluster.node_rank", "cluster.coordinator", "cluster.host",
+               "cluster.port")  # what `srun asyncrl-launch` reads from SLURM (daemons/slurm.py)
+SLURM_KEYS = "cluster.key_dir=SLURM_PER_JOB"  # while planning for sbatch: the per-job keys SLURM's task 0 makes
+
+
+def sbatch_script(args: argparse.Namespace, overrides: list[str], nnodes: int, per_node: int, gpu: bool) -> str:
+    """An sbatch script that runs the plan: one task per node, the cluster flags left to SLURM."""
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+") not in SLURM_GIVES and o != SLURM_KEYS]
+    lines = ["#!/bin/bash", f"# asyncrl-plan --config-name {args.config_name}: {nnodes} node(s) x {per_node} "
+             f"{'GPU' if gpu else 'CPU device'}(s); submit from a directory every node shares",
+             f"#SBATCH --job-name=asyncrl-{args.config_name}", f"#SBATCH --nodes={nnodes}",
+             "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --output=%x-%j.out"]
+    if gpu:
+        lines.insert(4, f"#SBATCH --gres=gpu:{per_node}")
+    launch = shlex.join(_launch_argv(args, kept))
+    return "\n".join([*lines, "", "set -euo pipefail", f"srun --kill-on-bad-exit=1 {launch} \"$@\"", ""])
 
 
 def worker_breakdown(args: argparse.Namespace, launch: list[str], spec: Any, profile: DeviceProfile) -> Any:
@@ -249,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-dir", "-cd", default=None)
     parser.add_argument("--explain", action="store_true", help="where the best plan's time goes")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--sbatch", action="store_true", help="print an sbatch script that runs the best plan")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for asyncrl-launch")
     args = parser.parse_intermixed_args(argv)
+    if args.sbatch and not any(o.startswith(("cluster.key_dir=", "cluster.insecure=")) for o in args.overrides):
+        args.overrides.append(SLURM_KEYS)
     try:
         return plan_main(args)
     except ConfigError as e:

@@ -182,3 +182,22 @@ def test_grpo_trains_through_sbatch_and_srun_on_a_real_slurm(slurm, tmp_path):
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3]
     assert "node 1 joined" in log and "(CurveZMQ)" in log  # the second task joined as node 1, keys on
     assert not (submit / ".asyncrl" / f"slurm-{job}-keys").exists()  # task 0 removed the per-job keys
+
+
+def test_the_planner_prints_an_sbatch_script_that_leaves_the_cluster_flags_to_slurm(capsys, tmp_path):
+    from asyncrl.launch import check_config, load_config
+    from asyncrl.plan.cli import main as plan_main
+
+    assert plan_main(["--config-name", "grpo", "cluster.nnodes=2", "cluster.gpus_per_node=8", "--sbatch"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gres=gpu:8" in script and "--ntasks-per-node=1" in script
+    (tmp_path / "run.sbatch").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "run.sbatch")]).returncode == 0
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    words = srun.split()
+    overrides = words[words.index("grpo") + 1:-1]
+    assert not any(o.startswith(("cluster.nnodes", "cluster.key_dir", "cluster.coordinator")) for o in overrides)
+    # as task 1 of a two-node step would run it
+    step = slurm_step({**STEP, "SLURM_SUBMIT_DIR": str(tmp_path)})
+    cfg = check_config(load_config("grpo", [*cluster_overrides(step, overrides), *overrides]))
+    assert (cfg.cluster.nnodes, cfg.cluster.node_rank, cfg.cluster.gpus_per_node) == (2, 1, 8)
