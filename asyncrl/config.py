@@ -688,6 +688,9 @@ class TrainerConfig:
     # the checkpoint counts as complete once the write ends (at the next save, or the run's end)
     async_save: bool = False
     resume: str = "auto"  # auto | none | path/to/checkpoints/step_N
+    # a worker dying mid-run: every worker of the job is restarted from the last complete
+    # checkpoint, up to this many times in one launch (0 = the run ends, naming the worker)
+    max_restarts: int = 0
     output_dir: str = "outputs/${job.name}"
     # where each step's metrics go: metrics.jsonl (jsonl, the run's record: resume, plots and
     # `asyncrl submit` read it, so it is required), the step line on the console, TensorBoard
@@ -720,6 +723,7 @@ class TrainerConfig:
         _positive(at + "eval_every", self.eval_every)
         _positive(at + "save_every", self.save_every)
         _positive(at + "keep_checkpoints", self.keep_checkpoints)
+        _positive(at + "max_restarts", self.max_restarts, allow_zero=True)
         _positive(at + "torch_threads", self.torch_threads, allow_zero=True)
 
 

@@ -42,7 +42,7 @@ from asyncrl.roles.teacher import TeacherWorker
 from asyncrl.rollout.ahead import Generations
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
-from daemons.errors import PlacementError
+from daemons.errors import PlacementError, WorkerDiedError
 from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.trainer")
@@ -62,8 +62,9 @@ PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob"
 class Trainer:
     """Drives one RL run: worker groups, controllers, data, the loop and its bookkeeping."""
 
-    def __init__(self, ctx: Any, cfg: RLConfig) -> None:
+    def __init__(self, ctx: Any, cfg: RLConfig, restarts: int = 0) -> None:
         self.ctx, self.cfg = ctx, cfg
+        self.restarts = restarts  # failovers before this trainer (trainer.max_restarts)
         self.algorithm = algorithms()[cfg.algorithm.name]
         self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -184,7 +185,8 @@ class Trainer:
         self.step_time += dt
         busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in PHASES)
         metrics.update({"timing/step_s": dt, "timing/overhead_s": max(0.0, dt - busy),
-                        "perf/tokens_per_s": metrics.get("response/tokens", 0.0) / dt})
+                        "perf/tokens_per_s": metrics.get("response/tokens", 0.0) / dt,
+                        "trainer/restarts": float(self.restarts)})
         return metrics
 
     async def _evaluate(self, writer: Any) -> dict[str, float]:
@@ -225,7 +227,7 @@ class Trainer:
         hf = await self.save()
         await asyncio.to_thread(writer.plot, self.history, self.val_log, self.out_dir / "reward_curve.png",
                                 f"{self.cfg.job.name} ({self.cfg.algorithm.name}): {self.out_dir}")
-        return {"algorithm": self.cfg.algorithm.name, "steps": self.step,
+        return {"algorithm": self.cfg.algorithm.name, "steps": self.step, "restarts": self.restarts,
                 "val_reward_start": round(self.val_log[0][1], 4), "val_reward_end": round(self.val_log[-1][1], 4),
                 "wall_s": round(time.monotonic() - t_start, 1),
                 "tokens_per_s": round(self.tokens / self.step_time, 1) if self.step_time else 0.0,
@@ -418,17 +420,28 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
                 return {"status": "already_complete", "steps": done_at, "message": msg,
                         "checkpoint": str(start / "actor" / "hf")}
         run.record_config()
-        trainer = Trainer(ctx, cfg)
-        await trainer.setup()
-        if on_setup is not None:
-            on_setup(trainer)
-        try:
-            return await trainer.fit(start)
-        except WorkerCallError as e:
-            fault = reward_fault(e, trainer.step)
-            if fault is None:
-                raise
-            raise fault from None
+        restarts = 0
+        while True:
+            trainer = Trainer(ctx, cfg, restarts)
+            try:
+                await trainer.setup()
+                if on_setup is not None:
+                    on_setup(trainer)
+                return await trainer.fit(start)
+            except WorkerDiedError as e:
+                if restarts >= cfg.trainer.max_restarts:
+                    raise
+                restarts += 1
+                start = (complete_checkpoints(trainer.out_dir) or [None])[-1]
+                log.warning("failover %d of trainer.max_restarts=%d: %s; restarting every worker from %s",
+                            restarts, cfg.trainer.max_restarts, str(e).splitlines()[0],
+                            start or "step 0 (no complete checkpoint yet)")
+                await ctx.restart_workers()
+            except WorkerCallError as e:
+                fault = reward_fault(e, trainer.step)
+                if fault is None:
+                    raise
+                raise fault from None
     finally:
         run.release()
 

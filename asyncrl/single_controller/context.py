@@ -101,6 +101,14 @@ class JobContext:
                 await self.store.close()
                 self.store = None
 
+    async def restart_workers(self) -> None:
+        """Stop every worker of this job and forget its pools and groups; the job, its driver
+        store and its id stay (a failover spawns the workers again)."""
+        await self.coordinator.end_job(self.job_id)
+        self.job = self.coordinator.begin_job(self.job_id, self.name)
+        self.process_sets.clear()
+        self.groups.clear()
+
     # pools and groups ---------------------------------------------------------------------------
     def create_pool(self, name: str, world_size: int | None = None,
                     per_node: list[int] | None = None) -> ResourcePool:

@@ -1,0 +1,59 @@
+"""A training rank killed mid-run: with trainer.max_restarts the job restarts its workers from the
+last complete checkpoint and finishes with the same step count; the log and metrics say so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from daemons.proc import kill_group
+from objectstore import remove_stale_segments
+from tests.rl.test_rl import SMALL, _env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _steps(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    return [json.loads(x) for x in metrics.read_text().splitlines() if '"actor/pg_loss"' in x]
+
+
+def test_a_killed_training_rank_fails_over_to_the_last_checkpoint(tmp_path):
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
+           f"model.path={model}", "model.build_tiny=null", *SMALL, "trainer.total_steps=8", "trainer.save_every=2",
+           "trainer.eval_every=8", "trainer.max_restarts=1", "trainer.loggers=[jsonl]"]
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=_env(out),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(_steps(out / "metrics.jsonl")) < 3:  # past the step-2 checkpoint
+            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            time.sleep(0.2)
+        pid = int(re.search(r"spawned worker actor_rollout_ref-1-1 pid (\d+)", stderr.read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        stdout, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc, grace_s=10)
+        remove_stale_segments()
+    log = stderr.read_text()
+    assert proc.returncode == 0, log[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 8 and summary["restarts"] == 1, summary
+    assert "failover 1 of trainer.max_restarts=1" in log and "actor_rollout_ref-1-1" in log
+    rows = _steps(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 9)), [r["step"] for r in rows]  # each step once
+    restarted = [r["step"] for r in rows if r["trainer/restarts"] == 1]
+    assert restarted and restarted == list(range(restarted[0], 9)) and restarted[0] <= 5, restarted
