@@ -141,6 +141,11 @@ class RolloutConfig:
     max_staleness: int = 0
     n_workers: int = 1  # the rollout pool's workers (devices) with trainer.placement=split
     interrupt_on_update: bool = False  # split: load new weights between decode steps, not only between batches
+    # split: rollout workers may leave (a lost worker's prompts are generated again elsewhere) and
+    # join (`asyncrl-launch --join HEAD:PORT` on a new node), pulling the current weights by version
+    elastic: bool = False
+    min_workers: int = 1  # elastic: below this many live rollout workers a step waits for one to join
+    min_workers_wait_s: float = 600.0  # ... this long, then the run ends saying so
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
     # native engine: rows a worker decodes together, the KV cache it holds (colocated: a call's
     # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
@@ -153,6 +158,8 @@ class RolloutConfig:
         _one_of(at + "engine", self.engine, ROLLOUT_ENGINES)
         _positive(at + "max_staleness", self.max_staleness, allow_zero=True)
         _positive(at + "n_workers", self.n_workers)
+        _positive(at + "min_workers", self.min_workers)
+        _positive(at + "min_workers_wait_s", self.min_workers_wait_s)
         _positive(at + "sync_bucket_mb", self.sync_bucket_mb)
         _positive(at + "decode_slots", self.decode_slots, allow_zero=True)
         _positive(at + "n", self.n)
@@ -860,6 +867,10 @@ class RLConfig(LaunchConfig):
                     and self.rollout.vllm.lora == "merged"), at + "rollout.vllm.lora", "merged",
                "a split rollout pool's vLLM has no pristine base to merge LoRA adapters into: use "
                "rollout.vllm.lora=adapter (the default), or trainer.placement=colocated")
+        _check(split or not self.rollout.elastic, at + "rollout.elastic", True,
+               "an elastic rollout pool is a pool of its own: set trainer.placement=split")
+        _check(not self.rollout.elastic or self.rollout.min_workers <= self.rollout.n_workers, at + "rollout.min_workers",
+               self.rollout.min_workers, f"must be <= rollout.n_workers={self.rollout.n_workers} (the workers it starts with)")
         if not split:
             _check(not self.rollout.interrupt_on_update, at + "rollout.interrupt_on_update", True,
                    "only applies with trainer.placement=split (a colocated rollout shares the actor's "

@@ -21,6 +21,7 @@ import argparse
 import itertools
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,12 +158,24 @@ def _override(overrides: list[str], key: str) -> str | None:
     return next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"{key}=")), None)
 
 
+def _join_flag(argv: list[str]) -> tuple[list[str], str | None]:
+    """`--join HOST:PORT` taken out of the command line (Hydra does not know it)."""
+    for i, a in enumerate(argv):
+        if a == "--join" and i + 1 < len(argv):
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if a.startswith("--join="):
+            return argv[:i] + argv[i + 1:], a.split("=", 1)[1]
+    return argv, None
+
+
 def args_parser() -> argparse.ArgumentParser:
     """Hydra's command-line flags (what `@hydra.main` accepts), parsed here first so that a bad
     config exits 2 before anything starts."""
     p = argparse.ArgumentParser(prog="asyncrl-launch", add_help=False,
                                 description="Start (or join) a cluster from a Hydra config and run its job.")
     p.add_argument("overrides", nargs="*", help="key=value overrides (dots for nested keys)")
+    # `--join HOST:PORT` (read before this parser): this machine joins a running job's cluster as a
+    # new node (an elastic rollout pool starts workers on its devices)
     p.add_argument("--help", "-h", action="store_true", help="this program's help")
     p.add_argument("--hydra-help", action="store_true", help="Hydra's help")
     p.add_argument("--version", action="store_true", help="Hydra's version")
@@ -189,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     daemon = "daemon" in argv
     argv = [a for a in argv if a != "daemon"]
+    argv, join = _join_flag(argv)
+    if join is not None:  # a node of its own for a running job: its coordinator, a node rank no one has
+        rank = secrets.randbelow(1_000_000) + 1000
+        argv += [f"cluster.coordinator={join}", f"cluster.node_rank={rank}", f"cluster.nnodes={rank + 1}"]
     args = args_parser().parse_args(argv)  # unknown flags exit 2 with argparse's message
     config_name = args.config_name or "quickstart"
     if args.help or args.hydra_help or args.version or args.shell_completion or args.experimental_rerun:

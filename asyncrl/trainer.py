@@ -40,6 +40,7 @@ from asyncrl.roles.critic import CriticWorker
 from asyncrl.roles.reward import RewardModelWorker, RuleRewardWorker
 from asyncrl.roles.teacher import TeacherWorker
 from asyncrl.rollout.ahead import Generations
+from asyncrl.rollout.elastic import ElasticRollout, Ledger
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
 from daemons.errors import PlacementError, WorkerDiedError
@@ -76,6 +77,7 @@ class Trainer:
         self.tokens, self.step_time = 0.0, 0.0  # generated tokens and seconds of the steps run here
         self.pulled: list[dict[str, list[int]]] | None = None  # per rank, bytes pulled by stage so far
         self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
+        self.ledger: Ledger | None = None  # rollout.elastic: the prompts each step trained
 
     # the loop -------------------------------------------------------------------------------------
     async def fit(self, start: Path | None) -> dict[str, Any]:
@@ -88,6 +90,8 @@ class Trainer:
         await self.sync_weights()  # a separate rollout pool starts from the actor's weights
         await self._synced()
         resumed = self.step > 0
+        if self.ledger is not None:
+            self.ledger.resume(self.step)
         run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
         writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.loggers, self.step if resumed else None, run)
         bar = None
@@ -111,6 +115,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            if isinstance(self.rollout, ElasticRollout):
+                self.rollout.close()
             await asyncio.to_thread(writer.close)  # wandb's finish waits for its files
 
     async def train_step(self) -> dict[str, float]:
@@ -132,6 +138,9 @@ class Trainer:
             if launching is not None:
                 launching.cancel()
             raise
+        if self.ledger is not None:
+            await self.ledger.record(self.step + 1, prompts)
+            metrics.update(self.rollout.metrics())
         if launching is not None:
             await launching
         metrics.update(self.generations.done(self.step) if self.generations else {"async/staleness": 0.0})
@@ -256,7 +265,14 @@ class Trainer:
             teacher = await self.ctx.spawn_group(self._pool("teacher", "teacher.n_workers", cfg.teacher.n_workers),
                                                  TeacherWorker, wire, role="teacher")
         self.rollout = groups.actor  # the group that generates
-        if split:
+        if split and cfg.rollout.elastic:  # one group per rollout worker, weights pulled by version
+            self.rollout = ElasticRollout(self.ctx, functools.partial(self._rollout_worker, wire), groups.actor.hold_rows,
+                                          cfg.rollout.min_workers, cfg.rollout.min_workers_wait_s)
+            self.rollout.rows = (rows := await groups.actor.source_rows()) and (rows if all(r is not None for r in rows)
+                                                                                 else None)
+            await self.rollout.start(cfg.rollout.n_workers)
+            self.ledger = Ledger(self.out_dir / "ledger.jsonl")
+        elif split:
             rollout_pool = self._pool("rollout", "rollout.n_workers", cfg.rollout.n_workers)
             self.rollout = await self.ctx.spawn_group(rollout_pool, ActorRolloutRefWorker, wire, ("rollout",),
                                                       role="rollout")
@@ -267,6 +283,13 @@ class Trainer:
         self.roles = Roles(actor=groups.actor, rollout=self.generations or self.rollout, reward=groups.reward,
                            critic=groups.get("critic"), cost=groups.get("cost"), teacher=teacher)
         self.evaluator = Evaluator(cfg, self.data, self.roles)
+
+    async def _rollout_worker(self, wire: dict, name: str, per_node: list[int] | None) -> tuple[Any, str]:
+        """An elastic pool's rollout worker: a group of one on a device of its own."""
+        pool = (self.ctx.create_pool(name, per_node=per_node) if per_node is not None
+                else self._pool(name, "rollout.n_workers", 1))
+        group = await self.ctx.spawn_group(pool, ActorRolloutRefWorker, wire, ("rollout",), role=name)
+        return group, pool.placements[0][0]
 
     @property
     def samples_per_step(self) -> int:
@@ -314,6 +337,10 @@ class Trainer:
 
     async def _sync_run(self, version: int, overlap: bool) -> None:
         t0, mb = time.monotonic(), self.cfg.rollout.sync_bucket_mb
+        if isinstance(self.rollout, ElasticRollout):  # published in the training stores, pulled from there
+            await self.rollout.sync(version, await self.roles.actor.publish_weights())
+            self.sync_s = time.monotonic() - t0
+            return
         pushed, _ = await asyncio.gather(self.roles.actor.push_weights(mb, overlap),
                                          self.rollout.receive_weights(version, mb))
         self.sync_s = time.monotonic() - t0

@@ -47,7 +47,12 @@ from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.memory import phase as memory_phase
 from asyncrl.single_controller.parallel import ParallelLayout, generation_layout, pure_dp
-from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_ALL_MICRO_DP, THREE_D_PROTO
+from asyncrl.single_controller.protocols import (
+    DP_PROTO,
+    ONE_TO_ALL,
+    THREE_D_ALL_MICRO_DP,
+    THREE_D_PROTO,
+)
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import (
     FSDPEngine,
@@ -499,6 +504,11 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return torch.zeros(0, device=engine.device), None
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]
         return join(logps), (join(ents) if with_entropy else None)
+
+    @register(DP_PROTO, blocking=False)  # beside queued calls that wait for these very rows
+    def hold_rows(self, batch: Batch) -> Batch:
+        """These rows, now in this rank's store: an elastic rollout worker's output outlives it."""
+        return batch
 
     @register(THREE_D_PROTO)
     @timed("old_log_prob")

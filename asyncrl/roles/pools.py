@@ -6,21 +6,25 @@ one, or between decode steps (`rollout.interrupt_on_update`). A mixin of
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.lora import adapter_scales, merged_weight
 from asyncrl.train.weight_sync import (
     WeightBridge,
+    WeightSyncError,
     bridge_host,
     digest,
     full_tensors,
     local_pieces,
+    piece_offsets,
     source_rows,
 )
 
@@ -152,6 +156,49 @@ class PoolWeights:
                 self.bridge.receive_pieces(specs, self._source_rows, self._staged)
             else:
                 self.bridge.receive(specs, self._staged, bucket_mb << 20)
+            self._staged_version = version
+
+    @register(ONE_TO_ALL)
+    def publish_weights(self) -> Batch:
+        """Training pool (rollout.elastic): this version's weights in this rank's object store, for
+        rollout workers to pull: its own shards (FSDP alone: `source_rows`), or on rank 0 every
+        tensor in full (the other ranks join the gathers); one flat row in the rollout's dtype."""
+        self.wait_pushed()
+        tensors = self._sync_tensors()
+        if source_rows(tensors) is not None:
+            pieces = list(local_pieces(tensors, self.sync_dtype))
+        else:
+            full = [t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
+                                                   else full_tensors(self.actor.model))]
+            pieces = full if self.rank == 0 else []
+        flat = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
+                else torch.zeros(0, dtype=self.sync_dtype, device=self.device))
+        return Batch({"weights": flat.unsqueeze(0)})
+
+    @register(ONE_TO_ALL, blocking=False)
+    def pull_weights(self, version: int, pieces: list[Batch], rows: list[list[int]] | None) -> None:
+        """Rollout-only worker (rollout.elastic): `version`, pulled from the training ranks' stores
+        (`publish_weights`; `rows`: each rank's shard rows, None for rank 0's whole tensors), into
+        the staging copy; applied before the next generate."""
+        specs = self.sync_specs
+        with self._weights_lock:
+            if self._staged is None:
+                self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+            if rows is None:
+                rows, pieces = [[s.shape[0] if len(s.shape) else 1 for s in specs]], pieces[:1]
+            for piece, r, starts in zip(pieces, rows, piece_offsets(specs, rows), strict=True):
+                flat, at = piece["weights"][0], 0
+                for t, n in enumerate(r):
+                    if not n:
+                        continue
+                    inner = specs[t].shape[1:]
+                    size = n * math.prod(inner)
+                    view = self._staged[t].view(-1, *inner) if len(specs[t].shape) else self._staged[t].view(1)
+                    view.narrow(0, starts[t], n).copy_(flat[at:at + size].view(n, *inner))
+                    at += size
+                if at != flat.numel():
+                    raise WeightSyncError(f"a training rank published {flat.numel()} values, its shards hold {at}: "
+                                          "both pools must hold the same model")
             self._staged_version = version
 
     def _adapter_tensors(self) -> Iterator[torch.Tensor]:

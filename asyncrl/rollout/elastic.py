@@ -1,0 +1,245 @@
+"""An elastic rollout pool (`rollout.elastic`, split placement): rollout workers that come and go
+while a job runs.
+
+Each rollout worker is a group of its own (one process, one device), so no collective ties them
+together. Weights reach them by pull: after each update the training ranks put the new version in
+their object stores (`publish_weights`) and every rollout worker pulls it from there
+(`pull_weights`), a worker that joins later included. A generation call splits its prompts over
+the live workers; a worker that dies (killed, its node lost) is dropped and its share of prompts
+is generated again on the others, so each prompt's samples come from exactly one finished call;
+finished rows are copied to the training ranks at once (`hold_rows`), so they outlive their worker.
+Workers join on free devices of nodes that register with the coordinator while the job runs
+(`asyncrl-launch --join HEAD:PORT`; looked for every second); below `rollout.min_workers` live
+workers a call waits for one to join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.group import DataFuture, WorkerCallError
+from daemons.errors import WorkerDiedError
+from transport import TransportError
+
+log = logging.getLogger(__name__)
+
+# (name, per-node device counts or None for any free device) -> (a one-worker group, its node id)
+WATCH_S = 1.0  # how often the pool looks for devices of nodes that joined
+Spawn = Callable[[str, list[int] | None], Awaitable[tuple[Any, str]]]
+
+
+@dataclass
+class Member:
+    name: str
+    group: Any
+    node_id: str
+    joined_s: float  # when it was started (monotonic)
+    late: bool  # joined while the job ran
+    first_generate_s: float | None = None  # seconds from its start to the end of its first generation
+
+
+@dataclass
+class ElasticStats:
+    lost: int = 0
+    joined: int = 0
+    regenerated_rows: int = 0
+    join_to_first_generate_s: list[float] = field(default_factory=list)
+
+
+class ElasticRollout:
+    """The rollout workers of an elastic pool, seen by the trainer as one group."""
+
+    def __init__(self, ctx: Any, spawn: Spawn, hold: Callable[[DistBatch], Any], min_workers: int,
+                 wait_s: float) -> None:
+        self.ctx, self.spawn, self.min_workers, self.wait_s = ctx, spawn, min_workers, wait_s
+        self.hold = hold  # copies generated rows into the training ranks' stores (they outlive their worker)
+        self.members: dict[str, Member] = {}
+        self.rows: list[list[int]] | None = None  # each training rank's shard rows (FSDP alone)
+        self.published: tuple[int, list[DistBatch]] | None = None  # the newest version in the stores
+        self.stats = ElasticStats()
+        self.changed = asyncio.Event()  # a worker joined
+        self._joining: dict[str, asyncio.Task] = {}
+        self._watch: asyncio.Task | None = None
+        self._count = 0
+
+    # membership -------------------------------------------------------------------------------
+    async def start(self, n: int) -> None:
+        """The first `n` workers, then a watch for nodes that join (every WATCH_S)."""
+        await asyncio.gather(*(self._add(None, late=False) for _ in range(n)))
+        self._watch = asyncio.ensure_future(self._watch_nodes())
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            self.admit()
+            await asyncio.sleep(WATCH_S)
+
+    def _free_devices(self) -> list[tuple[int, str, int]]:
+        """(position among live nodes, node id, free devices) of every node with a free device."""
+        coord = self.ctx.coordinator
+        taken = {p for pool in coord.pools.values() for p in pool.placements}
+        out = []
+        for i, node in enumerate(coord.live_nodes()):
+            free = sum(1 for d in node.devices if (node.node_id, d) not in taken)
+            if free:
+                out.append((i, node.node_id, free))
+        return out
+
+    def admit(self) -> None:
+        """Start a rollout worker on every free device of the live nodes (in the background)."""
+        for position, node_id, free in self._free_devices():
+            for _ in range(free - sum(1 for k in self._joining if k.startswith(node_id + "/"))):
+                key = f"{node_id}/{self._count}"
+                self._count += 1
+                per_node = [0] * position + [1]
+                self._joining[key] = asyncio.ensure_future(self._join(key, per_node))
+
+    async def _join(self, key: str, per_node: list[int]) -> None:
+        try:
+            await self._add(per_node, late=True)
+            self.stats.joined += 1
+        except Exception as e:  # noqa: BLE001 - a node that cannot host a worker leaves the job as it is
+            log.warning("elastic rollout: a worker on %s could not join: %s", key.split("/")[0], e)
+        finally:
+            self._joining.pop(key, None)
+
+    async def _add(self, per_node: list[int] | None, late: bool) -> None:
+        t0 = time.monotonic()
+        name = f"rollout-{self._count}"
+        self._count += 1
+        group, node_id = await self.spawn(name, per_node)
+        if self.published is not None:  # a late worker takes the current version first
+            version, pieces = self.published
+            await group.pull_weights(version, pieces, self.rows)
+        self.members[name] = Member(name, group, node_id, t0, late)
+        self.changed.set()
+        log.info("elastic rollout: %s on %s is live (%d workers)", name, node_id, len(self.members))
+
+    def _drop(self, name: str, err: BaseException) -> None:
+        if self.members.pop(name, None) is not None:
+            self.stats.lost += 1
+            log.warning("elastic rollout: %s left (%s); %d workers remain", name, str(err).splitlines()[0],
+                        len(self.members))
+
+    async def _live(self) -> list[Member]:
+        """The live workers, waiting (up to the wait limit) while fewer than rollout.min_workers."""
+        deadline = time.monotonic() + self.wait_s
+        while len(self.members) < max(1, self.min_workers):
+            self.admit()
+            self.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"elastic rollout: {len(self.members)} rollout workers live, fewer than "
+                                   f"rollout.min_workers={self.min_workers}, for {self.wait_s:.0f} s; join a node "
+                                   "(`asyncrl-launch --join HEAD:PORT ...`) or lower rollout.min_workers")
+            log.warning("elastic rollout: %d of rollout.min_workers=%d workers live; waiting for one to join",
+                        len(self.members), self.min_workers)
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=min(left, 5.0))
+            except TimeoutError:
+                pass
+        return list(self.members.values())
+
+    # the group's calls ----------------------------------------------------------------------------
+    def generate_sequences(self, prompts: DistBatch) -> DataFuture:
+        return DataFuture(asyncio.ensure_future(self._generate(prompts, "generate_sequences")),
+                          "rollout.generate_sequences")
+
+    def generate_stream(self, prompts: DistBatch) -> DataFuture:
+        return DataFuture(asyncio.ensure_future(self._generate(prompts, "generate_stream")), "rollout.generate_stream")
+
+    async def _generate(self, prompts: DistBatch, method: str) -> DistBatch:
+        """`prompts` split in contiguous shares over the live workers; a share whose worker dies is
+        generated again on another. The shares' results in prompt order."""
+        pending = [(0, len(prompts))]
+        done: dict[int, DistBatch] = {}
+        while pending:
+            members = await self._live()
+            shares = _split(pending, len(members))
+            pending = []
+            calls = [(members[i % len(members)], lo, hi, getattr(members[i % len(members)].group, method)(
+                prompts.slice(lo, hi))) for i, (lo, hi) in enumerate(shares)]
+            for m, lo, hi, call in calls:
+                try:
+                    done[lo] = await self.hold(await call)
+                    if m.first_generate_s is None:
+                        m.first_generate_s = time.monotonic() - m.joined_s
+                        if m.late:
+                            self.stats.join_to_first_generate_s.append(m.first_generate_s)
+                except (WorkerDiedError, TransportError, WorkerCallError) as e:
+                    if isinstance(e, WorkerCallError) and not e.remote_type.endswith("ObjectLostError"):
+                        raise  # a fault of the call itself, not of a worker that left
+                    self._drop(m.name, e)
+                    self.stats.regenerated_rows += hi - lo
+                    pending.append((lo, hi))
+        parts = [done[lo] for lo in sorted(done)]
+        timing = {k: max(float(p.meta.get(k, 0.0)) for p in parts) for p in parts for k in p.meta
+                  if k.startswith("timing/")}
+        return DistBatch.concat(parts).with_meta(**timing)
+
+    async def sync(self, version: int, pieces: list[DistBatch]) -> None:
+        """Every live worker pulls `version` (a worker that dies meanwhile is dropped)."""
+        self.published = (version, pieces)
+        members = list(self.members.values())
+        results = await asyncio.gather(*(m.group.pull_weights(version, pieces, self.rows) for m in members),
+                                       return_exceptions=True)
+        for m, r in zip(members, results, strict=True):
+            if isinstance(r, (WorkerDiedError, TransportError)):
+                self._drop(m.name, r)
+            elif isinstance(r, BaseException):
+                raise r
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/workers": float(len(self.members)), "rollout/workers_lost": float(self.stats.lost),
+                "rollout/workers_joined": float(self.stats.joined),
+                "rollout/regenerated_prompts": float(self.stats.regenerated_rows)}
+
+    def close(self) -> None:
+        for task in [*self._joining.values(), *([self._watch] if self._watch else [])]:
+            task.cancel()
+
+    def __getattr__(self, name: str) -> Any:  # calls every member takes alike (weight_sync_digest, ...)
+        members = self.__dict__.get("members") or {}
+        if not members:
+            raise AttributeError(name)
+        return getattr(next(iter(members.values())).group, name)
+
+
+def _split(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
+    """`ranges` of rows cut into at most `parts` contiguous shares of near-equal size."""
+    rows = [(lo, hi) for lo, hi in ranges if hi > lo]
+    total = sum(hi - lo for lo, hi in rows)
+    if not total:
+        return []
+    size = -(-total // parts)
+    out = []
+    for lo, hi in rows:
+        for start in range(lo, hi, size):
+            out.append((start, min(hi, start + size)))
+    return out
+
+
+class Ledger:
+    """Which prompts each step trained (`trainer.output_dir/ledger.jsonl`, one line per step):
+    with workers coming and going, the record that every prompt was trained once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def resume(self, step: int) -> None:
+        """Forget the steps after `step` (a resumed run trains them again)."""
+        if self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            self.path.write_text("".join(line + "\n" for line in keep))
+
+    async def record(self, step: int, prompts: DistBatch) -> None:
+        uids = (await prompts.select("uid", meta=False).fetch())["uid"] if "uid" in prompts.columns else []
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "uids": [str(u) for u in uids]}) + "\n")

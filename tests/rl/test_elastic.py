@@ -1,0 +1,95 @@
+"""An elastic rollout pool (rollout.elastic): a rollout worker killed mid-run is dropped and its
+prompts are generated again on the others, a node that joins mid-run (`asyncrl-launch --join`)
+gets a rollout worker with the current weights, and the ledger shows every prompt trained once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from daemons.proc import kill_group
+from objectstore import remove_stale_segments
+from tests.rl.test_rl import SMALL, _env
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 10
+
+
+def _steps(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if '"actor/pg_loss"' in x] if path.exists() else []
+
+
+def _wait(cond, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path):
+    """A gate in the reward function holds the run between the events (no race with its pace)."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from transport.auth import generate_keys
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    env = {**_env(out), "ASYNCRL_TEST_GATE": str(gate)}
+    head_cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
+                f"model.path={model}", "model.build_tiny=null", *SMALL, f"trainer.total_steps={STEPS}",
+                f"trainer.save_every={STEPS}", f"trainer.eval_every={STEPS}", "trainer.loggers=[jsonl]",
+                "trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2", "rollout.elastic=true",
+                f"reward.fn={REPO / 'tests' / 'helpers' / 'gated_reward.py'}:score",
+                "cluster.cpu_devices=3", f"cluster.port={port}", f"cluster.key_dir={keys}"]
+    head_log, join_log = tmp_path / "head.log", tmp_path / "join.log"
+    with head_log.open("w") as err:
+        head = subprocess.Popen(head_cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=env,
+                                start_new_session=True)
+    joiner = None
+    try:
+        _wait(lambda: len(_steps(out)) >= 2, head, head_log)
+        gate.touch()  # the run holds at its next scoring
+        pid = int(re.search(r"spawned worker rollout-1-\S+ pid (\d+)", head_log.read_text()).group(1))
+        os.kill(pid, signal.SIGKILL)  # a rollout worker dies mid-run
+        gate.unlink()
+        _wait(lambda: len(_steps(out)) >= 4, head, head_log)
+        gate.touch()
+        with join_log.open("w") as err:  # a node joins the running job
+            joiner = subprocess.Popen([sys.executable, "-m", "asyncrl.launch", "--join", f"127.0.0.1:{port}",
+                                       "--config-name", "grpo", f"cluster.key_dir={keys}", "cluster.cpu_devices=1",
+                                       f"cluster.log_dir={tmp_path / 'join-logs'}"],
+                                      stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=_env(tmp_path / "joiner"),
+                                      start_new_session=True)
+        _wait(lambda: re.search(r"rollout-\d+ on vm-\d{4,} is live", head_log.read_text()) is not None, head, head_log,
+              timeout=120)  # while the run holds: the pool admits a node that joins without waiting for a step
+        gate.unlink()
+        stdout, _ = head.communicate(timeout=240)
+    finally:
+        gate.unlink(missing_ok=True)
+        kill_group(head, grace_s=10)
+        if joiner is not None:
+            kill_group(joiner, grace_s=5)
+        remove_stale_segments()
+    log = head_log.read_text()
+    assert head.returncode == 0, log[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["steps"] == STEPS
+    last = _steps(out)[-1]
+    assert last["rollout/workers_lost"] == 1 and last["rollout/workers_joined"] == 1, last
+    assert last["rollout/workers"] == 2, last
+    ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    uids = [u for row in ledger for u in row["uids"]]
+    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
+    assert len(uids) == len(set(uids)) == STEPS * 4  # data.batch_size prompts a step, each trained once
