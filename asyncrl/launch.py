@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     argv, join = _join_flag(argv)
     if join is not None:  # a node of its own for a running job: its coordinator, a node rank no one has
         rank = secrets.randbelow(1_000_000) + 1000
-        argv += [f"cluster.coordinator={join}", f"cluster.node_rank={rank}", f"cluster.nnodes={rank + 1}"]
+        argv += [f"cluster.coordinator={join}", f"cluster.node_rank={rank}", f"cluster.nnodes={rank + 1}",
+                 "cluster.join=true"]
     args = args_parser().parse_args(argv)  # unknown flags exit 2 with argparse's message
     config_name = args.config_name or "quickstart"
     if args.help or args.hydra_help or args.version or args.shell_completion or args.experimental_rerun:

@@ -71,6 +71,9 @@ class ClusterConfig:
     """CurveZMQ key directory (`asyncrl keys generate DIR`); None = ephemeral keys, one node only."""
     insecure: bool = False
     """Unauthenticated sockets: local tests only."""
+    join: bool = False
+    """This node joins a job already running (`asyncrl-launch --join HEAD:PORT` sets it): refused
+    unless a job there takes such nodes (an elastic rollout pool)."""
     join_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
     node_timeout_s: float = 5.0

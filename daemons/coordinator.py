@@ -166,6 +166,7 @@ class Coordinator:
                                         restricted=[k.public_key for k in (self.worker_curve, self.cli_curve)
                                                     if k is not None])
         self.started_at = time.time()
+        self.elastic: set[str] = set()  # jobs that take nodes joining mid-run (`elastic_jobs`)
 
     async def start(self) -> str:
         self.server.register_object(self)
@@ -191,6 +192,11 @@ class Coordinator:
         await self.server.close()
 
     # node registry -------------------------------------------------------------------------
+    @expose
+    async def elastic_jobs(self) -> list[str]:
+        """The running jobs that put nodes joining mid-run to work (an elastic rollout pool)."""
+        return sorted(j for j in self.elastic if j in self.jobs)
+
     @expose
     async def register_node(self, reg: NodeRegistration) -> int:
         """Add (or re-add) a node; returns the port of the heartbeat endpoint (`daemons.liveness`)."""

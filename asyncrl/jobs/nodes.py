@@ -237,6 +237,10 @@ async def run_node(cfg: DictConfig, daemon: bool = False) -> int:
     try:
         if not daemon:
             log.info("node %d joined %s", c.node_rank, c.coordinator)
+        if c.join and not await node.daemon.coordinator.call("elastic_jobs", timeout=30):
+            raise ConfigError(f"--join {c.coordinator}: no job there takes nodes joining mid-run (only an elastic "
+                              "rollout pool does: trainer.placement=split rollout.elastic=true); this node left "
+                              "again and the running job is unchanged")
         await _wait_any(stop.wait(), node.daemon.stopped.wait())
         if node.daemon.stop_reason:
             print(f"asyncrl-launch: {node.daemon.stop_reason}", file=sys.stderr)

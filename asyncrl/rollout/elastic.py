@@ -74,6 +74,7 @@ class ElasticRollout:
     async def start(self, n: int) -> None:
         """The first `n` workers, then a watch for nodes that join (every WATCH_S)."""
         await asyncio.gather(*(self._add(None, late=False) for _ in range(n)))
+        self.ctx.coordinator.elastic.add(self.ctx.job_id)  # `asyncrl-launch --join` is welcome now
         self._watch = asyncio.ensure_future(self._watch_nodes())
 
     async def _watch_nodes(self) -> None:

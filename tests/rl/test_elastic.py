@@ -93,3 +93,40 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     uids = [u for row in ledger for u in row["uids"]]
     assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
     assert len(uids) == len(set(uids)) == STEPS * 4  # data.batch_size prompts a step, each trained once
+
+
+def test_joining_a_job_without_an_elastic_pool_is_refused_and_the_job_goes_on(tmp_path):
+    from asyncrl.models.tiny import ensure_tiny_model
+    from transport.auth import generate_keys
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    env = {**_env(out), "ASYNCRL_TEST_GATE": str(gate)}
+    gate.touch()  # the job holds at its first scoring while a node tries to join
+    head_log = tmp_path / "head.log"
+    with head_log.open("w") as err:
+        head = subprocess.Popen([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo",
+                                 f"trainer.output_dir={out}", f"model.path={model}", "model.build_tiny=null", *SMALL,
+                                 "trainer.total_steps=2", "trainer.eval_every=2", "trainer.loggers=[jsonl]",
+                                 f"reward.fn={REPO / 'tests' / 'helpers' / 'gated_reward.py'}:score",
+                                 f"cluster.port={port}", f"cluster.key_dir={keys}"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=env, start_new_session=True)
+    try:
+        _wait(lambda: "spawned worker" in head_log.read_text(), head, head_log)
+        join = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--join", f"127.0.0.1:{port}", "--config-name",
+                               "grpo", f"cluster.key_dir={keys}", "cluster.cpu_devices=1",
+                               f"cluster.log_dir={tmp_path / 'join-logs'}"], capture_output=True, text=True, cwd=REPO,
+                              env=_env(tmp_path / "joiner"), timeout=120)
+        gate.unlink()
+        stdout, _ = head.communicate(timeout=240)
+    finally:
+        gate.unlink(missing_ok=True)
+        kill_group(head, grace_s=10)
+        remove_stale_segments()
+    assert join.returncode == 2 and "no job there takes nodes joining mid-run" in join.stderr, join.stderr[-2000:]
+    assert head.returncode == 0 and json.loads(stdout.strip().splitlines()[-1])["steps"] == 2, head_log.read_text()[-2000:]
