@@ -138,8 +138,8 @@ class Trainer:
             if launching is not None:
                 launching.cancel()
             raise
-        if self.ledger is not None:
-            await self.ledger.record(self.step + 1, prompts)
+        if self.ledger is not None:  # the rows the step trained: its generation, launched for these prompts
+            await self.ledger.record(self.step + 1, prompts, await self.roles.rollout.generate_sequences(prompts))
             metrics.update(self.rollout.metrics())
         if launching is not None:
             await launching

@@ -228,8 +228,10 @@ def _split(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
 
 
 class Ledger:
-    """Which prompts each step trained (`trainer.output_dir/ledger.jsonl`, one line per step):
-    with workers coming and going, the record that every prompt was trained once."""
+    """What each step trained (`trainer.output_dir/ledger.jsonl`, one line per step): the uids of
+    the prompts drawn and of the rows generated for them. With workers coming and going, the
+    record that each drawn prompt was trained once: every step once, and its generated rows
+    exactly n per drawn prompt (a lost worker's share replaced, never added)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -240,7 +242,16 @@ class Ledger:
             keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             self.path.write_text("".join(line + "\n" for line in keep))
 
-    async def record(self, step: int, prompts: DistBatch) -> None:
-        uids = (await prompts.select("uid", meta=False).fetch())["uid"] if "uid" in prompts.columns else []
+    async def record(self, step: int, prompts: DistBatch, rows: DistBatch) -> None:
+        drawn, trained = (await asyncio.gather(*((b.select("uid", meta=False).fetch()) for b in (prompts, rows))))
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, "uids": [str(u) for u in uids]}) + "\n")
+            f.write(json.dumps({"step": step, "uids": [str(u) for u in drawn["uid"]],
+                                "rows": [str(u) for u in trained["uid"]]}) + "\n")
+
+
+def trained_once(ledger: list[dict], n: int) -> bool:
+    """Whether a ledger shows steps 1..N once each and every drawn prompt with exactly `n` rows."""
+    from collections import Counter
+
+    steps_ok = [row["step"] for row in ledger] == list(range(1, len(ledger) + 1))
+    return steps_ok and all(Counter(row["rows"]) == Counter({u: n for u in row["uids"]}) for row in ledger)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.rollout.elastic import trained_once
 from daemons.proc import kill_group
 from objectstore import remove_stale_segments
 from tests.rl.test_rl import SMALL, _env
@@ -90,9 +91,11 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     assert last["rollout/workers_lost"] == 1 and last["rollout/workers_joined"] == 1, last
     assert last["rollout/workers"] == 2, last
     ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
-    uids = [u for row in ledger for u in row["uids"]]
-    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))
-    assert len(uids) == len(set(uids)) == STEPS * 4  # data.batch_size prompts a step, each trained once
+    assert len(ledger) == STEPS and trained_once(ledger, n=2)  # rollout.n rows for each drawn prompt, once
+    assert all(len(row["uids"]) == 4 for row in ledger)  # data.batch_size prompts a step
+    broken = [dict(row) for row in ledger]
+    broken[3] = {**broken[3], "rows": broken[3]["rows"][:-1]}  # a sample lost would show
+    assert not trained_once(broken, n=2)
 
 
 def test_joining_a_job_without_an_elastic_pool_is_refused_and_the_job_goes_on(tmp_path):
