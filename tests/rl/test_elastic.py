@@ -133,3 +133,61 @@ def test_joining_a_job_without_an_elastic_pool_is_refused_and_the_job_goes_on(tm
         remove_stale_segments()
     assert join.returncode == 2 and "no job there takes nodes joining mid-run" in join.stderr, join.stderr[-2000:]
     assert head.returncode == 0 and json.loads(stdout.strip().splitlines()[-1])["steps"] == 2, head_log.read_text()[-2000:]
+
+
+def test_a_share_whose_worker_dies_is_generated_again_on_another(monkeypatch):
+    """ElasticRollout on stand-in groups: rows [0, 6) over three workers, the second dies during its
+    call; its rows come from a live worker, the result keeps the prompts' order, nothing twice."""
+    import asyncio
+
+    from asyncrl.rollout import elastic
+    from daemons.errors import WorkerDiedError
+
+    class Rows:
+        def __init__(self, rows):
+            self.rows, self.meta = list(rows), {}
+
+        def __len__(self):
+            return len(self.rows)
+
+        def slice(self, lo, hi):
+            return Rows(self.rows[lo:hi])
+
+        def with_meta(self, **kw):
+            return self
+
+        @staticmethod
+        def concat(parts):
+            return Rows([r for p in parts for r in p.rows])
+
+    class Group:
+        def __init__(self, name, dies=False):
+            self.name, self.dies, self.calls = name, dies, []
+
+        def generate_sequences(self, part):
+            self.calls.append(part.rows)
+
+            async def run():
+                if self.dies:
+                    raise WorkerDiedError(f"{self.name}-0", "node-x", 0, "killed by SIGKILL")
+                return Rows([(r, self.name) for r in part.rows])
+            return asyncio.ensure_future(run())
+
+    async def hold(batch):
+        return batch
+
+    monkeypatch.setattr(elastic, "DistBatch", Rows)
+    groups = [Group("a"), Group("b", dies=True), Group("c")]
+
+    async def main():
+        pool = elastic.ElasticRollout(ctx=None, spawn=None, hold=hold, min_workers=1, wait_s=5)
+        for g in groups:
+            pool.members[g.name] = elastic.Member(g.name, g, "node", 0.0, late=False)
+        out = await pool._generate(Rows(range(6)), "generate_sequences")
+        return pool, out
+
+    pool, out = asyncio.run(main())
+    assert [r for r, _ in out.rows] == list(range(6))  # every row once, in order
+    assert dict(out.rows)[2] in ("a", "c") and dict(out.rows)[3] in ("a", "c")  # b's share, made elsewhere
+    assert groups[1].calls == [[2, 3]] and "b" not in pool.members
+    assert pool.metrics()["rollout/workers_lost"] == 1 and pool.metrics()["rollout/regenerated_prompts"] == 2
