@@ -116,12 +116,14 @@ class ElasticRollout:
         name = f"rollout-{self._count}"
         self._count += 1
         group, node_id = await self.spawn(name, per_node)
+        version = 0
         if self.published is not None:  # a late worker takes the current version first
             version, pieces = self.published
             await group.pull_weights(version, pieces, self.rows)
         self.members[name] = Member(name, group, node_id, t0, late)
         self.changed.set()
-        log.info("elastic rollout: %s on %s is live (%d workers)", name, node_id, len(self.members))
+        log.info("elastic rollout: %s on %s is live (%d workers, weights version %d)", name, node_id,
+                 len(self.members), version)
 
     def _drop(self, name: str, err: BaseException) -> None:
         if self.members.pop(name, None) is not None:
@@ -132,9 +134,11 @@ class ElasticRollout:
     async def _live(self) -> list[Member]:
         """The live workers, waiting (up to the wait limit) while fewer than rollout.min_workers."""
         deadline = time.monotonic() + self.wait_s
-        while len(self.members) < max(1, self.min_workers):
-            self.admit()
+        while True:
             self.changed.clear()
+            self.admit()
+            if len(self.members) >= max(1, self.min_workers):
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"elastic rollout: {len(self.members)} rollout workers live, fewer than "

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from asyncrl.rollout.elastic import trained_once
 from daemons.proc import kill_group
 from objectstore import remove_stale_segments
@@ -89,6 +91,8 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     assert summary["steps"] == STEPS
     last = _steps(out)[-1]
     assert last["rollout/workers_lost"] == 1 and last["rollout/workers_joined"] == 1, last
+    version = int(re.search(r"on vm-\d{4,} is live \(2 workers, weights version (\d+)\)", log).group(1))
+    assert version >= 4  # the joiner started from the newest weights (the run was past step 4), not step 0's
     assert last["rollout/workers"] == 2, last
     ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
     assert len(ledger) == STEPS and trained_once(ledger, n=2)  # rollout.n rows for each drawn prompt, once
@@ -181,6 +185,7 @@ def test_a_share_whose_worker_dies_is_generated_again_on_another(monkeypatch):
 
     async def main():
         pool = elastic.ElasticRollout(ctx=None, spawn=None, hold=hold, min_workers=1, wait_s=5)
+        pool.admit = lambda: None  # no cluster to look for new nodes in
         for g in groups:
             pool.members[g.name] = elastic.Member(g.name, g, "node", 0.0, late=False)
         out = await pool._generate(Rows(range(6)), "generate_sequences")
@@ -191,3 +196,32 @@ def test_a_share_whose_worker_dies_is_generated_again_on_another(monkeypatch):
     assert dict(out.rows)[2] in ("a", "c") and dict(out.rows)[3] in ("a", "c")  # b's share, made elsewhere
     assert groups[1].calls == [[2, 3]] and "b" not in pool.members
     assert pool.metrics()["rollout/workers_lost"] == 1 and pool.metrics()["rollout/regenerated_prompts"] == 2
+
+
+def test_below_min_workers_a_call_waits_for_one_to_join(monkeypatch):
+    import asyncio
+
+    from asyncrl.rollout import elastic
+
+    async def main():
+        pool = elastic.ElasticRollout(ctx=None, spawn=None, hold=None, min_workers=2, wait_s=5)
+        pool.members["a"] = elastic.Member("a", object(), "n", 0.0, late=False)
+        joins = []
+
+        def join():
+            pool.members["b"] = elastic.Member("b", object(), "m", 0.0, late=True)
+            pool.changed.set()
+
+        def admit():  # the first look starts a worker on a node that joined; it is live 0.2 s later
+            joins.append(1)
+            if len(joins) == 1:
+                asyncio.get_running_loop().call_later(0.2, join)
+        monkeypatch.setattr(pool, "admit", admit)
+        live = await asyncio.wait_for(pool._live(), timeout=30)
+        pool.members.pop("b")
+        pool.wait_s = 0.3
+        with pytest.raises(TimeoutError, match="fewer than rollout.min_workers=2"):
+            await pool._live()
+        return live
+
+    assert sorted(m.name for m in asyncio.run(main())) == ["a", "b"]
