@@ -4,7 +4,8 @@ Four namespaces on one bridge play four hosts: A runs `asyncrl-launch` (the coor
 training worker), B and C run node daemons whose devices take the two rollout workers, and D
 joins mid-run with `asyncrl-launch --join`. The job is the quickstart as users run it, split
 placement with `rollout.elastic=true`, one CPU device and one torch thread per node. At step
-`--kill-at` every process of host C gets SIGKILL (its node daemon and its rollout worker); at
+`--kill-at` every process of host C gets SIGKILL (its node daemon and its rollout worker), at a
+moment its worker is using CPU (generating: read from /proc, so the kill lands mid-call); at
 step `--join-at` host D starts. Needs root (`ip netns`).
 
 Reported: `prompts_trained_once` (the ledger holds every step's prompts, each uid once),
@@ -81,6 +82,24 @@ def hosts(n: int):
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _wait_busy(pids: list[int], timeout_s: float) -> None:
+    """Until one of `pids` uses CPU in two polls in a row (a worker mid-generation), or the timeout."""
+    deadline, last, busy = time.monotonic() + timeout_s, {p: _cpu_ticks(p) for p in pids}, 0
+    while time.monotonic() < deadline and busy < 2:
+        time.sleep(0.01)
+        now = {p: _cpu_ticks(p) for p in pids}
+        busy = busy + 1 if any(now[p] > last[p] for p in pids) else 0
+        last = now
+
+
 def _steps(out: Path) -> list[dict[str, Any]]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -122,9 +141,12 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float) -> dict[str, A
         try:
             while head.poll() is None and time.monotonic() < deadline:
                 done = _steps(out)
-                if len(done) >= kill_at and others[1].poll() is None:  # host C is lost: every process in it
-                    for pid in subprocess.run(["ip", "netns", "pids", c], capture_output=True, text=True).stdout.split():
-                        os.kill(int(pid), signal.SIGKILL)
+                if len(done) >= kill_at and others[1].poll() is None:  # host C is lost: every process in it,
+                    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", c], capture_output=True,
+                                                           text=True).stdout.split()]
+                    _wait_busy(pids, timeout_s=5.0)  # while its rollout worker is generating (on CPU)
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
                     others[1].wait(10)
                 if len(done) >= join_at and joiner is None:
                     t_join = time.monotonic()

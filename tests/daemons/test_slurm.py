@@ -188,7 +188,8 @@ def test_the_planner_prints_an_sbatch_script_that_leaves_the_cluster_flags_to_sl
     from asyncrl.launch import check_config, load_config
     from asyncrl.plan.cli import main as plan_main
 
-    assert plan_main(["--config-name", "grpo", "cluster.nnodes=2", "cluster.gpus_per_node=8", "--sbatch"]) == 0
+    model = "model.path=Qwen/Qwen2.5-7B-Instruct"  # a shape the planner knows (a fresh clone has no tiny model)
+    assert plan_main(["--config-name", "grpo", "cluster.nnodes=2", "cluster.gpus_per_node=8", model, "--sbatch"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gres=gpu:8" in script and "--ntasks-per-node=1" in script
     (tmp_path / "run.sbatch").write_text(script)
