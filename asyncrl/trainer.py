@@ -68,7 +68,6 @@ class Trainer:
         self.restarts = restarts  # failovers before this trainer (trainer.max_restarts)
         self.algorithm = algorithms()[cfg.algorithm.name]
         self.out_dir = Path(cfg.trainer.output_dir)
-        self.ckpt_dir = self.out_dir / "checkpoints"
         self.ctl = Controllers.from_config(cfg.algorithm)
         self.data = RunData(ctx, cfg)
         self.step = 0
@@ -77,7 +76,10 @@ class Trainer:
         self.tokens, self.step_time = 0.0, 0.0  # generated tokens and seconds of the steps run here
         self.pulled: list[dict[str, list[int]]] | None = None  # per rank, bytes pulled by stage so far
         self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
-        self.ledger: Ledger | None = None  # rollout.elastic: the prompts each step trained
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
 
     # the loop -------------------------------------------------------------------------------------
     async def fit(self, start: Path | None) -> dict[str, Any]:
@@ -90,8 +92,8 @@ class Trainer:
         await self.sync_weights()  # a separate rollout pool starts from the actor's weights
         await self._synced()
         resumed = self.step > 0
-        if self.ledger is not None:
-            self.ledger.resume(self.step)
+        if isinstance(self.rollout, ElasticRollout):  # its ledger of what each step trained
+            self.rollout.ledger.resume(self.step)
         run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
         writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.loggers, self.step if resumed else None, run)
         bar = None
@@ -138,8 +140,8 @@ class Trainer:
             if launching is not None:
                 launching.cancel()
             raise
-        if self.ledger is not None:  # the rows the step trained: its generation, launched for these prompts
-            await self.ledger.record(self.step + 1, prompts, await self.roles.rollout.generate_sequences(prompts))
+        if isinstance(self.rollout, ElasticRollout):  # the rows the step trained: its generation for these prompts
+            await self.rollout.ledger.record(self.step + 1, prompts, await self.roles.rollout.generate_sequences(prompts))
             metrics.update(self.rollout.metrics())
         if launching is not None:
             await launching
@@ -271,7 +273,7 @@ class Trainer:
             self.rollout.rows = (rows := await groups.actor.source_rows()) and (rows if all(r is not None for r in rows)
                                                                                  else None)
             await self.rollout.start(cfg.rollout.n_workers)
-            self.ledger = Ledger(self.out_dir / "ledger.jsonl")
+            self.rollout.ledger = Ledger(self.out_dir / "ledger.jsonl")
         elif split:
             rollout_pool = self._pool("rollout", "rollout.n_workers", cfg.rollout.n_workers)
             self.rollout = await self.ctx.spawn_group(rollout_pool, ActorRolloutRefWorker, wire, ("rollout",),

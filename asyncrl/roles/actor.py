@@ -465,15 +465,12 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         return {k: v.to(ids.device) for k, v in out.items()}
 
     # log-probs -------------------------------------------------------------------------------------
-    def _temperature(self, batch: Batch) -> float:
-        return sampling_temperature(batch, self.cfg.rollout.temperature)
-
     def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool, replay: str | None = None,
                    routes: list[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs (and entropies); (None, None) on a pipeline stage other than the last.
         A mixture-of-experts model replays the batch's column `replay` (if any) and, given a list
         `routes`, appends each micro-batch's routing to it (then micro-batches keep every column)."""
-        ac, temp = self.cfg.actor, self._temperature(batch)
+        ac, temp = self.cfg.actor, sampling_temperature(batch, self.cfg.rollout.temperature)
         self._release_generation_weights()  # this step's generations are done: free their memory
         engine.model.eval()
         # by tokens never with pipeline stages (the config checks it)
@@ -543,7 +540,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates."""
         self.wait_pushed()
         ac = self.cfg.actor
-        temp = self._temperature(batch)
+        temp = sampling_temperature(batch, self.cfg.rollout.temperature)
         norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
         use_kl_loss = ac.use_kl_loss and "ref_log_prob" in batch
         _check_behaviour_columns(ac, batch)

@@ -65,6 +65,7 @@ class ElasticRollout:
         self.rows: list[list[int]] | None = None  # each training rank's shard rows (FSDP alone)
         self.published: tuple[int, list[DistBatch]] | None = None  # the newest version in the stores
         self.stats = ElasticStats()
+        self.ledger: Ledger | None = None  # what each step trained (the trainer sets it)
         self.changed = asyncio.Event()  # a worker joined
         self._joining: dict[str, asyncio.Task] = {}
         self._watch: asyncio.Task | None = None

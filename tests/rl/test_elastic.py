@@ -102,6 +102,7 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     assert not trained_once(broken, n=2)
 
 
+@pytest.mark.slow  # ~22 s; the refusal is one coordinator query (cluster.join), the join itself runs by default
 def test_joining_a_job_without_an_elastic_pool_is_refused_and_the_job_goes_on(tmp_path):
     from asyncrl.models.tiny import ensure_tiny_model
     from transport.auth import generate_keys

@@ -84,9 +84,11 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     # the losses of 2025, each with a rollout correction (recipes under configs/ where whole)
     ("gspo", ["actor.rollout_correction.mode=tis"]),
     ("cispo", ["actor.rollout_correction.mode=icepop"]),
-    ("grpo", ["actor.policy_loss=clip_cov", "actor.ppo_mini_batches=2", "actor.rollout_correction.mode=mis",
-              "actor.rollout_correction.level=sequence"]),
-    ("grpo", ["actor.policy_loss=kl_cov", "actor.ppo_mini_batches=2", "actor.rollout_correction.mode=geo_mask"]),
+    # (~12 s each, slow: their numerics are checked by hand and against verl in tests/rl/test_policy_losses.py)
+    pytest.param("grpo", ["actor.policy_loss=clip_cov", "actor.ppo_mini_batches=2", "actor.rollout_correction.mode=mis",
+                          "actor.rollout_correction.level=sequence"], marks=pytest.mark.slow),
+    pytest.param("grpo", ["actor.policy_loss=kl_cov", "actor.ppo_mini_batches=2",
+                          "actor.rollout_correction.mode=geo_mask"], marks=pytest.mark.slow),
     # PPO with both the actor and the critic on megatron-core
     pytest.param("ppo", ["actor.backend=megatron", "critic.backend=megatron", "actor.parallel.tp=2",
                          "critic.parallel.tp=2"], marks=pytest.mark.slow),
@@ -180,7 +182,8 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
     assert type(AutoModelForCausalLM.from_pretrained(summary["checkpoint"])).__name__ == "Qwen3MoeForCausalLM"
 
 
-@pytest.mark.parametrize("pool", [[], ["teacher.n_workers=1", "cluster.cpu_devices=3"]], ids=["colocated", "own_pool"])
+@pytest.mark.parametrize("pool", [[], pytest.param(["teacher.n_workers=1", "cluster.cpu_devices=3"], marks=pytest.mark.slow)],
+                         ids=["colocated", "own_pool"])  # own_pool: ~16 s, the same step on a pool of its own
 def test_on_policy_distillation_moves_the_student_toward_the_teacher(pool, tiny_model, tmp_path):
     """OPD with a teacher of the same tokenizer (another init): every update raises the tokens the
     teacher prefers (`policy_gain` per token), the reverse KL is logged, the teacher's pool where
