@@ -3,7 +3,6 @@ student's sampled tokens, sharded with FSDP2 x TP over its workers like the refe
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from asyncrl.roles.process import setup_process
 from asyncrl.roles.update import row_micro_batches
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.parallel import ParallelLayout
-from asyncrl.single_controller.protocols import ONE_TO_ALL, THREE_D_PROTO
+from asyncrl.single_controller.protocols import THREE_D_PROTO
 from asyncrl.single_controller.worker import Worker, register
 from asyncrl.train import parallelize
 from asyncrl.train.fsdp import FSDPEngine, compute_dtype, mixed_precision_policy
@@ -52,11 +51,3 @@ class TeacherWorker(Worker):
         self.engine.release_unsharded()
         width = batch["responses"].shape[1]
         return Batch({TEACHER_LOG_PROBS: join(outs) if outs else torch.zeros(0, width, device=self.device)})
-
-    @register(ONE_TO_ALL)
-    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        return str(Path(path))  # frozen: nothing to save
-
-    @register(ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> dict:
-        return {}

@@ -211,11 +211,6 @@ class ElasticRollout:
         for task in [*self._joining.values(), *([self._watch] if self._watch else [])]:
             task.cancel()
 
-    def __getattr__(self, name: str) -> Any:  # calls every member takes alike (weight_sync_digest, ...)
-        members = self.__dict__.get("members") or {}
-        if not members:
-            raise AttributeError(name)
-        return getattr(next(iter(members.values())).group, name)
 
 
 def _split(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:

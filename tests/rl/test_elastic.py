@@ -30,6 +30,18 @@ def _steps(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if '"actor/pg_loss"' in x] if path.exists() else []
 
 
+def _cluster_inputs(tmp_path: Path) -> tuple[Path, Path, int]:
+    """A tiny model, cluster keys (another node can join with them) and a free coordinator port."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from transport.auth import generate_keys
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
+    generate_keys(tmp_path / "keys")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return model, tmp_path / "keys", s.getsockname()[1]
+
+
 def _wait(cond, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -39,15 +51,7 @@ def _wait(cond, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None
 
 def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path):
     """A gate in the reward function holds the run between the events (no race with its pace)."""
-    from asyncrl.models.tiny import ensure_tiny_model
-    from transport.auth import generate_keys
-
-    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
-    keys = tmp_path / "keys"
-    generate_keys(keys)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    model, keys, port = _cluster_inputs(tmp_path)
     out, gate = tmp_path / "run", tmp_path / "gate"
     env = {**_env(out), "ASYNCRL_TEST_GATE": str(gate)}
     head_cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
@@ -104,15 +108,7 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
 
 @pytest.mark.slow  # ~22 s; the refusal is one coordinator query (cluster.join), the join itself runs by default
 def test_joining_a_job_without_an_elastic_pool_is_refused_and_the_job_goes_on(tmp_path):
-    from asyncrl.models.tiny import ensure_tiny_model
-    from transport.auth import generate_keys
-
-    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
-    keys = tmp_path / "keys"
-    generate_keys(keys)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    model, keys, port = _cluster_inputs(tmp_path)
     out, gate = tmp_path / "run", tmp_path / "gate"
     env = {**_env(out), "ASYNCRL_TEST_GATE": str(gate)}
     gate.touch()  # the job holds at its first scoring while a node tries to join
