@@ -712,9 +712,19 @@ class TrainerConfig:
     overlap_weight_sync: bool = True  # split, rollout.max_staleness >= 1: the broadcast runs beside the next step
     mode: str = "train"  # train | eval (no training: sample the held-out prompts, pass@k per data_source)
     log_samples: int = 3  # held-out prompts whose completions each evaluation shows and saves (samples.jsonl)
+    # steps (1-based) whose spans on the controller and every worker go to trace/step_N.json, a
+    # Chrome trace-event file (ui.perfetto.dev, chrome://tracing): e.g. trainer.trace=[5,6]
+    trace: list[int] = field(default_factory=list)
+    # the step's bookkeeping every this many steps (1 = every step): the workers' peak memory and
+    # bytes pulled across ranks (perf/peak_rss_gib, perf/*_cross_rank_mb); always on traced steps
+    stats_every: int = 10
 
     def check(self, at: str) -> None:
         _one_of(at + "placement", self.placement, PLACEMENTS)
+        for step in self.trace:
+            _check(isinstance(step, int) and 1 <= step, at + "trace", self.trace,
+                   "lists steps to trace, each an int from 1 (the first step)")
+        _positive(at + "stats_every", self.stats_every)
         _one_of(at + "mode", self.mode, TRAINER_MODES)
         for name in self.loggers:
             _one_of(at + "loggers", name, LOGGERS)

@@ -43,7 +43,9 @@ from asyncrl.rollout.ahead import Generations
 from asyncrl.rollout.elastic import ElasticRollout, Ledger
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
+from asyncrl.single_controller.trace import Recording
 from daemons.errors import PlacementError, WorkerDiedError
+from transport import trace
 from transport.checks import ConfigError
 
 log = logging.getLogger("asyncrl.trainer")
@@ -56,7 +58,7 @@ class NonFiniteLossError(TrainingError, ValueError):
 
 
 # the worker-side phases of a step; on one colocated pool they run one after another
-PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values",
+PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values", "advantage",
           "update_actor", "update_critic", "update_pretrain")
 
 
@@ -75,6 +77,7 @@ class Trainer:
         self.val_log: list[list[float]] = []
         self.tokens, self.step_time = 0.0, 0.0  # generated tokens and seconds of the steps run here
         self.pulled: list[dict[str, list[int]]] | None = None  # per rank, bytes pulled by stage so far
+        self.pulled_at = 0  # the step `pulled` was read after
         self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
 
     @property
@@ -91,7 +94,7 @@ class Trainer:
             await self.load(start)
         await self.sync_weights()  # a separate rollout pool starts from the actor's weights
         await self._synced()
-        resumed = self.step > 0
+        resumed, self.pulled_at = self.step > 0, self.step
         if isinstance(self.rollout, ElasticRollout):  # its ledger of what each step trained
             self.rollout.ledger.resume(self.step)
         run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
@@ -122,7 +125,23 @@ class Trainer:
             await asyncio.to_thread(writer.close)  # wandb's finish waits for its files
 
     async def train_step(self) -> dict[str, float]:
-        """One step of the algorithm on the next prompts, the weights synced after it; its metrics."""
+        """One step of the algorithm on the next prompts, the weights synced after it; its metrics
+        (a step listed in trainer.trace also writes its trace)."""
+        step = self.step + 1
+        if step not in self.cfg.trainer.trace:
+            with trace.span(f"step {step}", "step"):
+                return await self._train_step(step)
+        recording = Recording(self.ctx.process_sets.values())
+        await recording.start()
+        with trace.span(f"step {step}", "step"):
+            metrics = await self._train_step(step)
+        path = self.out_dir / "trace" / f"step_{step}.json"
+        written = await recording.write(path, {"step": step, "step_s": metrics["timing/step_s"]})
+        log.info("step %d: trace written to %s (%s events; open it in ui.perfetto.dev)", step, path,
+                 sum(written["events"].values()))
+        return metrics
+
+    async def _train_step(self, step: int) -> dict[str, float]:
         t0, waited, launching = time.monotonic(), self.sync_wait_s, None
         if self.generations:
             launching = await self._launch_ahead()
@@ -157,7 +176,9 @@ class Trainer:
             metrics["perf/weight_sync_max_rank_share"] = self.sync_max_rank_share
         else:
             metrics["timing/weight_sync_s"] = metrics.get("timing/sync_s", 0.0)
-        metrics.update(await self._memory())
+        if step % self.cfg.trainer.stats_every == 0 or step in self.cfg.trainer.trace or step == 1:
+            with trace.span("memory and bytes pulled", "bookkeeping"):
+                metrics.update(await self._memory())
         return self._timed(metrics, time.monotonic() - t0)
 
     async def _launch_ahead(self) -> asyncio.Future | None:
@@ -176,14 +197,16 @@ class Trainer:
     async def _memory(self) -> dict[str, float]:
         """The actor's largest rank so far: peak resident memory, and on a GPU torch's peak
         allocation (GiB); and per stage, the most any of its processes pulled from other ranks'
-        stores during the step (`perf/<stage>_cross_rank_mb`: rows that had to move)."""
+        stores per step since the last time this was asked (`perf/<stage>_cross_rank_mb`: rows
+        that had to move). Asked every trainer.stats_every steps."""
         stats, pulled = await asyncio.gather(self.roles.actor.memory_stats(), self.roles.actor.pulled_bytes())
         out = {"perf/peak_rss_gib": max(s["peak_rss"] for s in stats) / GIB}
         before, self.pulled = self.pulled, pulled
+        steps, self.pulled_at = max(1, self.step - self.pulled_at), self.step
         for stage in sorted({k for p in pulled for k in p}):
             moved = [p.get(stage, [0, 0])[1] - (b.get(stage, [0, 0])[1] if b else 0)
                      for p, b in zip(pulled, before or [None] * len(pulled), strict=True)]
-            out[f"perf/{stage}_cross_rank_mb"] = max(moved) / 2**20
+            out[f"perf/{stage}_cross_rank_mb"] = max(moved) / steps / 2**20
         cuda = [s["cuda_peak_allocated"] for s in stats if "cuda_peak_allocated" in s]
         if cuda:
             out["perf/max_memory_allocated_gib"] = max(cuda) / GIB
@@ -194,7 +217,9 @@ class Trainer:
         metrics.update(self.ctl.update(metrics, self.samples_per_step))
         self.tokens += metrics.get("response/tokens", 0.0)
         self.step_time += dt
-        busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in PHASES)
+        # colocated, weight_sync_s repeats sync_s (the reshard inside generate): counted once
+        phases = PHASES if self.cfg.trainer.placement == "split" else [p for p in PHASES if p != "weight_sync"]
+        busy = sum(metrics.get(f"timing/{p}_s", 0.0) for p in phases)
         metrics.update({"timing/step_s": dt, "timing/overhead_s": max(0.0, dt - busy),
                         "perf/tokens_per_s": metrics.get("response/tokens", 0.0) / dt,
                         "trainer/restarts": float(self.restarts)})

@@ -38,7 +38,7 @@ from daemons.messages import WorkerReady
 from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
-from transport import CurveConfig, RpcClient, RpcServer, expose
+from transport import CurveConfig, RpcClient, RpcServer, expose, trace
 from transport.checks import ConfigError
 from transport.loop import run
 from transport.peers import ServerLimits
@@ -259,6 +259,19 @@ class WorkerProcess:
         self.stopped.set()
 
     @expose
+    def trace_start(self) -> None:
+        """Record this process's spans until `trace_collect` (`asyncrl.single_controller.trace`)."""
+        trace.start()
+
+    @expose
+    def trace_collect(self) -> dict[str, Any]:
+        return {**trace.collect(), "pid": os.getpid()}
+
+    @expose
+    def trace_clock(self) -> int:
+        return trace.clock_ns()
+
+    @expose
     def store_stats(self) -> dict[str, Any]:
         if self.store is None:
             raise RuntimeError(f"worker {self.worker_id} has not started its object store yet")
@@ -285,7 +298,8 @@ class WorkerProcess:
         fn = getattr(instance, method, None)
         if fn is None:
             raise AttributeError(f"{type(instance).__qualname__} has no method {method!r}")
-        return await _invoke(fn, args, kwargs)
+        with trace.span(f"{name}.{args[0] if method.startswith('asyncrl_') and args else method}", "call"):
+            return await _invoke(fn, args, kwargs)
 
 
 async def _invoke(fn: Callable, args: list, kwargs: dict) -> Any:

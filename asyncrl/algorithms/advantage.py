@@ -124,8 +124,12 @@ class Metrics:
 
     def reduce(self, peers: Peers, mins: Sequence[str] = ()) -> dict[str, float]:
         """The batch's values (a mean over no rows is left out)."""
-        sums = peers.sum(torch.tensor([[float(t), float(c)] for t, c in self.sums.values()], dtype=torch.float64))
-        highs = peers.max(torch.tensor([float(v) for v in self.highs.values()], dtype=torch.float64))
+        sums = torch.tensor([[float(t), float(c)] for t, c in self.sums.values()], dtype=torch.float64)
+        highs = torch.tensor([float(v) for v in self.highs.values()], dtype=torch.float64)
+        if peers.size > 1:  # one collective for both: every rank's numbers, reduced here
+            ranks = peers.all_gather(torch.cat([sums.flatten(), highs]))
+            sums = torch.stack([r[:sums.numel()] for r in ranks]).sum(0).reshape(sums.shape)
+            highs = torch.stack([r[sums.numel():] for r in ranks]).amax(0)
         out = {k: t / c if c > 0 else t for k, (t, c) in zip(self.sums, sums.tolist(), strict=True) if c}
         for k, v in zip(self.highs, highs.tolist(), strict=True):
             if v != float("-inf"):
@@ -149,18 +153,35 @@ def _whiten(x: Tensor, mask: Tensor, peers: Peers) -> Tensor:
 
 def _group_stats(scores: Tensor, uids: Sequence[Hashable], peers: Peers) -> tuple[Tensor, Tensor, Tensor] | None:
     """Each sample's (group size, group sum, group std) over every rank's samples of its group
-    (None on one rank: the estimator takes them from these rows). A group held by one rank gets
-    the same numbers as from these rows alone."""
+    (None on one rank: the estimator takes them from these rows), from one gather of each
+    rank's (size, sum, squared deviations) per group, combined in rank order (Chan et al.'s
+    pairwise update). A group held by one rank keeps the numbers of these rows alone."""
     if peers.size == 1:
         return None
     index, groups = core.group_index(uids, len(scores), scores.device)
     keys = list(dict.fromkeys(uids))
     zeros = scores.new_zeros(groups)
-    sums = peers.sum_by_key(keys, torch.stack([zeros.index_add(0, index, torch.ones_like(scores)),
-                                               zeros.index_add(0, index, scores)], dim=1))
-    count, total = sums[:, 0][index], sums[:, 1][index]
-    dev = scores - total / count
-    squares = peers.sum_by_key(keys, zeros.index_add(0, index, dev * dev).unsqueeze(1))[:, 0][index]
+    count = zeros.index_add(0, index, torch.ones_like(scores))
+    total = zeros.index_add(0, index, scores)
+    dev = scores - (total / count)[index]
+    squares = zeros.index_add(0, index, dev * dev)
+    own = torch.stack([count, total, squares], dim=1).to(torch.float64).cpu()
+    merged: dict[Hashable, tuple[float, float, float]] = {}
+    for theirs, rows in peers.gather((keys, own)):
+        for key, (n, t, m2) in zip(theirs, rows.tolist(), strict=True):
+            if key in merged:
+                n0, t0, m0 = merged[key]
+                delta = t / n - t0 / n0
+                merged[key] = (n0 + n, t0 + t, m0 + m2 + delta * delta * n0 * n / (n0 + n))
+            else:
+                merged[key] = (n, t, m2)
+    size = {k: merged[k][0] for k in keys}
+    shared = torch.tensor([size[k] != c for k, c in zip(keys, count.tolist(), strict=True)], dtype=torch.bool,
+                          device=scores.device)
+    both = torch.tensor([merged[k] for k in keys], dtype=scores.dtype, device=scores.device).reshape(-1, 3)
+    count = torch.where(shared, both[:, 0], count)[index]
+    total = torch.where(shared, both[:, 1], total)[index]
+    squares = torch.where(shared, both[:, 2], squares)[index]
     return count, total, torch.sqrt(squares / (count - 1).clamp_min(1))
 
 

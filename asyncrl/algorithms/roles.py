@@ -46,8 +46,9 @@ def timings(batch: DistBatch) -> dict[str, float]:
 
 async def balance_tokens(roles: Roles, batch: DistBatch) -> DistBatch:
     """`batch`'s rows reordered so the actor's data-parallel ranks get near-equal tokens for the
-    update (Karmarkar–Karp over rows: the advantages are computed by then, so a prompt's samples
-    need not stay together); only the rows' token counts come to the driver. The meta carries
+    update (a few rows swapped between ranks, `balanced_shards`: the advantages are computed by
+    then, so a prompt's samples need not stay together); only the rows' token counts come to
+    the driver. The meta carries
     `perf/dp_token_imbalance` (the largest rank's tokens over the mean) and
     `perf/dp_token_imbalance_unbalanced` (the arrival order's)."""
     shards = roles.actor.layouts[TRAIN].data_shards(("dp",)) if TRAIN in roles.actor.layouts else 1
@@ -59,6 +60,8 @@ async def balance_tokens(roles: Roles, batch: DistBatch) -> DistBatch:
         return batch.with_meta(**{"perf/dp_token_imbalance": before, "perf/dp_token_imbalance_unbalanced": before})
     order = balanced_shards(tokens, shards)
     after = imbalance(_shard_loads([tokens[i] for i in order], shards))
+    if order == list(range(len(tokens))):  # balanced as it arrived: every row stays where it is
+        return batch.with_meta(**{"perf/dp_token_imbalance": after, "perf/dp_token_imbalance_unbalanced": before})
     return batch.take(order).with_meta(**{"perf/dp_token_imbalance": after,
                                           "perf/dp_token_imbalance_unbalanced": before})
 

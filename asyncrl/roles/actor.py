@@ -84,6 +84,7 @@ from asyncrl.train.weight_sync import (
     WeightBridge,
     specs_of,
 )
+from transport import trace
 
 log = logging.getLogger(__name__)
 
@@ -390,9 +391,10 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     def _generate(self, prompts: Batch) -> Batch:
         t0 = time.perf_counter()
-        self._bind_generation_weights()
-        if self.batcher is None:  # the batcher's loop loads staged weights itself, between steps
-            self._apply_staged_weights()
+        with trace.span("weight sync", "sync"):
+            self._bind_generation_weights()
+            if self.batcher is None:  # the batcher's loop loads staged weights itself, between steps
+                self._apply_staged_weights()
         t1 = time.perf_counter()
         rc = self.cfg.rollout
         over = {k: v for k, v in prompts.meta.items() if k in SAMPLING_KEYS}

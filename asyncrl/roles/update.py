@@ -12,6 +12,7 @@ from asyncrl.single_controller.balance import karmarkar_karp
 from asyncrl.single_controller.batch import Batch
 from asyncrl.train.packing import SEQUENCE_COLUMNS, is_packing
 from asyncrl.train.ulysses import turn_loss
+from transport import trace
 
 # (model, micro-batch) -> (loss of that micro-batch as a mean over its rows, metrics)
 MicroLoss = Callable[[torch.nn.Module, Batch], tuple[torch.Tensor, dict]]
@@ -115,8 +116,9 @@ def agreed_count(count: int) -> int:
     t = torch.tensor([count], dtype=torch.long)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    with trace.span("all_reduce micro-batch count", "collective"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
 
 def _row_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

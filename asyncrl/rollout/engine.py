@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from asyncrl.models.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
+from transport import trace
 
 
 class WeightLoadError(ValueError):
@@ -303,7 +304,8 @@ class RolloutEngine:
         rows, prompt_len = input_ids.shape[0] * n, input_ids.shape[1]
         cache = _new_cache(self.model)
         position_ids = positions_from_mask(attention_mask)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        with trace.span("prefill", "compute", rows=input_ids.shape[0], prompt=prompt_len):
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
         if routes is not None:
             routes.prefilled()
         if n > 1:
@@ -319,24 +321,25 @@ class RolloutEngine:
         next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         steps = 0
-        for t in range(max_tokens):
-            tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
-            alive = ~finished
-            tokens = torch.where(alive, tokens, self.pad_token_id)
-            responses[:, t] = tokens
-            log_probs[:, t] = torch.where(alive, token_lp, 0.0)
-            full_mask[:, prompt_len + t] = alive
-            finished |= torch.isin(tokens, stop_ids)
-            steps = t + 1
-            # one sync per step to stop early; cheap next to a forward
-            if steps == max_tokens or bool(finished.all()):
-                break
-            if before_step is not None:
-                before_step(t)
-            logits = self._forward(tokens.unsqueeze(-1), full_mask[:, : prompt_len + t + 1], next_pos, cache)
-            if routes is not None:
-                routes.decoded(t, alive)
-            next_pos = next_pos + 1
+        with trace.span("decode", "compute", rows=rows):
+            for t in range(max_tokens):
+                tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
+                alive = ~finished
+                tokens = torch.where(alive, tokens, self.pad_token_id)
+                responses[:, t] = tokens
+                log_probs[:, t] = torch.where(alive, token_lp, 0.0)
+                full_mask[:, prompt_len + t] = alive
+                finished |= torch.isin(tokens, stop_ids)
+                steps = t + 1
+                # one sync per step to stop early; cheap next to a forward
+                if steps == max_tokens or bool(finished.all()):
+                    break
+                if before_step is not None:
+                    before_step(t)
+                logits = self._forward(tokens.unsqueeze(-1), full_mask[:, : prompt_len + t + 1], next_pos, cache)
+                if routes is not None:
+                    routes.decoded(t, alive)
+                next_pos = next_pos + 1
         return responses, log_probs, full_mask, steps
 
 

@@ -28,6 +28,7 @@ import torch
 from asyncrl.single_controller.batch import Batch
 from objectstore import ObjectRef, ObjectStore
 from objectstore.ref import TENSOR, VALUE
+from transport import trace
 from transport.codec import register_type
 from transport.dtypes import torch_dtype
 from transport.wire import Ext
@@ -256,7 +257,8 @@ class DistBatch:
     async def fetch(self, store: ObjectStore | None = None) -> Batch:
         """Pull these rows into this process as a `Batch` through `store` (default: the store of
         this batch's tracker, i.e. the driver's). The driver does this only on request."""
-        return await materialize(self, self._store(store))
+        with trace.span("fetch", "store", rows=len(self), columns=len(self.columns)):
+            return await materialize(self, self._store(store))
 
     async def free(self, store: ObjectStore | None = None) -> None:
         """Free the stored objects now (instead of when the last DistBatch naming them is dropped)."""

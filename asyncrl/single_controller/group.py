@@ -29,7 +29,7 @@ from daemons.coordinator import ResourcePool
 from daemons.errors import CallTimeoutError, DaemonError, WorkerDiedError
 from daemons.messages import WorkerState
 from daemons.worker_client import WorkerHandle
-from transport import RemoteError, RpcTimeout
+from transport import RemoteError, RpcTimeout, trace
 from transport.rpc import encode_request
 
 log = logging.getLogger(__name__)
@@ -217,13 +217,16 @@ class WorkerGroup:
 
         async def run() -> Any:
             if prev is not None and not prev.done():
-                await asyncio.wait([prev])  # call order on shared processes; its errors are its own
-            a, k = await resolve_futures((list(args), kwargs))
-            ctx = CallContext(self.role, label, self.world_size, self.layouts,
-                              stores=[h.info.store_endpoint for h in self.handles])
-            plan = protocol.distribute(ctx, tuple(a), k)
-            outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan)
-            return protocol.collect(ctx, outputs)
+                with trace.span("wait for the pool", "call"):
+                    await asyncio.wait([prev])  # call order on shared processes; its errors are its own
+            with trace.span("wait for inputs", "call"):
+                a, k = await resolve_futures((list(args), kwargs))
+            with trace.span(f"{self.role}.{label}", "call"):
+                ctx = CallContext(self.role, label, self.world_size, self.layouts,
+                                  stores=[h.info.store_endpoint for h in self.handles])
+                plan = protocol.distribute(ctx, tuple(a), k)
+                outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan)
+                return protocol.collect(ctx, outputs)
 
         task = loop.create_task(run(), name=f"{self.role}.{label}")
         if spec.blocking:

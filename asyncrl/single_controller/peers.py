@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from transport import trace
+
 _GROUP: Any = None  # the all-ranks gloo group, made by the first call that needs it
 
 
@@ -47,7 +49,18 @@ class Peers:
         if self.size == 1:
             return [value]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=_group())
+        with trace.span("all_gather_object", "collective"):
+            dist.all_gather_object(out, value, group=_group())
+        return out
+
+    def all_gather(self, values: Tensor) -> list[Tensor]:
+        """Every rank's `values` (the same shape on each; float64 on the wire), in rank order."""
+        wire = values.detach().to("cpu", torch.float64).contiguous()
+        if self.size == 1:
+            return [wire]
+        out = [torch.empty_like(wire) for _ in range(self.world_size)]
+        with trace.span("all_gather", "collective", values=wire.numel()):
+            dist.all_gather(out, wire, group=_group())
         return out
 
     def sum_by_key(self, keys: Sequence[Hashable], values: Tensor) -> Tensor:
@@ -65,7 +78,8 @@ class Peers:
         if self.size == 1:
             return values
         wire = values.detach().to("cpu", torch.float64).clone()
-        dist.all_reduce(wire, op=op, group=_group())
+        with trace.span("all_reduce", "collective", values=wire.numel()):
+            dist.all_reduce(wire, op=op, group=_group())
         return wire.to(values.device, values.dtype)
 
 

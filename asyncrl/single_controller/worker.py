@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
 from daemons.worker import WorkerRuntime, takes, wants_runtime
 from objectstore import ObjectStore
+from transport import trace
 
 
 class WarningRelay(logging.Handler):
@@ -214,7 +216,12 @@ class Worker:
             kwargs = {**kwargs, "runtime": self.runtime}
         if takes(fn, "peers"):
             kwargs = {**kwargs, "peers": Peers(ranks, self.rank, self.world_size)}
-        return await self._run(fn, True, args, kwargs, label=fn_path.partition(":")[0].rpartition(".")[2])
+        label = fn_path.partition(":")[0].rpartition(".")[2]
+        t0 = time.perf_counter()
+        out = await self._run(fn, True, args, kwargs, label=label)
+        if out[0] is not None and hasattr(out[0], "meta"):  # a phase of the step (`timing/advantage_s`)
+            out[0].meta[f"timing/{label}_s"] = time.perf_counter() - t0
+        return out
 
     def asyncrl_layouts(self) -> dict[str, Any]:
         self._layout_reported = self._layout_version
@@ -223,12 +230,22 @@ class Worker:
     async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str = "") -> list[Any]:
         if pull:  # the one place pulled rows move to this worker's device
             tally = PULLED.setdefault(label, [0, 0])
-            args, kwargs = to_device(await materialize_all((args, kwargs), self.store, tally), self.device)
+            with trace.span("pull", "store") as s:
+                before = sum(tally)
+                args, kwargs = to_device(await materialize_all((args, kwargs), self.store, tally), self.device)
+                s.note(bytes=sum(tally) - before)
         if inspect.iscoroutinefunction(fn):
             out = await fn(*args, **kwargs)
         else:
-            out = await asyncio.to_thread(fn, *args, **kwargs)
-        out = publish_all(out, self.store)  # returned Batches stay here; refs go back
+            out = await asyncio.to_thread(_traced, label, fn, args, kwargs)
+        with trace.span("publish", "store"):
+            out = publish_all(out, self.store)  # returned Batches stay here; refs go back
         layouts = self.asyncrl_layouts() if self._layout_reported != self._layout_version else None
         return [out, layouts, warning_relay().drain() if _relay is not None else []]
 
+
+
+def _traced(label: str, fn: Callable, args: list, kwargs: dict) -> Any:
+    """`fn` run in the call's worker thread, as one span."""
+    with trace.span(label, "method"):
+        return fn(*args, **kwargs)

@@ -47,6 +47,7 @@ from asyncrl.single_controller.peers import open_group as open_peer_group
 from asyncrl.train.common import EngineError, find_blocks, reduce_step_metrics
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
+from transport import trace
 
 log = logging.getLogger(__name__)
 
@@ -279,16 +280,20 @@ class FSDPEngine:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         per_micro: dict[str, list[Tensor]] = {}  # a sequence-parallel turn this rank does not own logs nothing
-        for micro_batch in micro_batches:
-            loss, metrics = loss_fn(self.model, micro_batch)
-            loss.backward()
+        for i, micro_batch in enumerate(micro_batches):
+            with trace.span("forward", "compute", micro_batch=i):
+                loss, metrics = loss_fn(self.model, micro_batch)
+            with trace.span("backward", "compute", micro_batch=i):
+                loss.backward()
             loss_sum += loss.detach().float()
             for k, v in metrics.items():
                 per_micro.setdefault(k, []).append(torch.as_tensor(v, dtype=torch.float32).detach().to(self.device))
 
-        grad_norm, lr, finite = self._optimizer_step()
+        with trace.span("optimizer step", "compute"):
+            grad_norm, lr, finite = self._optimizer_step()
         # TP peers hold equal values, so reducing over dp suffices
-        out = reduce_step_metrics(loss_sum, per_micro, self.mesh.get_group())
+        with trace.span("all_reduce metrics", "collective"):
+            out = reduce_step_metrics(loss_sum, per_micro, self.mesh.get_group())
         out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
         return out
 

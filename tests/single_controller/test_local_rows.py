@@ -40,6 +40,8 @@ async def test_advantages_are_estimated_where_the_rows_live(tmp_path):
             torch.testing.assert_close(local["returns"], one["returns"], rtol=1e-5, atol=1e-6)
             assert local.meta.keys() == one.meta.keys() and len(local) == 16, fn.__name__
             for k, v in one.meta.items():
+                if k.startswith("timing/"):  # each call's own time
+                    continue
                 assert local.meta[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (fn.__name__, k)
 
 
