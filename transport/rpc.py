@@ -26,6 +26,7 @@ travel whole: chunking would bound nothing there and costs a copy on each side.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import inspect
 import itertools
@@ -470,6 +471,9 @@ class RpcClient:
         self._auth_failure: AuthenticationError | None = None
         self._closed = False
         self._closed_bytes = (0, 0)
+        # requests this client sent by method, their bytes and their replies' (heartbeats not counted)
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.request_bytes = self.reply_bytes = 0
         self._handshake_ok = False
         self._dropped = False  # the connection dropped and has not come back
 
@@ -538,25 +542,27 @@ class RpcClient:
         return the future of its reply; cancelling the future cancels the call on the server."""
         sock = self._ensure_open()
         fut = self._loop.create_future()
-        self._send(sock, req_id, frames, fut)
+        self._send(sock, req_id, frames, fut, method)
         timer = None if timeout is None else self._loop.call_later(timeout, self._expire, req_id, method, timeout)
         fut.add_done_callback(functools.partial(self._settled, req_id, timer))  # one callback per call
         return fut
 
-    def send_to(self, req_id: int, frames: list[Any], sink: ReplySink, key: Any) -> None:
+    def send_to(self, req_id: int, frames: list[Any], sink: ReplySink, key: Any, method: str = "") -> None:
         """`send_request` without a future or a deadline: the reply goes to `sink.reply(key,
         value)` and a failure (an error reply, the connection lost, the client closed) to
         `sink.fail(key, exc)`, called as the message is read. The caller keeps one deadline for
         everything it sent and `withdraw`s what is late (a group call's fast path)."""
-        self._send(self._ensure_open(), req_id, frames, (sink, key))
+        self._send(self._ensure_open(), req_id, frames, (sink, key), method)
 
     def _send(self, sock: MessageSocket, req_id: int, frames: list[Any],
-              waiter: asyncio.Future | tuple[ReplySink, Any]) -> None:
+              waiter: asyncio.Future | tuple[ReplySink, Any], method: str) -> None:
         if self._auth_failure is not None:
             raise self._auth_failure
         if not self._pending:
             self._waiting_since = self._loop.time()
         self._pending[req_id] = waiter
+        self.requests[method] += 1
+        self.request_bytes += sum(len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in frames)
         sock.send(frames)
 
     def withdraw(self, req_id: int) -> bool:
@@ -595,6 +601,7 @@ class RpcClient:
             fut = self._pending.pop(0, None) if req_id == 0 else None
         else:
             fut = self._pending.pop(req_id, None)
+            self.reply_bytes += sum(len(f) for f in frames)
         if kind == ERROR:
             etype, message, tb = msg[2]
             error = RemoteError(etype, message, tb)

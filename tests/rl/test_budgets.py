@@ -1,0 +1,124 @@
+"""Counted budgets of a quickstart-shaped GRPO step (the README's command, a tiny model): the RPC
+round trips and bytes the driver sends and receives, the collectives every rank makes, the
+threads and processes alive. Counts, not times: one more call per step fails here on any machine.
+The same run traces one step and checks the trace file.
+
+Step 1 is not counted against the steady budget (it also reads the workers' memory, every
+trainer.stats_every steps); steps 2-4 are; step 5 is traced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, TRACED = 5, 5
+
+# The driver's requests per step. Group calls go to both ranks (2 requests each): generate,
+# reward, advantage (where the rows live), update. The token balance pulls one int column from
+# the two ranks' generation outputs (2 pulls). Nothing else: no metric reductions, no memory
+# reads (those run every trainer.stats_every steps), no weight sync call (colocated: the
+# reshard runs inside generate).
+STEADY_REQUESTS = {"call_instance": 8, "shm.pull": 2}
+EVERY_STATS_STEP = {"call_instance": 4}  # memory_stats and pulled_bytes on both ranks
+# Bytes through the driver per step: requests carry refs and plans (~7.7 KB today), replies
+# refs, meta and scalar metrics (~4.3 KB) plus the 256 rows' token counts (2 KB). A budget
+# with ~25 % headroom: a tensor or a per-row list sneaking through the driver is larger.
+REQUEST_BYTES, REPLY_BYTES = 10_000, 6_000
+# Collectives per rank per step (gloo, 2 ranks, the tiny model: 2 decoder layers + the root as
+# FSDP units; the update runs 2 micro-batches of 64 rows per rank):
+# - all_gather_single: FSDP's parameter all-gathers, 3 units x (forward + backward re-gather)
+#   x 2 micro-batches = 12 in the update, 20 more for the reshard into generation weights
+#   (one per parameter tensor of the tiny model: 2 x 9 + embedding + norm);
+# - reduce_scatter_single: gradients, 3 units x 2 micro-batches;
+# - all_reduce: the clipped grad norm, the update's metrics, the grad-norm's DTensor reduce;
+# - all_gather_object + all_gather: the advantage's group statistics and its metrics (one each).
+STEADY_COLLECTIVES = {"all_gather_single": 32, "reduce_scatter_single": 6, "all_reduce": 3,
+                      "all_gather_object": 1, "all_gather": 1}
+
+
+@pytest.fixture(scope="module")
+def budget_run(tmp_path_factory) -> dict:
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    tmp = tmp_path_factory.mktemp("budget")
+    model = ensure_tiny_model(tmp / "model", task="sort")
+    out = tmp / "run"
+    args = [sys.executable, "-m", "asyncrl.launch", "--config-name", "quickstart", f"trainer.output_dir={out}",
+            f"model.path={model}", "model.build_tiny=null", f"trainer.total_steps={STEPS}", "trainer.eval_every=100",
+            "trainer.save_every=100", "trainer.loggers=[jsonl]", f"trainer.trace=[{TRACED}]",
+            "job.entry=tests/helpers/budget_probe.py:main"]
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(REPO)}
+    res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    return {"steps": {s["step"]: s for s in summary["budget"]}, "out": out}
+
+
+def test_a_step_makes_its_budgeted_round_trips_and_moves_few_bytes(budget_run):
+    steps = budget_run["steps"]
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for n in range(2, TRACED):
+        s = steps[n]
+        assert s["requests"] == STEADY_REQUESTS, (n, s["requests"])
+        assert s["request_bytes"] <= REQUEST_BYTES and s["reply_bytes"] <= REPLY_BYTES, (n, s)
+    first = dict(steps[1]["requests"])
+    first.pop("free", None)  # frees of the evaluation's outputs, as they are dropped
+    assert first == {"call_instance": STEADY_REQUESTS["call_instance"] + EVERY_STATS_STEP["call_instance"],
+                     "shm.pull": STEADY_REQUESTS["shm.pull"]}, first
+    traced = {k: v for k, v in steps[TRACED]["requests"].items() if not k.startswith("trace_") and k != "free"}
+    assert traced == first  # tracing adds its own calls (and reads the memory), no others
+
+
+def test_every_rank_makes_its_budgeted_collectives(budget_run):
+    for n in range(2, STEPS + 1):
+        for rank, counts in enumerate(budget_run["steps"][n]["collectives"]):
+            assert counts == STEADY_COLLECTIVES, (n, rank, counts)
+
+
+def test_no_thread_or_process_is_started_per_step(budget_run):
+    steps = [budget_run["steps"][n] for n in range(2, STEPS + 1)]
+    for key in ("worker_threads", "worker_children", "driver_children"):
+        assert len({json.dumps(s[key]) for s in steps}) == 1, (key, [s[key] for s in steps])
+    assert all(c == 0 for c in steps[0]["worker_children"])
+    # the driver's threads may vary by the executor's idle workers, never grow step after step
+    assert steps[-1]["driver_threads"] <= steps[0]["driver_threads"] + 2
+
+
+def test_a_traced_step_loads_as_a_trace_with_every_rank_nested_and_ordered(budget_run):
+    path = budget_run["out"] / "trace" / f"step_{TRACED}.json"
+    body = json.loads(path.read_text())
+    events = body["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(names) and len(names) == 3  # the controller and 2 ranks
+    assert names[0].startswith("controller") and sorted(v.split()[1] for k, v in names.items() if k) == ["0", "1"]
+    assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)  # ordered
+    for e in spans:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0
+    lanes: dict[tuple[int, int], list[dict]] = {}
+    for e in spans:
+        lanes.setdefault((e["pid"], e["tid"]), []).append(e)
+    for lane in lanes.values():  # within a lane every two spans are nested or disjoint
+        open_ends: list[float] = []
+        for e in lane:
+            while open_ends and open_ends[-1] <= e["ts"] + 1e-3:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e-3, e
+            open_ends.append(e["ts"] + e["dur"])
+    step = [e for e in spans if e["pid"] == 0 and e["name"] == f"step {TRACED}"]
+    assert len(step) == 1
+    t0, t1 = step[0]["ts"], step[0]["ts"] + step[0]["dur"]
+    for pid in (1, 2):  # each rank's work of the step, inside the step on the controller's clock
+        own = {e["name"] for e in spans if e["pid"] == pid}
+        assert {"generate_sequences", "update_actor", "pull", "decode", "forward", "backward",
+                "optimizer step"} <= own, own
+        work = [e for e in spans if e["pid"] == pid and e["name"] == "update_actor"]
+        assert t0 <= work[0]["ts"] and work[0]["ts"] + work[0]["dur"] <= t1
+    assert any(e["cat"] == "collective" for e in spans)
