@@ -716,7 +716,7 @@ class TrainerConfig:
     # Chrome trace-event file (ui.perfetto.dev, chrome://tracing): e.g. trainer.trace=[5,6]
     trace: list[int] = field(default_factory=list)
     # the step's bookkeeping every this many steps (1 = every step): the workers' peak memory and
-    # bytes pulled across ranks (perf/peak_rss_gib, perf/*_cross_rank_mb); always on traced steps
+    # bytes pulled across ranks (perf/peak_rss_gib, perf/*_cross_rank_mb), and on the first step
     stats_every: int = 10
 
     def check(self, at: str) -> None:

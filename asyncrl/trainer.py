@@ -176,7 +176,7 @@ class Trainer:
             metrics["perf/weight_sync_max_rank_share"] = self.sync_max_rank_share
         else:
             metrics["timing/weight_sync_s"] = metrics.get("timing/sync_s", 0.0)
-        if step % self.cfg.trainer.stats_every == 0 or step in self.cfg.trainer.trace or step == 1:
+        if step % self.cfg.trainer.stats_every == 0 or step == 1:
             with trace.span("memory and bytes pulled", "bookkeeping"):
                 metrics.update(await self._memory())
         return self._timed(metrics, time.monotonic() - t0)

@@ -81,3 +81,58 @@ def _process(out: list[dict[str, Any]], pid: int, name: str, events: list[list],
                     "ts": (t0 - offset_ns) / 1000.0, "dur": dur / 1000.0, "args": args})
     for lane in sorted(lanes):
         out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": lane, "args": {"name": f"lane {lane}"}})
+
+
+def render_png(trace_path: Path, png_path: Path) -> None:
+    """A picture of a trace file for the docs: a band per process lane, nested spans stacked
+    inside it, coloured by category. Open the JSON in a trace viewer for the real thing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    body = json.loads(Path(trace_path).read_text())
+    events = body["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: (e["ts"], -e["dur"]))
+    t0 = min(e["ts"] for e in spans)
+    total = max(e["ts"] + e["dur"] for e in spans) - t0
+    depth: dict[int, int] = {}
+    stacks: dict[tuple[int, int], list[float]] = {}
+    for i, e in enumerate(spans):  # nesting depth within its lane
+        stack = stacks.setdefault((e["pid"], e["tid"]), [])
+        while stack and stack[-1] <= e["ts"] + 1e-3:
+            stack.pop()
+        depth[i] = len(stack)
+        stack.append(e["ts"] + e["dur"])
+    lanes = sorted(stacks)
+    levels = {lane: 1 + max(depth[i] for i, e in enumerate(spans) if (e["pid"], e["tid"]) == lane) for lane in lanes}
+    base, y = {}, 0.0
+    for lane in lanes:
+        base[lane], y = y, y + levels[lane] + 0.6
+    colours = {"step": "#bbbbbb", "call": "#4c72b0", "method": "#55a868", "compute": "#8172b2", "store": "#dd8452",
+               "collective": "#c44e52", "sync": "#937860", "bookkeeping": "#8c8c8c"}
+    fig, ax = plt.subplots(figsize=(15, 0.32 * y + 1.4))
+    for i, e in enumerate(spans):
+        row = base[(e["pid"], e["tid"])] + depth[i]
+        ax.barh(row, e["dur"] / 1000, left=(e["ts"] - t0) / 1000, height=0.9, color=colours.get(e["cat"], "#999999"),
+                edgecolor="white", linewidth=0.3)
+        if e["dur"] > 0.045 * total:
+            ax.text((e["ts"] - t0 + 0.004 * total) / 1000, row, e["name"], va="center", fontsize=6, clip_on=True)
+    ax.set_yticks([base[lane] for lane in lanes],
+                  [f"{names[p].split(' (')[0]} · lane {t}" for p, t in lanes], fontsize=7)
+    ax.set_ylim(y - 0.4, -0.8)
+    ax.set_xlim(0, total / 1000 * 1.01)
+    ax.set_xlabel("ms since the step began (the controller's clock)")
+    ax.set_title(f"{Path(trace_path).name}: spans by process and lane, nested spans below their parent", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), fontsize=6, loc="lower right", ncol=4)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=130)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # python -m asyncrl.single_controller.trace TRACE.json OUT.png
+    import sys
+
+    render_png(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,103 @@
+"""The quickstart's GRPO steps as users run them: the step, its phases, and the framework's own cost.
+
+    python -m benchmarks.speed [--steps 60] [--runs 2] [--baseline /path/to/other/checkout]
+
+Each run is `asyncrl-launch --config-name quickstart` (the README's command: its model, data,
+batch and defaults; metrics.jsonl as the record) cut to `--steps` steps, in a fresh output
+directory. Reported, as medians over the steps after the first 5 of every run:
+- `step_ms_median`, each phase's median (`phase_ms`: the workers' own times of generate,
+  the reshard, reward, advantage, update), and `overhead_ms_median`: the step minus its
+  phases, i.e. everything that is not a worker computing (the driver, RPC, pulls, waits);
+- `trace_overhead_ratio`: the median step of the runs' traced steps (trainer.trace on steps
+  6..15 of one more run) over the same steps untraced;
+- with `--baseline DIR` (a checkout of another commit: `git worktree add DIR <commit>`), the
+  same runs of that checkout interleaved with these, and `step_ratio_vs_baseline` =
+  this checkout's median step / the baseline's (same machine, same sitting).
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WARMUP = 5  # steps left out of the medians: the first steps warm caches and allocators
+TRACED = list(range(6, 16))
+
+
+def launch(checkout: Path, out: Path, steps: int, extra: list[str]) -> list[dict]:
+    """One quickstart run of `checkout` cut to `steps`; its metrics.jsonl rows that are steps."""
+    args = [sys.executable, "-c", "import sys; from asyncrl.launch import main; sys.exit(main())",
+            "--config-name", "quickstart", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
+            "trainer.eval_every=1000", "trainer.save_every=1000", *extra]
+    env = {**os.environ, "PYTHONPATH": str(checkout), "ASYNCRL_STATE_DIR": str(out.parent / f"{out.name}.state")}
+    res = subprocess.run(args, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"the quickstart of {checkout} failed:\n{res.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "timing/step_s" in r]
+
+
+def busy_s(row: dict) -> float:
+    """The workers' own time in a step (weight_sync repeats sync when colocated)."""
+    return sum(v for k, v in row.items() if k.startswith("timing/") and k.endswith("_s")
+               and k not in ("timing/step_s", "timing/overhead_s", "timing/weight_sync_s"))
+
+
+def summarise(rows: list[dict]) -> dict:
+    kept = [r for r in rows if r["step"] > WARMUP]
+    phases = sorted({k for r in kept for k in r if k.startswith("timing/") and k not in
+                     ("timing/step_s", "timing/overhead_s", "timing/weight_sync_s")})
+    return {"steps": len(kept),
+            "step_ms_median": 1000 * statistics.median(r["timing/step_s"] for r in kept),
+            "overhead_ms_median": 1000 * statistics.median(r["timing/step_s"] - busy_s(r) for r in kept),
+            "phase_ms": {p.removeprefix("timing/").removesuffix("_s"): round(1000 * statistics.median(
+                r.get(p, 0.0) for r in kept), 2) for p in phases}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--runs", type=int, default=2, help="runs of each checkout (interleaved)")
+    ap.add_argument("--baseline", type=Path, default=None, help="a checkout of another commit to compare")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="asyncrl-speed-") as tmp:
+        model = Path(tmp) / "model"
+        from asyncrl.models.tiny import ensure_tiny_model
+
+        ensure_tiny_model(model, task="sort")  # the quickstart's model, built once for every run
+        common = [f"model.path={model}", "model.build_tiny=null"]
+        ours: list[dict] = []
+        base: list[dict] = []
+        for i in range(args.runs):
+            ours += launch(REPO, Path(tmp) / f"ours{i}", args.steps, common)
+            if args.baseline is not None:
+                base += launch(args.baseline.resolve(), Path(tmp) / f"base{i}", args.steps, common)
+        traced = launch(REPO, Path(tmp) / "traced", max(args.steps, TRACED[-1]), [*common,
+                        f"trainer.trace=[{','.join(map(str, TRACED))}]"])
+        traces = sorted((Path(tmp) / "traced" / "trace").glob("step_*.json"))
+        plain = statistics.median(r["timing/step_s"] for r in ours if r["step"] in TRACED)
+        with_trace = statistics.median(r["timing/step_s"] for r in traced if r["step"] in TRACED)
+    out = {"benchmark": "speed", "config": "quickstart", "steps_per_run": args.steps, "runs": args.runs,
+           **summarise(ours), "traced_steps": TRACED, "traced_files": len(traces),
+           "traced_step_ms_median": round(1000 * with_trace, 2), "untraced_step_ms_median": round(1000 * plain, 2),
+           "trace_overhead_ratio": round(with_trace / plain, 3)}
+    if args.baseline is not None:
+        b = summarise(base)
+        out["baseline"] = {"checkout": str(args.baseline), **b}
+        out["step_ratio_vs_baseline"] = round(out["step_ms_median"] / b["step_ms_median"], 3)
+    for k in ("step_ms_median", "overhead_ms_median"):
+        out[k] = round(out[k], 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
