@@ -61,19 +61,26 @@ def budget_run(tmp_path_factory) -> dict:
     return {"steps": {s["step"]: s for s in summary["budget"]}, "out": out}
 
 
+def _calls(requests: dict[str, int]) -> dict[str, int]:
+    """The step's own requests: not the tracing's, not the frees (sent as the driver drops a
+    step's outputs, in whichever step's window that falls)."""
+    return {k: v for k, v in requests.items() if not k.startswith("trace_") and k != "free"}
+
+
 def test_a_step_makes_its_budgeted_round_trips_and_moves_few_bytes(budget_run):
     steps = budget_run["steps"]
     assert sorted(steps) == list(range(1, STEPS + 1))
     for n in range(2, TRACED):
         s = steps[n]
-        assert s["requests"] == STEADY_REQUESTS, (n, s["requests"])
+        assert _calls(s["requests"]) == STEADY_REQUESTS, (n, s["requests"])
         assert s["request_bytes"] <= REQUEST_BYTES and s["reply_bytes"] <= REPLY_BYTES, (n, s)
-    first = dict(steps[1]["requests"])
-    first.pop("free", None)  # frees of the evaluation's outputs, as they are dropped
-    assert first == {"call_instance": STEADY_REQUESTS["call_instance"] + EVERY_STATS_STEP["call_instance"],
-                     "shm.pull": STEADY_REQUESTS["shm.pull"]}, first
-    traced = {k: v for k, v in steps[TRACED]["requests"].items() if not k.startswith("trace_") and k != "free"}
-    assert traced == STEADY_REQUESTS  # tracing adds its own calls, no others
+    assert _calls(steps[1]["requests"]) == {
+        "call_instance": STEADY_REQUESTS["call_instance"] + EVERY_STATS_STEP["call_instance"],
+        "shm.pull": STEADY_REQUESTS["shm.pull"]}, steps[1]["requests"]
+    assert _calls(steps[TRACED]["requests"]) == STEADY_REQUESTS  # tracing adds its own calls, no others
+    # each step leaves at most its 6 stored outputs to free (generate, reward, advantage on 2
+    # ranks), the first also the held-out evaluation's
+    assert sum(s["requests"].get("free", 0) for s in steps.values()) <= 6 * STEPS + 8
 
 
 def test_every_rank_makes_its_budgeted_collectives(budget_run):

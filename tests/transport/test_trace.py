@@ -35,7 +35,7 @@ async def test_nested_spans_share_a_lane_and_concurrent_ones_do_not():
     assert out["a"][4] != out["b"][4]  # concurrent: one lane each, never overlapping on one
     for lane in {e[4] for e in out.values()}:
         spans = sorted((e[2], e[2] + e[3]) for e in out.values() if e[4] == lane)
-        for (s0, e0), (s1, e1) in zip(spans, spans[1:], strict=False):
+        for (_, e0), (s1, e1) in zip(spans, spans[1:], strict=False):
             assert s1 >= e0 or e1 <= e0  # disjoint or nested
     assert out["inner"][2] >= out["parent"][2] and out["inner"][2] + out["inner"][3] <= out["parent"][2] + out["parent"][3]
 
