@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,8 +38,10 @@ from asyncrl.single_controller.parallel import MICRO_DP_DIMS, ParallelLayout
 from asyncrl.train.common import EngineError, owner_stage
 from asyncrl.train.lora import is_lora_param
 from asyncrl.train.tp import planned_shard_dim, tp_shard_dim
+from transport import trace
 
 log = logging.getLogger(__name__)
+STAGING_FLOOR = 1 << 20  # bytes: below this, collectives' latency costs more than the staging copy
 
 DEFAULT_BUCKET_BYTES = 8 << 20
 
@@ -138,6 +140,7 @@ class Resharder:
         self.dtype = dtype or stored  # the generation weights' (bf16 from fp32 masters: half the bytes moved)
         self.cast = self.dtype != stored
         self.plans, self.buffer_numel = self._plan()
+        self.plans = self._bucket_small(self.plans)
         self.stage_spans = self._stage_spans()
         self.stats = ReshardStats()
         self._buffer: Tensor | None = None
@@ -221,7 +224,8 @@ class Resharder:
         return self._shard(name).to(self.dtype)
 
     def _all_gather(self, out: Tensor, inp: Tensor, ranks: list[int], group: dist.ProcessGroup | None) -> None:
-        all_gather_single(out, inp, group=group)
+        with trace.span("all_gather weights", "collective", bytes=inp.numel() * inp.element_size()):
+            all_gather_single(out, inp, group=group)
         self._count(inp, ranks)
 
     def _count(self, inp: Tensor, ranks: list[int]) -> None:
@@ -277,6 +281,18 @@ class Resharder:
         self.stats.seconds = time.perf_counter() - t0
         return out
 
+    def _bucket_small(self, plans: list[ParamPlan]) -> list[ParamPlan]:
+        """Weights whose shard and gathered copy fit one bucket's staging go with the buckets
+        instead of a collective each (norms, biases, a small model's every weight): the same
+        bytes move in far fewer collectives, and the staging peak stays within its budget."""
+        out = []
+        for plan in plans:
+            group = len(self._group_for(plan)[0])
+            if plan.direct and plan.chunk_numel * plan.itemsize * (group + 1) <= self.staging_bytes():
+                plan = replace(plan, direct=False)
+            out.append(plan)
+        return out
+
     def _buckets(self, plans: list[ParamPlan]) -> list[list[tuple[ParamPlan, int, int]]]:
         """Pieces (plan, first row, end row) of the padded training chunks, grouped so that one
         bucket's input plus gathered output stays within the staging budget: a large weight is
@@ -304,8 +320,9 @@ class Resharder:
 
     def staging_bytes(self) -> int:
         """The bucket budget (input + gathered output): `bucket_bytes`, and at most 1/32 of the
-        generation buffer so the reshard's peak stays within ~3 % of it."""
-        return min(self.bucket_bytes, max(64 << 10, self.buffer_numel * self.dtype.itemsize // 32))
+        generation buffer so the reshard's peak stays within ~3 % of it (at least STAGING_FLOOR:
+        a small model's weights then gather in a few collectives, not one each)."""
+        return min(self.bucket_bytes, max(STAGING_FLOOR, self.buffer_numel * self.dtype.itemsize // 32))
 
     def _gather_direct(self, plan: ParamPlan, view: Tensor) -> None:
         """A weight split evenly along dim 0: every member's shard is a row block of the

@@ -12,6 +12,8 @@ import collections
 import functools
 import os
 import threading
+import traceback
+from pathlib import Path
 from typing import Any
 
 from asyncrl.trainer import main as trainer_main
@@ -22,6 +24,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_
                "reduce_scatter", "broadcast", "broadcast_object_list", "all_to_all_single", "all_to_all", "barrier",
                "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter", "reduce")
 _counts: collections.Counter = collections.Counter()
+_callers: collections.Counter = collections.Counter()
 
 
 def install_counters() -> int:
@@ -35,6 +38,7 @@ def install_counters() -> int:
 
         def counted(*args: Any, __fn=fn, __name=name, **kwargs: Any) -> Any:
             _counts[__name] += 1
+            _callers[f"{__name} from {_caller()}"] += 1
             return __fn(*args, **kwargs)
         counted.__counted__ = True
         functools.update_wrapper(counted, fn)
@@ -42,9 +46,17 @@ def install_counters() -> int:
     return os.getpid()
 
 
+def _caller() -> str:
+    """The first frame outside torch that led to a collective (where a new one came from)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torch/" not in frame.filename:
+            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+    return "?"
+
+
 def read_counters() -> dict[str, Any]:
-    """This worker's collective calls so far, and its threads and child processes now."""
-    return {"collectives": dict(_counts), "threads": len(os.listdir("/proc/self/task")),
+    """This worker's collective calls so far (by caller too), and its threads and child processes now."""
+    return {"collectives": dict(_counts), "callers": dict(_callers), "threads": len(os.listdir("/proc/self/task")),
             "py_threads": threading.active_count(), "children": _children(os.getpid())}
 
 
@@ -92,7 +104,9 @@ async def main(ctx: Any) -> dict[str, Any]:
                 names = set(a["collectives"]) | set(b["collectives"])
                 collectives.append({n: a["collectives"].get(n, 0) - b["collectives"].get(n, 0) for n in names
                                     if a["collectives"].get(n, 0) != b["collectives"].get(n, 0)})
-            steps.append({"step": trainer.step, "requests": dict(after[0] - before[0]), "request_bytes": after[1] - before[1],
+            callers = [{k: a["callers"][k] - b["callers"].get(k, 0) for k in a["callers"]
+                        if a["callers"][k] != b["callers"].get(k, 0)} for b, a in zip(before_workers, after_workers, strict=True)]
+            steps.append({"step": trainer.step, "collective_callers": callers, "requests": dict(after[0] - before[0]), "request_bytes": after[1] - before[1],
                           "reply_bytes": after[2] - before[2], "collectives": collectives,
                           "worker_threads": [w["threads"] for w in after_workers],
                           "worker_children": [w["children"] for w in after_workers],
