@@ -1,7 +1,7 @@
 """A run's directory (`trainer.output_dir`): what it may hold, who may use it, where a run starts.
 
 It holds only what asyncrl wrote: `config.yaml` (the composed config), `metrics.jsonl`, `samples.jsonl`,
-`tensorboard/`, `wandb/`, `reward_curve.png`, `checkpoints/step_N/`, `logs/`, Hydra's `.hydra/`, the run's
+`tensorboard/`, `wandb/`, `reward_curve.png`, `checkpoints/step_N/`, `logs/`, `trace/`, Hydra's `.hydra/`, the run's
 `.lock`, `previous-<time>/` for outputs a fresh start moved aside, and evaluations'
 `eval-<time>[-N].jsonl`. Nothing else in it is ever touched.
 """
@@ -27,14 +27,15 @@ DONE_MARKER = "COMPLETE"
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
 OURS = (CONFIG_FILE, "metrics.jsonl", "samples.jsonl", "tensorboard", "wandb", "reward_curve.png", "checkpoints", "logs",
-        ".hydra", LOCK_FILE)
+        "trace", ".hydra", LOCK_FILE)
 EVAL_FILE = re.compile(r"eval-\d{8}-\d{6}(-\d+)?\.jsonl")  # trainer.mode=eval's samples, one file per evaluation
 KEPT_IN_PLACE = ("logs", ".hydra", LOCK_FILE)  # this run's own, written before the trainer starts
 # keys whose change between a run and its resume does not change what is being trained (the
 # parallel layouts included: checkpoints reshard into another layout)
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.resume",
                      "trainer.keep_checkpoints", "trainer.loggers", "trainer.project", "trainer.output_dir", "cluster.",
-                     "actor.parallel.", "critic.parallel.", "rollout.parallel.", "trainer.torch_threads")
+                     "actor.parallel.", "critic.parallel.", "rollout.parallel.", "trainer.torch_threads",
+                     "trainer.trace", "trainer.stats_every")
 UNREMARKABLE_CHANGES = ("trainer.resume", "trainer.output_dir", "cluster.log_dir")
 
 

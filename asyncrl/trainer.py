@@ -8,7 +8,7 @@ The final line printed by `asyncrl-launch` is the JSON summary this returns.
 
 A run directory (`trainer.output_dir`) holds what this program wrote and nothing else is touched:
 `config.yaml` (the composed config), `metrics.jsonl`, `samples.jsonl`, `tensorboard/`, `wandb/`,
-`reward_curve.png`, `checkpoints/step_N/`, `logs/`, Hydra's `.hydra/`, the run's `.lock`, and
+`reward_curve.png`, `checkpoints/step_N/`, `logs/`, `trace/` (trainer.trace), Hydra's `.hydra/`, the run's `.lock`, and
 `eval-<time>.jsonl` from evaluations (`asyncrl.rundir` lists them).
 """
 
