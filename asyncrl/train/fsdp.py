@@ -251,6 +251,7 @@ class FSDPEngine:
                 betas=optim.betas,
                 eps=optim.eps,
                 weight_decay=optim.weight_decay,
+                foreach=True,  # a few multi-tensor ops, not ~10 per parameter (the CPU default): DTensor dispatch adds up
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: lr_multiplier(step, optim)
