@@ -75,7 +75,7 @@ from asyncrl.train.lora import (
     merged_weight,
     plain_name,
 )
-from asyncrl.train.packing import is_packing, resolve_packing
+from asyncrl.train.packing import AUTO_ATTR, is_packing, resolve_packing
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.ulysses import run_turns, sequence_parallel, turn_loss
 from asyncrl.train.weight_sync import (
@@ -760,6 +760,8 @@ def pack_engines(cfg: RLConfig, engines: list[TrainEngine], layout: ParallelLayo
     for engine in engines:
         resolve_packing(engine.model, cfg.actor.pack_sequences, "actor.", pipelined=getattr(engine, "pipelined", False))
     if cfg.actor.parallel.sp > 1 and training:
+        for engine in engines:  # Ulysses splits packed rows: every micro-batch packs
+            setattr(engine.model, AUTO_ATTR, False)
         sequence_parallel(layout, cfg.actor.parallel.sp, [e.model for e in engines], "actor.")
 
 

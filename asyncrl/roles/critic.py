@@ -28,7 +28,7 @@ from asyncrl.train import (
 )
 from asyncrl.train.load import either, load_sharded, materialize, new_head, skeleton
 from asyncrl.train.lora import apply_lora, fresh_adapter
-from asyncrl.train.packing import is_packing, resolve_packing
+from asyncrl.train.packing import AUTO_ATTR, is_packing, resolve_packing
 from asyncrl.train.ulysses import run_turns, sequence_parallel
 
 VALUE_HEAD = ("score.", "classifier.")  # the token head transformers adds: not in a causal LM checkpoint
@@ -60,6 +60,7 @@ class CriticWorker(Worker):
         self.critic = FSDPEngine(model, layout, optim=cfg.critic.optim, device=self.device)
         resolve_packing(model, cfg.critic.pack_sequences, "critic.")
         if cfg.critic.parallel.sp > 1:
+            setattr(model, AUTO_ATTR, False)  # Ulysses splits packed rows: every micro-batch packs
             sequence_parallel(layout, cfg.critic.parallel.sp, [model], "critic.")
         head = new_head(VALUE_HEAD, model.config.initializer_range)
         if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)

@@ -11,7 +11,7 @@ from asyncrl.rollout.engine import last_positions
 from asyncrl.single_controller.batch import Batch
 from asyncrl.train.logits import keeps_logits as _keeps_logits
 from asyncrl.train.logits import response_logprobs
-from asyncrl.train.packing import Packed, is_packing, pack, predicting_slots
+from asyncrl.train.packing import Packed, is_packing, pack, predicting_slots, worth_packing
 from asyncrl.train.ulysses import LOGPROBS, VALUES, ulysses_of
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0
     r = responses.shape[1]
     if (sp := ulysses_of(model)) is not None:  # this rank's turn (asyncrl.train.ulysses.run_turns)
         return sp.forward(model, mb, LOGPROBS, temperature, with_entropy)
-    if packed is not None or is_packing(model):
+    if packed is not None or packs(model, mb):
         logits, keep = _response_logits(model, mb, packed or pack(mb))
         lp, ent = response_logprobs(logits, responses[keep][None], temperature, with_entropy)
         return _scatter(lp[0], keep), (_scatter(ent[0], keep) if with_entropy else None)
@@ -51,10 +51,15 @@ def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0
     return response_logprobs(out.logits[:, -r - 1:-1], responses, temperature, with_entropy)
 
 
+def packs(model: torch.nn.Module, mb: Batch) -> bool:
+    """Whether `mb` runs packed through `model` (set up for packing, and worth it for these rows)."""
+    return is_packing(model) and worth_packing(model, mb["attention_mask"])
+
+
 def packed_view(model: torch.nn.Module, mb: Batch) -> tuple[Packed | None, Batch]:
     """For a model set up for packing: `mb`'s packing and its packed view (what per-token hooks
     read); else (None, `mb`)."""
-    if not is_packing(model):
+    if not packs(model, mb):
         return None, mb
     pk = pack(mb)
     return pk, pk.view(mb)
@@ -81,7 +86,7 @@ def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     r = mb["responses"].shape[1]
     if (sp := ulysses_of(model)) is not None:
         return sp.forward(model, mb, VALUES)
-    if is_packing(model):
+    if packs(model, mb):
         logits, keep = _response_logits(model, mb, pack(mb))
         return _scatter(logits[0, :, 0].float(), keep)
     out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
@@ -92,7 +97,7 @@ def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
 def sequence_scores(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     """A sequence classifier's scores [B, labels] for `mb`, read (as transformers does) at each
     row's last token that is not the pad id; packed when the model is set up for it."""
-    if not is_packing(model) or not hasattr(model, "score"):
+    if not packs(model, mb) or not hasattr(model, "score"):
         return model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                      position_ids=mb["position_ids"]).logits
     pk, ids = pack(mb), mb["input_ids"]
