@@ -95,9 +95,9 @@ async def grpo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
     """GRPO: group-normalised outcome; Dr.GRPO (algorithm.estimator=drgrpo) centres without the std."""
     batch, dynamic = await _grouped_rollout(roles, cfg, prompts, refill)
     norm = cfg.algorithm.estimator == "grpo" and cfg.algorithm.norm_adv_by_std
-    adv = await roles.actor.apply(advantage.grpo, batch, norm_by_std=norm, kl_coef=ctl.kl_coef,
-                                  kl_penalty=cfg.algorithm.kl_penalty)
-    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    adv = roles.actor.apply(advantage.grpo, batch, norm_by_std=norm, kl_coef=ctl.kl_coef,
+                            kl_penalty=cfg.algorithm.kl_penalty)
+    batch, adv = await balance_tokens(roles, batch, adv)  # the update's ranks get near-equal tokens
     actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **dynamic, **adv.meta, **mean_metrics(actor)}
 
@@ -106,8 +106,8 @@ async def rloo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
                     refill: Callable[[int], DistBatch] | None = None) -> dict[str, float]:
     """RLOO: leave-one-out baseline over each prompt's n samples."""
     batch, dynamic = await _grouped_rollout(roles, cfg, prompts, refill)
-    adv = await roles.actor.apply(advantage.rloo, batch, kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
-    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    adv = roles.actor.apply(advantage.rloo, batch, kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
+    batch, adv = await balance_tokens(roles, batch, adv)  # the update's ranks get near-equal tokens
     actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **dynamic, **adv.meta, **mean_metrics(actor)}
 
@@ -115,8 +115,8 @@ async def rloo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
 async def reinforce_pp_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
     """REINFORCE++: KL-shaped token rewards, discounted returns, batch-whitened."""
     batch = await _rollout(roles, cfg, prompts)
-    adv = await roles.actor.apply(advantage.reinforce_pp, batch, gamma=cfg.algorithm.gamma,
-                                  kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
-    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    adv = roles.actor.apply(advantage.reinforce_pp, batch, gamma=cfg.algorithm.gamma,
+                            kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
+    batch, adv = await balance_tokens(roles, batch, adv)  # the update's ranks get near-equal tokens
     actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **adv.meta, **mean_metrics(actor)}

@@ -19,8 +19,8 @@ async def opd_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistB
     teacher = roles.teacher.compute_teacher_log_prob(gen)
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None
     batch = union_all(await gen, await reward, await teacher, *([await old] if old is not None else []))
-    adv = await roles.actor.apply(advantage.distill, batch, kl_coef=cfg.teacher.kl_coef,
-                                  task_coef=cfg.teacher.task_reward_coef, norm_by_std=cfg.algorithm.norm_adv_by_std)
-    batch = await balance_tokens(roles, batch.union(adv))
+    adv = roles.actor.apply(advantage.distill, batch, kl_coef=cfg.teacher.kl_coef,
+                            task_coef=cfg.teacher.task_reward_coef, norm_by_std=cfg.algorithm.norm_adv_by_std)
+    batch, adv = await balance_tokens(roles, batch, adv)
     actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **adv.meta, **mean_metrics(actor)}

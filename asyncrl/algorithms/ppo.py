@@ -24,9 +24,9 @@ async def ppo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistB
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
     batch = union_all(await gen, await values, await reward, await old, *([await ref] if ref else []))
     algo = cfg.algorithm
-    adv = await roles.actor.apply(advantage.gae, batch, gamma=algo.gamma, lam=algo.lam, kl_coef=ctl.kl_coef,
-                                  kl_penalty=algo.kl_penalty)
-    batch = await balance_tokens(roles, batch.union(adv))  # the updates' ranks get near-equal tokens
+    adv = roles.actor.apply(advantage.gae, batch, gamma=algo.gamma, lam=algo.lam, kl_coef=ctl.kl_coef,
+                            kl_penalty=algo.kl_penalty)
+    batch, adv = await balance_tokens(roles, batch, adv)  # the updates' ranks get near-equal tokens
     critic = roles.critic.update_critic(batch)
     actor = roles.actor.update_actor(batch)
     return {**timings(batch), **adv.meta, **mean_metrics(await critic), **mean_metrics(await actor)}
@@ -45,9 +45,9 @@ async def safe_rlhf_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts:
     batch = union_all(await gen, await values, await reward, await old,
                       *[await f for f in (cost, ref) if f is not None])
     algo = cfg.algorithm
-    adv = await roles.actor.apply(advantage.safe_rlhf, batch, gamma=algo.gamma, lam=algo.lam,
-                                  lagrange=ctl.lagrange.value, kl_coef=ctl.kl_coef, kl_penalty=algo.kl_penalty)
-    batch = await balance_tokens(roles, batch.union(adv))  # the updates' ranks get near-equal tokens
+    adv = roles.actor.apply(advantage.safe_rlhf, batch, gamma=algo.gamma, lam=algo.lam,
+                            lagrange=ctl.lagrange.value, kl_coef=ctl.kl_coef, kl_penalty=algo.kl_penalty)
+    batch, adv = await balance_tokens(roles, batch, adv)  # the updates' ranks get near-equal tokens
     critic = roles.critic.update_critic(batch)
     actor = roles.actor.update_actor(batch)
     sft = roles.actor.update_pretrain(pretrain) if pretrain is not None else None

@@ -18,8 +18,8 @@ async def remax_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dis
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
     batch = union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
-    adv = await roles.actor.apply(advantage.remax, batch, baseline=await baseline, kl_coef=ctl.kl_coef,
-                                  kl_penalty=cfg.algorithm.kl_penalty)
-    batch = await balance_tokens(roles, batch.union(adv))  # the update's ranks get near-equal tokens
+    adv = roles.actor.apply(advantage.remax, batch, baseline=await baseline, kl_coef=ctl.kl_coef,
+                            kl_penalty=cfg.algorithm.kl_penalty)
+    batch, adv = await balance_tokens(roles, batch, adv)  # the update's ranks get near-equal tokens
     actor = await roles.actor.update_actor(batch)
     return {**timings(batch), **adv.meta, **mean_metrics(actor)}

@@ -3,6 +3,8 @@ the batches they return."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,26 +46,40 @@ def timings(batch: DistBatch) -> dict[str, float]:
     return {k: float(v) for k, v in batch.meta.items() if k.startswith(("timing/", "perf/"))}
 
 
-async def balance_tokens(roles: Roles, batch: DistBatch) -> DistBatch:
-    """`batch`'s rows reordered so the actor's data-parallel ranks get near-equal tokens for the
-    update (a few rows swapped between ranks, `balanced_shards`: the advantages are computed by
-    then, so a prompt's samples need not stay together); only the rows' token counts come to
-    the driver. The meta carries
+async def balance_tokens(roles: Roles, batch: DistBatch, adv: Awaitable[DistBatch]) -> tuple[DistBatch, DistBatch]:
+    """`batch` joined with `adv` (the advantages being computed) and its rows reordered so the
+    actor's data-parallel ranks get near-equal tokens for the update (a few rows swapped
+    between ranks, `balanced_shards`: the advantages are computed by then, so a prompt's
+    samples need not stay together); and `adv`. Only the rows' token counts come to the
+    driver, fetched while the advantages are computed. The meta carries
     `perf/dp_token_imbalance` (the largest rank's tokens over the mean) and
     `perf/dp_token_imbalance_unbalanced` (the arrival order's)."""
+    fetch = asyncio.ensure_future(_row_tokens(batch))
+    try:
+        adv = await adv
+    except BaseException:
+        fetch.cancel()
+        raise
+    joined, tokens = batch.union(adv), await fetch
+    if tokens is None:
+        return joined, adv
     shards = roles.actor.layouts[TRAIN].data_shards(("dp",)) if TRAIN in roles.actor.layouts else 1
-    if ROW_TOKENS not in batch.columns or len(batch) == 0:
-        return batch
-    tokens = (await batch.select(ROW_TOKENS, meta=False).fetch())[ROW_TOKENS].tolist()
     before = imbalance(_shard_loads(tokens, shards))
     if shards == 1 or len(tokens) % shards:  # the dispatch pads such a batch: left as it is
-        return batch.with_meta(**{"perf/dp_token_imbalance": before, "perf/dp_token_imbalance_unbalanced": before})
+        return joined.with_meta(**{"perf/dp_token_imbalance": before, "perf/dp_token_imbalance_unbalanced": before}), adv
     order = balanced_shards(tokens, shards)
     after = imbalance(_shard_loads([tokens[i] for i in order], shards))
+    meta = {"perf/dp_token_imbalance": after, "perf/dp_token_imbalance_unbalanced": before}
     if order == list(range(len(tokens))):  # balanced as it arrived: every row stays where it is
-        return batch.with_meta(**{"perf/dp_token_imbalance": after, "perf/dp_token_imbalance_unbalanced": before})
-    return batch.take(order).with_meta(**{"perf/dp_token_imbalance": after,
-                                          "perf/dp_token_imbalance_unbalanced": before})
+        return joined.with_meta(**meta), adv
+    return joined.take(order).with_meta(**meta), adv
+
+
+async def _row_tokens(batch: DistBatch) -> list[int] | None:
+    """Each row's prompt + response tokens (None where the batch does not say)."""
+    if ROW_TOKENS not in batch.columns or len(batch) == 0:
+        return None
+    return (await batch.select(ROW_TOKENS, meta=False).fetch())[ROW_TOKENS].tolist()
 
 
 def _shard_loads(tokens: list[int], shards: int) -> list[float]:
