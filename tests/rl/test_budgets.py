@@ -33,13 +33,14 @@ EVERY_STATS_STEP = {"call_instance": 4}  # memory_stats and pulled_bytes on both
 REQUEST_BYTES, REPLY_BYTES = 10_000, 6_000
 # Collectives per rank per step (gloo, 2 ranks, the tiny model: 2 decoder layers + the root as
 # FSDP units; the update runs 2 micro-batches of 64 rows per rank). A failure names the callers.
-# - all_gather_single: FSDP's parameter all-gathers, 3 units x (forward + backward re-gather)
-#   x 2 micro-batches = 12, and 1 for the reshard into generation weights (the model's 0.5 MB
-#   in one bucket of the 1 MB staging floor; one per weight before);
+# - all_gather_single: FSDP's parameter all-gathers, 3 units in each of 2 forwards and the
+#   first block again in each backward (the last block and the root stay gathered from their
+#   forward) = 8, and 1 for the reshard into generation weights (the model's 0.5 MB in one
+#   bucket of the 1 MB staging floor; one per weight before);
 # - reduce_scatter_single: gradients, 3 units x 2 micro-batches;
 # - all_reduce: the grad norm, the update's metrics (a sum and a max);
 # - all_gather_object + all_gather: the advantage's group statistics and its metrics (one each).
-STEADY_COLLECTIVES = {"all_gather_single": 13, "reduce_scatter_single": 6, "all_reduce": 3,
+STEADY_COLLECTIVES = {"all_gather_single": 9, "reduce_scatter_single": 6, "all_reduce": 3,
                       "all_gather_object": 1, "all_gather": 1}
 
 
