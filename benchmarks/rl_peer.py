@@ -4,8 +4,10 @@
 
 Both train the quickstart's tiny model on the synthetic sort task with GRPO: 32 prompts × 8
 samples per step, at most 6 new tokens, temperature 1, lr 1e-3, no KL term, one optimizer step
-per batch. asyncrl runs its trainer on two worker processes (FSDP2 over gloo, one thread each);
-TRL runs in one process with two threads (the same two cores). Reported: median seconds per
+per batch, no gradient accumulation (TRL: one pass over its 256 rows; asyncrl: one pass over each
+rank's 128, `actor.micro_batch_size=128` — the quickstart's default of 64 would add a second pass
+per rank that TRL does not make). asyncrl runs its trainer on two worker processes (FSDP2 over
+gloo, one thread each); TRL runs in one process with two threads (the same two cores). Reported: median seconds per
 step after a warm-up, tokens/s, and `step_time_ratio` = asyncrl / TRL (below 1: asyncrl is
 faster). TRL is optional (`pip install trl`); without it only asyncrl is measured.
 
@@ -42,7 +44,8 @@ async def asyncrl_steps(model_dir: Path, out: Path, steps: int) -> dict:
     cfg = load_config("quickstart", [f"model.path={model_dir}", "model.build_tiny=null",
                                      f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
                                      f"trainer.eval_every={10 * steps}", f"trainer.save_every={10 * steps}",
-                                     "trainer.loggers=[console,jsonl]", "data.synthetic.n_val=8"])
+                                     "trainer.loggers=[console,jsonl]", "data.synthetic.n_val=8",
+                                     "actor.micro_batch_size=128"])
     async with local_cluster(cpu_devices=2, log_dir=out / "logs", cfg=cfg) as ctx:
         trainers: list[Trainer] = []
         await trainer_main(ctx, on_setup=trainers.append)
