@@ -117,7 +117,7 @@ def render_png(trace_path: Path, png_path: Path) -> None:
         row = base[(e["pid"], e["tid"])] + depth[i]
         ax.barh(row, e["dur"] / 1000, left=(e["ts"] - t0) / 1000, height=0.9, color=colours.get(e["cat"], "#999999"),
                 edgecolor="white", linewidth=0.3)
-        if e["dur"] > 0.045 * total:
+        if e["dur"] > 0.0042 * total * (len(e["name"]) + 2):  # where the label fits its bar
             ax.text((e["ts"] - t0 + 0.004 * total) / 1000, row, e["name"], va="center", fontsize=6, clip_on=True)
     ax.set_yticks([base[lane] for lane in lanes],
                   [f"{names[p].split(' (')[0]} · lane {t}" for p, t in lanes], fontsize=7)
