@@ -76,8 +76,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.val_log: list[list[float]] = []
         self.tokens, self.step_time = 0.0, 0.0  # generated tokens and seconds of the steps run here
-        self.pulled: list[dict[str, list[int]]] | None = None  # per rank, bytes pulled by stage so far
-        self.pulled_at = 0  # the step `pulled` was read after
+        # the step it was read after, and per rank the bytes pulled by stage so far
+        self.pulled: tuple[int, list[dict[str, list[int]]] | None] = (0, None)
         self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
 
     @property
@@ -94,7 +94,7 @@ class Trainer:
             await self.load(start)
         await self.sync_weights()  # a separate rollout pool starts from the actor's weights
         await self._synced()
-        resumed, self.pulled_at = self.step > 0, self.step
+        resumed, self.pulled = self.step > 0, (self.step, None)
         if isinstance(self.rollout, ElasticRollout):  # its ledger of what each step trained
             self.rollout.ledger.resume(self.step)
         run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
@@ -201,8 +201,8 @@ class Trainer:
         that had to move). Asked every trainer.stats_every steps."""
         stats, pulled = await asyncio.gather(self.roles.actor.memory_stats(), self.roles.actor.pulled_bytes())
         out = {"perf/peak_rss_gib": max(s["peak_rss"] for s in stats) / GIB}
-        before, self.pulled = self.pulled, pulled
-        steps, self.pulled_at = max(1, self.step - self.pulled_at), self.step
+        (at, before), self.pulled = self.pulled, (self.step, pulled)
+        steps = max(1, self.step - at)
         for stage in sorted({k for p in pulled for k in p}):
             moved = [p.get(stage, [0, 0])[1] - (b.get(stage, [0, 0])[1] if b else 0)
                      for p, b in zip(pulled, before or [None] * len(pulled), strict=True)]
