@@ -133,8 +133,12 @@ class Trainer:
                 return await self._train_step(step)
         recording = Recording(self.ctx.process_sets.values())
         await recording.start()
-        with trace.span(f"step {step}", "step"):
-            metrics = await self._train_step(step)
+        try:
+            with trace.span(f"step {step}", "step"):
+                metrics = await self._train_step(step)
+        except BaseException:
+            trace.collect()  # the driver stops recording; the step's error is what the run reports
+            raise
         path = self.out_dir / "trace" / f"step_{step}.json"
         written = await recording.write(path, {"step": step, "step_s": metrics["timing/step_s"]})
         log.info("step %d: trace written to %s (%s events; open it in ui.perfetto.dev)", step, path,

@@ -244,7 +244,6 @@ class Worker:
         return [out, layouts, warning_relay().drain() if _relay is not None else []]
 
 
-
 def _traced(label: str, fn: Callable, args: list, kwargs: dict) -> Any:
     """`fn` run in the call's worker thread, as one span."""
     with trace.span(label, "method"):
