@@ -19,8 +19,9 @@ class FakeClient:
     def __init__(self, rank: int) -> None:
         self.endpoint, self.waiting, self.withdrawn = f"ipc://rank{rank}", {}, []
 
-    def send_to(self, req_id, frames, sink, key) -> None:
+    def send_to(self, req_id, frames, sink, key, method="") -> None:
         self.waiting[req_id] = (sink, key)
+        self.method = method
 
     def withdraw(self, req_id: int) -> bool:
         self.withdrawn.append(req_id)
