@@ -36,7 +36,7 @@ class Gather:
             self.all_in_or_failed.set_result(None)
         for r, (req_id, frames) in requests.items():
             try:
-                handles[r].client.send_to(req_id, frames, self, r, method="call_instance")
+                handles[r].client.send_to(req_id, frames, self, r, "call_instance")
             except Exception as e:  # noqa: BLE001 - a closed or unauthenticated client: this rank's failure
                 self.fail(r, e)
 
