@@ -37,10 +37,6 @@ def clock_ns() -> int:
     return time.monotonic_ns()
 
 
-def enabled() -> bool:
-    return _rec.on
-
-
 def start() -> None:
     """Record spans from now on (events from an earlier recording are discarded)."""
     with _rec.lock:

@@ -175,10 +175,8 @@ def _group_stats(scores: Tensor, uids: Sequence[Hashable], peers: Peers) -> tupl
                 merged[key] = (n0 + n, t0 + t, m0 + m2 + delta * delta * n0 * n / (n0 + n))
             else:
                 merged[key] = (n, t, m2)
-    size = {k: merged[k][0] for k in keys}
-    shared = torch.tensor([size[k] != c for k, c in zip(keys, count.tolist(), strict=True)], dtype=torch.bool,
-                          device=scores.device)
     both = torch.tensor([merged[k] for k in keys], dtype=scores.dtype, device=scores.device).reshape(-1, 3)
+    shared = both[:, 0] != count  # a group other ranks hold rows of too
     count = torch.where(shared, both[:, 0], count)[index]
     total = torch.where(shared, both[:, 1], total)[index]
     squares = torch.where(shared, both[:, 2], squares)[index]

@@ -70,9 +70,7 @@ async def balance_tokens(roles: Roles, batch: DistBatch, adv: Awaitable[DistBatc
     order = balanced_shards(tokens, shards)
     after = imbalance(_shard_loads([tokens[i] for i in order], shards))
     meta = {"perf/dp_token_imbalance": after, "perf/dp_token_imbalance_unbalanced": before}
-    if order == list(range(len(tokens))):  # balanced as it arrived: every row stays where it is
-        return joined.with_meta(**meta), adv
-    return joined.take(order).with_meta(**meta), adv
+    return joined.take(order).with_meta(**meta), adv  # rows that stay keep their blocks
 
 
 async def _row_tokens(batch: DistBatch) -> list[int] | None:
