@@ -1,6 +1,6 @@
 """The quickstart's GRPO steps as users run them: the step, its phases, and the framework's own cost.
 
-    python -m benchmarks.speed [--steps 60] [--runs 2] [--baseline /path/to/other/checkout]
+    python -m benchmarks.speed [--steps 60] [--runs 2] [--baseline /path/to/other/checkout] [key=value ...]
 
 Each run is `asyncrl-launch --config-name quickstart` (the README's command: its model, data,
 batch and defaults; metrics.jsonl as the record) cut to `--steps` steps, in a fresh output
@@ -14,6 +14,7 @@ directory. Reported, as medians over the steps after the first 5 of every run:
   same runs of that checkout interleaved with these, and `step_ratio_vs_baseline` =
   this checkout's median step / the baseline's (same machine, same sitting).
 
+Trailing `key=value` overrides go to every run (e.g. `trainer.n_workers=1` on one GPU).
 The last line printed is one JSON object.
 """
 
@@ -68,9 +69,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=2, help="runs of each checkout (interleaved)")
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout of another commit to compare")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. trainer.n_workers=1")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="asyncrl-speed-") as tmp:
-        common = [f"model.path={Path(tmp) / 'model'}"]  # the quickstart's own model, built by the first run
+        common = [f"model.path={Path(tmp) / 'model'}", *args.overrides]  # the quickstart's own model, built by the first run
         ours: list[dict] = []
         base: list[dict] = []
         for i in range(args.runs):
@@ -82,7 +84,7 @@ def main() -> None:
         traces = sorted((Path(tmp) / "traced" / "trace").glob("step_*.json"))
         plain = statistics.median(r["timing/step_s"] for r in ours if r["step"] in TRACED)
         with_trace = statistics.median(r["timing/step_s"] for r in traced if r["step"] in TRACED)
-    out = {"benchmark": "speed", "config": "quickstart", "steps_per_run": args.steps, "runs": args.runs,
+    out = {"benchmark": "speed", "config": "quickstart", "overrides": args.overrides, "steps_per_run": args.steps, "runs": args.runs,
            **summarise(ours), "traced_steps": TRACED, "traced_files": len(traces),
            "traced_step_ms_median": round(1000 * with_trace, 2), "untraced_step_ms_median": round(1000 * plain, 2),
            "trace_overhead_ratio": round(with_trace / plain, 3)}

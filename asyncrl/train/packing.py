@@ -161,14 +161,21 @@ def _cuda_varlen():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    causal = ({"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters
-              else {"window_size": (-1, 0)})
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    native_gqa = "enable_gqa" in params  # torch 2.11's varlen_attn has no enable_gqa: kv heads repeated
 
     def run(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
         cu32 = cu.to(device=q.device, dtype=torch.int32)
         max_len = max_len or int((cu[1:] - cu[:-1]).max())
+        gqa = {}
+        if k.shape[0] != q.shape[0]:
+            if native_gqa:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = (t.repeat_interleave(q.shape[0] // k.shape[0], dim=0) for t in (k, v))
         out = varlen_attn(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), cu32, cu32, max_len, max_len,
-                          scale=scale, enable_gqa=k.shape[0] != q.shape[0], **causal)
+                          scale=scale, **causal, **gqa)
         return out.transpose(0, 1)
     return run
 

@@ -36,6 +36,10 @@ def test_memory_benchmark_on_one_gpu_matches_the_estimate(engine, tmp_path, monk
     own = RUNTIME_BYTES / GIB
     assert measured["update_actor"] == pytest.approx(estimated["update"] - own, rel=0.25), (measured, estimated)
     if engine == "native":  # vLLM's weights and KV cache live in its own pool, not torch's peak
-        assert measured["generate"] == pytest.approx(estimated["generate"] - own, rel=0.25), (measured, estimated)
+        # one step: its generation runs before the first update allocates gradients and Adam's
+        # moments, so the steady-state estimate bounds it; the held-out evaluation after the
+        # update decodes on the same path with the whole training state and meets the estimate
+        assert measured["generate"] <= estimated["generate"] - own, (measured, estimated)
+        assert measured["evaluate"] == pytest.approx(estimated["evaluate"] - own, rel=0.25), (measured, estimated)
     hf = AutoModelForCausalLM.from_pretrained(r["hf"], dtype="auto")
     assert next(hf.parameters()).dtype is torch.bfloat16

@@ -23,11 +23,11 @@ def test_moe_grpo_steps_on_one_gpu(backend, tmp_path):
     extra = (["actor.backend=megatron", "actor.moe.router_replay=none", "actor.moe.aux_loss_coef=0.001"]
              if backend == "megatron" else [])
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "moe_quickstart", "trainer.total_steps=10",
-           "trainer.n_workers=1", f"trainer.output_dir={tmp_path}", f"model.path={tmp_path}/model",
+           "trainer.n_workers=1", f"trainer.output_dir={tmp_path}/run", f"model.path={tmp_path}/model",
            "trainer.loggers=[jsonl]", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    steps = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert len(steps) == 10 and all("moe/aux_loss" in r for r in steps), steps[-1]
     if backend == "fsdp2":
         assert all(r["moe/routing_agreement"] > 0.95 for r in steps), [r["moe/routing_agreement"] for r in steps]

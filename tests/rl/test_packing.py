@@ -345,3 +345,33 @@ def test_ulysses_composes_with_tensor_parallelism_and_fsdp(tmp_path):
     for out in run_ranks(_sp_tp_ranks, 4, tmp_path):
         (g1, loss1), (g2, loss2) = out[1], out[2]
         assert max_diff(g1, g2) < TOL and abs(float(loss1 - loss2)) < TOL
+
+
+def test_the_cuda_varlen_wrapper_repeats_kv_heads_where_torch_has_no_enable_gqa(monkeypatch):
+    """torch 2.11 (the GPU hosts') has `varlen_attn` without `enable_gqa`: the wrapper repeats the
+    grouped kv heads itself. Checked on CPU with a stand-in of that signature (the real kernel is
+    CUDA-only) against the CPU path of `varlen_causal`."""
+    import torch.nn.attention.varlen as varlen_mod
+    import torch.nn.functional as F
+
+    from asyncrl.train import packing
+
+    def old_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert key.shape[1] == query.shape[1] and window_size == (-1, 0), "no gqa in this signature"
+        out = torch.empty_like(query)
+        for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), strict=True):
+            out[a:b] = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (query, key, value)),
+                                                      is_causal=True, scale=scale).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", old_varlen_attn)
+    packing._cuda_varlen.cache_clear()
+    try:
+        torch.manual_seed(0)
+        q, k, v = torch.randn(4, 9, 8), torch.randn(2, 9, 8), torch.randn(2, 9, 8)
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        got = packing._cuda_varlen()(q, k, v, cu, 5, None)
+        want = packing.varlen_causal(q, k, v, cu, 5, None)
+    finally:
+        packing._cuda_varlen.cache_clear()
+    torch.testing.assert_close(got, want)

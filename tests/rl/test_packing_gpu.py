@@ -37,9 +37,9 @@ def test_packed_log_probs_on_cuda_equal_padded(dtype, tol):
 def test_a_packed_grpo_job_on_one_gpu(tmp_path):
     """The quickstart on one GPU with packing on (the default) runs to its end and learns."""
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "quickstart", "trainer.total_steps=30",
-           "trainer.n_workers=1", f"trainer.output_dir={tmp_path}", f"model.path={tmp_path}/model",
+           "trainer.n_workers=1", f"trainer.output_dir={tmp_path}/run", f"model.path={tmp_path}/model",
            "trainer.loggers=[jsonl]", "actor.pack_sequences=true"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    steps = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert len(steps) == 30 and all("perf/dp_token_imbalance" in r for r in steps), steps[-1]
