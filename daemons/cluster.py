@@ -93,6 +93,10 @@ class ClusterConfig:
     allowed_packages: list[str] = field(default_factory=list)
     """Workers run functions and classes from these packages (`run`, hosted Worker classes)
     besides asyncrl's own and the job entry's package; e.g. ["my_rewards"]."""
+    warm_imports: list[str] = field(default_factory=list)
+    """Modules a worker imports before it has work: each node keeps one such process per CPU
+    device started ahead (re-started when idle in daemon mode), so a job's workers start without
+    paying those imports; [] = workers start cold. GPU nodes start workers cold."""
 
     def check(self, at: str) -> None:
         check_positive(at + "shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
@@ -101,6 +105,9 @@ class ClusterConfig:
         for pkg in self.allowed_packages:
             check(isinstance(pkg, str) and re.fullmatch(r"[A-Za-z_][\w.]*", pkg) is not None,
                   at + "allowed_packages", pkg, "must be importable package names like my_pkg.rewards")
+        for mod in self.warm_imports:
+            check(isinstance(mod, str) and re.fullmatch(r"[A-Za-z_][\w.]*", mod) is not None,
+                  at + "warm_imports", mod, "must be importable module names like asyncrl.roles.actor")
         check(self.nnodes >= 1, at + "nnodes", self.nnodes, "must be >= 1")
         check(0 <= self.node_rank < self.nnodes, at + "node_rank", self.node_rank,
               f"must be in [0, {at}nnodes={self.nnodes})")
@@ -174,7 +181,8 @@ class ClusterSpec:
                           coordinator_timeout_s=self.coordinator_timeout_s or max(10.0, 2 * c.node_timeout_s),
                           shm_pool_bytes=c.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
                           head_loss_timeout_s=None if c.node_rank == 0 or self.daemon else c.head_loss_timeout_s,
-                          limits=c.limits, keep_job_logs=c.keep_job_logs)
+                          limits=c.limits, keep_job_logs=c.keep_job_logs, warm_imports=tuple(c.warm_imports),
+                          keep_warm=self.daemon)
 
 
 # daemons ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.machinery
 import json
 import logging
 import os
@@ -50,6 +51,9 @@ SHM_POOL_ENV = "ASYNCRL_SHM_POOL_BYTES"
 # Each worker store's memory limit in bytes (see objectstore.memory).
 STORE_MEMORY_LIMIT_ENV = "ASYNCRL_STORE_MEMORY_LIMIT"
 KEYS_ON_STDIN_ENV = "ASYNCRL_KEYS_ON_STDIN"  # a worker reads its key pair (JSON) from stdin
+# a warm worker imports these modules (comma-separated), then reads its work from stdin (JSON:
+# its environment, keys and log file); see NodeDaemon._fill_warm
+WARM_IMPORTS_ENV = "ASYNCRL_WARM_IMPORTS"
 NODE_DEVICES_ENV = "ASYNCRL_NODE_DEVICES"  # a worker's share of the node's cores is one device's
 # Besides after each abnormal worker exit, the node sweeps /dev/shm this often: a dead worker's
 # forked children can hold its segments' lock a little longer than the worker lives.
@@ -125,6 +129,29 @@ def _remove_job_logs(folder: Path) -> None:
         folder.rmdir()
 
 
+# environment variables read as the interpreter or a native library loads (a warm worker has
+# loaded them already); PYTHONPATH is the exception: a warm worker adds its entries to sys.path
+_AT_START = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "CUDA_")
+
+
+def _read_at_start(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_AT_START) and k not in ("PYTHONPATH", "PYTHONUNBUFFERED")}
+
+
+def _found(package: str, env: dict[str, str]) -> str | None:
+    """Where a worker started with `env` imports `package` from (its file), None if nowhere."""
+    path = [os.getcwd(), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p), *sys.path[1:]]
+    for finder in sys.meta_path:  # in the interpreter's order: an editable install's finder too
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        on_path = finder is importlib.machinery.PathFinder
+        spec = importlib.machinery.PathFinder.find_spec(package, path) if on_path else find(package, None)
+        if spec is not None:
+            return spec.origin
+    return None
+
+
 @dataclass
 class _Child:
     worker_id: str
@@ -153,6 +180,8 @@ class NodeDaemon:
         store_memory_limit: int | None = None,
         limits: ServerLimits | None = None,
         keep_job_logs: int = KEEP_JOB_LOGS,
+        warm_imports: tuple[str, ...] = (),
+        keep_warm: bool = False,
     ) -> None:
         self.coordinator_endpoint = coordinator
         self.keep_job_logs = keep_job_logs
@@ -169,6 +198,12 @@ class NodeDaemon:
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
+        # warm workers: CPU devices only (a GPU worker's CUDA_VISIBLE_DEVICES must be set before
+        # anything it imports could touch CUDA); `keep_warm` re-starts them whenever the node is idle
+        self.warm_imports = () if any(d.startswith("cuda") for d in self.devices) else tuple(warm_imports)
+        self.keep_warm = keep_warm
+        self._warm: list[subprocess.Popen] = []
+        self._warm_env: dict[str, str] = {}
         self._handed_ports: dict[int, float] = {}  # port -> when free_port gave it out
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
                                 name=f"node-{node_rank}")
@@ -195,6 +230,7 @@ class NodeDaemon:
                        loop.create_task(self._reap(), name="node-reap")]
         for task in self._tasks:
             task.add_done_callback(_log_crash)
+        self._fill_warm()
         return endpoint
 
     async def wait_registered(self, timeout: float) -> None:
@@ -202,6 +238,7 @@ class NodeDaemon:
 
     async def close(self) -> None:
         t0 = time.monotonic()
+        self._drop_warm()
         stopped = await asyncio.to_thread(self.kill_all)
         if stopped:
             log.info("node %s stopped %d worker(s) in %.1fs", self.node_id, stopped, time.monotonic() - t0)
@@ -325,17 +362,62 @@ class NodeDaemon:
             full_env[KEYS_ON_STDIN_ENV] = "1"
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(WORKER_CMD, env=full_env,
-                                    stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.PIPE if keys else subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=die_with_parent)
-        if keys:
-            with proc.stdin:  # a few hundred bytes: the pipe buffers them until the worker reads
-                proc.stdin.write(json.dumps(keys).encode() + b"\n")
+        proc = self._start_warm(full_env, keys, log_path)
+        if proc is None:
+            with open(log_path, "ab") as logf:
+                proc = subprocess.Popen(WORKER_CMD, env=full_env,
+                                        stdout=logf, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.PIPE if keys else subprocess.DEVNULL,
+                                        start_new_session=True, preexec_fn=die_with_parent)
+            if keys:
+                with proc.stdin:  # a few hundred bytes: the pipe buffers them until the worker reads
+                    proc.stdin.write(json.dumps(keys).encode() + b"\n")
         self.children[worker_id] = _Child(worker_id, proc, log_path)
         log.info("spawned worker %s pid %d (log %s)", worker_id, proc.pid, log_path)
         return proc.pid
+
+    def _fill_warm(self) -> None:
+        """Start warm workers up to one per device: each imports `warm_imports`, then waits on
+        its stdin for the work `spawn_worker` gives it."""
+        self._warm = [p for p in self._warm if p.poll() is None]
+        if not self.warm_imports:
+            return
+        env = self._warm_env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_CURVE_")}
+        env.update({WARM_IMPORTS_ENV: ",".join(self.warm_imports), "PYTHONUNBUFFERED": "1"})
+        for _ in range(len(self.devices) - len(self._warm)):
+            self._warm.append(subprocess.Popen(WORKER_CMD, env=env, stdin=subprocess.PIPE,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                               start_new_session=True, preexec_fn=die_with_parent))
+
+    def _start_warm(self, env: dict[str, str], keys: dict[str, str], log_path: str) -> subprocess.Popen | None:
+        """Give a warm worker (the oldest alive) this worker's environment, keys and log; None when
+        there is none, and the caller starts one cold."""
+        env = {k: v for k, v in env.items() if k != KEYS_ON_STDIN_ENV}
+        if _read_at_start(env) != _read_at_start(self._warm_env):
+            return None  # settings that the interpreter or its libraries read as they load differ
+        if not all(_found(top, env) == _found(top, self._warm_env) for top in {m.split(".")[0] for m in self.warm_imports}):
+            return None  # this worker's PYTHONPATH finds other code than the warm ones imported
+        while self._warm:
+            proc = self._warm.pop(0)
+            if proc.poll() is not None:
+                continue
+            try:
+                with proc.stdin:
+                    proc.stdin.write(json.dumps({"env": env, "keys": keys, "log": log_path}).encode() + b"\n")
+            except OSError:  # it died since: the next one, or a cold start
+                kill_group(proc, 0)
+                continue
+            return proc
+        return None
+
+    def _drop_warm(self) -> None:
+        """Kill the warm workers (they hold nothing but imports)."""
+        for proc in self._warm:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, 9)
+        for proc in self._warm:
+            proc.wait()
+        self._warm = []
 
     @expose(blocking=True)  # waits for the exit: keep the loop free
     def kill_worker(self, worker_id: str, grace_s: float = 5.0) -> bool:
@@ -449,3 +531,5 @@ class NodeDaemon:
                 # reported: forget it, so a daemon serving job after job does not grow
                 if self.children.get(child.worker_id) is child:
                     del self.children[child.worker_id]
+            if self.keep_warm and not self.children and len(self._warm) < len(self.devices):
+                self._fill_warm()  # idle: the next job's workers start warm

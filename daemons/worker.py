@@ -35,7 +35,7 @@ from typing import Any
 from daemons.errors import NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
-from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
+from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV, WARM_IMPORTS_ENV
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose, trace
@@ -312,9 +312,37 @@ async def _invoke(fn: Callable, args: list, kwargs: dict) -> Any:
     return result
 
 
+def _warm_start(modules: str) -> dict[str, str]:
+    """A warm worker: import `modules` while no job needs it yet, then take the work the node
+    daemon writes on stdin (environment, keys, log file) and become that worker."""
+    for name in filter(None, modules.split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the job's own import of it says what is wrong, in its log
+            pass
+    line = sys.stdin.readline()
+    if not line:  # the node went without giving this process work
+        sys.exit(0)
+    work = json.loads(line)
+    sys.stdin.close()
+    fd = os.open(work["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(work["env"])
+    # PYTHONPATH as the interpreter would have read it: after the script's own entry ('' for -c)
+    extra = [p for p in work["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = extra
+    return {**work["env"], **work["keys"]}
+
+
 def main() -> None:
     env = dict(os.environ)
-    if env.pop(KEYS_ON_STDIN_ENV, None) == "1":  # the node daemon's pipe: keys never in the environment
+    warm = env.pop(WARM_IMPORTS_ENV, None)
+    if warm is not None:
+        env = _warm_start(warm)
+    elif env.pop(KEYS_ON_STDIN_ENV, None) == "1":  # the node daemon's pipe: keys never in the environment
         env.update(json.loads(sys.stdin.readline()))
         sys.stdin.close()
     for key in [k for k in os.environ if k.startswith("ASYNCRL_CURVE_")]:

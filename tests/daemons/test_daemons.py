@@ -269,3 +269,74 @@ def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
     if span is not None:
         assert all(span[0] <= p < span[1] for p in ports)
     assert free_port(avoid=set(ports)) not in ports
+
+
+# warm workers ----------------------------------------------------------------------------------
+async def test_warm_workers_take_their_work_keys_and_log_from_the_node(tmp_path):
+    """cluster.warm_imports: the node starts one process per device that imports ahead; a spawned
+    worker is one of them, with its own environment, CurveZMQ keys (never in its environment) and
+    log file; a warm process killed before it got work is passed over (a cold start instead); the
+    node's close leaves none behind."""
+    from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
+    from transport import CurveConfig
+
+    secret = CurveConfig.ephemeral()
+    spec = ClusterSpec(ClusterConfig(cpu_devices=3, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=0.5,
+                                     allowed_packages=["os", "posix"], warm_imports=["json", "no_such_module_x"]),
+                       curve=secret, state_dir=tmp_path / "st")
+    async with HeadNode.start(spec) as head:
+        warm = [p.pid for p in head.node._warm]
+        assert len(warm) == 3
+        os.kill(warm[0], signal.SIGKILL)
+        while head.node._warm[0].poll() is None:
+            await asyncio.sleep(0.05)
+        workers = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=2))
+        pids = [w.info.pid for w in workers]
+        assert pids == warm[1:], (pids, warm)  # the dead one passed over, the other two taken
+        for w in workers:
+            assert await w.run("os:getenv", "ASYNCRL_WORKER_ID", timeout=10) == w.info.worker_id
+            assert await w.run("os:getenv", "ASYNCRL_WARM_IMPORTS", timeout=10) is None
+            assert secret.secret_key not in Path(f"/proc/{w.info.pid}/environ").read_bytes()
+        (third,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("q", world_size=1))
+        assert third.info.pid not in warm  # none left: a cold start
+        assert await third.run("os:getpid", timeout=10) == third.info.pid
+        logs = sorted((tmp_path / "logs").rglob("worker-*.log"))
+        assert len(logs) == 3 and all("ready at" in p.read_text() for p in logs)
+    assert _pids_alive([*warm, *pids, third.info.pid]) == []
+
+
+def test_warm_imports_are_checked_and_gpu_nodes_start_cold(monkeypatch):
+    """A GPU worker's CUDA_VISIBLE_DEVICES must be set before anything it imports could touch
+    CUDA, so a node with GPUs starts no warm workers."""
+    import daemons.node as node_mod
+    from daemons.cluster import ClusterConfig
+    from transport.checks import ConfigError
+
+    with pytest.raises(ConfigError, match="warm_imports"):
+        ClusterConfig(warm_imports=["os; rm -rf /"]).check("cluster.")
+    assert NodeDaemon("tcp://127.0.0.1:1", insecure=True, cpu_devices=1, warm_imports=("json",)).warm_imports == ("json",)
+    monkeypatch.setattr(node_mod, "discover_devices", lambda cpu, gpus: ["cuda:0", "cuda:1"])
+    assert NodeDaemon("tcp://127.0.0.1:1", insecure=True, warm_imports=("json",)).warm_imports == ()
+
+
+def test_a_worker_whose_code_or_native_settings_differ_starts_cold(tmp_path):
+    """A warm worker has imported its modules and loaded its libraries already: one that would
+    import another copy of a package (its PYTHONPATH) or read other load-time settings (OMP_*,
+    PYTHON*, LD_*) is not given the work; the same code on another path entry is."""
+    for d in ("a", "b", "c"):
+        (tmp_path / d / "pkgx").mkdir(parents=True)
+        (tmp_path / d / "pkgx" / "__init__.py").write_text("")
+    node = NodeDaemon("tcp://127.0.0.1:1", insecure=True, cpu_devices=1, warm_imports=("pkgx",))
+    base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path / "a")}
+    for env, warm in [({**base, "PYTHONPATH": str(tmp_path / "b")}, False),
+                      ({**base, "OMP_NUM_THREADS": "3"}, False),
+                      ({**base, "PYTHONPATH": f"{tmp_path / 'c'}{os.pathsep}{tmp_path / 'a'}"}, False),
+                      ({**base, "PYTHONPATH": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}, True),
+                      ({**base, "ASYNCRL_WORKER_ID": "w"}, True)]:
+        stand_in = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        node._warm, node._warm_env = [stand_in], dict(base)
+        got = node._start_warm(env, {}, str(tmp_path / "log"))
+        assert (got is stand_in) == warm, env
+        if not warm:
+            stand_in.kill()
+        stand_in.wait()
