@@ -2,7 +2,7 @@
 restarting per row, attention kept inside each row (varlen attention), outputs scattered back.
 
 Transformers does not isolate packed rows from `position_ids` alone under `sdpa` / `eager` on
-CPU (`../shared/probes/packing_position_ids.py`), so `enable_packing` registers an attention
+CPU (tests/rl/test_packing.py checks it still does not), so `enable_packing` registers an attention
 implementation of our own: given `cu_seq_lens_q` (the rows' cumulative lengths, passed through
 the model's forward kwargs so that activation checkpointing's recompute sees them too) it runs
 causal attention per row — `torch.nn.attention.varlen.varlen_attn` on CUDA where torch has it,

@@ -375,3 +375,21 @@ def test_the_cuda_varlen_wrapper_repeats_kv_heads_where_torch_has_no_enable_gqa(
     finally:
         packing._cuda_varlen.cache_clear()
     torch.testing.assert_close(got, want)
+
+
+def test_position_ids_alone_do_not_isolate_packed_rows():
+    """Why packing registers its own attention: two rows concatenated with restarting
+    position_ids, through transformers' own `sdpa` attention, leak into each other (the second
+    row's logits move); test_packed_log_probs_entropy_and_gradients_equal_padded checks that the
+    packed path of `enable_packing` keeps them apart."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(cfg).eval()
+    a, b = torch.randint(0, 100, (1, 7)), torch.randint(0, 100, (1, 5))
+    with torch.no_grad():
+        alone = model(b).logits[0]
+        packed = model(torch.cat([a, b], 1), position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None]).logits[0, 7:]
+    assert (packed - alone).abs().max() > 0.05
