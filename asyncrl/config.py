@@ -24,6 +24,7 @@ from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.algorithms.registry import algorithms, needs_critic, needs_teacher
 from asyncrl.data.config import DataConfig, tiny_model_tasks
 from asyncrl.data.config import SyntheticDataConfig as SyntheticDataConfig
+from asyncrl.engines import backend, backends, rollout_engine, rollout_engines
 from asyncrl.single_controller.config import LaunchConfig
 from asyncrl.single_controller.parallel import (
     GenerationParallelConfig,
@@ -116,7 +117,6 @@ class VLLMConfig:
         _positive(at + "max_num_seqs", self.max_num_seqs)
 
 
-ROLLOUT_ENGINES = ("native", "vllm")
 PLACEMENTS = ("colocated", "split")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "decoupled", "tis")
 BEHAVIOUR_LOSSES = ("decoupled", "tis")
@@ -155,7 +155,7 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def check(self, at: str) -> None:
-        _one_of(at + "engine", self.engine, ROLLOUT_ENGINES)
+        _one_of(at + "engine", self.engine, tuple(rollout_engines()))
         _positive(at + "max_staleness", self.max_staleness, allow_zero=True)
         _positive(at + "n_workers", self.n_workers)
         _positive(at + "min_workers", self.min_workers)
@@ -248,22 +248,23 @@ def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
                f"got tp={section.parallel.tp}, pp={section.parallel.pp}")
 
 
-BACKENDS = ("fsdp2", "megatron")
+def _those(capability: str) -> str:
+    """The training backends that have `capability`, for a message."""
+    return ", ".join(name for name, b in backends().items() if getattr(b, capability)) or "none"
 
 
-def _check_megatron(section: ActorConfig | CriticConfig, at: str) -> None:
-    """What the megatron backend does not run yet: each a paragraph naming the key."""
-    _one_of(at + "backend", section.backend, BACKENDS)
-    if section.backend != "megatron":
-        return
-    _check(not section.lora.enabled, at + "lora.rank", section.lora.rank,
-           f"LoRA trains with {at}backend=fsdp2 only; set {at}lora.rank=0 or {at}backend=fsdp2")
-    _check(section.parallel.sp == 1, at + "parallel.sp", section.parallel.sp,
-           f"Ulysses sequence parallelism runs on {at}backend=fsdp2 only (megatron's context parallelism "
-           "is not wired); set sp=1 or the fsdp2 backend")
-    _check(section.pack_sequences is not True, at + "pack_sequences", True,
-           f"packed sequences run on {at}backend=fsdp2 only for now (megatron's micro-batches are padded; "
-           "it trims their padding columns); set it to null or false")
+def _check_backend(section: ActorConfig | CriticConfig, at: str) -> None:
+    """What the section's backend (asyncrl.engines) does not run: each a paragraph naming the key."""
+    _one_of(at + "backend", section.backend, tuple(backends()))
+    b, name = backend(section.backend), section.backend
+    _check(b.lora or not section.lora.enabled, at + "lora.rank", section.lora.rank,
+           f"LoRA does not train on {at}backend={name}; set {at}lora.rank=0 or {at}backend to one of: {_those('lora')}")
+    _check(b.sequence_parallel or section.parallel.sp == 1, at + "parallel.sp", section.parallel.sp,
+           f"Ulysses sequence parallelism does not run on {at}backend={name} (megatron's context parallelism is not "
+           f"wired); set sp=1 or {at}backend to one of: {_those('sequence_parallel')}")
+    _check(b.packing or section.pack_sequences is not True, at + "pack_sequences", True,
+           f"packed sequences do not run on {at}backend={name} (its micro-batches are padded; it trims their "
+           f"padding columns); set it to null or false, or {at}backend to one of: {_those('packing')}")
 
 
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
@@ -448,7 +449,7 @@ class ActorConfig(PPOUpdateConfig):
         self.lora.check(at + "lora.")
         self.moe.check(at + "moe.")
         _check_lora_layout(self, at)
-        _check_megatron(self, at)
+        _check_backend(self, at)
         _check(self.moe.router_replay == "none" or self.parallel.pp == 1, at + "moe.router_replay",
                self.moe.router_replay, f"needs {at}parallel.pp=1 (a pipeline interleaves micro-batches, so a "
                "stage would replay another micro-batch's experts); set it to none or pp=1")
@@ -515,7 +516,7 @@ class CriticConfig(PPOUpdateConfig):
         _positive(at + "cliprange_value", self.cliprange_value)
         self.lora.check(at + "lora.")
         _check_lora_layout(self, at)
-        _check_megatron(self, at)
+        _check_backend(self, at)
 
 
 @dataclass
@@ -830,21 +831,24 @@ class RLConfig(LaunchConfig):
         """megatron-core keeps one parallel state per process, and the critic's workers share the
         actor's processes."""
         a, c = self.actor.parallel, self.critic.parallel
-        both = self.actor.backend == self.critic.backend == "megatron" and needs_critic(self.algorithm.name)
+        both = (self.actor.backend == self.critic.backend and backend(self.actor.backend).one_layout_per_process
+                and needs_critic(self.algorithm.name))
         _check(not both or (a.tp, a.pp) == (c.tp, c.pp), at + "critic.parallel", f"tp={c.tp} pp={c.pp}",
                f"must equal {at}actor.parallel (tp={a.tp} pp={a.pp}) when both the actor and the critic run on "
-               "megatron: megatron-core keeps one parallel layout per process; set the same tp and pp, or "
-               f"{at}critic.backend=fsdp2")
+               f"{self.actor.backend}, which keeps one parallel layout per process; set the same tp and pp, or "
+               f"{at}critic.backend to another backend")
 
     def _check_router_replay(self, at: str) -> None:
         """router_replay=rollout needs an engine that records each token's experts: the native one,
         a call's rows decoded together (not the split pool's continuous batch, not agent turns)."""
         ep, par = self.actor.moe.ep, self.actor.parallel
-        _check(ep == 1 or self.actor.backend == "megatron", at + "actor.moe.ep", ep,
-               f"expert parallelism runs on {at}actor.backend=megatron (FSDP2 shards experts with the rest); set "
-               "actor.backend=megatron or actor.moe.ep=1")
-        _check(not self.actor.moe.freeze_router or self.actor.backend == "fsdp2", at + "actor.moe.freeze_router", True,
-               f"freezes the Hugging Face routers of {at}actor.backend=fsdp2; set it to false on megatron")
+        trains = backend(self.actor.backend)
+        _check(ep == 1 or trains.expert_parallel, at + "actor.moe.ep", ep,
+               f"expert parallelism runs on {at}actor.backend in: {_those('expert_parallel')} (FSDP2 shards experts "
+               "with the rest); set one of them or actor.moe.ep=1")
+        _check(not self.actor.moe.freeze_router or trains.hf_routers, at + "actor.moe.freeze_router", True,
+               f"freezes the Hugging Face routers, which {at}actor.backend in: {_those('hf_routers')} trains; "
+               f"set it to false on {self.actor.backend}")
         dp = self.trainer.n_workers // (par.tp * par.pp) if self.trainer.placement == "colocated" else 0
         _check(ep == 1 or (dp and dp % ep == 0), at + "actor.moe.ep", ep,
                f"must divide the data-parallel ranks (trainer.n_workers / (tp x pp) = {dp}): experts are split "
@@ -852,8 +856,8 @@ class RLConfig(LaunchConfig):
         mode, key = self.actor.moe.router_replay, at + "actor.moe.router_replay"
         if mode != "rollout":
             return
-        _check(self.rollout.engine == "native", key, mode,
-               "needs rollout.engine=native, which records each token's experts; vLLM returns them only from its "
+        _check(rollout_engine(self.rollout.engine).records_routes, key, mode,
+               "needs a rollout engine that records each token's experts (rollout.engine=native); vLLM returns them only from its "
                "model runner V2 (enable_return_routed_experts, CUDA with Triton), which asyncrl does not drive "
                "yet: use the native engine, or router_replay=old_policy with vLLM")
         _check(not self.rollout.multi_turn.enable and self.trainer.placement == "colocated", key, mode,
@@ -862,18 +866,18 @@ class RLConfig(LaunchConfig):
                "router_replay=old_policy")
 
     def _check_placement(self, at: str) -> None:
-        _check(self.actor.backend == "fsdp2" or self.trainer.placement == "colocated", at + "trainer.placement",
-               self.trainer.placement, f"the weight sync between pools reads FSDP2 shards: {at}actor.backend=megatron "
-               "runs with trainer.placement=colocated for now")
+        _check(backend(self.actor.backend).feeds_split_pool or self.trainer.placement == "colocated",
+               at + "trainer.placement", self.trainer.placement, f"the weight sync between pools reads FSDP2 shards: "
+               f"{at}actor.backend={self.actor.backend} runs with trainer.placement=colocated for now")
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
-        split = self.trainer.placement == "split"
-        _check(not (split and self.actor.lora.adapts_embeddings and self.rollout.engine == "vllm"),
+        split, engine = self.trainer.placement == "split", rollout_engine(self.rollout.engine)
+        _check(not (split and self.actor.lora.adapts_embeddings and not engine.merges_embedding_adapters_on_split_pool),
                at + "actor.lora.target_modules", self.actor.lora.target_modules,
                "vLLM's adapters cover linear layers only, and a split rollout pool's vLLM has no pristine base "
                "to merge an embedding's adapter into: drop embed_tokens/lm_head, use rollout.engine=native, "
                "or trainer.placement=colocated")
-        _check(not (split and self.actor.lora.enabled and self.rollout.engine == "vllm"
+        _check(not (split and self.actor.lora.enabled and not engine.merges_adapters_on_split_pool
                     and self.rollout.vllm.lora == "merged"), at + "rollout.vllm.lora", "merged",
                "a split rollout pool's vLLM has no pristine base to merge LoRA adapters into: use "
                "rollout.vllm.lora=adapter (the default), or trainer.placement=colocated")
@@ -922,7 +926,7 @@ class RLConfig(LaunchConfig):
                     generation_layout(layout, self.rollout.parallel, at=f"{at}rollout.parallel",
                                       train_at=f"{at}actor.parallel")
                     tg = self.rollout.parallel.tp
-                    if self.rollout.engine == "vllm" and tg > 1 and tg != par.tp:
+                    if not rollout_engine(self.rollout.engine).any_generation_tp and tg > 1 and tg != par.tp:
                         raise LayoutError(f"{at}rollout.parallel.tp={tg}: vLLM's tensor-parallel engines take "
                                           f"consecutive ranks, which a generation TP group is only when it is the "
                                           f"whole training TP group; set rollout.parallel.tp={par.tp} or 1, or "

@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncrl.algorithms.registry import needs_critic, needs_teacher
 from asyncrl.config import ModelConfig, RLConfig
+from asyncrl.engines import backend, rollout_engine
 from asyncrl.models.resolve import resolve_model, tiny_settings
 from asyncrl.rundir import check_output_dir
 from asyncrl.single_controller.schema import JobSchema
@@ -34,7 +35,7 @@ def check_inputs(cfg: RLConfig) -> None:
     check_files(cfg)
     _check_tp_fits_model(cfg)
     _check_sequence_parallel(cfg)
-    _check_megatron(cfg)
+    _check_backends(cfg)
     _check_context_fits_model(cfg)
     _check_teacher(cfg)
     check_memory(cfg)
@@ -102,9 +103,9 @@ def _check_context_fits_model(cfg: RLConfig) -> None:
     msg = (f"data.max_prompt_len={cfg.data.max_prompt_len} + rollout.max_tokens={cfg.rollout.max_tokens} = {need} "
            f"tokens, more than the model's context of {context} (max_position_embeddings in "
            f"{cfg.model.path}/config.json); lower data.max_prompt_len or rollout.max_tokens")
-    if cfg.rollout.engine == "vllm":
+    if rollout_engine(cfg.rollout.engine).hard_context_limit:
         raise ConfigError(msg)
-    log.warning("%s (the native engine runs, past the positions the model was trained on)", msg)
+    log.warning("%s (rollout.engine=%s runs, past the positions the model was trained on)", msg, cfg.rollout.engine)
 
 
 def check_files(cfg: RLConfig) -> None:
@@ -152,9 +153,10 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
     model = AutoConfig.from_pretrained(cfg.model.path)
     from asyncrl.models.moe import is_moe_config
 
+    trains = backend(cfg.actor.backend)
     moe_tp = [k for k, v in sizes.items() if v > 1 and is_moe_config(model)
-              and not (k == "actor.parallel.tp" and cfg.actor.backend == "megatron")]
-    if is_moe_config(model) and cfg.actor.backend == "fsdp2" and cfg.actor.parallel.pp > 1:
+              and not (k == "actor.parallel.tp" and trains.moe_tensor_parallel)]
+    if is_moe_config(model) and not trains.moe_pipeline and cfg.actor.parallel.pp > 1:
         raise ConfigError(f"actor.parallel.pp={cfg.actor.parallel.pp}: {cfg.model.path} is a mixture-of-experts model, "
                           "whose pipeline stages asyncrl's FSDP2 path does not load yet (experts are stored per expert, "
                           "held fused); use pp=1, or actor.backend=megatron (pipeline stages at tp=1)")
@@ -222,29 +224,29 @@ def _packing_unsupported(config: Any) -> str | None:
     return None
 
 
-def _check_megatron(cfg: RLConfig) -> None:
-    """actor/critic.backend=megatron: megatron-core installed, and the model one it maps, with tp
-    and pp that divide it (each a paragraph naming the key, before any worker starts)."""
+def _check_backends(cfg: RLConfig) -> None:
+    """Each training backend's own checks (asyncrl.engines): its library installed, and the model
+    one it maps with the role's layout (each a paragraph naming the key, before any worker starts)."""
     roles = [("actor", cfg.actor, cfg.model.path)]
     if needs_critic(cfg.algorithm.name):
         roles.append(("critic", cfg.critic, cfg.critic.model_path or cfg.model.path))
-    roles = [r for r in roles if r[1].backend == "megatron"]
-    if not roles:
-        return
+    for name, section, path in roles:
+        backend(section.backend).check(name, section, path, cfg)
+
+
+def check_megatron_model(name: str, section: Any, path: str, cfg: RLConfig) -> None:
+    """actor/critic.backend=megatron: the model one megatron-core maps, with tp, pp and ep that divide it."""
     from transformers import AutoConfig
 
-    from asyncrl.train.megatron import require_megatron
     from asyncrl.train.megatron.convert import GPTShape
 
-    require_megatron()
-    for name, section, path in roles:
-        try:
-            shape = GPTShape.from_hf(AutoConfig.from_pretrained(path))
-            shape.check_tp(section.parallel.tp, section.parallel.pp)
-            shape.check_pp(section.parallel.pp)
-            shape.check_ep(cfg.actor.moe.ep)
-        except ConfigError as e:
-            raise ConfigError(str(e).replace("actor.", f"{name}.") + f" ({path})") from None
+    try:
+        shape = GPTShape.from_hf(AutoConfig.from_pretrained(path))
+        shape.check_tp(section.parallel.tp, section.parallel.pp)
+        shape.check_pp(section.parallel.pp)
+        shape.check_ep(cfg.actor.moe.ep)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("actor.", f"{name}.") + f" ({path})") from None
 
 
 def _check_moe(cfg: RLConfig, path: str | None) -> None:

@@ -30,6 +30,7 @@ from asyncrl.algorithms.registry import algorithms
 from asyncrl.algorithms.roles import Roles
 from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.data.prompts import RunData
+from asyncrl.engines import rollout_engine
 from asyncrl.errors import TrainingError
 from asyncrl.evaluation import Evaluator
 from asyncrl.models.resolve import resolve_model
@@ -310,7 +311,8 @@ class Trainer:
             await self._open_bridge(groups.actor)
         self.generations = None  # generation launched ahead by the loop: a rollout pool, or staleness > 0
         if split or cfg.rollout.max_staleness > 0:
-            self.generations = Generations(self.rollout, self.data.loader, stream=split and cfg.rollout.engine == "native")
+            stream = split and rollout_engine(cfg.rollout.engine).continuous_batching
+            self.generations = Generations(self.rollout, self.data.loader, stream=stream)
         self.roles = Roles(actor=groups.actor, rollout=self.generations or self.rollout, reward=groups.reward,
                            critic=groups.get("critic"), cost=groups.get("cost"), teacher=teacher)
         self.evaluator = Evaluator(cfg, self.data, self.roles)

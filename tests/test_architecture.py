@@ -221,6 +221,30 @@ def test_the_roles_ask_engines_what_they_can_do_not_what_they_are():
         assert declared == wanted and callable(cls.generate) and callable(cls.load_weights), cls
 
 
+def test_no_backend_or_engine_is_known_by_its_name_outside_its_own_modules():
+    """`actor.backend`, `critic.backend` and `rollout.engine` are looked up in asyncrl.engines and
+    asked what they can do: no comparison of one with a registered name (`== "vllm"`,
+    `in ("megatron", ...)`) anywhere under asyncrl/ but the table itself and each one's own modules."""
+    from asyncrl.engines import BACKENDS, ROLLOUT_ENGINES
+
+    names = set(BACKENDS) | set(ROLLOUT_ENGINES)
+    own = ("asyncrl/engines.py", "asyncrl/rollout/vllm_engine.py", "asyncrl/rollout/engine.py", "asyncrl/train/megatron/")
+    found = []
+    for path in (REPO / "asyncrl").rglob("*.py"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith(own):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = {c.value for side in sides for c in ast.walk(side) if isinstance(c, ast.Constant)}
+            named = any(isinstance(side, ast.Attribute) and side.attr in ("backend", "engine") for side in sides)
+            if named and consts & names:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
 def test_the_readme_reads_in_a_minute_and_results_headings_name_topics():
     """The README's first command within its first 25 lines, no line over 200 characters; no
     docs/results heading numbered as a work log ("Session 14: …", "Later the same day")."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.config import INPUT_EMBEDDINGS
+from asyncrl.engines import backend, rollout_engine
 from asyncrl.plan.workload import ModelSpec
 
 GIB = float(1 << 30)
@@ -101,20 +102,20 @@ class Knobs:
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
                     spec: ModelSpec | None = None) -> Knobs:
-        vllm = rollout_vllm_bytes(cfg, on_gpu, device_bytes)
+        vllm = rollout_pool_bytes(cfg, on_gpu, device_bytes)
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
-                   megatron=cfg.actor.backend == "megatron", ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp)
+                   megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp)
 
 
-def rollout_vllm_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
-    """The device bytes vLLM takes (it sizes itself from `gpu_memory_utilization`, and sleeps while
-    the actor trains); 0 for the native engine and off a GPU."""
-    if cfg.rollout.engine == "vllm" and on_gpu and device_bytes:
-        return cfg.rollout.vllm.gpu_memory_utilization * device_bytes
+def rollout_pool_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
+    """The device bytes a rollout engine that sizes its own pool takes (vLLM: from
+    `gpu_memory_utilization`; it sleeps while the actor trains); 0 for the native engine and off a GPU."""
+    if on_gpu and device_bytes:
+        return rollout_engine(cfg.rollout.engine).takes_device_bytes(cfg, device_bytes)
     return 0.0
 
 

@@ -32,6 +32,7 @@ from asyncrl.agents.rollout import (
 from asyncrl.algorithms import core
 from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import BEHAVIOUR_LOSSES, ActorConfig, RLConfig, rl_config
+from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.roles import routing
@@ -146,9 +147,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
             raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
                              "and actor.parallel.tp=1, or host the actor in the same worker")
-        self.rollout = (self._vllm_engine(base.config, load_format="auto") if cfg.rollout.engine == "vllm" else
-                        RolloutEngine(base, eos_token_id=self.tokenizer.eos_token_id,
-                                      pad_token_id=self.tokenizer.pad_token_id, device=self.device))
+        self.rollout = rollout_engine(cfg.rollout.engine).build_engine(self, base, colocated=False)
         if lora.enabled and self.rollout.holds_own_weights and not self.rollout.lora_rank:
             raise ValueError("this model has no LoRA support in vLLM, and a split rollout pool cannot merge "
                              "adapters into vLLM's base: use rollout.engine=native or trainer.placement=colocated")
@@ -171,11 +170,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         self.generation = GenerationModel(base.config, self.actor.generation_buffers(), self.gen_tp_group)
         self.resharder = self.actor.resharder(self.gen_layout, self.generation.model,
                                               compute_dtype(self.device, cfg.model.dtype))
-        if cfg.rollout.engine == "vllm":
-            self.rollout = self._vllm_engine(base.config, load_format="dummy")
-        else:
-            self.rollout = RolloutEngine(self.generation.model, eos_token_id=self.tokenizer.eos_token_id,
-                                         pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        self.rollout = rollout_engine(cfg.rollout.engine).build_engine(self, self.generation.model, colocated=True)
 
     def _pool_state(self) -> None:
         """trainer.placement=split: weights from the training pool (`WeightBridge`); a rollout-only
@@ -203,62 +198,14 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         path, dtype = self.cfg.model.path, compute_dtype(self.device, self.cfg.model.dtype)
         if one_copy:
             return skeleton(path, torch.float32)
-        if self.cfg.rollout.engine == "vllm":
+        if rollout_engine(self.cfg.rollout.engine).reads_own_weights:
             return skeleton(path, dtype)
         return load_causal_lm(path, str(dtype).removeprefix("torch."))
 
     def _build_engines(self, base: torch.nn.Module, layout: ParallelLayout, *, one_copy: bool) -> None:
-        """The actor's training engine and the reference policy's forward-only one over `layout`;
-        with `one_copy`, `base` is a meta skeleton filled from rank 0's read of the checkpoint and
-        the reference is copied from the actor's shards."""
-        cfg = self.cfg
-        if cfg.actor.backend == "megatron":
-            self.actor, self.ref = megatron_engines(cfg, self.roles, layout, self.device)
-            return
-        mp = mixed_precision_policy(self.device, dtype=cfg.model.dtype)
-        engine_cls = FSDPEngine
-        if layout.size("pp") > 1:
-            engine_cls = PipelineEngine
-            if _tied(base):
-                log.warning("actor.parallel.pp=%d: the model ties its input and output embeddings, which "
-                            "live on different pipeline stages; they now train as two weights (the "
-                            "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
-                untie_embeddings(base)
-        ref_dtype = compute_dtype(self.device, cfg.model.dtype)  # forward only: no master copy
-        if "ref" in self.roles and not one_copy:
-            ref = copy.deepcopy(base).to(ref_dtype)
-            self.ref = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=self.device)
-        lora = cfg.actor.lora
-        if "actor" in self.roles:
-            if lora.enabled:  # adapters before FSDP wraps the layers; everything else frozen
-                apply_lora(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules, freeze_a=lora.freeze_a)
-            if cfg.actor.moe.freeze_router:
-                for router in routers(base):
-                    router.weight.requires_grad_(False)
-            if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model = parallelize(base, layout, mp)
-            if one_copy:
-                materialize(model, self.device)
-            self.actor = engine_cls(model, layout, optim=cfg.actor.optim, device=self.device)
-            if lora.enabled:
-                self.actor.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                                   "targets": lora.target_modules, "base_model": cfg.model.path}
-            if one_copy:  # pipeline stages: each rank holds its stage only, so tensors stream from rank 0
-                if layout.size("pp") > 1:
-                    load_streamed(self.actor, cfg.model.path)
-                else:  # the adapters are new: drawn on rank 0 (B = 0: the model starts as the base)
-                    load_sharded(self.actor, cfg.model.path, fresh=fresh_adapter if lora.enabled else None)
-        if lora.enabled:  # the reference policy is the actor with its adapters switched off
-            return
-        if "ref" in self.roles and one_copy:  # the actor's shards, in the compute dtype
-            ref = skeleton(cfg.model.path, ref_dtype)
-            if layout.size("pp") > 1 and _tied(ref):
-                untie_embeddings(ref)
-            ref = parallelize(ref, layout, mp)
-            materialize(ref, self.device)
-            copy_shards(self.actor.model, ref)
-            self.ref = engine_cls(ref, layout, optim=None, device=self.device)
+        """The actor's training engine and the reference policy's forward-only one over `layout`,
+        built by `actor.backend`'s entry (asyncrl.engines)."""
+        self.actor, self.ref = backend(self.cfg.actor.backend).build_actor(self, base, layout, one_copy)
 
     # rollout -----------------------------------------------------------------------------------
     def _generation_tp_group(self) -> torch.distributed.ProcessGroup | None:
@@ -666,10 +613,77 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
 
 
-def megatron_engines(cfg: RLConfig, roles: set[str], layout: ParallelLayout, device: torch.device
+def native_rollout(worker: ActorRolloutRefWorker, model: torch.nn.Module, colocated: bool) -> RolloutEngine:
+    """rollout.engine=native: decodes with `model` itself (colocated: the weights the reshard fills)."""
+    tok = worker.tokenizer
+    return RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, device=worker.device)
+
+
+def vllm_rollout(worker: ActorRolloutRefWorker, model: torch.nn.Module, colocated: bool) -> VLLMRolloutEngine:
+    """rollout.engine=vllm: its own copy of the weights (colocated: loaded from the reshard before
+    the first generate; a rollout pool's: read from the checkpoint)."""
+    return worker._vllm_engine(model.config, load_format="dummy" if colocated else "auto")
+
+
+def fsdp_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layout: ParallelLayout, one_copy: bool
+                 ) -> tuple[TrainEngine | None, TrainEngine | None]:
+    """The actor's training engine and the reference policy's forward-only one over `layout`;
+    with `one_copy`, `base` is a meta skeleton filled from rank 0's read of the checkpoint and
+    the reference is copied from the actor's shards."""
+    cfg, roles, device = worker.cfg, worker.roles, worker.device
+    actor = ref_engine = None
+    mp = mixed_precision_policy(device, dtype=cfg.model.dtype)
+    engine_cls = FSDPEngine
+    if layout.size("pp") > 1:
+        engine_cls = PipelineEngine
+        if _tied(base):
+            log.warning("actor.parallel.pp=%d: the model ties its input and output embeddings, which "
+                        "live on different pipeline stages; they now train as two weights (the "
+                        "checkpoint's config says tie_word_embeddings=false)", layout.size("pp"))
+            untie_embeddings(base)
+    ref_dtype = compute_dtype(device, cfg.model.dtype)  # forward only: no master copy
+    if "ref" in roles and not one_copy:
+        ref = copy.deepcopy(base).to(ref_dtype)
+        ref_engine = engine_cls(parallelize(ref, layout, mp), layout, optim=None, device=device)
+    lora = cfg.actor.lora
+    if "actor" in roles:
+        if lora.enabled:  # adapters before FSDP wraps the layers; everything else frozen
+            apply_lora(base, lora.rank, lora.alpha, lora.dropout, lora.target_modules, freeze_a=lora.freeze_a)
+        if cfg.actor.moe.freeze_router:
+            for router in routers(base):
+                router.weight.requires_grad_(False)
+        if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = parallelize(base, layout, mp)
+        if one_copy:
+            materialize(model, device)
+        actor = engine_cls(model, layout, optim=cfg.actor.optim, device=device)
+        if lora.enabled:
+            actor.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                          "targets": lora.target_modules, "base_model": cfg.model.path}
+        if one_copy:  # pipeline stages: each rank holds its stage only, so tensors stream from rank 0
+            if layout.size("pp") > 1:
+                load_streamed(actor, cfg.model.path)
+            else:  # the adapters are new: drawn on rank 0 (B = 0: the model starts as the base)
+                load_sharded(actor, cfg.model.path, fresh=fresh_adapter if lora.enabled else None)
+    if lora.enabled:  # the reference policy is the actor with its adapters switched off
+        return actor, ref_engine
+    if "ref" in roles and one_copy:  # the actor's shards, in the compute dtype
+        ref = skeleton(cfg.model.path, ref_dtype)
+        if layout.size("pp") > 1 and _tied(ref):
+            untie_embeddings(ref)
+        ref = parallelize(ref, layout, mp)
+        materialize(ref, device)
+        copy_shards(actor.model, ref)
+        ref_engine = engine_cls(ref, layout, optim=None, device=device)
+    return actor, ref_engine
+
+
+def megatron_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layout: ParallelLayout, one_copy: bool
                      ) -> tuple[TrainEngine | None, TrainEngine | None]:
     """actor.backend=megatron: the actor and the reference policy as megatron-core GPTModels,
-    each rank reading its TP shards of the checkpoint."""
+    each rank reading its TP shards of the checkpoint (`base` unused)."""
+    cfg, roles, device = worker.cfg, worker.roles, worker.device
     from asyncrl.train.megatron import require_megatron
 
     require_megatron()

@@ -11,6 +11,7 @@ import torch
 
 from asyncrl.algorithms import core
 from asyncrl.config import RLConfig, rl_config
+from asyncrl.engines import backend
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import values_forward
 from asyncrl.roles.process import same_init_on_every_rank, setup_process
@@ -43,31 +44,7 @@ class CriticWorker(Worker):
         layout = self.register_mesh(ParallelLayout.from_config(cfg.critic.parallel, self.world_size))
         path = cfg.critic.model_path or cfg.model.path
         self.shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7 + layout.dp_rank(self.rank))
-        if cfg.critic.backend == "megatron":
-            self.critic = megatron_critic(cfg, path, layout, self.device)
-            return
-        # the model's body with a fresh one-output token head (verl's critic layout), built on the
-        # meta device and filled from rank 0's read of the checkpoint: one copy per node
-        model = skeleton(path, torch.float32, value_head=True)
-        lora = cfg.critic.lora
-        if lora.enabled:  # adapters on the body before FSDP wraps the layers; the new head trains in full
-            apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, train=VALUE_HEAD,
-                       freeze_a=lora.freeze_a)
-        if cfg.critic.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = parallelize(model, layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
-        materialize(model, self.device)
-        self.critic = FSDPEngine(model, layout, optim=cfg.critic.optim, device=self.device)
-        resolve_packing(model, cfg.critic.pack_sequences, "critic.")
-        if cfg.critic.parallel.sp > 1:
-            setattr(model, AUTO_ATTR, False)  # Ulysses splits packed rows: every micro-batch packs
-            sequence_parallel(layout, cfg.critic.parallel.sp, [model], "critic.")
-        head = new_head(VALUE_HEAD, model.config.initializer_range)
-        if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)
-            # no PEFT export: the critic's export is the merged value model (the head is no adapter)
-            self.critic.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                                "targets": lora.target_modules, "base_model": None}
-        load_sharded(self.critic, path, fresh=either(fresh_adapter, head) if lora.enabled else head)
+        self.critic = backend(cfg.critic.backend).build_critic(self, path, layout)
 
     @register(THREE_D_PROTO)
     @timed("values")
@@ -121,9 +98,37 @@ class CriticWorker(Worker):
         return extra
 
 
-def megatron_critic(cfg: RLConfig, path: str, layout: ParallelLayout, device: torch.device) -> TrainEngine:
+def fsdp_critic(worker: CriticWorker, path: str, layout: ParallelLayout) -> TrainEngine:
+    """critic.backend=fsdp2: the model's body with a fresh one-output token head (verl's critic
+    layout), built on the meta device and filled from rank 0's read of the checkpoint: one copy per node."""
+    cfg, device = worker.cfg, worker.device
+    model = skeleton(path, torch.float32, value_head=True)
+    lora = cfg.critic.lora
+    if lora.enabled:  # adapters on the body before FSDP wraps the layers; the new head trains in full
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, train=VALUE_HEAD,
+                   freeze_a=lora.freeze_a)
+    if cfg.critic.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = parallelize(model, layout, mixed_precision_policy(device, dtype=cfg.model.dtype))
+    materialize(model, device)
+    critic = FSDPEngine(model, layout, optim=cfg.critic.optim, device=device)
+    resolve_packing(model, cfg.critic.pack_sequences, "critic.")
+    if cfg.critic.parallel.sp > 1:
+        setattr(model, AUTO_ATTR, False)  # Ulysses splits packed rows: every micro-batch packs
+        sequence_parallel(layout, cfg.critic.parallel.sp, [model], "critic.")
+    head = new_head(VALUE_HEAD, model.config.initializer_range)
+    if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)
+        # no PEFT export: the critic's export is the merged value model (the head is no adapter)
+        critic.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                       "targets": lora.target_modules, "base_model": None}
+    load_sharded(critic, path, fresh=either(fresh_adapter, head) if lora.enabled else head)
+    return critic
+
+
+def megatron_critic(worker: CriticWorker, path: str, layout: ParallelLayout) -> TrainEngine:
     """critic.backend=megatron: the body as a megatron-core GPTModel and a replicated one-output
     head (fresh, the same on every rank, when the checkpoint is a causal LM's)."""
+    cfg, device = worker.cfg, worker.device
     from asyncrl.train.megatron import require_megatron
 
     require_megatron()

@@ -303,7 +303,7 @@ def test_long_sequence_settings_that_cannot_work_exit_2(tmp_path, capsys):
              (["actor.max_tokens_per_micro_batch=16"], "raise actor.max_tokens_per_micro_batch to at least"),
              (["critic.max_tokens_per_micro_batch=16", "algorithm.name=ppo"], "critic.max_tokens_per_micro_batch"),
              (["actor.pack_sequences=true", "actor.parallel.pp=2", *two], "pipeline stages exchange"),
-             (["actor.pack_sequences=true", "actor.backend=megatron"], "backend=fsdp2 only"),
+             (["actor.pack_sequences=true", "actor.backend=megatron"], "packed sequences do not run on actor.backend=megatron"),
              (["actor.parallel.sp=2", f"model.path={moe}", *two], "mixture-of-experts model")]
     for extra, hint in cases:
         out = tmp_path / "out"
