@@ -215,10 +215,32 @@ def test_the_roles_ask_engines_what_they_can_do_not_what_they_are():
     from asyncrl.rollout.engine import RolloutEngine
     from asyncrl.rollout.vllm_engine import VLLMRolloutEngine
 
-    wanted = set(Rollout.__annotations__)
+    wanted = set(Rollout.__annotations__) - {"device"}  # set per instance
     for cls in (RolloutEngine, VLLMRolloutEngine):
         declared = {n for n in wanted if hasattr(cls, n)} | ({"lora_rank"} if cls is VLLMRolloutEngine else set())
         assert declared == wanted and callable(cls.generate) and callable(cls.load_weights), cls
+    from asyncrl.rollout.base import OwnWeightsRollout
+
+    assert VLLMRolloutEngine.holds_own_weights and not RolloutEngine.holds_own_weights
+    assert all(callable(getattr(VLLMRolloutEngine, m, None)) for m in ("sleep", "wake_up", "load_adapter"))
+    assert {m for m in vars(OwnWeightsRollout) if not m.startswith("_")} >= {"sleep", "wake_up", "load_adapter"}
+
+
+def test_every_training_engine_has_what_the_protocol_declares():
+    """`TrainEngine`'s methods and class-level members on each backend's engine class (the model
+    and device are set per instance); the pipelined ones also `PipelinedEngine.forward`."""
+    from asyncrl.train.engine import PipelinedEngine, TrainEngine
+    from asyncrl.train.fsdp import FSDPEngine
+    from asyncrl.train.megatron.engine import MegatronEngine
+    from asyncrl.train.pipeline import PipelineEngine
+
+    methods = {n for n, v in vars(TrainEngine).items() if callable(v) and not n.startswith("_")}
+    assert {"train_step", "resharder", "save_checkpoint", "load_checkpoint"} <= methods
+    for cls in (FSDPEngine, PipelineEngine, MegatronEngine):
+        assert all(callable(getattr(cls, m, None)) for m in methods), (cls, [m for m in methods if not hasattr(cls, m)])
+        assert hasattr(cls, "pipelined"), cls
+    assert callable(PipelineEngine.forward) and callable(MegatronEngine.forward)
+    assert {m for m in vars(PipelinedEngine) if not m.startswith("_")} >= {"forward"}
 
 
 def test_no_backend_or_engine_is_known_by_its_name_outside_its_own_modules():

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ from asyncrl.roles.pools import PoolWeights, StagedWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
-from asyncrl.rollout.base import Rollout
+from asyncrl.rollout.base import BoundRollout, OwnWeightsRollout, Rollout
 from asyncrl.rollout.continuous import ContinuousBatcher
 from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
@@ -64,6 +64,7 @@ from asyncrl.train import (
     rng_state,
     set_rng_state,
 )
+from asyncrl.train.engine import PipelinedEngine
 from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
 from asyncrl.train.lora import (
@@ -153,7 +154,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                              "adapters into vLLM's base: use rollout.engine=native or trainer.placement=colocated")
         if lora.enabled and not self.rollout.holds_own_weights:
             adapted = [spec.name.rsplit(".", 1)[0] for spec in self.sync_specs[::2]]  # each module's lora_A
-            self._pristine = {m: self.rollout.model.get_submodule(m).weight.detach().clone() for m in adapted}
+            bound = cast(BoundRollout, self.rollout)
+            self._pristine = {m: bound.model.get_submodule(m).weight.detach().clone() for m in adapted}
 
     def _hybrid_engine(self, base: torch.nn.Module, layout: ParallelLayout) -> None:
         """Actor and rollout in one process: the weightless generation model the reshard fills
@@ -252,7 +254,8 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                     self.rollout.load_weights(self.resharder.reshard())
                     self.resharder.release()
                     self.base_in_vllm = True
-                self.rollout.load_adapter(self.update_steps, self._full_adapters(), **self._adapter_settings())
+                cast(OwnWeightsRollout, self.rollout).load_adapter(self.update_steps, self._full_adapters(),
+                                                                   **self._adapter_settings())
                 self.rollout_current = True
         elif self.rollout.holds_own_weights:
             if not self.rollout_current:
@@ -309,7 +312,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return
         if self.rollout.holds_own_weights:
             self.rollout_current = False
-            self.rollout.sleep()  # CUDA: weights and KV cache freed for training
+            cast(OwnWeightsRollout, self.rollout).sleep()  # CUDA: weights and KV cache freed for training
         elif self.generation.bound:
             self.generation.unbind()
             self.resharder.release()
@@ -440,7 +443,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
         with torch.no_grad():
             if engine.pipelined and mbs:
-                outs = engine.forward(mbs, forward)
+                outs = cast(PipelinedEngine, engine).forward(mbs, forward)
                 if outs is None:
                     return None, None
             else:
@@ -772,7 +775,7 @@ def pack_engines(cfg: RLConfig, engines: list[TrainEngine], layout: ParallelLayo
     """Packed micro-batches (`actor.pack_sequences`) for the actor and the reference policy, and
     Ulysses sequence parallelism over them (`actor.parallel.sp`, a collective)."""
     for engine in engines:
-        resolve_packing(engine.model, cfg.actor.pack_sequences, "actor.", pipelined=getattr(engine, "pipelined", False))
+        resolve_packing(engine.model, cfg.actor.pack_sequences, "actor.", pipelined=engine.pipelined)
     if cfg.actor.parallel.sp > 1 and training:
         for engine in engines:  # Ulysses splits packed rows: every micro-batch packs
             setattr(engine.model, AUTO_ATTR, False)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from asyncrl.rollout.base import OwnWeightsRollout
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
@@ -213,8 +214,9 @@ class PoolWeights:
             return
         with self._weights_lock:
             staged = [(spec.name, t) for spec, t in zip(self.sync_specs, self._staged, strict=True)]
-            if self.cfg.actor.lora.enabled and getattr(self.rollout, "lora_rank", 0):  # vLLM serves the adapter
-                self.rollout.load_adapter(self._staged_version, dict(staged), **self._adapter_settings())
+            if self.cfg.actor.lora.enabled and self.rollout.lora_rank:  # vLLM serves the adapter
+                cast(OwnWeightsRollout, self.rollout).load_adapter(self._staged_version, dict(staged),
+                                                                   **self._adapter_settings())
                 self.weights_version, self._staged_version = self._staged_version, None
                 return
             if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once

@@ -191,7 +191,7 @@ def ppo_update(engine, batch: Batch, cfg: PPOUpdateConfig, loss: MicroLoss,
                 mbs, _ = token_micro_batches(mini, cfg.max_tokens_per_micro_batch, cfg.micro_batch_size,
                                              packed=is_packing(engine.model), agree=agreed_count)
             else:  # pipeline stages exchange activations of one shape: keep the padding there
-                mbs = micro_batches(mini, cfg.micro_batch_size, trim=not getattr(engine, "pipelined", False))
+                mbs = micro_batches(mini, cfg.micro_batch_size, trim=not engine.pipelined)
 
             def weighted(model: torch.nn.Module, mb: Batch, mini: Batch = mini, by_tokens: bool = by_tokens
                          ) -> tuple[torch.Tensor, dict]:

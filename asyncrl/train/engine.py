@@ -19,6 +19,10 @@ class TrainEngine(Protocol):
     """A model trained (or, with no optimizer, run forward only) over a parallel layout."""
 
     model: torch.nn.Module  # what the roles run their micro-batched forward passes over
+    device: torch.device  # where its tensors live
+    pipelined: bool  # runs a pipeline over the layout's pp dim: forward-only passes go through
+    #                  `PipelinedEngine.forward`, not `model`
+    lora: dict[str, Any] | None  # LoRA settings for the adapter export (set by the backend's builder), or None
 
     def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the micro-batches (gradients summed); its metrics."""
@@ -52,3 +56,12 @@ class TrainEngine(Protocol):
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
         """Restore model, optimizer and scheduler; the `extra` saved with them."""
+
+
+@runtime_checkable
+class PipelinedEngine(TrainEngine, Protocol):
+    """A `TrainEngine` whose `pipelined` is true."""
+
+    def forward(self, micro_batches: list[Any], fn: Callable[[Any, Any], Any]) -> list[Any] | None:
+        """`fn(stage model, micro-batch)` through the pipeline, forward only: the last stage's
+        outputs on every rank of the stage group (None where a stage has none)."""

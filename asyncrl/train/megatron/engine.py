@@ -143,6 +143,8 @@ class MegatronEngine:
         self.experts = ExpertParallel(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
                                       ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group())
 
+    lora: dict[str, Any] | None = None  # the megatron backend trains no adapters (asyncrl.engines)
+
     @property
     def pipelined(self) -> bool:
         return self.pp > 1
