@@ -46,3 +46,52 @@ def test_nothing_cites_a_path_outside_the_repository():
     cites = [f"{p.relative_to(REPO)}:{i + 1}" for p in _tracked("*.md", "*.py", "*.yaml", "*.toml", "Makefile")
              for i, line in enumerate(p.read_text().splitlines()) if "../" + "shared/" in line]
     assert not cites, cites
+
+
+def _marks(path: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """A test file's module-level marks and each test function's own (slow, gpu, multinode)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    kinds = ("slow", "gpu", "multinode")
+    module = {k for node in tree.body if isinstance(node, ast.Assign)
+              and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+              for k in kinds if f"mark.{k}" in ast.unparse(node.value)}
+    funcs = {node.name: {k for d in node.decorator_list for k in kinds  # not one case of a parametrize
+                         if ast.unparse(d).removeprefix("pytest.").startswith(f"mark.{k}")}
+             for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+             and node.name.startswith("test")}
+    return module, funcs
+
+
+def test_the_status_table_names_tests_that_exist_and_says_which_ci_skips():
+    """docs/status.md: each row's tests exist; those before "not in CI" run by default (no slow or
+    gpu mark), those after it carry one."""
+    rows = [line for line in (REPO / "docs" / "status.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| capability", "|---"))]
+    assert len(rows) >= 20
+    wrong = []
+    for row in rows:
+        cell = row.rstrip(" |").rsplit(" | ", 1)[1]
+        ci, _, skipped = cell.partition("not in CI:")
+        files: list[Path] = []
+        for part, default in ((ci, True), (skipped, False)):
+            for name in re.findall(r"`([^`]+)`", part):
+                path, _, func = name.partition("::") if name.startswith("tests/") else ("", "", name)
+                if path:
+                    files.append(REPO / path)
+                candidates = [REPO / path] if path else files
+                if not all(p.is_file() for p in candidates) or not candidates:
+                    wrong.append(f"{name}: no such file")
+                    continue
+                found = [(m, f.get(func)) for m, f in map(_marks, candidates) if not func or func in f]
+                if not found:
+                    wrong.append(f"{name}: no such test")
+                    continue
+                module, own = found[0]
+                marks = (module | (own or set())) - {"multinode"}
+                if default and marks:
+                    wrong.append(f"{name}: marked {sorted(marks)}, yet named as run by CI")
+                if not default and not marks:
+                    wrong.append(f"{name}: runs in CI, yet named under 'not in CI'")
+    assert not wrong, wrong
