@@ -64,6 +64,7 @@ from asyncrl.train import (
     rng_state,
     set_rng_state,
 )
+from asyncrl.train.common import full_tensor
 from asyncrl.train.engine import PipelinedEngine
 from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
@@ -275,8 +276,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             return shards
         state = self.actor.model.state_dict()
         for module, scale in scales.items():
-            a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t
-                    for t in (state[f"{module}.lora_A"], state[f"{module}.lora_B"]))
+            a, b = (full_tensor(state[f"{module}.lora_{x}"]) for x in "AB")
             key = f"{module}.weight"
             shards[key] = merged_weight(shards[key], a, b, scale, shards[key].dtype)
         return shards
@@ -284,8 +284,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     def _full_adapters(self) -> dict[str, torch.Tensor]:
         """The actor's LoRA A and B in full, by module name (a collective over the actor's ranks)."""
         state = self.actor.model.state_dict()
-        return {plain_name(k): v.full_tensor() if hasattr(v, "full_tensor") else v
-                for k, v in state.items() if is_lora_param(k)}
+        return {plain_name(k): full_tensor(v) for k, v in state.items() if is_lora_param(k)}
 
     def _adapter_settings(self) -> dict[str, Any]:
         """What vLLM needs besides the tensors: the rank, alpha and adapted leaf modules."""

@@ -17,6 +17,7 @@ from asyncrl.rollout.base import OwnWeightsRollout
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
+from asyncrl.train.common import full_tensor
 from asyncrl.train.lora import adapter_scales, merged_weight
 from asyncrl.train.weight_sync import (
     WeightBridge,
@@ -63,7 +64,7 @@ class PoolWeights:
             return [float(named[name].double().sum()) for name in self._synced_weights()]
         if self.cfg.actor.lora.enabled:  # the adapted weights as the rollout merges them
             scales, state = adapter_scales(self.actor.model), self.actor.model.state_dict()
-            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state.items()}
+            full = {k: full_tensor(v) for k, v in state.items()}
             return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(self.sync_dtype),
                                         full[f"{m}.lora_B"].to(self.sync_dtype), scales[m], self.sync_dtype)
                           .double().sum()) for m in scales]
@@ -207,7 +208,7 @@ class PoolWeights:
         state = self.actor.model.state_dict()
         for spec in self.sync_specs:
             t = state[spec.name]
-            yield t.full_tensor() if hasattr(t, "full_tensor") else t
+            yield full_tensor(t)
 
     def _apply_staged_weights(self) -> None:
         if self._staged_version is None:

@@ -8,6 +8,12 @@ import torch.distributed as dist
 from torch import nn
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a possibly sharded one: a DTensor's `full_tensor()` (a collective over
+    its mesh: every rank calls it in step), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class EngineError(RuntimeError):
     """The training engine was used in a way it does not support; the message says how to fix it."""
 

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from asyncrl.plan.memory import EXPORT_SHARD_BYTES
+from asyncrl.train.common import full_tensor
 from asyncrl.train.experts import expert_names, per_expert
 from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
 
@@ -40,10 +40,10 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
     for name, value in state.items():
         if name in tied or is_lora_param(name):
             continue
-        full = _full(value)
+        full = full_tensor(value)
         module = name.removesuffix(".weight")
         if module in scales:  # W0 + (alpha / rank) B A, in fp32 from the frozen base, cast once
-            a, b = _full(state[f"{module}.lora_A"]), _full(state[f"{module}.lora_B"])
+            a, b = full_tensor(state[f"{module}.lora_A"]), full_tensor(state[f"{module}.lora_B"])
             full = merged_weight(full, a, b, scales[module], torch.float32)
             adapter.update({f"{module}.lora_A": a, f"{module}.lora_B": b})
         if writer is not None:
@@ -87,11 +87,6 @@ def write_hf_files(model: nn.Module, out_dir: Path, tokenizer: Any, dtype: torch
         generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-
-
-def _full(t: Tensor) -> Tensor:
-    """The whole tensor of a (possibly sharded) parameter: a collective for a DTensor."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class ShardWriter:

@@ -19,7 +19,6 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import open_group as open_peer_group
 from asyncrl.train.common import EngineError, find_blocks, reduce_step_metrics
+from asyncrl.train.engine import LossFn
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
 from transport import trace
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 OPTIM_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 ADAPTER_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # LoRA: no base weights
 
-LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Any]]]
 
 # HF Llama/Qwen2 names of the token embedding and the LM head, one tensor when tied
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.train.common import full_tensor
+
 
 class WeightSyncError(RuntimeError):
     """The training and rollout pools disagree on the weights they exchange."""
@@ -238,7 +240,7 @@ def full_tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:
     is a collective over its mesh: every rank of the training pool iterates in step)."""
     for _, p in model.named_parameters():
         data = p.data
-        yield data.full_tensor() if hasattr(data, "full_tensor") else data
+        yield full_tensor(data)
 
 
 def bridge_host() -> str:
