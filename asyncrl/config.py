@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from asyncrl.agents.config import MultiTurnConfig
+from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.registry import algorithms, needs_critic, needs_teacher
 from asyncrl.data.config import DataConfig, tiny_model_tasks
 from asyncrl.data.config import SyntheticDataConfig as SyntheticDataConfig
@@ -118,8 +119,6 @@ class VLLMConfig:
 
 
 PLACEMENTS = ("colocated", "split")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "clip_cov", "kl_cov", "decoupled", "tis")
-BEHAVIOUR_LOSSES = ("decoupled", "tis")
 CORRECTION_MODES = ("none", "tis", "mis", "icepop", "geo_mask")  # actor.rollout_correction.mode
 CORRECTION_LEVELS = ("token", "sequence")  # losses that weigh by pi_old / pi_rollout themselves
 ROUTER_REPLAY = ("none", "rollout", "old_policy")  # actor.moe.router_replay
@@ -454,7 +453,7 @@ class ActorConfig(PPOUpdateConfig):
                self.moe.router_replay, f"needs {at}parallel.pp=1 (a pipeline interleaves micro-batches, so a "
                "stage would replay another micro-batch's experts); set it to none or pp=1")
         _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
-        _one_of(at + "policy_loss", self.policy_loss, POLICY_LOSSES)
+        _one_of(at + "policy_loss", self.policy_loss, tuple(policy_losses()))
         self.gspo.check(at + "gspo.")
         self.cispo.check(at + "cispo.")
         self.cov.check(at + "cov.")
@@ -463,13 +462,13 @@ class ActorConfig(PPOUpdateConfig):
                self.loss_agg_mode, f"{at}policy_loss=gspo is a sequence-level objective: it is defined with "
                "seq-mean-token-mean (each sequence's tokens averaged, then the sequences); set "
                f"{at}loss_agg_mode=seq-mean-token-mean (configs/gspo.yaml does)")
-        _check(self.rollout_correction.mode == "none" or self.policy_loss not in BEHAVIOUR_LOSSES,
+        _check(self.rollout_correction.mode == "none" or not is_behaviour_loss(self.policy_loss),
                at + "rollout_correction.mode", self.rollout_correction.mode,
                f"{at}policy_loss={self.policy_loss} already weighs tokens by pi_old / pi_rollout; use one of the "
                f"two: {at}policy_loss=ppo with the correction, or the correction off")
         _check(self.behav_imp_weight_cap > 1, at + "behav_imp_weight_cap", self.behav_imp_weight_cap,
                "must be > 1 (the largest pi_old / pi_behaviour ratio a token may carry)")
-        _check(self.policy_loss not in BEHAVIOUR_LOSSES or self.recompute_log_prob != "never", at + "recompute_log_prob",
+        _check(not is_behaviour_loss(self.policy_loss) or self.recompute_log_prob != "never", at + "recompute_log_prob",
                self.recompute_log_prob, f"must not be never with {at}policy_loss={self.policy_loss}: it needs "
                "the current policy's log-probs before the update (the proximal/old policy)")
         _one_of(at + "kl_loss_type", self.kl_loss_type, KL_TYPES)
@@ -499,7 +498,7 @@ class ActorConfig(PPOUpdateConfig):
         """Whether old log-probs need a forward pass of their own (only when off-policy, or for
         a loss that compares them with the behaviour policy's)."""
         if self.recompute_log_prob == "auto":
-            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1 or self.policy_loss in BEHAVIOUR_LOSSES
+            return self.ppo_epochs > 1 or self.ppo_mini_batches > 1 or is_behaviour_loss(self.policy_loss)
         return self.recompute_log_prob == "always"
 
 

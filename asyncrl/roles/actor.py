@@ -30,8 +30,9 @@ from asyncrl.agents.rollout import (
     trajectories_to_tensors,
 )
 from asyncrl.algorithms import core
+from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.roles import ROW_TOKENS
-from asyncrl.config import BEHAVIOUR_LOSSES, ActorConfig, RLConfig, rl_config
+from asyncrl.config import ActorConfig, RLConfig, rl_config
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
@@ -714,7 +715,7 @@ def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRoll
 
 
 def _check_behaviour_columns(ac: ActorConfig, batch: Batch) -> None:
-    if ac.policy_loss in BEHAVIOUR_LOSSES and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
+    if is_behaviour_loss(ac.policy_loss) and not ("rollout_log_probs" in batch and "old_log_probs" in batch):
         raise ValueError(f"actor.policy_loss={ac.policy_loss} needs the behaviour policy's log-probs "
                          "(rollout_log_probs, from generate_sequences) and the current policy's "
                          "(old_log_probs, from compute_log_prob) in the batch; an algorithm that builds "
@@ -731,23 +732,11 @@ def policy_loss(ac: ActorConfig, old: torch.Tensor, logp: torch.Tensor, mb: Batc
     metrics, and the rollout engine's mismatch with the trainer (wherever its log-probs came along)."""
     adv, rollout = mb["advantages"], mb["rollout_log_probs"] if "rollout_log_probs" in mb else None
     rollout_m = core.mismatch_metrics(old, rollout, mask) if rollout is not None else {}
-    clip = {"clip_ratio_low": ac.clip_low, "clip_ratio_high": ac.clip_high, "clip_ratio_c": ac.clip_ratio_c}
-    if ac.policy_loss in BEHAVIOUR_LOSSES:  # the asynchronous runs' losses weigh by pi_old / pi_rollout themselves
-        behav_loss = core.decoupled_ppo_loss if ac.policy_loss == "decoupled" else core.tis_ppo_loss
-        loss, m = behav_loss(old, logp, rollout, adv, mask, imp_weight_cap=ac.behav_imp_weight_cap,
-                             loss_agg_mode=ac.loss_agg_mode, norm_len=norm_len, **clip)
+    chosen = policy_losses()[ac.policy_loss]
+    if chosen.behaviour:  # the asynchronous runs' losses weigh by pi_old / pi_rollout themselves
+        loss, m = chosen.fn(ac, old, logp, rollout, adv, mask, norm_len)
         return loss, m, rollout_m
-    if ac.policy_loss == "gspo":
-        losses, m = core.gspo_token_losses(old, logp, adv, mask, ac.gspo.clip_low, ac.gspo.clip_high)
-    elif ac.policy_loss == "cispo":
-        losses, m = core.cispo_token_losses(old, logp, adv, mask, ac.cispo.weight_low, ac.cispo.weight_high)
-    elif ac.policy_loss == "clip_cov":
-        losses, m = core.clip_cov_token_losses(old, logp, adv, mask, ac.clip_low, ac.clip_high, ac.cov.clip_ratio,
-                                               ac.cov.clip_low, ac.cov.clip_high, generator=gen)
-    elif ac.policy_loss == "kl_cov":
-        losses, m = core.kl_cov_token_losses(old, logp, adv, mask, ac.cov.kl_ratio, ac.cov.kl_coef)
-    else:
-        losses, m = core.ppo_token_losses(old, logp, adv, mask, **clip)
+    losses, m = chosen.fn(ac, old, logp, adv, mask, gen)
     keep = mask
     if ac.rollout_correction.mode != "none":
         weight, keep, corr = core.rollout_correction(old, rollout, mask, ac.rollout_correction.mode,
