@@ -397,7 +397,7 @@ def test_a_bad_environment_name_says_what_to_write(tmp_path):
     assert load_environment(str(tmp_path / "envs.py") + ":Env").__name__ == "Env"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(700)
 def test_the_tiny_model_learns_to_call_the_tool(tmp_path):
     """`--config-name tool_quickstart`: a guess is right one time in ten, and the warm-started
     model seldom calls the tool; GRPO over two-turn trajectories must make it call and answer

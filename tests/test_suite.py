@@ -1,0 +1,37 @@
+"""The suite's own limits: the pytest timeout in force for a test (its mark, its module's, or
+pyproject's) is above every timeout the test gives a subprocess or a wait, so that a slow
+machine stops the subprocess first and the test prints why, rather than pytest killing it silently."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _mark_timeout(nodes: list[ast.expr]) -> int | None:
+    for node in nodes:
+        found = re.search(r"mark\.timeout\((\d+)", ast.unparse(node))
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def test_every_limit_a_test_sets_is_below_the_pytest_timeout_in_force():
+    glob = int(re.search(r"^timeout = (\d+)", (REPO / "pyproject.toml").read_text(), re.M).group(1))
+    bad = []
+    for p in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(p.read_text())
+        module = [_mark_timeout([n.value]) for n in tree.body if isinstance(n, ast.Assign)
+                  and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)]
+        in_module = next((t for t in module if t), glob)
+        for f in [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
+            limit = (_mark_timeout(f.decorator_list) or in_module) if f.name.startswith("test") else in_module
+            for c in ast.walk(f):
+                for k in getattr(c, "keywords", []) if isinstance(c, ast.Call) else []:
+                    if (k.arg in ("timeout", "timeout_s") and isinstance(k.value, ast.Constant)
+                            and isinstance(k.value.value, int | float) and k.value.value >= limit):
+                        bad.append(f"{p.relative_to(REPO)}:{c.lineno} {f.name}: timeout={k.value.value} >= {limit}")
+    assert not bad, bad
