@@ -247,9 +247,9 @@ def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
                f"got tp={section.parallel.tp}, pp={section.parallel.pp}")
 
 
-def _those(capability: str) -> str:
-    """The training backends that have `capability`, for a message."""
-    return ", ".join(name for name, b in backends().items() if getattr(b, capability)) or "none"
+def _those(key: str, capability: str) -> str:
+    """`key=name` for each training backend that has `capability` ("key=a or key=b"), for a message."""
+    return " or ".join(f"{key}={name}" for name, b in backends().items() if getattr(b, capability)) or "none"
 
 
 def _check_backend(section: ActorConfig | CriticConfig, at: str) -> None:
@@ -257,13 +257,13 @@ def _check_backend(section: ActorConfig | CriticConfig, at: str) -> None:
     _one_of(at + "backend", section.backend, tuple(backends()))
     b, name = backend(section.backend), section.backend
     _check(b.lora or not section.lora.enabled, at + "lora.rank", section.lora.rank,
-           f"LoRA does not train on {at}backend={name}; set {at}lora.rank=0 or {at}backend to one of: {_those('lora')}")
+           f"LoRA does not train on {at}backend={name}; set {at}lora.rank=0 or {_those(at + 'backend', 'lora')}")
     _check(b.sequence_parallel or section.parallel.sp == 1, at + "parallel.sp", section.parallel.sp,
            f"Ulysses sequence parallelism does not run on {at}backend={name} (megatron's context parallelism is not "
-           f"wired); set sp=1 or {at}backend to one of: {_those('sequence_parallel')}")
+           f"wired); set sp=1 or {_those(at + 'backend', 'sequence_parallel')}")
     _check(b.packing or section.pack_sequences is not True, at + "pack_sequences", True,
            f"packed sequences do not run on {at}backend={name} (its micro-batches are padded; it trims their "
-           f"padding columns); set it to null or false, or {at}backend to one of: {_those('packing')}")
+           f"padding columns); set it to null or false, or {_those(at + 'backend', 'packing')}")
 
 
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
@@ -843,10 +843,10 @@ class RLConfig(LaunchConfig):
         ep, par = self.actor.moe.ep, self.actor.parallel
         trains = backend(self.actor.backend)
         _check(ep == 1 or trains.expert_parallel, at + "actor.moe.ep", ep,
-               f"expert parallelism runs on {at}actor.backend in: {_those('expert_parallel')} (FSDP2 shards experts "
-               "with the rest); set one of them or actor.moe.ep=1")
+               f"expert parallelism runs on {_those(at + 'actor.backend', 'expert_parallel')} (FSDP2 shards experts "
+               "with the rest); set it, or actor.moe.ep=1")
         _check(not self.actor.moe.freeze_router or trains.hf_routers, at + "actor.moe.freeze_router", True,
-               f"freezes the Hugging Face routers, which {at}actor.backend in: {_those('hf_routers')} trains; "
+               f"freezes the Hugging Face routers, which {_those(at + 'actor.backend', 'hf_routers')} trains; "
                f"set it to false on {self.actor.backend}")
         dp = self.trainer.n_workers // (par.tp * par.pp) if self.trainer.placement == "colocated" else 0
         _check(ep == 1 or (dp and dp % ep == 0), at + "actor.moe.ep", ep,
