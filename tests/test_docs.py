@@ -95,3 +95,13 @@ def test_the_status_table_names_tests_that_exist_and_says_which_ci_skips():
                 if not default and not marks:
                     wrong.append(f"{name}: runs in CI, yet named under 'not in CI'")
     assert not wrong, wrong
+
+
+def test_the_config_reference_is_the_schemas_own():
+    """docs/config-reference.md is `python -m asyncrl.config_reference`'s output: every key of the
+    RL schema with its type, default and doc, from the dataclasses (regenerate it after a change)."""
+    from asyncrl.config import RLConfig
+    from asyncrl.config_reference import render
+
+    assert (REPO / "docs" / "config-reference.md").read_text() == render(RLConfig), (
+        "docs/config-reference.md is stale: python -m asyncrl.config_reference > docs/config-reference.md")
