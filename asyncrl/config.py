@@ -128,8 +128,8 @@ ROUTER_REPLAY = ("none", "rollout", "old_policy")  # actor.moe.router_replay
 class RolloutConfig:
     engine: str = "native"  # native (asyncrl.rollout.engine) or vllm (asyncrl.rollout.vllm_engine)
     n: int = 8  # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature of training rollouts (the log-probs use it too)
+    top_p: float = 1.0  # nucleus sampling; 1 = off
     top_k: int = 0  # 0 = off
     max_tokens: int = 6  # the generation budget; also Dr.GRPO's constant length normaliser
     # generation model parallelism (HybridFlow's pg, tg); must divide actor.parallel's pp, tp
@@ -176,12 +176,12 @@ class RolloutConfig:
 class OptimConfig:
     """AdamW with linear warmup, then constant lr (total_steps=0) or cosine decay to min_lr."""
 
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
+    lr: float = 1e-3  # peak learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's moment decays
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    eps: float = 1e-8  # AdamW's denominator epsilon
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping (the norm is still reported)
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps of linear warmup from 0 to lr
     total_steps: int = 0  # 0 = constant lr after warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
 
@@ -204,8 +204,8 @@ class PPOUpdateConfig:
     """The epoch × mini-batch × micro-batch loop shared by the actor and the critic."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_epochs: int = 1
-    ppo_mini_batches: int = 1
+    ppo_epochs: int = 1  # passes over each step's batch
+    ppo_mini_batches: int = 1  # optimizer steps per pass (the batch split into this many mini-batches)
     micro_batch_size: int = 64  # rows per forward/backward (gradient accumulation over them)
     # > 0: micro-batches by tokens instead (verl's ppo_max_token_len_per_gpu): rows sorted by
     # length and packed so that rows x the longest row (padding counted) stays within it, at most
@@ -216,8 +216,8 @@ class PPOUpdateConfig:
     pack_sequences: bool | None = None
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
     shuffle: bool = True  # shuffle rows into mini-batches
-    loss_agg_mode: str = "token-mean"
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # this model's training layout
 
     def check(self, at: str) -> None:
         _positive(at + "ppo_epochs", self.ppo_epochs)
@@ -279,7 +279,7 @@ class LoRAConfig:
 
     rank: int = 0  # 0 = off (full fine-tuning)
     alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout on the adapters' input
     # leaf names to adapt (q_proj ... down_proj for Llama/Qwen), all-linear (every linear layer but
     # the LM head), embed_tokens (the input embedding, and the LM head tied to it) or an untied
     # lm_head. An adapted embedding moves what full fine-tuning moves most on a small vocabulary;
@@ -319,7 +319,7 @@ class MoEConfig:
     # policy loss with these weights; both are logged every step either way. Off by default: a
     # balancing push moves routing away from what the rollout engine sampled with.
     aux_loss_coef: float = 0.0
-    z_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0  # the router z-loss's weight (see aux_loss_coef)
     # keep the routers' weights as loaded (backend=fsdp2): the policy moves its experts, not which
     # expert a token goes to
     freeze_router: bool = False
@@ -338,8 +338,8 @@ class MoEConfig:
 class GSPOConfig:
     """GSPO's clip range on the length-normalised sequence ratio (the paper's 3e-4 / 4e-4)."""
 
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
+    clip_low: float = 3e-4  # the sequence ratio's clip below 1 (GSPO's epsilon_low)
+    clip_high: float = 4e-4  # its clip above 1
 
     def check(self, at: str) -> None:
         _positive(at + "clip_low", self.clip_low)
@@ -350,8 +350,8 @@ class GSPOConfig:
 class CISPOConfig:
     """CISPO's bounds on the detached importance weight (absolute; no lower clip by default)."""
 
-    weight_low: float = 0.0
-    weight_high: float = 4.0
+    weight_low: float = 0.0  # floor of the detached importance weight (0: none)
+    weight_high: float = 4.0  # its cap
 
     def check(self, at: str) -> None:
         _positive(at + "weight_low", self.weight_low, allow_zero=True)
@@ -365,9 +365,9 @@ class CovConfig:
 
     clip_ratio: float = 2e-4  # clip_cov: share of tokens whose gradient is detached
     clip_low: float = 1.0  # clip_cov: the covariance band they are drawn from
-    clip_high: float = 5.0
+    clip_high: float = 5.0  # clip_cov: the band's upper bound
     kl_ratio: float = 2e-3  # kl_cov: share of tokens (largest covariance) given the KL penalty
-    kl_coef: float = 1.0
+    kl_coef: float = 1.0  # kl_cov: the penalty's weight
 
     def check(self, at: str) -> None:
         for name in ("clip_ratio", "kl_ratio"):
@@ -415,17 +415,17 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class ActorConfig(PPOUpdateConfig):
-    log_prob_micro_batch_size: int = 128
+    log_prob_micro_batch_size: int = 128  # rows per forward-only pass (old and reference log-probs)
     log_prob_max_tokens_per_micro_batch: int = 0  # > 0: the log-prob passes' micro-batches by tokens
     recompute_log_prob: str = "auto"  # auto: only when off-policy (ppo_epochs or ppo_mini_batches > 1) | always | never
-    clip_ratio: float = 0.2
+    clip_ratio: float = 0.2  # PPO's clip of the probability ratio, both sides
     clip_ratio_low: float | None = None  # None = clip_ratio
     clip_ratio_high: float | None = None  # None = clip_ratio (DAPO's clip-higher sets it above)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.0  # weight of the entropy bonus in the loss
     use_kl_loss: bool = False  # GRPO-style KL term in the loss
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_coef: float = 0.001  # weight of the KL to the reference policy (use_kl_loss)
+    kl_loss_type: str = "low_var_kl"  # k1 (kl) | k2 (mse) | k3 (low_var_kl) | abs
     pretrain_coef: float = 0.0  # weight of the SFT loss step (Safe-RLHF's ptx term)
     # ppo: PPO against the old policy; decoupled: AReaL's decoupled PPO (clip around the
     # proximal policy, importance weight to the behaviour policy that sampled); tis: PPO with
@@ -505,7 +505,7 @@ class ActorConfig(PPOUpdateConfig):
 @dataclass
 class CriticConfig(PPOUpdateConfig):
     model_path: str | None = None  # None = the actor's model with a fresh value head
-    cliprange_value: float = 0.5
+    cliprange_value: float = 0.5  # PPO's clip of the new values around the old ones
     # adapters on the value model's body (rank > 0); its fresh value head trains in full
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     backend: str = "fsdp2"  # fsdp2 | megatron (the body as a megatron-core GPTModel, the head replicated)
@@ -531,7 +531,7 @@ class RewardConfig:
     # DAPO's soft overlong punishment: a response longer than rollout.max_tokens - overlong_buffer
     # loses penalty_factor x (its excess / overlong_buffer), reaching -penalty_factor at the cap; 0 = off
     overlong_buffer: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = 1.0  # the overlong penalty at the cap (see overlong_buffer)
 
     def check(self, at: str) -> None:
         _check(not (self.model_path and (self.fn or self.batched)), at + "model_path", self.model_path,
@@ -546,7 +546,7 @@ class RewardConfig:
 class CostModelConfig:
     enable: bool = False  # a sequence-classification cost model instead of reward.cost_fn
     path: str | None = None  # None = the actor's model with a fresh head
-    micro_batch_size: int = 16
+    micro_batch_size: int = 16  # rows per scoring pass
 
     def check(self, at: str) -> None:
         _positive(at + "micro_batch_size", self.micro_batch_size)
@@ -574,7 +574,7 @@ class TeacherConfig:
 @dataclass
 class KLControllerConfig:
     type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
+    kl_coef: float = 0.001  # the reward's KL penalty weight (adaptive: its start)
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
 
@@ -591,7 +591,7 @@ class FilterGroupsConfig:
     nothing (its advantages are 0), so its group is dropped and more prompts are sampled until the
     step has data.batch_size prompts whose samples differ."""
 
-    enable: bool = False
+    enable: bool = False  # drop groups whose samples all score the same, sample more prompts
     metric: str = "score"  # the reward's score, or a key of a dict-returning reward (e.g. acc)
     # generation batches per step at most (0 = no limit); when they run out, the step is filled
     # with groups that were dropped (their advantages are 0) and dynamic/flat_groups says how many
@@ -604,10 +604,10 @@ class FilterGroupsConfig:
 
 @dataclass
 class SafeRLHFConfig:
-    lagrange_init: float = 1.0
-    lagrange_lr: float = 0.1
-    cost_limit: float = 0.0
-    lagrange_max: float | None = None
+    lagrange_init: float = 1.0  # the Lagrange multiplier on the cost at the start
+    lagrange_lr: float = 0.1  # its step size: it grows while the mean cost is above cost_limit
+    cost_limit: float = 0.0  # the mean cost the policy is held to
+    lagrange_max: float | None = None  # its cap; None = none
 
     def check(self, at: str) -> None:
         _positive(at + "lagrange_init", self.lagrange_init)
@@ -619,12 +619,12 @@ class SafeRLHFConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"
+    name: str = "grpo"  # the step (asyncrl/algorithms/registry.py): ppo | grpo | rloo | reinforce_pp | remax | safe_rlhf | opd
     estimator: str = "grpo"  # grpo | drgrpo (for name=grpo)
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std: bool = True
-    use_kl_in_reward: bool = False
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE's lambda
+    norm_adv_by_std: bool = True  # GRPO: divide each group's advantages by its standard deviation
+    use_kl_in_reward: bool = False  # subtract a KL to the reference policy from the reward (kl_ctrl)
     kl_penalty: str = "kl"  # the KL estimator in the reward
     kl_ctrl: KLControllerConfig = field(default_factory=KLControllerConfig)
     safe: SafeRLHFConfig = field(default_factory=SafeRLHFConfig)
@@ -649,13 +649,13 @@ class PlanConfig:
     # auto: this machine's GPU, h100 for a cluster.gpus_per_node plan made without one, else cpu
     device: str = "auto"
     search: str = "auto"  # auto: exhaustive on small spaces, else hybridflow refined by mcmc
-    time_limit_s: float = 10.0
-    runners_up: int = 3
-    seed: int = 0
+    time_limit_s: float = 10.0  # the search's time budget
+    runners_up: int = 3  # plans printed after the best
+    seed: int = 0  # the MCMC search's seed
     # the lengths a batch trains at (its longest prompt and response after padding is trimmed);
     # 0 = the caps, data.max_prompt_len and rollout.max_tokens
     prompt_len: int = 0
-    response_len: int = 0
+    response_len: int = 0  # see prompt_len
 
     def check(self, at: str) -> None:
         _one_of(at + "search", self.search, PLAN_SEARCHES)
@@ -686,10 +686,10 @@ class EvaluationConfig:
 @dataclass
 class TrainerConfig:
     n_workers: int = 2  # worker processes (devices) for the colocated actor/rollout/ref/critic/reward
-    total_steps: int = 200
-    eval_every: int = 25
-    save_every: int = 50
-    keep_checkpoints: int = 2
+    total_steps: int = 200  # training steps of the run
+    eval_every: int = 25  # held-out evaluation every this many steps (and at step 0 and the end)
+    save_every: int = 50  # a checkpoint every this many steps (and at the end)
+    keep_checkpoints: int = 2  # the newest complete checkpoints kept; older ones asyncrl wrote are removed
     # write the sharded training state (dcp/) in a background thread while training goes on: the
     # state is first copied to host memory (one more copy of each rank's shard while it writes);
     # the checkpoint counts as complete once the write ends (at the next save, or the run's end)
@@ -698,7 +698,7 @@ class TrainerConfig:
     # a worker dying mid-run: every worker of the job is restarted from the last complete
     # checkpoint, up to this many times in one launch (0 = the run ends, naming the worker)
     max_restarts: int = 0
-    output_dir: str = "outputs/${job.name}"
+    output_dir: str = "outputs/${job.name}"  # the run directory: metrics, checkpoints, logs, traces
     # where each step's metrics go: metrics.jsonl (jsonl, the run's record: resume, plots and
     # `asyncrl submit` read it, so it is required), the step line on the console, TensorBoard
     # (trainer.output_dir/tensorboard), Weights & Biases (pip install wandb; WANDB_MODE=offline

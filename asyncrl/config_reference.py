@@ -74,7 +74,7 @@ def _default(f: dataclasses.Field) -> str:
 def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) for every leaf of `cls`, sections depth first."""
     hints = typing.get_type_hints(cls)
-    docs = _field_docs(cls)
+    docs = {k: v for base in reversed(cls.__mro__) for k, v in _field_docs(base).items()}  # inherited fields too
     out: list[tuple[str, str, str, str]] = []
     for f in dataclasses.fields(cls):
         tp = hints.get(f.name, f.type)

@@ -56,8 +56,8 @@ class ClusterConfig:
     """HOST:PORT of node 0's coordinator; None: this node hosts it."""
     port: int = 0
     """The coordinator's port on node 0 (0 = any; set one for multi-node)."""
-    node_rank: int = 0
-    nnodes: int = 1
+    node_rank: int = 0  # this node's rank (0 hosts the coordinator)
+    nnodes: int = 1  # nodes in the job
     host: str | None = None
     """The address this node binds and advertises; None = loopback for one node, the address
     other nodes route to for several."""
@@ -74,13 +74,13 @@ class ClusterConfig:
     join: bool = False
     """This node joins a job already running (`asyncrl-launch --join HEAD:PORT` sets it): refused
     unless a job there takes such nodes (an elastic rollout pool)."""
-    join_timeout_s: float = 60.0
-    heartbeat_interval_s: float = 1.0
+    join_timeout_s: float = 60.0  # a joining node gives up after this long without the head
+    heartbeat_interval_s: float = 1.0  # how often a node tells the coordinator it lives
     node_timeout_s: float = 5.0
     """The coordinator marks a node dead after this long without heartbeats."""
     head_loss_timeout_s: float = 20.0
     """A job's non-head node exits after this long without the head (daemon nodes wait for it)."""
-    log_dir: str = "outputs/logs"
+    log_dir: str = "outputs/logs"  # worker logs, one folder per job
     keep_job_logs: int = KEEP_JOB_LOGS
     """Each node keeps its newest job log folders and removes older ones it made."""
     shm_pool_bytes: int = DEFAULT_SHM_POOL_BYTES

@@ -30,10 +30,10 @@ def tiny_model_tasks() -> tuple[str, ...]:
 
 @dataclass
 class SyntheticDataConfig:
-    task: str = "sort"
-    n_train: int = 4096
-    n_val: int = 128
-    seed: int = 0
+    task: str = "sort"  # the built-in task when no files or source are given (asyncrl.data.synthetic)
+    n_train: int = 4096  # training rows generated
+    n_val: int = 128  # held-out rows generated
+    seed: int = 0  # the generator's seed
 
     def check(self, at: str) -> None:
         _one_of(at + "task", self.task, synthetic_tasks())
@@ -68,16 +68,16 @@ class ReasoningGymConfig:
 @dataclass
 class DataConfig:
     train_files: str | None = None  # parquet/jsonl (verl layout); None = data.source, else the synthetic task
-    val_files: str | None = None
+    val_files: str | None = None  # held-out rows for evaluation, same layout; None = none with train_files
     # generated rows instead of files: "reasoning_gym:<task>[,<task>...]" (pip install 'asyncrl[gym]'),
     # set up in data.reasoning_gym; None = data.train_files, or the built-in synthetic task
     source: str | None = None
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     batch_size: int = 32  # prompts per step
-    max_prompt_len: int = 32
-    apply_chat_template: bool = True
-    shuffle: bool = True
+    max_prompt_len: int = 32  # prompts longer than this many tokens are dropped
+    apply_chat_template: bool = True  # render chat-message prompts with the tokenizer's template
+    shuffle: bool = True  # a new order of the training rows each epoch
     prompt_key: str = "prompt"  # the column holding the prompt (a string or chat messages)
     # the column holding the reference answer, dotted for nested ones; None = verl's
     # reward_model.ground_truth, or a flat ground_truth or answer column

@@ -54,7 +54,7 @@ class LaunchConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     job: JobConfig = field(default_factory=JobConfig)
     objectstore: ObjectStoreConfig = field(default_factory=ObjectStoreConfig)
-    seed: int = 0
+    seed: int = 0  # seeds sampling, shuffling and fresh weights (heads, adapters)
 
     def check(self, at: str) -> None:
         check_positive(at + "seed", self.seed, allow_zero=True)

@@ -42,9 +42,9 @@ class LayoutError(ValueError):
 class ParallelConfig:
     """Sizes of one model's parallel dims; `dp=0` fills the rest: world_size // (pp * tp)."""
 
-    pp: int = 1
-    tp: int = 1
-    dp: int = 0
+    pp: int = 1  # pipeline stages
+    tp: int = 1  # tensor-parallel ranks per stage
+    dp: int = 0  # data-parallel ranks; 0 = world_size // (pp * tp)
     # Ulysses sequence parallelism: groups of `sp` data-parallel ranks share each micro-batch's
     # tokens (asyncrl.train.ulysses); it must divide dp and the heads per TP rank
     sp: int = 1
@@ -55,8 +55,8 @@ class GenerationParallelConfig:
     """The rollout engine's model parallelism (HybridFlow's pg, tg); its micro-DP size is
     derived: dg = (actor pp·tp) / (pp·tp)."""
 
-    pp: int = 1
-    tp: int = 1
+    pp: int = 1  # generation pipeline stages (1: generation holds whole layers)
+    tp: int = 1  # generation tensor-parallel ranks (HybridFlow's tg): a divisor of the actor's tp
 
 
 @dataclass(frozen=True)
