@@ -104,7 +104,9 @@ BACKEND_GROUP, ENGINE_GROUP = "asyncrl.backends", "asyncrl.rollout_engines"
 _loaded: set[str] = set()
 
 
-def _with_entry_points(table: dict[str, Any], group: str, kind: type) -> dict[str, Any]:
+def with_entry_points(table: dict[str, Any], group: str, kind: type) -> dict[str, Any]:
+    """`table` with the installed packages' entries of entry-point `group` added (once per group);
+    each must be a `kind`."""
     if group not in _loaded:
         _loaded.add(group)
         for ep in entry_points(group=group):
@@ -112,42 +114,31 @@ def _with_entry_points(table: dict[str, Any], group: str, kind: type) -> dict[st
                 entry = ep.load()
                 if not isinstance(entry, kind):
                     raise ConfigError(f"entry point {group}:{ep.name} = {ep.value} is a {type(entry).__name__}, "
-                                      f"not an asyncrl.engines.{kind.__name__}")
+                                      f"not a {kind.__name__} ({kind.__module__})")
                 table[ep.name] = entry
     return table
 
 
 def backends() -> dict[str, TrainBackend]:
     """The training backends, with the installed packages' entry points added (once)."""
-    return _with_entry_points(BACKENDS, BACKEND_GROUP, TrainBackend)
+    return with_entry_points(BACKENDS, BACKEND_GROUP, TrainBackend)
 
 
 def rollout_engines() -> dict[str, RolloutEngineKind]:
     """The rollout engines, with the installed packages' entry points added (once)."""
-    return _with_entry_points(ROLLOUT_ENGINES, ENGINE_GROUP, RolloutEngineKind)
+    return with_entry_points(ROLLOUT_ENGINES, ENGINE_GROUP, RolloutEngineKind)
+
+
+def _lookup(table: dict[str, Any], name: str, what: str, group: str) -> Any:
+    if name not in table:
+        raise ConfigError(f"no {what} {name!r}; known: {', '.join(sorted(table))} (more through the "
+                          f"{group!r} entry points)")
+    return table[name]
 
 
 def backend(name: str) -> TrainBackend:
-    table = backends()
-    if name not in table:
-        raise ConfigError(f"no training backend {name!r}; known: {', '.join(sorted(table))} (more through the "
-                          f"{BACKEND_GROUP!r} entry points)")
-    return table[name]
+    return _lookup(backends(), name, "training backend", BACKEND_GROUP)
 
 
 def rollout_engine(name: str) -> RolloutEngineKind:
-    table = rollout_engines()
-    if name not in table:
-        raise ConfigError(f"no rollout engine {name!r}; known: {', '.join(sorted(table))} (more through the "
-                          f"{ENGINE_GROUP!r} entry points)")
-    return table[name]
-
-
-def register_backend(name: str, entry: TrainBackend) -> TrainBackend:
-    BACKENDS[name] = entry
-    return entry
-
-
-def register_rollout_engine(name: str, entry: RolloutEngineKind) -> RolloutEngineKind:
-    ROLLOUT_ENGINES[name] = entry
-    return entry
+    return _lookup(rollout_engines(), name, "rollout engine", ENGINE_GROUP)

@@ -392,6 +392,8 @@ class NodeDaemon:
     def _start_warm(self, env: dict[str, str], keys: dict[str, str], log_path: str) -> subprocess.Popen | None:
         """Give a warm worker (the oldest alive) this worker's environment, keys and log; None when
         there is none, and the caller starts one cold."""
+        if not self._warm:
+            return None
         env = {k: v for k, v in env.items() if k != KEYS_ON_STDIN_ENV}
         if _read_at_start(env) != _read_at_start(self._warm_env):
             return None  # settings that the interpreter or its libraries read as they load differ

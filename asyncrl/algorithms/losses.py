@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any
 
 from torch import Tensor
 
 from asyncrl.algorithms import core
+from asyncrl.engines import with_entry_points
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,11 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
 }
 
 ENTRY_POINT_GROUP = "asyncrl.policy_losses"
-_loaded = False
 
 
 def policy_losses() -> dict[str, PolicyLoss]:
     """The table, with the installed packages' entry points added (once)."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name not in POLICY_LOSSES:
-                POLICY_LOSSES[ep.name] = ep.load()
-    return POLICY_LOSSES
+    return with_entry_points(POLICY_LOSSES, ENTRY_POINT_GROUP, PolicyLoss)
 
 
 def is_behaviour_loss(name: str) -> bool:
