@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
+
+import torch
 
 from objectstore.errors import ShardRangeError
 from transport.codec import register_type
@@ -75,6 +77,11 @@ class ObjectRef:
     # batch only: column name -> (dtype, full shape); every column has num_rows rows
     columns: tuple[tuple[str, str, tuple[int, ...]], ...] | None = field(default=None, compare=False)
     num_rows: int | None = field(default=None, compare=False)
+    # a small host object's value itself (`ObjectStore(inline_bytes=...)`), or of its rows from
+    # `inline_start` on (`narrowed`): it travels with the ref and readers take those rows from it
+    # without a pull
+    inline: Any = field(default=None, compare=False, repr=False)
+    inline_start: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ObjectKind):  # a plain "tensor" string is accepted
@@ -101,6 +108,35 @@ class ObjectRef:
             total += per_row * rows.num_rows
         return total
 
+    def inline_rows(self, rows: RowRange | None) -> Any:
+        """Rows `rows` (None: all) of the inline value, as tensors of their own; None when the
+        ref carries no value or not those rows (then pull them)."""
+        if self.inline is None:
+            return None
+        if self.kind == VALUE:
+            return self.inline
+        held = _rows_held(self.inline, self.kind)
+        lo, hi = (0, self.num_rows or 0) if rows is None else rows
+        if held is None:  # a 0-d tensor: whole or nothing
+            return self.inline.clone() if rows is None and self.inline_start == 0 else None
+        if lo < self.inline_start or hi > self.inline_start + held:
+            return None
+        cut = slice(lo - self.inline_start, hi - self.inline_start)
+        if self.kind == TENSOR:
+            return self.inline[cut].clone()
+        return {k: t[cut].clone() for k, t in self.inline.items()}
+
+    def narrowed(self, lo: int, hi: int) -> ObjectRef:
+        """This ref carrying only rows [lo, hi) of its inline value (what one rank's plan reads)."""
+        held = _rows_held(self.inline, self.kind) if self.inline is not None and self.kind != VALUE else None
+        if held is None or (lo, hi) == (self.inline_start, self.inline_start + held):
+            return self
+        if lo < self.inline_start or hi > self.inline_start + held:
+            return replace(self, inline=None, inline_start=0)
+        cut = slice(lo - self.inline_start, hi - self.inline_start)
+        value = self.inline[cut] if self.kind == TENSOR else {k: t[cut] for k, t in self.inline.items()}
+        return replace(self, inline=value, inline_start=lo)
+
     def __repr__(self) -> str:
         if self.kind == TENSOR:
             what = f"{self.dtype}{list(self.shape or ())}"
@@ -115,11 +151,17 @@ def _ref_to_wire(ref: ObjectRef) -> list[Any]:
     return [ref.object_id, ref.node_id, ref.endpoint, ref.bulk_addr, ref.kind.value, ref.device,
             ref.nbytes, ref.dtype, list(ref.shape) if ref.shape is not None else None,
             [[n, d, list(s)] for n, d, s in ref.columns] if ref.columns is not None else None,
-            ref.num_rows]
+            ref.num_rows, *([] if ref.inline is None else [ref.inline, ref.inline_start])]
 
 
 def _ref_from_wire(v: list[Any]) -> ObjectRef:
-    oid, node, endpoint, bulk, kind, device, nbytes, dt, shape, cols, num_rows = v
+    if not isinstance(v, list) or len(v) not in (11, 13):
+        raise CodecError(f"an ObjectRef travels as 11 or 13 fields, got {type(v).__name__} "
+                         f"of {len(v) if isinstance(v, list) else '?'}")
+    oid, node, endpoint, bulk, kind, device, nbytes, dt, shape, cols, num_rows = v[:11]
+    inline, start = v[11:] if len(v) == 13 else (None, 0)
+    if not isinstance(start, int) or start < 0:
+        raise CodecError(f"ObjectRef {oid}: inline_start must be an int >= 0, got {start!r}")
     try:
         kind = ObjectKind(kind)
     except ValueError:
@@ -128,7 +170,28 @@ def _ref_from_wire(v: list[Any]) -> ObjectRef:
     return ObjectRef(
         oid, node, endpoint, bulk, kind, device, nbytes, dt,
         tuple(shape) if shape is not None else None,
-        tuple((n, d, tuple(s)) for n, d, s in cols) if cols is not None else None, num_rows)
+        tuple((n, d, tuple(s)) for n, d, s in cols) if cols is not None else None, num_rows,
+        _checked_inline(kind, inline, oid), start)
+
+
+def _checked_inline(kind: ObjectKind, inline: Any, object_id: str) -> Any:
+    """A ref's inline value, if it has the shape its kind says (a tensor; a dict of tensors)."""
+    if inline is None or kind == VALUE:
+        return inline
+    ok = (isinstance(inline, torch.Tensor) if kind == TENSOR else
+          isinstance(inline, dict) and all(isinstance(t, torch.Tensor) and t.dim() for t in inline.values())
+          and len({t.shape[0] for t in inline.values()}) <= 1)
+    if not ok:
+        raise CodecError(f"ObjectRef {object_id}: its inline value is a {type(inline).__name__}, "
+                         f"not what a {kind.value} object holds")
+    return inline
+
+
+def _rows_held(inline: Any, kind: ObjectKind) -> int | None:
+    """Rows an inline tensor or batch holds (None: a 0-d tensor)."""
+    if kind == TENSOR:
+        return inline.shape[0] if inline.dim() else None
+    return next(iter(inline.values())).shape[0] if inline else 0
 
 
 register_type(ObjectRef, int(Ext.OBJECT_REF), _ref_to_wire, _ref_from_wire)

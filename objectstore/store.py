@@ -31,6 +31,7 @@ that while a pull is copying and the spare is being refilled. 0 disables it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import uuid
@@ -89,10 +90,13 @@ class ObjectStore:
         shm_pool_bytes: int = 0,
         shm_free_bytes: Callable[[str], int] = segments.shm_free_bytes,
         host_only: bool = False,
+        inline_bytes: int = 0,
     ) -> None:
         """`host_only`: this process never touches a GPU (the driver's store): GPU objects come
         over TCP into host memory, so no CUDA context is created here (seen on an H100: the
-        driver's first CUDA IPC pull initialised CUDA on its event loop for over 10 s)."""
+        driver's first CUDA IPC pull initialised CUDA on its event loop for over 10 s).
+        `inline_bytes`: a host object up to this size travels inside its ref, so readers skip
+        the pull (the driver's small prompt batches: a round trip to the driver saved per rank)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         self.node_id = node_id or default_node_id()
@@ -103,6 +107,7 @@ class ObjectStore:
         self.bulk_timeout = bulk_timeout
         self.default_transport = transport
         self.host_only = host_only
+        self.inline_bytes = inline_bytes
         self.shm_dir = shm_dir
         self.io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"{name}-io")
         self.table = ObjectTable(name=name, node_id=self.node_id, memory_limit_bytes=memory_limit_bytes,
@@ -121,7 +126,7 @@ class ObjectStore:
         self._started = False
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets_local", "pulls_shm", "pulls_tcp", "pulls_cuda_ipc", "pulls_nccl",
-             "pulls_value", "bytes_mapped_shm", "bytes_received_tcp", "bytes_received_gpu",
+             "pulls_value", "pulls_inline", "bytes_mapped_shm", "bytes_received_tcp", "bytes_received_gpu",
              "shm_bytes_written"), 0)
 
     @property
@@ -199,6 +204,8 @@ class ObjectStore:
             raise ObjectStoreError(f"{self.name} is not started; await store.start() first")
         ref, value = describe(value, object_id=uuid.uuid4().hex, node_id=self.node_id,
                               endpoint=self.endpoint, bulk_addr=self.bulk_addr)
+        if ref.nbytes <= self.inline_bytes and ref.device == "cpu":
+            ref = dataclasses.replace(ref, inline=value)
         self.table.add(ref, value)
         self.counters["puts"] += 1
         return ref
@@ -264,6 +271,11 @@ class ObjectStore:
             raise ObjectTypeError(f"get() takes an ObjectRef, got a {type(ref).__qualname__}")
         rng = check_rows(ref, rows)
         _check_expectations(ref, dtype, shape)
+        if ref.inline is not None and ref.endpoint != self.endpoint and transport is None:
+            value = ref.inline_rows(rng)
+            if value is not None:
+                self.counters["pulls_inline"] += 1
+                return value if ref.kind == VALUE else _to_device(value, device)
         kind = self.choose_path(ref, transport or self.default_transport)
         path = self.paths[kind]
         try:

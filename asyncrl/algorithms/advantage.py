@@ -165,10 +165,10 @@ def _group_stats(scores: Tensor, uids: Sequence[Hashable], peers: Peers) -> tupl
     total = zeros.index_add(0, index, scores)
     dev = scores - (total / count)[index]
     squares = zeros.index_add(0, index, dev * dev)
-    own = torch.stack([count, total, squares], dim=1).to(torch.float64).cpu()
+    own = torch.stack([count, total, squares], dim=1).to(torch.float64).cpu().tolist()  # plain floats pickle fast
     merged: dict[Hashable, tuple[float, float, float]] = {}
     for theirs, rows in peers.gather((keys, own)):
-        for key, (n, t, m2) in zip(theirs, rows.tolist(), strict=True):
+        for key, (n, t, m2) in zip(theirs, rows, strict=True):
             if key in merged:
                 n0, t0, m0 = merged[key]
                 delta = t / n - t0 / n0

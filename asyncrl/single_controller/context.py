@@ -29,6 +29,9 @@ from objectstore import ObjectStore
 from objectstore.memory import resolve_memory_limit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding asyncrl/
+# driver-made objects up to this size (a small prompt batch) travel inside their refs: each rank
+# reads its rows without a pull from the driver, which would serve the same bytes a round trip later
+DRIVER_INLINE_BYTES = 64 << 10
 
 
 def _select(cfg: Any, dotted: str) -> Any:
@@ -78,7 +81,8 @@ class JobContext:
         self.store = ObjectStore(node_id=node.node_id, endpoint=f"tcp://{node.host}:0", bulk_host=node.host,
                                  curve=self.coordinator.worker_curve, insecure=self.coordinator.insecure,
                                  limits=self.coordinator.limits, name="store-driver", memory_limit_bytes=limit,
-                                 host_only=True)  # the controller never creates a CUDA context
+                                 host_only=True,  # the controller never creates a CUDA context
+                                 inline_bytes=DRIVER_INLINE_BYTES)
         await self.store.start()
         self.tracker = RefTracker(self.store, asyncio.get_running_loop())
         return self

@@ -31,6 +31,7 @@ from objectstore.ref import TENSOR, VALUE
 from transport import trace
 from transport.codec import register_type
 from transport.dtypes import torch_dtype
+from transport.errors import CodecError
 from transport.wire import Ext
 
 log = logging.getLogger(__name__)
@@ -422,12 +423,28 @@ class RefTracker:
 
 # wire format -----------------------------------------------------------------------------------
 def _to_wire(d: DistBatch) -> list[Any]:
-    return [[[[p.ref, p.start, p.stop, list(p.columns)] for p in b] for b in d.blocks], d.meta]
+    """Each ref once (an inline ref with only the rows these pieces read), then the pieces
+    naming refs by index."""
+    index: dict[str, int] = {}
+    refs: list[ObjectRef] = []
+    spans: dict[int, tuple[int, int]] = {}
+    for b in d.blocks:
+        for p in b:
+            i = index.setdefault(p.ref.object_id, len(refs))
+            if i == len(refs):
+                refs.append(p.ref)
+            lo, hi = spans.get(i, (p.start, p.stop))
+            spans[i] = (min(lo, p.start), max(hi, p.stop))
+    refs = [r.narrowed(*spans[i]) if r.inline is not None else r for i, r in enumerate(refs)]
+    return [refs, [[[index[p.ref.object_id], p.start, p.stop, list(p.columns)] for p in b] for b in d.blocks], d.meta]
 
 
 def _from_wire(v: list[Any]) -> DistBatch:
-    blocks, meta = v
-    return DistBatch([tuple(Piece(r, s, e, tuple(c)) for r, s, e, c in b) for b in blocks], meta)
+    refs, blocks, meta = v
+    try:
+        return DistBatch([tuple(Piece(refs[i], s, e, tuple(c)) for i, s, e, c in b) for b in blocks], meta)
+    except (IndexError, TypeError) as e:
+        raise CodecError(f"a DistBatch piece names a ref it does not carry: {e}") from None
 
 
 register_type(DistBatch, EXT_DIST_BATCH, _to_wire, _from_wire)

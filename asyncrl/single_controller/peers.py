@@ -8,6 +8,7 @@ order, as with any collective.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch import Tensor
 from transport import trace
 
 _GROUP: Any = None  # the all-ranks gloo group, made by the first call that needs it
+GATHER_BYTES = 8192  # a gathered value pickled up to this size takes one collective (a GRPO group: ~40 bytes)
+_LEN = 8  # the bytes of each rank's size header
 
 
 class Peers:
@@ -45,13 +48,27 @@ class Peers:
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (small, picklable: it stays among the job's own processes), in
-        rank order."""
+        rank order: one collective while every rank's pickle fits GATHER_BYTES, else two."""
         if self.size == 1:
             return [value]
-        out: list[Any] = [None] * self.world_size
-        with trace.span("all_gather_object", "collective"):
-            dist.all_gather_object(out, value, group=_group())
-        return out
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        head = torch.zeros(_LEN + GATHER_BYTES, dtype=torch.uint8)
+        head[:_LEN] = torch.frombuffer(bytearray(len(data).to_bytes(_LEN, "little")), dtype=torch.uint8)
+        if len(data) <= GATHER_BYTES:
+            head[_LEN:_LEN + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with trace.span("all_gather_object", "collective", bytes=len(data)):
+            heads = [torch.empty_like(head) for _ in range(self.world_size)]
+            dist.all_gather(heads, head, group=_group())
+            sizes = [int.from_bytes(h[:_LEN].numpy().tobytes(), "little") for h in heads]
+            if max(sizes) <= GATHER_BYTES:
+                parts = [h[_LEN:_LEN + n] for h, n in zip(heads, sizes, strict=True)]
+            else:  # a rank's value is larger: every rank sees it in the sizes and sends again
+                body = torch.zeros(max(sizes), dtype=torch.uint8)
+                body[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                bodies = [torch.empty_like(body) for _ in range(self.world_size)]
+                dist.all_gather(bodies, body, group=_group())
+                parts = [b[:n] for b, n in zip(bodies, sizes, strict=True)]
+        return [pickle.loads(p.numpy().tobytes()) for p in parts]
 
     def all_gather(self, values: Tensor) -> list[Tensor]:
         """Every rank's `values` (the same shape on each; float64 on the wire), in rank order."""
@@ -69,8 +86,10 @@ class Peers:
         if self.size == 1:
             return values
         merged: dict[Hashable, Tensor] = {}
-        for theirs, rows in self.gather((list(keys), values.cpu())):
+        # plain lists travel: a pickled tensor costs a torch.save and a torch.load per rank
+        for theirs, rows in self.gather((list(keys), values.cpu().tolist())):
             for key, row in zip(theirs, rows, strict=True):
+                row = torch.tensor(row, dtype=values.dtype)
                 merged[key] = merged[key] + row if key in merged else row
         return torch.stack([merged[k] for k in keys]).to(values.device) if keys else values
 

@@ -136,6 +136,13 @@ def add_column(batch: Batch, value: float) -> Batch:
     return Batch({"z": batch["x"][:, 0] + value})
 
 
+def gathered_sizes(batch: Batch, big: int, peers) -> list[int]:
+    """Runs on a worker via group.apply: the sizes of every rank's gathered value (rank 0's is
+    `big` bytes, the others' 3, each plus a byte of its row count)."""
+    got = peers.gather(b"x" * (big if peers.rank == 0 else 3) + bytes([len(batch)]))
+    return [len(v) for v in got] + [v[-1] for v in got]
+
+
 class RowsWorker(Worker):
     """Rows of a GRPO-shaped batch made on each rank, in a process group (advantages where they live)."""
 

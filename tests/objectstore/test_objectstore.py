@@ -33,8 +33,9 @@ from objectstore import (
 from objectstore.errors import from_remote
 from objectstore.paths import PullKind, cuda_ipc
 from objectstore.paths.base import PullRequest
-from objectstore.ref import TENSOR
+from objectstore.ref import TENSOR, _ref_from_wire, _ref_to_wire
 from transport import CurveConfig, RemoteError, RpcClient, codec
+from transport.errors import CodecError
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
@@ -502,6 +503,40 @@ async def test_local_and_inline_paths(stores):
     assert await consumer.get(vref) == {"score": 1.5, "tags": ["a"]}
     assert consumer.stats()["pulls_value"] == 1
     assert (await owner.get(tref)) is (await owner.get(tref))  # the object itself
+
+
+async def test_small_objects_travel_inside_their_refs(stores):
+    """A store with inline_bytes puts each small host object's value in its ref: a reader on
+    another store (the ref through the wire, as in a call) takes its rows without any pull;
+    a larger object is pulled as before; a ref whose inline value is not what its kind holds
+    is refused by the codec."""
+    owner, consumer = await stores(node_id="n", inline_bytes=1024), await stores(node_id="n")
+    small, big = owner.put({"a": torch.arange(12.0).reshape(6, 2), "b": torch.arange(6)}), owner.put(matrix())
+    value, scalar = owner.put({"uid": ["p0", "p1"]}), owner.put(torch.tensor(3.0))
+    assert small.inline is not None and big.inline is None and big.nbytes > 1024
+    sref, vref, tref = codec.decode(codec.encode([small, value, scalar]))
+    part = await consumer.get(sref, (2, 5))
+    assert torch.equal(part["a"], small.inline["a"][2:5]) and torch.equal(part["b"], torch.arange(2, 5))
+    part["a"].zero_()  # the reader's own copy
+    assert torch.equal((await consumer.get(sref))["a"], torch.arange(12.0).reshape(6, 2))
+    assert await consumer.get(vref) == {"uid": ["p0", "p1"]} and float(await consumer.get(tref)) == 3.0
+    stats = consumer.stats()
+    assert stats["pulls_inline"] == 4 and stats["pulls_shm"] == stats["pulls_value"] == stats["pulls_tcp"] == 0
+    assert torch.equal(await consumer.get(big), matrix()) and consumer.stats()["pulls_shm"] == 1
+    with pytest.raises(ShardRangeError):
+        await consumer.get(sref, (4, 9))
+    # a ref sent for some rows carries only those: others are pulled
+    narrow = codec.decode(codec.encode(small.narrowed(2, 5)))
+    assert len(narrow.inline["a"]) == 3 and narrow.inline_start == 2
+    assert torch.equal((await consumer.get(narrow, (3, 5)))["b"], torch.arange(3, 5))
+    assert consumer.stats()["pulls_shm"] == 1
+    assert torch.equal((await consumer.get(narrow, (1, 3)))["b"], torch.arange(1, 3))
+    assert consumer.stats()["pulls_shm"] == 2 and narrow.narrowed(0, 6).inline is None
+    for bad in ("not tensors", {"a": torch.zeros(2, 2), "b": torch.zeros(3)}):
+        wire = _ref_to_wire(small)
+        wire[11] = bad
+        with pytest.raises(CodecError, match="inline value"):
+            _ref_from_wire(wire)
 
 
 async def test_pull_endpoint_refuses_untyped_requests(stores):

@@ -27,10 +27,12 @@ STEPS, TRACED = 5, 5
 # reshard runs inside generate).
 STEADY_REQUESTS = {"call_instance": 8, "shm.pull": 2}
 EVERY_STATS_STEP = {"call_instance": 4}  # memory_stats and pulled_bytes on both ranks
-# Bytes through the driver per step: requests carry refs and plans (~7.7 KB today), replies
-# refs, meta and scalar metrics (~4.3 KB) plus the 256 rows' token counts (2 KB). A budget
-# with ~25 % headroom: a tensor or a per-row list sneaking through the driver is larger.
-REQUEST_BYTES, REPLY_BYTES = 10_000, 6_000
+# Bytes through the driver per step: requests carry refs and plans (~7.7 KB) and the step's 32
+# prompts, made by the driver (~17 KB: each rank's rows inside its generate request, not pulled
+# from the driver's store a round trip later, `DRIVER_INLINE_BYTES`); replies refs, meta and
+# scalar metrics (~4.3 KB) plus the 256 rows' token counts (2 KB). A budget with ~25 %
+# headroom: a tensor or a per-row list sneaking through the driver is larger.
+REQUEST_BYTES, REPLY_BYTES = 32_000, 6_000
 # Collectives per rank per step (gloo, 2 ranks, the tiny model: 2 decoder layers + the root as
 # FSDP units; the update runs 2 micro-batches of 64 rows per rank). A failure names the callers.
 # - all_gather_single: FSDP's parameter all-gathers, 3 units in each of 2 forwards and the
@@ -39,9 +41,10 @@ REQUEST_BYTES, REPLY_BYTES = 10_000, 6_000
 #   bucket of the 1 MB staging floor; one per weight before);
 # - reduce_scatter_single: gradients, 3 units x 2 micro-batches;
 # - all_reduce: the grad norm, the update's metrics (a sum and a max);
-# - all_gather_object + all_gather: the advantage's group statistics and its metrics (one each).
-STEADY_COLLECTIVES = {"all_gather_single": 9, "reduce_scatter_single": 6, "all_reduce": 3,
-                      "all_gather_object": 1, "all_gather": 1}
+# - all_gather: the advantage's group statistics (`Peers.gather`: each rank's pickled group sums
+#   in one fixed-size buffer; torch's all_gather_object made two collectives and a torch.save
+#   per tensor) and its metrics, one each.
+STEADY_COLLECTIVES = {"all_gather_single": 9, "reduce_scatter_single": 6, "all_reduce": 3, "all_gather": 2}
 
 
 @pytest.fixture(scope="module")

@@ -344,3 +344,41 @@ def test_pipeline_stages_load_streamed_from_one_reader(tmp_path):
         for k, v in want.items():
             assert torch.equal(full[k], v), (name, k)
         assert torch.equal(full["lm_head.weight"], want.get("lm_head.weight", want["model.embed_tokens.weight"]))
+
+
+def test_host_memory_is_trimmed_only_once_the_process_grew(monkeypatch):
+    """A trim (a walk of the whole C heap) runs when the process holds TRIM_MIN_GROWTH more
+    resident bytes than after its last trim, and not on every call."""
+    import ctypes
+
+    from asyncrl.train import fsdp
+
+    rss = [500 << 20]
+    trims: list[int] = []
+
+    class Libc:
+        def malloc_trim(self, pad: int) -> int:
+            trims.append(pad)
+            rss[0] -= 100 << 20  # what the trim gave back
+            return 1
+
+    monkeypatch.setattr(fsdp, "resident_bytes", lambda: rss[0])
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setattr(fsdp, "_trimmed_at", 0)
+    fsdp.release_host_memory()
+    assert len(trims) == 1 and fsdp._trimmed_at == 400 << 20
+    rss[0] += fsdp.TRIM_MIN_GROWTH - 1  # freed pages below the threshold stay mapped
+    fsdp.release_host_memory()
+    assert len(trims) == 1
+    rss[0] += 1
+    fsdp.release_host_memory()
+    assert len(trims) == 2
+
+
+def test_resident_bytes_reads_this_process():
+    from asyncrl.train.fsdp import resident_bytes
+
+    before = resident_bytes()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched
+    assert before is not None and resident_bytes() - before > 48 << 20
+    del block

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrl.single_controller.batch import EXT_BATCH, Batch
+from asyncrl.single_controller.distbatch import DistBatch, Piece
 from transport.codec import decode, encode
 
 
@@ -368,3 +369,20 @@ def test_codec_roundtrip_of_views_and_empty():
     assert decode(encode(b)).equal(b)
     assert decode(encode(Batch())).equal(Batch())
     assert decode(encode(Batch(meta={"k": 1}))).meta == {"k": 1}
+
+
+def test_a_dist_batch_sends_each_ref_once_with_only_the_inline_rows_it_reads():
+    """On the wire a DistBatch names each ref once; a ref carrying its value inline (a small
+    driver batch) carries only the rows the batch's pieces read (one rank's share)."""
+    from objectstore import ObjectRef
+    from transport import codec
+
+    rows = {"x": torch.arange(20.0).reshape(10, 2)}
+    ref = ObjectRef("o1", "n", "tcp://h:1", "h:2", "batch", nbytes=80, columns=(("x", "float32", (10, 2)),),
+                    num_rows=10, inline=rows)
+    d = DistBatch([(Piece(ref, 4, 6, ("x",)),), (Piece(ref, 6, 8, ("x",)),)])
+    back = codec.decode(codec.encode(d))
+    sent = {p.ref.object_id: p.ref for b in back.blocks for p in b}
+    assert list(sent) == ["o1"] and sent["o1"].inline_start == 4
+    assert torch.equal(sent["o1"].inline["x"], rows["x"][4:8])
+    assert [(p.start, p.stop) for b in back.blocks for p in b] == [(4, 6), (6, 8)]

@@ -10,8 +10,9 @@ import torch
 from asyncrl.algorithms import advantage
 from asyncrl.single_controller.context import local_cluster
 from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.peers import GATHER_BYTES
 from asyncrl.single_controller.protocols import RANK_ZERO
-from tests.helpers.pm_workers import RowsWorker
+from tests.helpers.pm_workers import RowsWorker, gathered_sizes
 
 pytestmark = pytest.mark.asyncio
 
@@ -55,3 +56,6 @@ async def test_a_group_on_one_rank_gets_the_bits_of_a_lone_estimate(tmp_path):
         local = await (await g.apply(advantage.grpo, batch)).fetch()
         one = await (await g.apply(advantage.grpo, batch, protocol=RANK_ZERO)).fetch()
         assert torch.equal(local["advantages"], one["advantages"])
+        # a gathered value above one collective's room takes a second: every rank agrees on it
+        for big in (10, GATHER_BYTES - 20, GATHER_BYTES + 1000):
+            assert await g.apply(gathered_sizes, batch, big=big) == [[big + 1, 4, 8, 8]] * 2
