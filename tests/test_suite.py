@@ -1,4 +1,4 @@
-"""The suite's own limits: the pytest timeout in force for a test (its mark, its module's, or
+"""The suite's own limits and isolation: the pytest timeout in force for a test (its mark, its module's, or
 pyproject's) is above every timeout the test gives a subprocess or a wait, so that a slow
 machine stops the subprocess first and the test prints why, rather than pytest killing it silently."""
 
@@ -35,3 +35,18 @@ def test_every_limit_a_test_sets_is_below_the_pytest_timeout_in_force():
                             and isinstance(k.value.value, int | float) and k.value.value >= limit):
                         bad.append(f"{p.relative_to(REPO)}:{c.lineno} {f.name}: timeout={k.value.value} >= {limit}")
     assert not bad, bad
+
+
+def test_a_test_runs_in_its_own_directory_and_a_write_to_outputs_is_noticed(tmp_path, monkeypatch):
+    """The conftest's isolation from `make run`'s outputs/: the working directory is the test's
+    tmp_path, and the session's before/after record of outputs/ changes when a file is written."""
+    from tests import conftest
+
+    assert Path.cwd() == tmp_path
+    monkeypatch.setattr(conftest, "REPO", tmp_path / "checkout")
+    assert conftest._outputs_state() is None
+    (tmp_path / "checkout" / "outputs" / "quickstart").mkdir(parents=True)
+    before = conftest._outputs_state()
+    assert before == conftest._outputs_state()
+    (tmp_path / "checkout" / "outputs" / "quickstart" / "metrics.jsonl").write_text("{}\n")
+    assert conftest._outputs_state() != before
