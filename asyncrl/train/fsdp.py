@@ -276,7 +276,9 @@ class FSDPEngine:
                 betas=optim.betas,
                 eps=optim.eps,
                 weight_decay=optim.weight_decay,
-                foreach=True,  # a few multi-tensor ops, not ~10 per parameter (the CPU default): DTensor dispatch adds up
+                # one fused kernel per step (CPU and CUDA); foreach's multi-tensor ops each went
+                # through DTensor dispatch: 6-7 ms a step on the quickstart's CPU ranks, fused 2-3.5
+                fused=True,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: lr_multiplier(step, optim)
