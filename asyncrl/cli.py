@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from daemons.proc import exit_now
 from daemons.state import ClusterState, StateKind, new_job_id, read_states, state_dir
 
 USAGE_ERROR = 2
@@ -408,5 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def cli() -> None:
+    """The `asyncrl` command: `main`, then the process ends without the interpreter's teardown."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

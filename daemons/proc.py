@@ -23,6 +23,28 @@ def die_with_parent() -> None:
         pass
 
 
+def exit_now(code: int) -> None:
+    """End this process with `code` once its own threads and exit handlers have run, skipping
+    the interpreter's teardown of every module (about 1 s with torch loaded, measured on the
+    2-core machine, per launch and per worker). Call it last, after everything is closed."""
+    import atexit
+    import logging
+    import sys
+    import threading
+
+    for thread in threading.enumerate():  # what a normal exit waits for
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # weakref finalizers, libraries' teardowns (verifiers' environments)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a reader that went away
+            pass
+    os._exit(code)
+
+
 def exit_reason(returncode: int | None) -> str:
     if returncode is None:
         return "still running"

@@ -36,6 +36,7 @@ from daemons.errors import NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
 from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV, WARM_IMPORTS_ENV
+from daemons.proc import exit_now
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose, trace
@@ -349,6 +350,7 @@ def main() -> None:
         del os.environ[key]  # the code this worker runs, and its children, need no keys
     setup_logging("worker", env.get("RANK"))
     run(WorkerProcess(env).serve())
+    exit_now(0)  # the store and sockets are closed: the interpreter's teardown is not waited for
 
 
 if __name__ == "__main__":

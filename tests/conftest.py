@@ -2,18 +2,18 @@
 skipped by `make test`, with the reason printed, and run by `make test-all` (`pytest --run-slow`,
 or `-m slow`).
 
-Every test runs from a directory of its own (a relative `outputs/...` lands there), and the
-session fails if the checkout's `outputs/` (what `make run` leaves) changed: no test reads or
-writes it, so a fresh clone without one passes the same."""
+Every test runs from a directory of its own (a relative `outputs/...` lands there), and a test
+that changed the checkout's `outputs/` (what `make run` leaves) fails: no test reads or writes
+it, so a fresh clone without one passes the same."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_OUTPUTS_KEY = pytest.StashKey[object]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,9 +31,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test's working directory is its tmp_path, never the checkout."""
+def _own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The test's working directory is its tmp_path, never the checkout; a test that changed the
+    checkout's outputs/ (a subprocess run from the checkout, say) fails, named."""
+    before = _outputs_state()
     monkeypatch.chdir(tmp_path)
+    yield
+    if _outputs_state() != before:
+        pytest.fail(f"this test wrote to {REPO / 'outputs'} (make run's directory): run its jobs from "
+                    "tmp_path (cwd=tmp_path) or give them an output directory under it", pytrace=False)
 
 
 def _outputs_state() -> list[tuple[str, int]] | None:
@@ -42,15 +48,3 @@ def _outputs_state() -> list[tuple[str, int]] | None:
     if not root.is_dir():
         return None
     return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_OUTPUTS_KEY] = _outputs_state()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _OUTPUTS_KEY in session.config.stash and _outputs_state() != session.config.stash[_OUTPUTS_KEY]:
-        session.config.get_terminal_writer().line(
-            f"a test wrote to {REPO / 'outputs'} (make run's directory): give its run an output_dir "
-            "under tmp_path", red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -22,7 +22,9 @@ LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1"}
+    """Launches run from tmp_path (Hydra's outputs/ lands there), importing this checkout."""
+    return {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def _pids_alive(pids: list[int]) -> list[int]:
@@ -42,7 +44,7 @@ def _pids_alive(pids: list[int]) -> list[int]:
 
 
 def _run_launch(args: list[str], tmp_path: Path, timeout: float = 90) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(LAUNCH + args, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(LAUNCH + args, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -128,7 +130,7 @@ async def test_killed_node_daemon_is_marked_dead(tmp_path):
         LAUNCH + ["--config-name", "smoke", f"cluster.coordinator=127.0.0.1:{port}", "cluster.node_rank=1",
                   "cluster.nnodes=2", "cluster.insecure=true", "cluster.heartbeat_interval_s=0.3",
                   f"cluster.log_dir={tmp_path}/logs"],
-        cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         await coordinator.wait_for_nodes(1, timeout=30)
         (node,) = coordinator.live_nodes()
@@ -160,7 +162,7 @@ def test_status_and_stop(tmp_path):
     env = _env(tmp_path)
     proc = subprocess.Popen(LAUNCH + ["--config-name", "smoke", "job.entry=asyncrl.jobs.smoke:hold",
                                       f"cluster.log_dir={tmp_path}/logs"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     cli = [sys.executable, "-m", "asyncrl.cli"]
     try:
