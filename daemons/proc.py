@@ -32,9 +32,9 @@ def exit_now(code: int) -> None:
     import sys
     import threading
 
-    for thread in threading.enumerate():  # what a normal exit waits for
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    if threading.current_thread() is threading.main_thread():
+        # what a normal exit does first: thread pools told to stop, non-daemon threads waited for
+        threading._shutdown()
     atexit._run_exitfuncs()  # weakref finalizers, libraries' teardowns (verifiers' environments)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -342,3 +342,31 @@ def test_a_worker_whose_code_or_native_settings_differ_starts_cold(tmp_path):
         if not warm:
             stand_in.kill()
         stand_in.wait()
+
+
+def test_exit_now_keeps_what_a_normal_exit_does_before_the_teardown(tmp_path):
+    """`exit_now` (the end of asyncrl-launch, the CLI and every worker): the code comes back,
+    non-daemon threads are waited for, exit handlers and weakref finalizers run, and buffered
+    output is written; only the interpreter's module teardown is skipped."""
+    code = f"""
+import atexit, pathlib, sys, threading, time, weakref
+from daemons.proc import exit_now
+out = pathlib.Path({str(tmp_path)!r})
+def late():
+    time.sleep(0.3)
+    (out / "thread").write_text("done")
+threading.Thread(target=late).start()
+import concurrent.futures
+pool = concurrent.futures.ThreadPoolExecutor(2)  # idle threads, never shut down: a normal exit stops them
+pool.submit(time.sleep, 0.01).result()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+class Held: pass
+held = Held()
+weakref.finalize(held, lambda: (out / "finalizer").write_text("ran"))
+sys.stdout.write("buffered, no newline")
+exit_now(3)
+"""
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=_env(tmp_path))
+    assert res.returncode == 3 and res.stdout == "buffered, no newline", res.stderr
+    assert {p.name for p in tmp_path.iterdir() if p.is_file()} == {"thread", "atexit", "finalizer"}
