@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import zmq
 
@@ -151,7 +152,8 @@ class Broadcast:
 
 def _start(args: list[str]) -> tuple[subprocess.Popen, str]:
     """This module in a new process group serving what `args` say; its first line (ready)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    root = str(Path(__file__).resolve().parents[1])  # the checkout holding benchmarks/, from any directory
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.fan_out", *args], stdout=subprocess.PIPE,
                             text=True, start_new_session=True, env=env)
     return proc, proc.stdout.readline()

@@ -2,9 +2,9 @@
 skipped by `make test`, with the reason printed, and run by `make test-all` (`pytest --run-slow`,
 or `-m slow`).
 
-Every test runs from a directory of its own (a relative `outputs/...` lands there), and a test
-that changed the checkout's `outputs/` (what `make run` leaves) fails: no test reads or writes
-it, so a fresh clone without one passes the same."""
+A test that changed the checkout's `outputs/` (what `make run` leaves) fails: no test writes
+there, and none reads it (tests give their jobs output directories under their tmp_path), so a
+fresh clone without one passes the same."""
 
 from __future__ import annotations
 
@@ -31,11 +31,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _own_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The test's working directory is its tmp_path, never the checkout; a test that changed the
-    checkout's outputs/ (a subprocess run from the checkout, say) fails, named."""
+def _outputs_untouched() -> Iterator[None]:
+    """A test that changed the checkout's outputs/ (a job launched from the checkout with no
+    output directory of its own, say) fails, named."""
     before = _outputs_state()
-    monkeypatch.chdir(tmp_path)
     yield
     if _outputs_state() != before:
         pytest.fail(f"this test wrote to {REPO / 'outputs'} (make run's directory): run its jobs from "

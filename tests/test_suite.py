@@ -37,13 +37,11 @@ def test_every_limit_a_test_sets_is_below_the_pytest_timeout_in_force():
     assert not bad, bad
 
 
-def test_a_test_runs_in_its_own_directory_and_a_write_to_outputs_is_noticed(tmp_path, monkeypatch):
-    """The conftest's isolation from `make run`'s outputs/: the working directory is the test's
-    tmp_path, and the before/after record of outputs/ it keeps for each test changes when a
-    file is written."""
+def test_a_write_to_the_checkouts_outputs_is_noticed(tmp_path, monkeypatch):
+    """The conftest's isolation from `make run`'s outputs/: the before/after record of outputs/
+    it keeps for each test changes when a file is written."""
     from tests import conftest
 
-    assert Path.cwd() == tmp_path
     monkeypatch.setattr(conftest, "REPO", tmp_path / "checkout")
     assert conftest._outputs_state() is None
     (tmp_path / "checkout" / "outputs" / "quickstart").mkdir(parents=True)

@@ -77,7 +77,7 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
             joiner = subprocess.Popen([sys.executable, "-m", "asyncrl.launch", "--join", f"127.0.0.1:{port}",
                                        "--config-name", "grpo", f"cluster.key_dir={keys}", "cluster.cpu_devices=1",
                                        f"cluster.log_dir={tmp_path / 'join-logs'}"],
-                                      stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, env=_env(tmp_path / "joiner"),
+                                      stdout=subprocess.DEVNULL, stderr=err, cwd=tmp_path, env=_env(tmp_path / "joiner"),
                                       start_new_session=True)
         _wait(lambda: re.search(r"rollout-\d+ on vm-\d{4,} is live", head_log.read_text()) is not None, head, head_log,
               timeout=120)  # while the run holds: the pool admits a node that joins without waiting for a step
@@ -124,7 +124,7 @@ def test_joining_a_job_without_an_elastic_pool_is_refused_and_the_job_goes_on(tm
         _wait(lambda: "spawned worker" in head_log.read_text(), head, head_log)
         join = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--join", f"127.0.0.1:{port}", "--config-name",
                                "grpo", f"cluster.key_dir={keys}", "cluster.cpu_devices=1",
-                               f"cluster.log_dir={tmp_path / 'join-logs'}"], capture_output=True, text=True, cwd=REPO,
+                               f"cluster.log_dir={tmp_path / 'join-logs'}"], capture_output=True, text=True, cwd=tmp_path,
                               env=_env(tmp_path / "joiner"), timeout=120)
         gate.unlink()
         stdout, _ = head.communicate(timeout=240)
