@@ -162,8 +162,10 @@ async def test_a_joining_node_gives_its_workers_no_cluster_secret(tmp_path):
         [sys.executable, "-m", "asyncrl.launch", "--config-name", "smoke", f"cluster.coordinator=127.0.0.1:{port}",
          "cluster.node_rank=1", "cluster.nnodes=2", f"cluster.key_dir={tmp_path / 'keys'}", "cluster.cpu_devices=1",
          "cluster.heartbeat_interval_s=0.3", f"cluster.log_dir={tmp_path}/logs"],
-        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "st")}, start_new_session=True)
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # Hydra's outputs/ lands there
+        env={**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "st"),
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH")]))}, start_new_session=True)
     try:
         await coordinator.wait_for_nodes(1, timeout=60)
         (worker,) = await coordinator.spawn_workers(coordinator.create_pool("p", world_size=1))
