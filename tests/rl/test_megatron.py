@@ -404,17 +404,23 @@ def test_resume_in_another_layout_continues_the_run(tp2, dp2, tp2pp2) -> None:
 def test_reshard_into_generation_tp_moves_table_2_bytes(tp2, name: str) -> None:
     """Generation TP 1: every rank gets the whole HF model; TP 2: each rank its HF slice (the
     split GenerationModel binds). Bytes received equal Table 2's (t - tg)/t of the TP-split
-    weights (padded vocabularies: the embedding and head gathered whole)."""
+    weights, computed here from the HF tensors; a vocabulary padded for tp (llama_odd: 63 rows,
+    64 over two ranks) is gathered whole, so each rank also gets its peer's 32 padded rows of
+    the embedding and of the head, at either tg. The resharder's own count agrees."""
     sd = hf_model(name).state_dict()
     tied = MODELS[name][2]
     split_bytes = sum(v.numel() * 4 for k, v in sd.items() if "norm" not in k and not (tied and k == "lm_head.weight"))
+    whole = 0  # bytes of the vocabulary tensors gathered whole (from the peer's padded shard)
+    if name == "llama_odd":
+        vocab = ("model.embed_tokens.weight", "lm_head.weight")
+        rows = -(-sd[vocab[0]].shape[0] // 2)  # each rank's slice of the vocabulary padded to a multiple of 2
+        whole = sum(rows * sd[k].shape[1] * 4 for k in vocab)
+        split_bytes -= sum(sd[k].numel() * 4 for k in vocab)
     for res in tp2:
         one, two = res[f"{name}/reshard"][1], res[f"{name}/reshard"][2]
         assert all(torch.equal(one["shards"][k], sd[k]) for k in one["shards"])
-        assert one["bytes"] == one["expected"]
-        if name != "llama_odd":
-            assert one["bytes"] == split_bytes // 2
-        assert two["bytes"] == two["expected"] == (0 if name != "llama_odd" else two["bytes"])
+        assert one["bytes"] == split_bytes // 2 + whole == one["expected"]
+        assert two["bytes"] == whole == two["expected"]
         for k, t in two["shards"].items():
             dim = two["dims"][k]
             want = sd[k] if dim is None else sd[k].chunk(2, dim=dim)[two["gen_rank"]]
