@@ -101,7 +101,10 @@ class Broadcast:
 
     def __init__(self, tmp: str, n: int) -> None:
         ctx = zmq.Context.instance()
-        self.pub, self.gather = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        # XPUB: each rank's subscription arrives as a message once it is in force (verbose: all n
+        # of them, not only the first of a topic), so the wait below needs no sleep
+        self.pub, self.gather = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.linger = self.gather.linger = 0
         self.pub.sndhwm = 0
         self.pub_endpoint, self.gather_endpoint = f"ipc://{tmp}/pub.sock", f"ipc://{tmp}/gather.sock"
@@ -110,10 +113,12 @@ class Broadcast:
         self.n, self.left, self.done = n, 0, None
 
     def wait_subscribed(self, timeout_ms: int = 30_000) -> None:
-        for _ in range(self.n):
-            if not self.gather.poll(timeout_ms):
-                raise TimeoutError("a stand-in rank did not subscribe")
-            self.gather.recv_multipart()
+        """Until every rank's subscription is in force at the PUB socket and its DEALER is connected."""
+        for sock in (self.pub, self.gather):
+            for _ in range(self.n):
+                if not sock.poll(timeout_ms):
+                    raise TimeoutError("a stand-in rank did not subscribe")
+                sock.recv_multipart()
 
     def _drain(self) -> None:
         while self.gather.getsockopt(_EVENTS) & _POLLIN:
