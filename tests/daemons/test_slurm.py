@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from daemons.proc import free_port
 from daemons.slurm import check_gpus, cluster_overrides, expand_hostlist, job_keys, slurm_step
 from transport.checks import ConfigError
 
@@ -63,12 +64,6 @@ def test_an_allocation_with_fewer_gpus_than_the_config_is_refused():
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "sacct", "scontrol")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def slurm(tmp_path):
     """munged, slurmctld and slurmd of our own (own config, ports, sockets, state), one node of
@@ -81,11 +76,14 @@ def slurm(tmp_path):
     (root / "munge.key").write_bytes(os.urandom(1024))
     (root / "munge.key").chmod(0o400)
     host = socket.gethostname()
+    # two ports outside the ephemeral range (no outgoing connection takes them first), distinct
+    ctld_port = free_port()
+    slurmd_port = free_port(avoid={ctld_port})
     conf = root / "slurm.conf"
     conf.write_text(f"""ClusterName=asyncrltest
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.rollout.elastic import trained_once
-from daemons.proc import kill_group
+from daemons.proc import free_port, kill_group
 from objectstore import remove_stale_segments
 from tests.rl.test_rl import SMALL, _env
 
@@ -37,9 +36,8 @@ def _cluster_inputs(tmp_path: Path) -> tuple[Path, Path, int]:
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
     generate_keys(tmp_path / "keys")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return model, tmp_path / "keys", s.getsockname()[1]
+    # outside the kernel's ephemeral range: no outgoing connection takes it before the coordinator binds
+    return model, tmp_path / "keys", free_port()
 
 
 def _wait(cond, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
