@@ -73,13 +73,18 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     proc.wait()
 
 
-def run_spawned(target: Any, args_per_process: list[tuple], timeout_s: float) -> list[int | None]:
+def run_spawned(target: Any, args_per_process: list[tuple], timeout_s: float,
+                start_method: str = "spawn") -> list[int | None]:
     """Run `target(*args)` in one spawned process per entry of `args_per_process` and wait until
     all have ended, one has failed (its peers would wait in a collective forever) or `timeout_s`
-    passed; the survivors are killed and every process is reaped. Returns the exit codes."""
+    passed; the survivors are killed and every process is reaped. Returns the exit codes.
+
+    `start_method="forkserver"` forks each process from multiprocessing's fork server, which
+    imports its preload list (`multiprocessing.set_forkserver_preload`) once: a caller that
+    starts many short rank groups skips their imports."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(start_method)
     procs = [ctx.Process(target=target, args=args, daemon=True) for args in args_per_process]
     try:
         for p in procs:

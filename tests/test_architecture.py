@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -85,6 +87,16 @@ def test_the_single_controller_imports_nothing_of_the_rl_side():
             if imported.startswith("asyncrl.") and not imported.startswith(("asyncrl.single_controller", "asyncrl.errors")):
                 rl.append(f"{path.name} imports {imported}")
     assert not rl, rl
+
+
+def test_the_config_loads_no_training_engine():
+    """The RL config (what every CLI, the launcher and the checks read) names the optimizer's
+    settings without importing FSDP2, DTensor or pipelining (~1.3 s on the 2-core machine)."""
+    code = ("import sys, asyncrl.config\n"
+            "print([m for m in ('asyncrl.train.fsdp', 'torch.distributed.tensor', 'torch.distributed.pipelining')"
+            " if m in sys.modules])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
 
 
 def test_no_import_cycle_among_the_projects_modules():

@@ -1,38 +1,36 @@
-"""Training backends: the model, its optimizer and checkpoints, sharded across ranks."""
+"""Training backends: the model, its optimizer and checkpoints, sharded across ranks.
 
-from asyncrl.train.engine import TrainEngine
-from asyncrl.train.fsdp import (
-    EngineError,
-    FSDPEngine,
-    OptimConfig,
-    apply_fsdp,
-    compute_dtype,
-    init_distributed,
-    lr_multiplier,
-    mixed_precision_policy,
-    rng_state,
-    set_rng_state,
-)
-from asyncrl.train.parallelize import parallelize
-from asyncrl.train.pipeline import PipelineEngine, split_stages, untie_embeddings
-from asyncrl.train.tp import apply_tp, check_tp
+The names below load their module on first use, so that importing a light module of this
+package (`asyncrl.train.optim`, the config's `OptimConfig`) does not import FSDP2, DTensor and
+pipelining."""
 
-__all__ = [
-    "EngineError",
-    "OptimConfig",
-    "PipelineEngine",
-    "FSDPEngine",
-    "TrainEngine",
-    "apply_fsdp",
-    "apply_tp",
-    "check_tp",
-    "init_distributed",
-    "lr_multiplier",
-    "compute_dtype",
-    "mixed_precision_policy",
-    "parallelize",
-    "rng_state",
-    "set_rng_state",
-    "split_stages",
-    "untie_embeddings",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "TrainEngine": "engine",
+    "OptimConfig": "optim",
+    "lr_multiplier": "optim",
+    **dict.fromkeys(["EngineError", "FSDPEngine", "apply_fsdp", "compute_dtype", "init_distributed",
+                     "mixed_precision_policy", "rng_state", "set_rng_state"], "fsdp"),
+    "parallelize": "parallelize",
+    **dict.fromkeys(["PipelineEngine", "split_stages", "untie_embeddings"], "pipeline"),
+    **dict.fromkeys(["apply_tp", "check_tp"], "tp"),
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'asyncrl.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"asyncrl.train.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

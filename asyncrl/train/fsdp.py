@@ -15,7 +15,6 @@ micro-batches, or the job hangs.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -39,7 +38,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from asyncrl.config import OptimConfig
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import open_group as open_peer_group
@@ -47,6 +45,7 @@ from asyncrl.train.common import EngineError, find_blocks, reduce_step_metrics
 from asyncrl.train.engine import LossFn
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
+from asyncrl.train.optim import OptimConfig, lr_multiplier
 from transport import trace
 
 log = logging.getLogger(__name__)
@@ -141,15 +140,6 @@ def collective_timeout() -> timedelta | None:
     return timedelta(seconds=float(value)) if value else None
 
 
-def lr_multiplier(step: int, cfg: OptimConfig) -> float:
-    """Factor on cfg.lr for the optimizer step that follows `step` completed steps."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.total_steps <= 0:
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
 def compute_dtype(device: str | torch.device, dtype: str = "auto") -> torch.dtype:

@@ -34,10 +34,10 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.train.common import owner_stage, stage_layers
 from asyncrl.train.fsdp import EngineError, FSDPEngine, LossFn, _local, global_grad_norm
+from asyncrl.train.optim import OptimConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai", reason="the agents' client: pip install o
 datasets = pytest.importorskip("datasets")
 
 from asyncrl.data.synthetic import make_examples  # noqa: E402
+from tests.helpers import forked  # noqa: E402
 
 torch.set_num_threads(1)
 KEY = "test-key"
@@ -369,7 +370,6 @@ def test_a_multi_turn_environment_trains_through_the_endpoint(tiny, tmp_path):
     turns empty, which ends a verifiers conversation early."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -386,7 +386,7 @@ def test_a_multi_turn_environment_trains_through_the_endpoint(tiny, tmp_path):
            f"rollout.multi_turn.env=verifiers:{Path(__file__).resolve()}:load_environment",
            "+rollout.multi_turn.env_kwargs.kind=multi"]
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=repo, env=env)
+    res = forked.run(cmd, timeout=280, cwd=repo, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(steps) == 3

@@ -10,6 +10,8 @@ import textwrap
 import pytest
 import torch
 
+from tests.helpers import forked
+
 pytest.importorskip("openai", reason="the agents' client: pip install openai")
 
 AGENT = '''
@@ -139,7 +141,6 @@ def test_an_agent_trains_through_vllm_served_behind_the_endpoint(tmp_path):
     through the endpoint with log-probs the trainer reproduces (`rollout/logprob_diff_max`)."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -151,7 +152,7 @@ def test_an_agent_trains_through_vllm_served_behind_the_endpoint(tmp_path):
            "rollout.engine=vllm", "actor.recompute_log_prob=always", "rollout.multi_turn.enable=true",
            f"rollout.multi_turn.env=agent:{tmp_path / 'agent.py'}:solve"]
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(repo)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=repo, env=env)
+    res = forked.run(cmd, timeout=280, cwd=repo, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(steps) == 2

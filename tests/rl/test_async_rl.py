@@ -17,6 +17,7 @@ import torch
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.train.weight_sync import TensorSpec, WeightBridge, buckets, digest
 from daemons.proc import kill_group
+from tests.helpers import forked
 from tests.rl.test_rl import LAUNCH, REPO, SMALL, _env, _launch
 
 
@@ -167,7 +168,7 @@ def test_killed_rollout_worker_is_named_and_the_run_resumes(tiny_model, tmp_path
     assert proc.returncode not in (0, None)
     assert "rollout" in err and ("died" in err or "killed" in err), err[-3000:]
     assert "Traceback" not in err.split("died")[-1][:200]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
+    res = forked.run(args, timeout=240, cwd=REPO, env=_env(out))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 6

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from asyncrl.rewards import NonFiniteRewardError, checked_score
 from asyncrl.single_controller.batch import Batch
 from daemons.errors import PlacementError
 from daemons.node import gpu_env
+from tests.helpers import forked
 from transport.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,9 +146,9 @@ def test_data_file_problems_exit_2_naming_the_file_and_columns(case, tiny_model,
 def test_launch_with_wrong_columns_exits_2_with_one_line(tiny_model, tmp_path):
     """As a user runs it: ~45 lines of traceback before; now one line, before any daemon starts."""
     path, _ = _data_files(tmp_path)["columns"]
-    res = subprocess.run([*LAUNCH, "--config-name", "grpo", f"trainer.output_dir={tmp_path / 'out'}",
+    res = forked.run([*LAUNCH, "--config-name", "grpo", f"trainer.output_dir={tmp_path / 'out'}",
                           f"model.path={tiny_model}",
-                          f"data.train_files={path}"], capture_output=True, text=True, timeout=120,
+                          f"data.train_files={path}"], timeout=120,
                          cwd=tmp_path, env=_env(tmp_path))
     assert res.returncode == 2
     line = _one_paragraph(res.stderr)
@@ -349,11 +349,11 @@ def test_a_non_finite_loss_stops_the_run_and_metrics_stay_strict_json(tmp_path):
 
     model = ensure_tiny_model(tmp_path / "tiny", task="sort", hidden=64, layers=2, heads=2, sft_steps=0)
     out = tmp_path / "nan"
-    res = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
+    res = forked.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo", f"trainer.output_dir={out}",
                           f"model.path={model}", "model.build_tiny=null", *SMALL, "trainer.total_steps=4",
                           "trainer.save_every=1", "trainer.eval_every=4", "trainer.loggers=[console,jsonl]",
                           "job.entry=tests/helpers/nan_probe.py:main"],
-                         capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
+                         timeout=240, cwd=REPO, env=_env(out))
     assert res.returncode != 0
     assert "training diverged at step 2: actor/pg_loss not finite" in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import forked
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, TRACED = 5, 5
@@ -56,7 +57,7 @@ def budget_run(tmp_path_factory) -> dict:
             "trainer.save_every=100", "trainer.loggers=[jsonl]", f"trainer.trace=[{TRACED}]",
             "job.entry=tests/helpers/budget_probe.py:main"]
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(REPO)}
-    res = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    res = forked.run(args, timeout=300, cwd=REPO, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     return {"steps": {s["step"]: s for s in summary["budget"]}, "out": out}

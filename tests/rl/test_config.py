@@ -16,10 +16,11 @@ import yaml
 from asyncrl import config as C
 from asyncrl.launch import load_config, main, shipped_config_dir
 from asyncrl.single_controller.schema import schemas, validate
+from tests.helpers import forked
 from transport.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
+LAUNCH = [sys.executable, "-m", "asyncrl.launch"]  # forked.run runs it from the pre-imported server
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "rl_defaults")
 
 
@@ -138,8 +139,8 @@ def test_unknown_config_name_lists_the_available_ones():
 
 # Hydra's command line ---------------------------------------------------------------------------------
 def test_cfg_job_prints_the_composed_config(tmp_path):
-    res = subprocess.run([*LAUNCH, "--config-name", "grpo", "--cfg", "job", "rollout.n=3"], capture_output=True,
-                         text=True, timeout=60, cwd=tmp_path, env=_env(tmp_path))
+    res = forked.run([*LAUNCH, "--config-name", "grpo", "--cfg", "job", "rollout.n=3"],
+                         timeout=60, cwd=tmp_path, env=_env(tmp_path))
     assert res.returncode == 0, res.stderr
     cfg = yaml.safe_load(res.stdout)
     assert cfg["rollout"]["n"] == 3 and cfg["actor"]["use_kl_loss"] is True and cfg["algorithm"]["name"] == "grpo"
@@ -148,23 +149,23 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
 
 def test_info_and_help_exit_0(tmp_path):
     for flag in ("--info", "--help"):
-        res = subprocess.run([*LAUNCH, "--config-name", "grpo", flag], capture_output=True, text=True,
+        res = forked.run([*LAUNCH, "--config-name", "grpo", flag],
                              timeout=60, cwd=tmp_path, env=_env(tmp_path))
         assert res.returncode == 0, res.stderr
 
 
 def test_multirun_sweeps_one_job_after_another_into_the_sweep_dir(tmp_path):
     sweep = tmp_path / "sweep"
-    res = subprocess.run([*LAUNCH, "--config-name", "smoke", "-m", "smoke.rows=64,128", "smoke.cols=8",
+    res = forked.run([*LAUNCH, "--config-name", "smoke", "-m", "smoke.rows=64,128", "smoke.cols=8",
                           f"hydra.sweep.dir={sweep}", "cluster.insecure=true"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=_env(tmp_path))
+                         timeout=120, cwd=tmp_path, env=_env(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     results = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(results) == 2
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     # a typo in any job of a sweep stops it before anything runs
-    bad = subprocess.run([*LAUNCH, "--config-name", "smoke", "-m", "smoke.rows=64,128", "smoke.colz=8"],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(tmp_path))
+    bad = forked.run([*LAUNCH, "--config-name", "smoke", "-m", "smoke.rows=64,128", "smoke.colz=8"],
+                         timeout=60, cwd=tmp_path, env=_env(tmp_path))
     assert bad.returncode == 2 and "smoke.colz" in bad.stderr
 
 
@@ -205,8 +206,8 @@ def test_model_path_that_is_not_a_model_exits_2_and_is_left_alone(tmp_path):
     user.mkdir()
     (user / "README.md").write_text("my notes")
     for config in ("grpo", "quickstart"):  # quickstart builds a tiny model: not over someone's directory
-        res = subprocess.run([*LAUNCH, "--config-name", config, f"model.path={user}",
-                              f"trainer.output_dir={tmp_path / config}"], capture_output=True, text=True,
+        res = forked.run([*LAUNCH, "--config-name", config, f"model.path={user}",
+                              f"trainer.output_dir={tmp_path / config}"],
                              timeout=120, cwd=tmp_path, env=_env(tmp_path))
         assert res.returncode == 2, (config, res.stderr[-2000:])
         assert str(user) in res.stderr

@@ -18,6 +18,7 @@ from asyncrl.evaluation import format_samples, pass_at_k, pass_at_ks, sample_row
 from asyncrl.rewards import REWARD_EXTRA, NonFiniteRewardError
 from asyncrl.roles.reward import RuleRewardWorker
 from asyncrl.single_controller.batch import Batch
+from tests.helpers import forked
 from tests.rl.test_rl import _launch, tiny_model  # noqa: F401  (a module-scoped fixture)
 
 
@@ -152,9 +153,9 @@ def test_the_readme_eval_command_on_a_users_parquet_and_reward_file_twice(tmp_pa
 
 
 def test_eval_mode_refuses_k_above_the_samples(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "eval", "rollout.n=2",
+    r = forked.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "eval", "rollout.n=2",
                         "evaluation.ks=[1,4]", f"trainer.output_dir={tmp_path}"],
-                       capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+                       timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 2 and "evaluation.ks" in r.stderr
 
 
@@ -215,7 +216,7 @@ def test_a_learned_reward_model_can_be_the_reward(tmp_path, tiny_model):  # noqa
     trained = [row for row in rows if row["step"] > 0]
     assert all("timing/reward_model_s" in row and "timing/reward_s" not in row for row in trained)
     assert len({row["critic/score_mean"] for row in trained}) == 2  # real-valued model scores
-    bad = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo",
+    bad = forked.run([sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo",
                           f"reward.model_path={tiny_model}", "reward.fn=x.py:f", f"trainer.output_dir={tmp_path / 'x'}"],
-                         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+                         timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert bad.returncode == 2 and "reward.model_path" in bad.stderr

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncrl.single_controller.batch import Batch
+from tests.helpers import forked
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,6 @@ def _launch(config: str, out, model, overrides: list[str], state, timeout: float
     """asyncrl-launch `config` on `model` with small batches, metrics to `out`/metrics.jsonl;
     asserts it exits 0 and returns the finished process."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -34,7 +34,7 @@ def _launch(config: str, out, model, overrides: list[str], state, timeout: float
            f"model.path={model}", "data.batch_size=8", "rollout.n=2", "rollout.max_tokens=6",
            "trainer.loggers=[jsonl]", *overrides]
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(state), "PYTHONPATH": str(repo)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=repo, env=env)
+    res = forked.run(cmd, timeout=timeout, cwd=repo, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from asyncrl.train.megatron.convert import GPTShape, dict_reader, hf_tensors, megatron_shard  # noqa: E402
+from tests.helpers import forked  # noqa: E402
 from tests.helpers.gloo_ranks import run_ranks  # noqa: E402
 
 SEQ = 9  # odd: a sequence-parallel forward pads it to a multiple of tp
@@ -256,14 +257,13 @@ def test_moe_quickstart_on_megatron_with_expert_parallelism_2(tmp_path) -> None:
     trainer's old log-probs equal the rollout's), megatron's router losses logged, the export per
     expert."""
     import json
-    import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "moe_quickstart", "actor.backend=megatron",
            "actor.moe.ep=2", "actor.recompute_log_prob=always", "actor.moe.aux_loss_coef=0.001",
            "trainer.total_steps=3", "trainer.eval_every=3", f"trainer.output_dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'model'}", "trainer.loggers=[jsonl]"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = forked.run(cmd, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert all(r["rollout/logprob_diff_max"] < 1e-5 and 0.5 < r["moe/aux_loss"] < 8 for r in steps), steps

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.train.experts import fuse_experts, per_expert
+from tests.helpers import forked
 
 
 def tiny_qwen3_moe(vocab: int = 64, seed: int = 0):
@@ -300,14 +301,13 @@ def test_a_split_rollout_pool_receives_the_experts(tmp_path):
     """`moe_quickstart` with a rollout pool of its own (the split weight sync, experts fused as the
     trainer holds them): 3 steps, the trainer's old log-probs equal the pool's after every sync."""
     import json
-    import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "moe_quickstart", "actor.moe.router_replay=none",
            "trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=1", "actor.recompute_log_prob=always",
            "trainer.total_steps=3", "trainer.eval_every=3", f"trainer.output_dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'model'}", "trainer.loggers=[jsonl]"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    res = forked.run(cmd, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert len(steps) == 3 and all(r["rollout/logprob_diff_max"] < 1e-5 and r["perf/weight_sync_mb"] > 0

@@ -18,6 +18,7 @@ import torch
 from asyncrl.algorithms import advantage
 from asyncrl.single_controller.batch import Batch
 from daemons.proc import kill_group
+from tests.helpers import forked
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, "-m", "asyncrl.launch"]
@@ -40,10 +41,10 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def _launch(config: str, out: Path, model: Path, extra: list[str], timeout: float = 240,
             small: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    args = [*LAUNCH, "--config-name", config, f"trainer.output_dir={out}", f"model.path={model}",
+    """`asyncrl-launch` forked from the test session's pre-imported server (tests/helpers/forked.py)."""
+    args = ["--config-name", config, f"trainer.output_dir={out}", f"model.path={model}",
             "model.build_tiny=null", *(SMALL if small else []), *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**_env(out), **(env or {})})
+    return forked.launch(args, env={**_env(out), **(env or {})}, cwd=REPO, timeout=timeout)
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

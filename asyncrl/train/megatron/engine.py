@@ -15,12 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from asyncrl.config import OptimConfig
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.train.common import reduce_step_metrics
 from asyncrl.train.engine import LossFn
 from asyncrl.train.experts import fuse_experts
-from asyncrl.train.fsdp import EngineError, lr_multiplier, release_host_memory
+from asyncrl.train.fsdp import EngineError, release_host_memory
 from asyncrl.train.megatron.checkpoint import adam_step, load_optimizer, save_optimizer
 from asyncrl.train.megatron.convert import (
     GPTShape,
@@ -40,6 +39,7 @@ from asyncrl.train.megatron.model import (
     moe_config,
 )
 from asyncrl.train.megatron.schedule import run_pipeline
+from asyncrl.train.optim import OptimConfig, lr_multiplier
 from asyncrl.train.pipeline import all_gather_values, broadcast_value, forward_through
 
 log = logging.getLogger(__name__)

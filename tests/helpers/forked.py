@@ -1,0 +1,99 @@
+"""Processes forked from one pre-imported fork server per test session (tests only).
+
+A rank group or an `asyncrl-launch` started as a fresh interpreter imports torch, transformers
+and asyncrl first: 3-5 s of CPU a process on the 2-core CI machine, paid ~100 times a suite.
+Here they fork from multiprocessing's fork server instead, which imported `PRELOAD` once. The
+server is a fresh single-threaded process (not the test process), started on first use with
+the test process's environment and sys.path; each child takes its own environment, working
+directory and PYTHONPATH entries before it runs anything. What a library reads from the
+environment as it is imported (HF_HOME, say) comes from the server's start: such tests, and
+tests of the command line itself (its imports, its exit, what a shell sees), start the real
+command instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# what every rank group and launch imports; one list: the server reads it once, when it starts
+PRELOAD = ["torch", "torch.distributed", "transformers", "asyncrl.launch", "asyncrl.trainer",
+           "asyncrl.roles.forward", "asyncrl.train.fsdp", "asyncrl.train.pipeline", "asyncrl.rollout.engine",
+           "tests.helpers.forked", "tests.helpers.gloo_ranks"]
+
+
+def context() -> Any:
+    """The fork-server context, its preload list set (read when the server starts)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
+def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout: float,
+           stdin_devnull: bool = True) -> subprocess.CompletedProcess:
+    """`asyncrl-launch *argv` as `subprocess.run(..., capture_output=True, text=True)` would run
+    it, forked from the fork server: its own session (a timeout kills it and every process it
+    started), environment and working directory; TimeoutExpired past `timeout`."""
+    with tempfile.TemporaryDirectory(prefix="asyncrl-launch-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = context().Process(target=_launch_main, args=(list(argv), dict(env), str(cwd), str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            _end_session(proc)
+            raise subprocess.TimeoutExpired(["asyncrl-launch", *argv], timeout, out.read_text(), err.read_text())
+        _end_session(proc)  # anything it left behind in its session
+        return subprocess.CompletedProcess(["asyncrl-launch", *argv], proc.exitcode, out.read_text(),
+                                           err.read_text())
+
+
+def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: become what a fresh `asyncrl-launch` process would be, then run it."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # what `python -m` would put first on sys.path: the working directory, then PYTHONPATH
+    first = [cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    sys.path[:0] = [p for p in dict.fromkeys(first) if p not in sys.path]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    sys.argv = ["asyncrl-launch", *argv]
+    from asyncrl.launch import main
+    from daemons.proc import exit_now
+
+    exit_now(main(argv))
+
+
+def _end_session(proc: Any, grace_s: float = 5.0) -> None:
+    """SIGTERM the child's session, SIGKILL what is left after `grace_s`, reap the child."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace_s
+            while proc.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    proc.join()
+
+
+def run(cmd: list[str], *, env: Mapping[str, str] | None = None, cwd: Path | str | None = None,
+        timeout: float = 600, capture_output: bool = True, text: bool = True) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, ...)` for `cmd` =
+    `[sys.executable, "-m", "asyncrl.launch", *argv]`, through `launch`."""
+    if cmd[:3] != [sys.executable, "-m", "asyncrl.launch"] or not (capture_output and text):
+        raise ValueError(f"forked.run runs `python -m asyncrl.launch ...` with its output captured as text, not {cmd[:3]}")
+    return launch(cmd[3:], env=os.environ if env is None else env, cwd=cwd or os.getcwd(), timeout=timeout)
