@@ -327,7 +327,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from asyncrl.serve.standalone import serve
+    from asyncrl.model_server import serve
     from transport.checks import ConfigError
 
     try:

@@ -35,6 +35,7 @@ from asyncrl.single_controller.parallel import (
     generation_layout,
 )
 from asyncrl.single_controller.schema import to_dict, typed
+from asyncrl.train.lora import INPUT_EMBEDDINGS
 from asyncrl.train.optim import OptimConfig as OptimConfig
 from transport.checks import ConfigError
 from transport.checks import check as _check
@@ -240,7 +241,6 @@ def _check_backend(section: ActorConfig | CriticConfig, at: str) -> None:
            f"padding columns); set it to null or false, or {_those(at + 'backend', 'packing')}")
 
 
-INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
 
 
 @dataclass
@@ -282,7 +282,7 @@ class LoRAConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-experts actors (asyncrl/models/moe.py): routing replay and the router's losses;
+    """Mixture-of-experts actors (asyncrl/train/moe.py): routing replay and the router's losses;
     a dense model refuses router_replay and ignores the rest."""
 
     # none; rollout: the log-prob and update passes route each token to the experts the rollout
@@ -533,13 +533,17 @@ class TeacherConfig:
 
     path: str | None = None  # a causal LM with the student's tokenizer
     n_workers: int = 0  # 0: on the actor's pool (colocated); > 0: a pool of its own
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # FSDP2 x TP over its workers
+    backend: str = "fsdp2"  # a training backend (asyncrl.engines) that builds forward-only teacher engines
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # its layout over the teacher's workers
     micro_batch_size: int = 64  # rows per forward
     kl_coef: float = 1.0  # weight of the per-token reverse-KL reward
     task_reward_coef: float = 0.0  # > 0: plus this times GRPO's advantage of the task reward
 
     def check(self, at: str) -> None:
         _positive(at + "n_workers", self.n_workers, allow_zero=True)
+        _one_of(at + "backend", self.backend, tuple(backends()))
+        _check(backend(self.backend).teacher_engine is not None, at + "backend", self.backend,
+               f"{at}backend={self.backend} builds no teacher engine; use {_those(at + 'backend', 'teacher_engine')}")
         _positive(at + "micro_batch_size", self.micro_batch_size)
         _positive(at + "kl_coef", self.kl_coef)
         _positive(at + "task_reward_coef", self.task_reward_coef, allow_zero=True)

@@ -30,6 +30,7 @@ class TrainBackend:
 
     actor_engines: str  # "module:function": (worker, base, layout, one_copy) -> (actor, ref) engines
     critic_engine: str  # "module:function": (worker, model path, layout) -> the critic's engine
+    teacher_engine: str | None = None  # "module:function": (worker, model path, layout) -> a forward-only engine
     lora: bool = False  # trains LoRA adapters (`*.lora`)
     sequence_parallel: bool = False  # Ulysses (`*.parallel.sp` > 1)
     packing: bool = False  # packed sequences (`*.pack_sequences`)
@@ -55,6 +56,11 @@ class TrainBackend:
 
     def build_critic(self, worker: Any, path: str, layout: Any) -> Any:
         return _load(self.critic_engine)(worker, path, layout)
+
+    def build_teacher(self, worker: Any, path: str, layout: Any) -> Any:
+        if self.teacher_engine is None:
+            raise ConfigError("this training backend builds no teacher engine (its TrainBackend has no teacher_engine)")
+        return _load(self.teacher_engine)(worker, path, layout)
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,8 @@ def _vllm_device_bytes(cfg: Any, device_bytes: float) -> float:
 
 
 BACKENDS: dict[str, TrainBackend] = {
-    "fsdp2": TrainBackend("asyncrl.roles.actor:fsdp_engines", "asyncrl.roles.critic:fsdp_critic", lora=True,
+    "fsdp2": TrainBackend("asyncrl.roles.actor:fsdp_engines", "asyncrl.roles.critic:fsdp_critic",
+                          teacher_engine="asyncrl.roles.teacher:fsdp_teacher", lora=True,
                           sequence_parallel=True, packing=True, hf_routers=True, feeds_split_pool=True),
     "megatron": TrainBackend("asyncrl.roles.actor:megatron_engines", "asyncrl.roles.critic:megatron_critic",
                              expert_parallel=True, one_layout_per_process=True, moe_tensor_parallel=True,

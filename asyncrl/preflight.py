@@ -151,7 +151,7 @@ def _check_tp_fits_model(cfg: RLConfig) -> None:
     from transformers import AutoConfig
 
     model = AutoConfig.from_pretrained(cfg.model.path)
-    from asyncrl.models.moe import is_moe_config
+    from asyncrl.train.moe import is_moe_config
 
     trains = backend(cfg.actor.backend)
     moe_tp = [k for k, v in sizes.items() if v > 1 and is_moe_config(model)
@@ -184,7 +184,7 @@ def _check_sequence_parallel(cfg: RLConfig) -> None:
     routing is not sharded over sequence-parallel ranks yet."""
     from transformers import AutoConfig
 
-    from asyncrl.models.moe import is_moe_config
+    from asyncrl.train.moe import is_moe_config
     from asyncrl.train.ulysses import SequenceParallelError, check_sp
 
     for role, path in (("actor", cfg.model.path), ("critic", cfg.critic.model_path or cfg.model.path)):
@@ -256,7 +256,7 @@ def _check_moe(cfg: RLConfig, path: str | None) -> None:
         return
     from transformers import AutoConfig
 
-    from asyncrl.models.moe import is_moe_config
+    from asyncrl.train.moe import is_moe_config
 
     moe = cfg.model.build_tiny.experts > 0 if path is None else is_moe_config(AutoConfig.from_pretrained(path))
     if not moe:

@@ -29,7 +29,6 @@ from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.registry import algorithms
 from asyncrl.algorithms.roles import Roles
 from asyncrl.config import RLConfig, rl_config, to_dict
-from asyncrl.data.prompts import RunData
 from asyncrl.engines import rollout_engine
 from asyncrl.errors import TrainingError
 from asyncrl.evaluation import Evaluator
@@ -41,7 +40,8 @@ from asyncrl.roles.critic import CriticWorker
 from asyncrl.roles.reward import RewardModelWorker, RuleRewardWorker
 from asyncrl.roles.teacher import TeacherWorker
 from asyncrl.rollout.ahead import Generations
-from asyncrl.rollout.elastic import ElasticRollout, Ledger
+from asyncrl.rollout.elastic import ElasticRollout, Ledger, UpdateRecorder
+from asyncrl.run_data import RunData
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
 from asyncrl.single_controller.trace import Recording
@@ -164,8 +164,8 @@ class Trainer:
             if launching is not None:
                 launching.cancel()
             raise
-        if isinstance(self.rollout, ElasticRollout):  # the rows the step trained: its generation for these prompts
-            await self.rollout.ledger.record(self.step + 1, prompts, await self.roles.rollout.generate_sequences(prompts))
+        if isinstance(self.roles.actor, UpdateRecorder):  # the rows the step's updates consumed
+            await self.rollout.ledger.record(self.step + 1, prompts, self.roles.actor.take())
             metrics.update(self.rollout.metrics())
         if launching is not None:
             await launching
@@ -313,7 +313,8 @@ class Trainer:
         if split or cfg.rollout.max_staleness > 0:
             stream = split and rollout_engine(cfg.rollout.engine).continuous_batching
             self.generations = Generations(self.rollout, self.data.loader, stream=stream)
-        self.roles = Roles(actor=groups.actor, rollout=self.generations or self.rollout, reward=groups.reward,
+        actor = UpdateRecorder(groups.actor) if isinstance(self.rollout, ElasticRollout) else groups.actor
+        self.roles = Roles(actor=actor, rollout=self.generations or self.rollout, reward=groups.reward,
                            critic=groups.get("critic"), cost=groups.get("cost"), teacher=teacher)
         self.evaluator = Evaluator(cfg, self.data, self.roles)
 

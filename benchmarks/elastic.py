@@ -35,13 +35,22 @@ from typing import Any
 
 from asyncrl.config import rl_config
 from asyncrl.launch import load_config
-from asyncrl.rollout.elastic import trained_once
 from daemons.proc import kill_group
 from objectstore import remove_stale_segments
 from transport.auth import generate_keys
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 29400
+
+
+def trained_once(ledger: list[dict], n: int) -> bool:
+    """Whether a ledger shows steps 1..N once each, no prompt drawn twice, and each drawn prompt's
+    `n` rows in its step's update."""
+    from collections import Counter
+
+    drawn = [u for row in ledger for u in row["uids"]]
+    steps_ok = [row["step"] for row in ledger] == list(range(1, len(ledger) + 1)) and len(set(drawn)) == len(drawn)
+    return steps_ok and all(Counter(row["rows"]) == Counter({u: n for u in row["uids"]}) for row in ledger)
 
 
 def _ip(*args: str) -> None:

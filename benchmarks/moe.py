@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 
 from asyncrl.algorithms import core
-from asyncrl.models.moe import flat_routes, tap_of
 from asyncrl.roles.forward import response_forward
 from asyncrl.rollout.engine import RolloutEngine, SamplingParams
 from asyncrl.single_controller.batch import Batch
+from asyncrl.train.moe import flat_routes, tap_of
 
 
 def tiny_moe(vocab: int = 256, seed: int = 0) -> torch.nn.Module:

@@ -29,10 +29,10 @@ def build_backend(slots: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.agents.rollout import BatcherGenerator
+    from asyncrl.model_server import FixedWeights
     from asyncrl.models.tiny import ensure_tiny_model
     from asyncrl.rollout.continuous import ContinuousBatcher
     from asyncrl.rollout.engine import RolloutEngine, SamplingParams
-    from asyncrl.serve.standalone import FixedWeights
 
     path = ensure_tiny_model(OUT / "tiny", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
     tok = AutoTokenizer.from_pretrained(path)

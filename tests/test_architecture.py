@@ -79,6 +79,52 @@ def test_layers_depend_downward_only():
     assert not wrong, wrong
 
 
+# asyncrl's packages and top-level modules, lowest first (docs/architecture.md#layers): each
+# imports only those of lower layers, at module level or inside a function; an import under
+# `if TYPE_CHECKING:` runs nothing and is not counted
+ASYNCRL_LAYERS = [
+    {"errors"},
+    {"single_controller"},
+    {"metrics", "engines"},
+    {"data", "train"},
+    {"rewards", "rollout"},
+    {"serve"},
+    {"agents"},
+    {"algorithms"},
+    {"config"},
+    {"models", "rundir", "jobs"},
+    {"launch"},
+    {"plan"},
+    {"preflight"},
+    {"run_data", "roles", "model_server"},
+    {"evaluation"},
+    {"trainer", "cli", "config_reference"},
+]
+
+
+def _asyncrl_unit(module: str) -> str | None:
+    """`asyncrl.train.fsdp` -> "train": the package or top-level module of asyncrl it is in."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "asyncrl" and len(parts) > 1 else None
+
+
+def test_asyncrl_packages_import_only_lower_layers():
+    modules = _modules()
+    layer = {unit: i for i, units in enumerate(ASYNCRL_LAYERS) for unit in units}
+    units = {_asyncrl_unit(name) for name in modules} - {None, "configs"}
+    assert units == set(layer), f"place these in ASYNCRL_LAYERS: {sorted(units - set(layer))}; gone: {sorted(set(layer) - units)}"
+    wrong = []
+    for name, path in modules.items():
+        here = _asyncrl_unit(name)
+        if here is None or path.is_dir():
+            continue
+        for imported in _imports(path, runtime_only=True):
+            there = _asyncrl_unit(_resolve(imported, modules) or imported)
+            if there and there != here and there in layer and layer[there] >= layer[here]:
+                wrong.append(f"{name} ({here}, layer {layer[here]}) imports {imported} ({there}, layer {layer[there]})")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_single_controller_imports_nothing_of_the_rl_side():
     rl = []
     for path in (REPO / "asyncrl" / "single_controller").rglob("*.py"):

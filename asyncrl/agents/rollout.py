@@ -29,7 +29,8 @@ import torch
 from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.agents.env import Action, Environment, StepResult, call
 from asyncrl.agents.tools import load_environment
-from asyncrl.rollout.engine import SamplingParams, positions_from_mask
+from asyncrl.data.dataset import positions_from_mask
+from asyncrl.rollout.engine import SamplingParams
 from asyncrl.serve.backend import Sampling
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s", "env_reward")

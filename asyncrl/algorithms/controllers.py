@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from asyncrl.config import AlgorithmConfig
+if TYPE_CHECKING:  # the config imports the algorithms
+    from asyncrl.config import AlgorithmConfig
+
 
 
 class FixedKLController:

@@ -22,6 +22,9 @@ from typing import Literal
 
 import torch
 
+from asyncrl.train.logits import entropy_from_logits as entropy_from_logits
+from asyncrl.train.logits import logprobs_from_logits as logprobs_from_logits
+
 Tensor = torch.Tensor
 
 KLKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
@@ -625,34 +628,6 @@ def kl_loss(
 # --------------------------------------------------------------------------------------------
 # Logit helpers
 # --------------------------------------------------------------------------------------------
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Categorical entropy over the last dim: logsumexp(z) - sum(softmax(z) * z)."""
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """log softmax(logits)[labels] without materialising a full [..., vocab] log-softmax at once.
-
-    Works in chunks of `chunk_rows` positions so peak extra memory is chunk_rows * vocab; fp16 and
-    bf16 logits are upcast per chunk because logsumexp in low precision loses too much.
-    """
-    vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)
-    flat_labels = labels.reshape(-1, 1)
-    out = []
-    for chunk, chunk_labels in zip(
-        flat_logits.split(chunk_rows), flat_labels.split(chunk_rows), strict=True
-    ):
-        if chunk.dtype not in (torch.float32, torch.float64):
-            chunk = chunk.float()
-        picked = chunk.gather(-1, chunk_labels).squeeze(-1)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
-    if not out:
-        return flat_logits.new_zeros(labels.shape, dtype=torch.float32)
-    return torch.cat(out).reshape(labels.shape)
 
 
 # --------------------------------------------------------------------------------------------

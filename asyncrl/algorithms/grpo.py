@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from asyncrl.algorithms import advantage, core
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.roles import Roles, balance_tokens, timings, union_all, uses_ref
-from asyncrl.config import RLConfig
 from asyncrl.metrics import mean_metrics
 from asyncrl.rewards.rules import REWARD_EXTRA
 from asyncrl.single_controller.distbatch import DistBatch
 from transport.checks import ConfigError
+
+if TYPE_CHECKING:  # the config imports the algorithms
+    from asyncrl.config import RLConfig
 
 log = logging.getLogger(__name__)
 

@@ -3,12 +3,16 @@ per-token reverse KL is the reward (`--config-name opd`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from asyncrl.algorithms import advantage
 from asyncrl.algorithms.controllers import Controllers
 from asyncrl.algorithms.roles import Roles, balance_tokens, timings, union_all
-from asyncrl.config import RLConfig
 from asyncrl.metrics import mean_metrics
 from asyncrl.single_controller.distbatch import DistBatch
+
+if TYPE_CHECKING:  # the config imports the algorithms
+    from asyncrl.config import RLConfig
 
 
 async def opd_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.config import RLConfig
 from asyncrl.single_controller.balance import balanced_shards, imbalance
 from asyncrl.single_controller.distbatch import DistBatch
 from asyncrl.single_controller.parallel import TRAIN
+
+if TYPE_CHECKING:  # the config imports the algorithms
+    from asyncrl.config import RLConfig
 
 ROW_TOKENS = "row_tokens"  # each generated row's prompt + response tokens (generate_sequences)
 

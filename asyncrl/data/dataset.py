@@ -12,9 +12,12 @@ from typing import Any
 
 import torch
 
-from asyncrl.rollout.engine import positions_from_mask
-
 log = logging.getLogger(__name__)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left-padded batch: cumsum of the mask - 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
 class DatasetError(ValueError):

@@ -21,10 +21,23 @@ from typing import Any
 
 from asyncrl.data.dataset import DatasetError, load_rows
 from asyncrl.data.synthetic import write_rows
-from asyncrl.rewards.rules import last_boxed
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+def last_boxed(text: str) -> str | None:
+    r"""The contents of the last \boxed{...} (or \fbox{...}) in `text`, braces balanced; None if none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start)
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j].strip()
+    return None
 
 
 def gsm8k_row(raw: dict[str, Any], index: int, split: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 reasoning-gym (`pip install 'asyncrl[gym]'`) generates each task's questions from a seed and
 checks answers with the task's own scorer. The rows made here are in verl's layout (the question
 as chat messages, `reward_model.ground_truth`, `data_source` = `reasoning_gym/<task>`), so they
-take the path data files take (`asyncrl.data.prompts.RunData`); `extra_info["reasoning_gym"]`
+take the path data files take (`asyncrl.run_data.RunData`); `extra_info["reasoning_gym"]`
 holds what the built-in reward needs to score a response with the task's own scorer
 (`asyncrl.rewards.reasoning_gym`): the generator's settings, the row's index and its entry
 (question, answer, metadata) made JSON-safe.

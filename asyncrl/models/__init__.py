@@ -1,2 +1,2 @@
-"""Model builders and model-level helpers: the tiny local models of the CPU quickstarts
-(`asyncrl.models.tiny`), mixture-of-experts routing (`asyncrl.models.moe`)."""
+"""Model builders: the tiny local models of the CPU quickstarts (`asyncrl.models.tiny`) and which
+model a run trains (`asyncrl.models.resolve`)."""

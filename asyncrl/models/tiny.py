@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.data.dataset import positions_from_mask
 from asyncrl.data.reasoning_gym import GYM_TASK
 from asyncrl.data.synthetic import all_symbols, get_task, make_examples
-from asyncrl.rollout.engine import positions_from_mask
 from transport.checks import ConfigError
 
 log = logging.getLogger(__name__)

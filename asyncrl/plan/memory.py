@@ -31,15 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config import INPUT_EMBEDDINGS
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.plan.workload import ModelSpec
+from asyncrl.train.export import EXPORT_SHARD_BYTES
+from asyncrl.train.logits import LOGIT_CHUNK_TOKENS
+from asyncrl.train.lora import INPUT_EMBEDDINGS
 
 GIB = float(1 << 30)
-EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files (asyncrl.train.fsdp writes them): rank 0 holds one
 RUNTIME_BYTES = 0.75 * GIB  # a worker process with torch, transformers and asyncrl loaded (measured on CPU)
 KV = "KV cache (native engine)"  # the part the generate and evaluate phases differ in
-LOGIT_CHUNK_TOKENS = 1024  # positions whose fp32 logits exist at once in asyncrl.roles.forward (x vocab x 4 bytes)
 # bytes of saved activations per token per layer, in units of the compute dtype's width: attention
 # and MLP inputs and outputs, norms, the gated MLP's three ffn-wide tensors (Korthikanti et al. 2022
 # count 34 x hidden for GPT without flash attention; a gated MLP adds its third projection)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.data.preprocess import last_boxed as last_boxed
 from asyncrl.data.synthetic import score_answer
 from asyncrl.errors import TrainingError
 from asyncrl.rewards.reasoning_gym import reasoning_gym_score
@@ -145,20 +146,6 @@ def synthetic(
 
 
 # ---- MATH (Hendrycks et al.): the last \boxed{} of the response against the reference -----------
-
-def last_boxed(text: str) -> str | None:
-    r"""The contents of the last \boxed{...} (or \fbox{...}) in `text`, braces balanced; None if none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start)
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j].strip()
-    return None
-
 
 _MATH_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "$", "^\\circ", "^{\\circ}", "\\%", "%")
 

@@ -35,7 +35,6 @@ from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import ActorConfig, RLConfig, rl_config
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
-from asyncrl.models.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.roles import routing
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
 from asyncrl.roles.pools import PoolWeights, StagedWeights
@@ -79,6 +78,7 @@ from asyncrl.train.lora import (
     merged_weight,
     plain_name,
 )
+from asyncrl.train.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.train.packing import AUTO_ATTR, is_packing, resolve_packing
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.ulysses import run_turns, sequence_parallel, turn_loss

@@ -1,5 +1,5 @@
 """Routing replay and router losses in the actor's passes over a mixture-of-experts model
-(`actor.moe`; the hooks are `asyncrl.models.moe`'s)."""
+(`actor.moe`; the hooks are `asyncrl.train.moe`'s)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from asyncrl.algorithms import core
 from asyncrl.config import MoEConfig
-from asyncrl.models.moe import OLD_ROUTES, ROUTES, RouterTap, RoutingError, flat_routes, tap_of
 from asyncrl.single_controller.batch import Batch
+from asyncrl.train.moe import OLD_ROUTES, ROUTES, RouterTap, RoutingError, flat_routes, tap_of
 
 REPLAYED = {"rollout": ROUTES, "old_policy": OLD_ROUTES}  # router_replay -> the column it replays
 

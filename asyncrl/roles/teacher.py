@@ -1,5 +1,6 @@
 """On-policy distillation's teacher: a frozen policy of its own (`teacher.path`) that scores the
-student's sampled tokens, sharded with FSDP2 x TP over its workers like the reference policy."""
+student's sampled tokens, sharded over its workers by its backend (`teacher.backend`; FSDP2 x TP
+like the reference policy)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import RLConfig, rl_config
+from asyncrl.engines import backend
 from asyncrl.metrics import timed
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
 from asyncrl.roles.process import setup_process
@@ -32,12 +34,7 @@ class TeacherWorker(Worker):
         self.cfg = cfg = rl_config(config)
         setup_process(cfg, self.rank)
         layout = self.register_mesh(ParallelLayout.from_config(cfg.teacher.parallel, self.world_size))
-        dtype = compute_dtype(self.device, cfg.model.dtype)  # forward only: no master copy
-        model = parallelize(skeleton(cfg.teacher.path, dtype), layout, mixed_precision_policy(self.device, dtype=cfg.model.dtype))
-        materialize(model, self.device)
-        self.engine = FSDPEngine(model, layout, optim=None, device=self.device)
-        load_sharded(self.engine, cfg.teacher.path)  # rank 0 reads, the shards are broadcast
-        resolve_packing(self.engine.model, None, "teacher.")  # rows packed where the model can (exact)
+        self.engine = backend(cfg.teacher.backend).build_teacher(self, cfg.teacher.path, layout)
 
     @register(THREE_D_PROTO)
     @timed("teacher_log_prob")
@@ -51,3 +48,16 @@ class TeacherWorker(Worker):
         self.engine.release_unsharded()
         width = batch["responses"].shape[1]
         return Batch({TEACHER_LOG_PROBS: join(outs) if outs else torch.zeros(0, width, device=self.device)})
+
+
+def fsdp_teacher(worker: TeacherWorker, path: str, layout: ParallelLayout) -> FSDPEngine:
+    """teacher.backend=fsdp2: the model at `path` in the compute dtype (forward only: no master
+    copy), FSDP2 x TP over `layout`, filled from rank 0's read of the checkpoint."""
+    cfg, device = worker.cfg, worker.device
+    dtype = compute_dtype(device, cfg.model.dtype)
+    model = parallelize(skeleton(path, dtype), layout, mixed_precision_policy(device, dtype=cfg.model.dtype))
+    materialize(model, device)
+    engine = FSDPEngine(model, layout, optim=None, device=device)
+    load_sharded(engine, path)  # rank 0 reads, the shards are broadcast
+    resolve_packing(engine.model, None, "teacher.")  # rows packed where the model can (exact)
+    return engine

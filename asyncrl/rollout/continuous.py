@@ -28,11 +28,11 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from asyncrl.data.dataset import positions_from_mask
 from asyncrl.rollout.engine import (
     RolloutEngine,
     SamplingParams,
     last_positions,
-    positions_from_mask,
     rollout_outputs,
     sample_tokens,
 )

@@ -229,9 +229,10 @@ def _split(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
 
 class Ledger:
     """What each step trained (`trainer.output_dir/ledger.jsonl`, one line per step): the uids of
-    the prompts drawn and of the rows generated for them. With workers coming and going, the
-    record that each drawn prompt was trained once: every step once, and its generated rows
-    exactly n per drawn prompt (a lost worker's share replaced, never added)."""
+    the prompts drawn and of the rows the actor's update consumed (every `update_actor` call of
+    the step). With workers coming and going, the record that each drawn prompt was trained
+    once: every step once, and its updated rows exactly n per drawn prompt (a lost worker's share
+    replaced, never added)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -242,16 +243,30 @@ class Ledger:
             keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             self.path.write_text("".join(line + "\n" for line in keep))
 
-    async def record(self, step: int, prompts: DistBatch, rows: DistBatch) -> None:
-        drawn, trained = (await asyncio.gather(*((b.select("uid", meta=False).fetch()) for b in (prompts, rows))))
+    async def record(self, step: int, prompts: DistBatch, updated: list[DistBatch]) -> None:
+        """Step `step`'s drawn prompts and the rows of each batch its updates consumed."""
+        drawn, *trained = await asyncio.gather(*(b.select("uid", meta=False).fetch() for b in (prompts, *updated)))
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "uids": [str(u) for u in drawn["uid"]],
-                                "rows": [str(u) for u in trained["uid"]]}) + "\n")
+                                "rows": [str(u) for t in trained for u in t["uid"]]}) + "\n")
 
 
-def trained_once(ledger: list[dict], n: int) -> bool:
-    """Whether a ledger shows steps 1..N once each and every drawn prompt with exactly `n` rows."""
-    from collections import Counter
+class UpdateRecorder:
+    """The actor group as a step sees it, keeping each batch passed to `update_actor` (the rows
+    the update consumed) for the ledger; everything else is the group's."""
 
-    steps_ok = [row["step"] for row in ledger] == list(range(1, len(ledger) + 1))
-    return steps_ok and all(Counter(row["rows"]) == Counter({u: n for u in row["uids"]}) for row in ledger)
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.updated: list[DistBatch] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+    def update_actor(self, batch: DistBatch, *args: Any, **kwargs: Any) -> Any:
+        self.updated.append(batch)
+        return self.group.update_actor(batch, *args, **kwargs)
+
+    def take(self) -> list[DistBatch]:
+        """The batches updated since the last call."""
+        out, self.updated = self.updated, []
+        return out

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from asyncrl.models.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
+from asyncrl.data.dataset import positions_from_mask
+from asyncrl.train.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
 from transport import trace
 
 
@@ -64,11 +65,6 @@ def row_uniforms(generators: Sequence[torch.Generator], steps: int, device: torc
     """[rows, steps] uniforms, row i drawn from `generators[i]` alone (on its own device, then
     moved): a row's first k draws are the same whatever `steps` is and whatever rows share the call."""
     return torch.stack([torch.rand(steps, generator=g, device=g.device) for g in generators]).to(device)
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids for a left-padded batch: cumsum of the mask - 1, clamped at 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
 def candidate_probs(

@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from asyncrl.plan.memory import EXPORT_SHARD_BYTES
 from asyncrl.train.common import full_tensor
 from asyncrl.train.experts import expert_names, per_expert
 from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
 
 log = logging.getLogger(__name__)
+EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files: rank 0 holds one (asyncrl.plan.memory counts it)
 
 
 def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: Any, dtype: torch.dtype | None,

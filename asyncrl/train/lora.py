@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from asyncrl.config import INPUT_EMBEDDINGS
-
 LORA_PARAMS = ("lora_A", "lora_B")
+INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
 
 
 def is_lora_param(name: str) -> bool:

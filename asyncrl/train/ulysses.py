@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from asyncrl.plan.memory import LOGIT_CHUNK_TOKENS
 from asyncrl.single_controller.batch import Batch
-from asyncrl.train.logits import keeps_logits, response_logprobs
+from asyncrl.train.logits import LOGIT_CHUNK_TOKENS, keeps_logits, response_logprobs
 from asyncrl.train.packing import pack, predicting_slots
 
 LOGPROBS, VALUES = 0, 1  # what a step computes at its positions

@@ -14,7 +14,6 @@ import torch
 
 from asyncrl.config import rl_config
 from asyncrl.data.dataset import PromptDataset, collate_prompts
-from asyncrl.data.prompts import generated_rows
 from asyncrl.data.reasoning_gym import row_words
 from asyncrl.launch import load_config
 from asyncrl.models.resolve import tiny_settings
@@ -22,6 +21,7 @@ from asyncrl.models.tiny import build_tokenizer, ensure_tiny_model
 from asyncrl.preflight import check_round_trip
 from asyncrl.rewards import load_reward_fn
 from asyncrl.roles.reward import RuleRewardWorker
+from asyncrl.run_data import generated_rows
 from asyncrl.single_controller.batch import Batch
 from transport.checks import ConfigError
 from transport.codec import decode, encode

@@ -443,8 +443,8 @@ def test_environment_arguments_from_the_command_line():
 def test_the_environments_tools_reach_the_prompt_through_the_chat_template():
     from asyncrl.agents.config import MultiTurnConfig
     from asyncrl.data.dataset import PromptDataset
-    from asyncrl.data.prompts import environment_tools
     from asyncrl.models.tiny import CHAT_TEMPLATE, build_tokenizer
+    from asyncrl.run_data import environment_tools
 
     tools = environment_tools(MultiTurnConfig(enable=True, env="python_tool"))
     assert [t["function"]["name"] for t in tools] == ["python"]

@@ -157,7 +157,7 @@ def test_launch_with_wrong_columns_exits_2_with_one_line(tiny_model, tmp_path):
 
 def test_a_bad_row_inside_the_file_names_file_row_and_columns(tiny_model, tmp_path):
     """Rows past the first are read when the trainer tokenises them: still a ConfigError."""
-    from asyncrl.data.prompts import RunData
+    from asyncrl.run_data import RunData
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "sort 2 1", "ground_truth": "1 2"}) + "\n"

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.rollout.elastic import trained_once
 from daemons.proc import free_port, kill_group
 from objectstore import remove_stale_segments
 from tests.rl.test_rl import SMALL, _env
@@ -93,15 +92,17 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     assert summary["steps"] == STEPS
     last = _steps(out)[-1]
     assert last["rollout/workers_lost"] == 1 and last["rollout/workers_joined"] == 1, last
-    version = int(re.search(r"on vm-\d{4,} is live \(2 workers, weights version (\d+)\)", log).group(1))
+    # 2 workers live then, or 3 when the pool had not called the killed worker since it died
+    version = int(re.search(r"on vm-\d{4,} is live \([23] workers, weights version (\d+)\)", log).group(1))
     assert version >= 4  # the joiner started from the newest weights (the run was past step 4), not step 0's
     assert last["rollout/workers"] == 2, last
+    # the ledger: the rows each step's update consumed (written from the update's batches)
     ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
-    assert len(ledger) == STEPS and trained_once(ledger, n=2)  # rollout.n rows for each drawn prompt, once
-    assert all(len(row["uids"]) == 4 for row in ledger)  # data.batch_size prompts a step
-    broken = [dict(row) for row in ledger]
-    broken[3] = {**broken[3], "rows": broken[3]["rows"][:-1]}  # a sample lost would show
-    assert not trained_once(broken, n=2)
+    assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))  # each step once, resumed or not
+    drawn = [u for row in ledger for u in row["uids"]]
+    assert all(len(row["uids"]) == 4 for row in ledger) and len(set(drawn)) == len(drawn)  # no prompt in two steps
+    for row in ledger:  # rollout.n rows of each drawn prompt: none lost with the worker, none twice
+        assert sorted(row["rows"]) == sorted(u for u in row["uids"] for _ in range(2)), row
 
 
 @pytest.mark.slow  # ~22 s; the refusal is one coordinator query (cluster.join), the join itself runs by default

@@ -1,6 +1,6 @@
-"""Training backends and rollout engines by name (asyncrl.engines): one from another package,
-through its entry point, runs a job without a line of asyncrl changed; unknown names say which
-there are."""
+"""Training backends and rollout engines by name (asyncrl.engines): a backend and an engine from
+another package, through their entry points, run a job without a line of asyncrl changed;
+unknown names say which there are."""
 
 from __future__ import annotations
 
@@ -20,16 +20,22 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGIN = '''
 import os
 
-from asyncrl.engines import RolloutEngineKind
+from asyncrl.engines import RolloutEngineKind, TrainBackend
+from asyncrl.roles.actor import fsdp_engines
+from asyncrl.roles.critic import fsdp_critic
 from asyncrl.rollout import RolloutEngine
+
+
+def _count(what):
+    with open(os.environ["COUNTING_ENGINE_LOG"], "a") as f:
+        f.write(f"{what}:{os.getpid()}\\n")
 
 
 class CountingEngine(RolloutEngine):
     """The native engine, counting its generate calls in a file."""
 
     def generate(self, *args, **kwargs):
-        with open(os.environ["COUNTING_ENGINE_LOG"], "a") as f:
-            f.write(f"{os.getpid()}\\n")
+        _count("generate")
         return super().generate(*args, **kwargs)
 
 
@@ -38,11 +44,33 @@ def build(worker, model, colocated):
     return CountingEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, device=worker.device)
 
 
+def _counted(engine):
+    """The engine, its training steps counted."""
+    step = engine.train_step
+
+    def train_step(*args, **kwargs):
+        _count("train_step")
+        return step(*args, **kwargs)
+
+    engine.train_step = train_step
+    return engine
+
+
+def actor(worker, base, layout, one_copy):
+    trained, ref = fsdp_engines(worker, base, layout, one_copy)
+    return (_counted(trained) if trained is not None else None), ref
+
+
+def critic(worker, path, layout):
+    return _counted(fsdp_critic(worker, path, layout))
+
+
 ENTRY = RolloutEngineKind("counting_engine:build", records_routes=True, continuous_batching=True)
+BACKEND = TrainBackend("counting_engine:actor", "counting_engine:critic", packing=True, feeds_split_pool=True)
 '''
 
 
-def test_a_rollout_engine_of_another_package_runs_a_job_by_its_name(tmp_path):
+def test_a_backend_and_a_rollout_engine_of_another_package_run_a_job_by_their_names(tmp_path):
     from asyncrl.models.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
@@ -52,7 +80,8 @@ def test_a_rollout_engine_of_another_package_runs_a_job_by_its_name(tmp_path):
     (plugin / "counting_engine-0.1.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: counting-engine\nVersion: 0.1\n")
     (plugin / "counting_engine-0.1.dist-info" / "entry_points.txt").write_text(
-        "[asyncrl.rollout_engines]\ncounting = counting_engine:ENTRY\n")
+        "[asyncrl.rollout_engines]\ncounting = counting_engine:ENTRY\n"
+        "[asyncrl.backends]\ncounting_fsdp = counting_engine:BACKEND\n")
     calls = tmp_path / "calls.txt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(plugin)]), "COUNTING_ENGINE_LOG": str(calls),
            "ASYNCRL_STATE_DIR": str(tmp_path / "state")}
@@ -60,14 +89,19 @@ def test_a_rollout_engine_of_another_package_runs_a_job_by_its_name(tmp_path):
             f"model.path={model}", "model.build_tiny=null", "data.batch_size=4", "rollout.n=2", "rollout.max_tokens=4",
             "data.synthetic.n_train=16", "data.synthetic.n_val=4", "trainer.total_steps=2", "trainer.eval_every=100",
             "trainer.save_every=100", "trainer.loggers=[jsonl]"]
-    res = subprocess.run([*args, "rollout.engine=counting"], capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    res = subprocess.run([*args, "rollout.engine=counting", "actor.backend=counting_fsdp"], capture_output=True,
+                         text=True, timeout=240, env=env, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
-    pids = calls.read_text().split()
-    assert len(pids) >= 2 * 2 and len(set(pids)) == 2, pids  # 2 steps (and evaluations) on each of 2 ranks
+    calls_by = {what: [line.split(":")[1] for line in calls.read_text().split() if line.startswith(what + ":")]
+                for what in ("generate", "train_step")}
+    for what, pids in calls_by.items():  # 2 steps (and evaluations) on each of 2 ranks
+        assert len(pids) >= 2 * 2 and len(set(pids)) == 2, (what, pids)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
     res = subprocess.run([*args, "rollout.engine=nope"], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert res.returncode == 2 and "rollout.engine" in res.stderr and "must be one of native, vllm, counting" in res.stderr, res.stderr[-2000:]
+    mentions = [str(p) for p in (REPO / "asyncrl").rglob("*.py") if "counting" in p.read_text()]
+    assert not mentions, mentions  # nothing of asyncrl knows them
 
 
 def test_unknown_names_list_the_known_ones():
@@ -76,3 +110,12 @@ def test_unknown_names_list_the_known_ones():
         rollout_engine("sglang")
     with pytest.raises(ConfigError, match="no training backend 'deepspeed'; known: fsdp2, megatron"):
         backend("deepspeed")
+
+
+def test_the_teacher_is_built_by_its_backend_and_one_without_a_teacher_engine_is_refused():
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+
+    assert backend("fsdp2").teacher_engine == "asyncrl.roles.teacher:fsdp_teacher"
+    with pytest.raises(ConfigError, match="teacher.backend=megatron builds no teacher engine; use teacher.backend=fsdp2"):
+        rl_config(load_config("opd", ["teacher.path=/models/teacher", "teacher.backend=megatron"]))

@@ -121,10 +121,10 @@ def replay_routes(ids: torch.Tensor) -> torch.Tensor:
 
 def _replay(out_dir: Path, layout, ep: int) -> dict:
     """Megatron's router replay (`MegatronRoutes`): own routes recorded, random routes replayed."""
-    from asyncrl.models.moe import flat_routes
     from asyncrl.roles import routing
     from asyncrl.single_controller.batch import Batch
     from asyncrl.train.megatron.engine import MegatronEngine
+    from asyncrl.train.moe import flat_routes
 
     engine = MegatronEngine(str(out_dir / "qwen3_moe"), layout, optim=None, device="cpu", dtype=torch.float32,
                             seed=0, ep=ep, router_replay=True)
@@ -190,7 +190,7 @@ def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_c
     on the same rows lower the loss, and the checkpoint resumes on one rank (tp=ep=1) with the same
     weights, which the HF export holds too. Router replay (megatron's `RouterReplay`): its own
     routes are Hugging Face's top-k, and replaying random routes gives Hugging Face's logits under
-    the same replay (`asyncrl.models.moe`)."""
+    the same replay (`asyncrl.train.moe`)."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -214,7 +214,7 @@ def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_c
             got, expected = r[f"{arch}/reshard_bytes"]
             assert got == expected > 0, (arch, got, expected)
     # router replay: megatron's own routes are HF's top-k; replayed random routes give HF's replayed logits
-    from asyncrl.models.moe import flat_routes, tap_of
+    from asyncrl.train.moe import flat_routes, tap_of
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe", dtype=torch.float32)
     tap, routes = tap_of(hf), replay_routes(ids)

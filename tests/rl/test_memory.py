@@ -12,9 +12,9 @@ import torch
 from asyncrl.algorithms import core
 from asyncrl.algorithms.core import LOSS_AGG_MODES
 from asyncrl.config import PPOUpdateConfig
+from asyncrl.data.dataset import positions_from_mask
 from asyncrl.roles.forward import response_forward, response_logprobs
 from asyncrl.roles.update import ppo_update, token_micro_batches, unpermute
-from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.single_controller.batch import Batch
 
 

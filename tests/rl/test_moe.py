@@ -57,9 +57,9 @@ def _sampled(model, dtype=torch.float32, rows: int = 4, seed: int = 0):
 
 
 def _trainer_pass(model, out, replay=None, grad=False):
-    from asyncrl.models.moe import flat_routes, tap_of
     from asyncrl.roles.forward import response_forward
     from asyncrl.single_controller.batch import Batch
+    from asyncrl.train.moe import flat_routes, tap_of
 
     tap = tap_of(model)
     tap.start(replay=None if replay is None else flat_routes(replay), record=True)
@@ -75,7 +75,7 @@ def test_the_native_engine_records_the_experts_the_trainer_routes_to():
     """Every prompt and response token's experts per layer; -1 for left padding, finished rows and
     the last token (no forward read it). In fp32 the trainer routes every recorded token alike
     and replaying the routes changes no log-prob bit."""
-    from asyncrl.models.moe import flat_routes
+    from asyncrl.train.moe import flat_routes
 
     model = tiny_qwen3_moe().eval()
     out = _sampled(model)
@@ -96,7 +96,7 @@ def test_the_native_engine_records_the_experts_the_trainer_routes_to():
 def test_replayed_experts_replace_top_k_and_the_router_keeps_its_gradient():
     """Recorded routes (here: random ones) are the experts the forward uses, weighted by the live
     router's renormalised probabilities, and the loss still reaches the router's weights."""
-    from asyncrl.models.moe import flat_routes, tap_of
+    from asyncrl.train.moe import flat_routes, tap_of
 
     model = tiny_qwen3_moe().eval()
     out = _sampled(model)
@@ -111,7 +111,7 @@ def test_replayed_experts_replace_top_k_and_the_router_keeps_its_gradient():
     tap_of(model).stop()
     assert all(float(r.weight.grad.abs().sum()) > 0 for r in tap_of(model).routers)
     # gate weights of a replayed token: its recorded experts' softmax probabilities, renormalised
-    from asyncrl.models.moe import replay_scores
+    from asyncrl.train.moe import replay_scores
 
     router = tap_of(model).routers[0]
     logits = torch.randn(3, 4)
@@ -125,7 +125,7 @@ def test_replayed_experts_replace_top_k_and_the_router_keeps_its_gradient():
 def test_replay_holds_when_activation_checkpointing_recomputes_a_layer():
     """Gradients with replayed routes equal with and without activation checkpointing (the
     recompute in the backward replays the same experts)."""
-    from asyncrl.models.moe import tap_of
+    from asyncrl.train.moe import tap_of
 
     out = _sampled(tiny_qwen3_moe().eval())
     routes = torch.randint(0, 4, (*out["input_ids"].shape, 2, 1), generator=torch.Generator().manual_seed(2))
@@ -275,7 +275,7 @@ def test_qwen2_moe_routers_replay_beside_their_shared_expert():
     the logits, and the shared expert's gate is not taken for a router."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from asyncrl.models.moe import flat_routes, tap_of
+    from asyncrl.train.moe import flat_routes, tap_of
 
     config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,

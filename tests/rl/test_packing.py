@@ -107,8 +107,8 @@ def test_packed_values_and_reward_scores_equal_padded():
 
 def test_a_mixture_of_experts_replays_and_records_the_same_routes_packed():
     from asyncrl.config import MoEConfig
-    from asyncrl.models.moe import NOT_RECORDED
     from asyncrl.roles import routing
+    from asyncrl.train.moe import NOT_RECORDED
     from tests.rl.test_moe import tiny_qwen3_moe
 
     model, mb = tiny_qwen3_moe(), lengths_batch(**BATCH)

@@ -117,8 +117,10 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert all(r["timing/gen_s"] > 0 and r["timing/update_actor_s"] > 0 and r["timing/overhead_s"] >= 0
                for r in steps)
     assert all(0.1 < r["perf/peak_rss_gib"] < 20 for r in steps)  # the actor's largest rank (trainer.stats_every=1)
-    # the engine's mismatch with the trainer, every step of every run
-    assert all(r["rollout/logprob_diff_max"] >= r["rollout/logprob_diff_mean"] >= 0 and r["rollout/k3_kl"] >= 0
+    # the engine's mismatch with the trainer, every step of every run: the k3 KL is a mean of
+    # exp(d) - 1 - d over tokens whose |d| is at most the logged maximum, so it is at most that at the maximum
+    assert all(r["rollout/logprob_diff_max"] >= r["rollout/logprob_diff_mean"] >= 0
+               and r["rollout/k3_kl"] <= math.expm1(r["rollout/logprob_diff_max"]) - r["rollout/logprob_diff_max"] + 1e-7
                for r in steps), steps
     if any("rollout_correction" in e for e in extra):  # fp32, an agreeing engine: nothing capped or masked
         assert all(r["rollout/logprob_diff_max"] < 1e-3 and r["rollout/correction_masked_token_frac"] == 0
@@ -353,12 +355,13 @@ MULTI_TURN = ["rollout.multi_turn.enable=true", "rollout.multi_turn.env=tests/he
               "rollout.multi_turn.max_turn_tokens=4", "rollout.max_tokens=16"]
 
 
-@pytest.mark.slow  # ~26 s a case: two runs compared; determinism, not the learning signal
-@pytest.mark.parametrize("extra", [[], MULTI_TURN], ids=["single_turn", "multi_turn"])
+@pytest.mark.parametrize("extra", [[], pytest.param(MULTI_TURN, marks=pytest.mark.slow)],
+                         ids=["single_turn", "multi_turn"])
 def test_same_seed_same_metrics(extra, tiny_model, tmp_path):
-    """Two runs with the same seed on this machine log the same numbers (timings aside); with
-    multi-turn rollouts too, whose decodes the environments' timing groups: the same tokens,
-    and log-probs equal to float rounding (a decode of other rows runs other kernel shapes)."""
+    """Two runs with the same seed on this machine log the same numbers (timings aside): bit for
+    bit with single-turn rollouts (one thread a rank, gloo's reductions in a fixed order); with
+    multi-turn rollouts, whose decodes the environments' timing groups, the same tokens and
+    log-probs equal to float rounding (a decode of other rows runs other kernel shapes; `slow`)."""
     def run(name: str) -> list[dict]:
         out = tmp_path / name
         res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "trainer.eval_every=2",
@@ -369,7 +372,12 @@ def test_same_seed_same_metrics(extra, tiny_model, tmp_path):
         return [{k: v for k, v in r.items() if not k.startswith(timings)} for r in rows]
 
     a, b = run("a"), run("b")
-    assert len(a) == len(b) and all(x == pytest.approx(y, rel=1e-6, abs=1e-9) for x, y in zip(a, b, strict=True))
+    assert len(a) == len(b) == 5 and all(set(x) == set(y) for x, y in zip(a, b, strict=True))
+    if extra:
+        assert all(x == pytest.approx(y, rel=1e-6, abs=1e-9) for x, y in zip(a, b, strict=True))
+    else:
+        different = [(r["step"], k, x[k], y[k]) for r, x, y in zip(a, a, b, strict=True) for k in x if x[k] != y[k]]
+        assert not different, different[:10]
 
 
 def test_mini_batches_cover_every_row_and_responses_pad_to_the_budget():
@@ -532,9 +540,9 @@ def test_trimmed_micro_batches_give_the_same_loss_and_gradients(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.algorithms import core
+    from asyncrl.data.dataset import positions_from_mask
     from asyncrl.roles.forward import response_forward
     from asyncrl.roles.update import trim_padding
-    from asyncrl.rollout.engine import positions_from_mask
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     rows, prompt, width = 4, 6, 8

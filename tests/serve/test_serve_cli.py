@@ -65,7 +65,7 @@ async def test_asyncrl_serve_answers_the_openai_client_and_stops_on_sigint(serve
 
 
 def test_a_run_or_a_checkpoint_resolves_to_its_hf_export(tmp_path):
-    from asyncrl.serve.standalone import model_dir, served_name
+    from asyncrl.model_server import model_dir, served_name
 
     for step in (100, 200, 300):
         export = tmp_path / "run" / "checkpoints" / f"step_{step}" / "actor" / "hf"

@@ -44,8 +44,7 @@ def _full_states(engine: Any, param: Tensor, expert: bool) -> dict[str, Tensor]:
 def save_optimizer(engine: Any, out: Path) -> None:
     """Every stage's masters and moments by HF name (a collective over the engine's ranks; the
     first TP and DP rank of each stage writes them, a weight at a time, to `stage{s}-*.safetensors`)."""
-    from asyncrl.plan.memory import EXPORT_SHARD_BYTES
-    from asyncrl.train.export import ShardWriter
+    from asyncrl.train.export import EXPORT_SHARD_BYTES, ShardWriter
 
     writes = engine.tp_rank == 0 and dist.get_rank(engine.dp_group) == 0
     if writes:

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.plan.memory import EXPORT_SHARD_BYTES
-from asyncrl.train.export import ShardWriter, name_shards, write_hf_files
+from asyncrl.train.export import EXPORT_SHARD_BYTES, ShardWriter, name_shards, write_hf_files
 from asyncrl.train.pipeline import all_gather_values
 
 

@@ -156,7 +156,7 @@ def mark_tensor_parallel(gpt: nn.Module, rules: list[Rule]) -> None:
 
 
 class MegatronRoutes:
-    """`asyncrl.models.moe.RouterTap`'s record and replay on megatron's routers (its
+    """`asyncrl.train.moe.RouterTap`'s record and replay on megatron's routers (its
     `RouterReplay`, one per MoE layer of this model): routes are [tokens, layers, k] over a
     forward's rows × columns as asyncrl orders them (megatron's tokens run sequence-major);
     positions with nothing recorded (-1: padding, a last token, whose outputs no log-prob reads)

@@ -13,8 +13,8 @@ import torch
 
 from asyncrl.config import RLConfig
 from asyncrl.data.config import DataConfig
+from asyncrl.data.dataset import positions_from_mask
 from asyncrl.preflight import check_round_trip
-from asyncrl.rollout.engine import positions_from_mask
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.distbatch import DistBatch
 from transport.checks import ConfigError
