@@ -27,10 +27,12 @@ engines need `VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before the import.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,29 @@ log = logging.getLogger(__name__)
 
 EXTENSION = "asyncrl.rollout.vllm_engine.AsyncRLWorkerExtension"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
+
+
+def unlink_mapped_shm(marker: str) -> list[str]:
+    """Unlink the /dev/shm files this process has mapped whose names hold `marker`; returns them.
+
+    vLLM's CPU tensor-parallel groups talk through /dev/shm files named after the group alone
+    ("-tp:0-[0-1]-cpushm_<rank>" for every engine started by an external launcher) and unlink
+    them only in their C++ teardown, which a worker's `os._exit` skips: the files stayed behind
+    and the next engine on the host failed with EEXIST. Every rank has mapped every file once the
+    engine is built (its set-up ends in a barrier), so the names can go then; the memory stays
+    mapped until the process ends."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux
+        return []
+    fields = (line.split(None, 5) for line in maps.splitlines())
+    paths = {f[5] for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/")}
+    gone = []
+    for path in sorted(p for p in paths if marker in Path(p).name and not p.endswith("(deleted)")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            gone.append(path)
+    return gone
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -318,9 +343,12 @@ class VLLMRolloutEngine:
         # an in-process engine does not do: keep the trainer's own thread setting working
         set_threads = torch.set_num_threads
         try:
-            return vllm.LLM(**kwargs)
+            llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
+        if kwargs.get("tensor_parallel_size", 1) > 1:
+            unlink_mapped_shm("cpushm")
+        return llm
 
     def _rpc(self, method: str, *args: Any) -> Any:
         return self.llm.collective_rpc(method, args=args)[0]

@@ -119,3 +119,30 @@ def test_the_teacher_is_built_by_its_backend_and_one_without_a_teacher_engine_is
     assert backend("fsdp2").teacher_engine == "asyncrl.roles.teacher:fsdp_teacher"
     with pytest.raises(ConfigError, match="teacher.backend=megatron builds no teacher engine; use teacher.backend=fsdp2"):
         rl_config(load_config("opd", ["teacher.path=/models/teacher", "teacher.backend=megatron"]))
+
+
+def test_mapped_shared_memory_files_are_unlinked_and_others_left(tmp_path):
+    """`unlink_mapped_shm` drops the names of the /dev/shm files this process maps (vLLM's CPU TP
+    buffers), keeps the mapping, and leaves alone a file it does not map or whose name differs."""
+    import mmap
+    import uuid
+
+    from asyncrl.rollout.vllm_engine import unlink_mapped_shm
+
+    tag = uuid.uuid4().hex
+    mapped, other, unmapped = (Path(f"/dev/shm/asyncrl-test-{tag}-{n}") for n in ("cpushm_0", "other_0", "cpushm_1"))
+    maps = []
+    try:
+        for path in (mapped, other, unmapped):
+            path.write_bytes(b"x" * 4096)
+        for path in (mapped, other):
+            with path.open("r+b") as f:
+                maps.append(mmap.mmap(f.fileno(), 4096))
+        assert unlink_mapped_shm(f"{tag}-cpushm") == [str(mapped)]
+        assert not mapped.exists() and other.exists() and unmapped.exists()
+        assert maps[0][:1] == b"x"  # still mapped
+    finally:
+        for m in maps:
+            m.close()
+        for path in (mapped, other, unmapped):
+            path.unlink(missing_ok=True)
