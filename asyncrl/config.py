@@ -241,8 +241,6 @@ def _check_backend(section: ActorConfig | CriticConfig, at: str) -> None:
            f"padding columns); set it to null or false, or {_those(at + 'backend', 'packing')}")
 
 
-
-
 @dataclass
 class LoRAConfig:
     """LoRA adapters on the actor or the critic (asyncrl/train/lora.py): only they train (and the

@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -58,19 +58,25 @@ def exit_reason(returncode: int | None) -> str:
 
 def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM the child's process group, SIGKILL it after `grace_s`, and reap the child."""
-    if proc.poll() is None:
+    end_group(proc.pid, lambda: proc.poll() is None, proc.wait, grace_s)
+
+
+def end_group(pid: int, alive: Callable[[], bool], reap: Callable[[], Any], grace_s: float = 5.0) -> None:
+    """`kill_group` for any child whose group `pid` leads: `alive()` says whether the leader
+    runs, `reap()` waits for it (a `multiprocessing.Process`: `is_alive`, `join`)."""
+    if alive():
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + grace_s
-        while proc.poll() is None and time.monotonic() < deadline:
+        while alive() and time.monotonic() < deadline:
             time.sleep(0.05)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group, even if the leader exited
+        os.killpg(pid, signal.SIGKILL)  # stragglers in the group, even if the leader exited
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
+    reap()
 
 
 def run_spawned(target: Any, args_per_process: list[tuple], timeout_s: float,

@@ -14,7 +14,6 @@ if TYPE_CHECKING:  # the config imports the algorithms
     from asyncrl.config import AlgorithmConfig
 
 
-
 class FixedKLController:
     """Constant KL coefficient."""
 

@@ -61,8 +61,6 @@ ADAPTER_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, stri
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-
-
 # A trim walks every free chunk of the C heap (2-5 ms a call on the quickstart's workers, twice a
 # step); skipped while the process holds less than this many resident bytes more than after its
 # last trim, so at most this much freed memory stays mapped between trims
@@ -138,8 +136,6 @@ def collective_timeout() -> timedelta | None:
     """worker.collective_timeout_s as the driver passed it to this worker (None: torch's default)."""
     value = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
     return timedelta(seconds=float(value)) if value else None
-
-
 
 
 def compute_dtype(device: str | torch.device, dtype: str = "auto") -> torch.dtype:

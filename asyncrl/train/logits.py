@@ -41,8 +41,6 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 1024)
     return torch.cat(out).reshape(labels.shape)
 
 
-
-
 def response_logprobs(logits: torch.Tensor, responses: torch.Tensor, temperature: float = 1.0,
                       with_entropy: bool = False, chunk_tokens: int = LOGIT_CHUNK_TOKENS
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from daemons.proc import end_group
 
 # what every rank group and launch imports; one list: the server reads it once, when it starts
 PRELOAD = ["torch", "torch.distributed", "transformers", "asyncrl.launch", "asyncrl.trainer",
@@ -36,8 +36,7 @@ def context() -> Any:
     return multiprocessing.get_context("forkserver")
 
 
-def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout: float,
-           stdin_devnull: bool = True) -> subprocess.CompletedProcess:
+def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
     """`asyncrl-launch *argv` as `subprocess.run(..., capture_output=True, text=True)` would run
     it, forked from the fork server: its own session (a timeout kills it and every process it
     started), environment and working directory; TimeoutExpired past `timeout`."""
@@ -46,10 +45,10 @@ def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout:
         proc = context().Process(target=_launch_main, args=(list(argv), dict(env), str(cwd), str(out), str(err)))
         proc.start()
         proc.join(timeout)
-        if proc.exitcode is None:
-            _end_session(proc)
+        timed_out = proc.exitcode is None
+        end_group(proc.pid, proc.is_alive, proc.join)  # the launch if it still runs, and all it left behind
+        if timed_out:
             raise subprocess.TimeoutExpired(["asyncrl-launch", *argv], timeout, out.read_text(), err.read_text())
-        _end_session(proc)  # anything it left behind in its session
         return subprocess.CompletedProcess(["asyncrl-launch", *argv], proc.exitcode, out.read_text(),
                                            err.read_text())
 
@@ -76,24 +75,10 @@ def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: 
     exit_now(main(argv))
 
 
-def _end_session(proc: Any, grace_s: float = 5.0) -> None:
-    """SIGTERM the child's session, SIGKILL what is left after `grace_s`, reap the child."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if sig == signal.SIGTERM:
-            deadline = time.monotonic() + grace_s
-            while proc.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-    proc.join()
-
-
 def run(cmd: list[str], *, env: Mapping[str, str] | None = None, cwd: Path | str | None = None,
-        timeout: float = 600, capture_output: bool = True, text: bool = True) -> subprocess.CompletedProcess:
+        timeout: float = 600) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, ...)` for `cmd` =
     `[sys.executable, "-m", "asyncrl.launch", *argv]`, through `launch`."""
-    if cmd[:3] != [sys.executable, "-m", "asyncrl.launch"] or not (capture_output and text):
-        raise ValueError(f"forked.run runs `python -m asyncrl.launch ...` with its output captured as text, not {cmd[:3]}")
+    if cmd[:3] != [sys.executable, "-m", "asyncrl.launch"]:
+        raise ValueError(f"forked.run runs `python -m asyncrl.launch ...`, not {cmd[:3]}")
     return launch(cmd[3:], env=os.environ if env is None else env, cwd=cwd or os.getcwd(), timeout=timeout)

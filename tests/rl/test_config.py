@@ -20,7 +20,7 @@ from tests.helpers import forked
 from transport.checks import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, "-m", "asyncrl.launch"]  # forked.run runs it from the pre-imported server
+LAUNCH = [sys.executable, "-m", "asyncrl.launch"]  # forked.run forks it from the pre-imported server; subprocess.run starts it
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "rl_defaults")
 
 

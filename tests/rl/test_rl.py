@@ -376,7 +376,7 @@ def test_same_seed_same_metrics(extra, tiny_model, tmp_path):
     if extra:
         assert all(x == pytest.approx(y, rel=1e-6, abs=1e-9) for x, y in zip(a, b, strict=True))
     else:
-        different = [(r["step"], k, x[k], y[k]) for r, x, y in zip(a, a, b, strict=True) for k in x if x[k] != y[k]]
+        different = [(x["step"], k, x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x if x[k] != y[k]]
         assert not different, different[:10]
 
 
