@@ -3,6 +3,8 @@ blocks, which pipeline stage holds what, and how a step's metrics are reduced.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,15 +56,28 @@ def reduce_step_metrics(loss_sum: torch.Tensor, per_micro: dict[str, list[torch.
     """A step's logged numbers over its micro-batches and the dp ranks of `group`: the summed
     loss and each metric's mean averaged over ranks, except that a name ending in `_max` takes the
     largest value (two collectives at most)."""
+    return start_step_metrics(loss_sum, per_micro, group)()
+
+
+def start_step_metrics(loss_sum: torch.Tensor, per_micro: dict[str, list[torch.Tensor]],
+                       group: dist.ProcessGroup | None) -> Callable[[], dict[str, float]]:
+    """`reduce_step_metrics` with its collectives started now, in the background; the returned
+    function waits for them and gives the numbers (the optimizer step can run in between)."""
     names = sorted(per_micro)
     means = [k for k in names if not k.endswith("_max")]
     maxes = [k for k in names if k.endswith("_max")]
     size = dist.get_world_size(group)
     packed = torch.stack([loss_sum.float()] + [torch.stack(per_micro[k]).mean() for k in means])
-    dist.all_reduce(packed, group=group)
-    out = dict(zip(["loss", *means], (packed / size).tolist(), strict=True))
-    if maxes:
-        top = torch.stack([torch.stack(per_micro[k]).max() for k in maxes])
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        out.update(zip(maxes, top.tolist(), strict=True))
-    return out
+    works = [dist.all_reduce(packed, group=group, async_op=True)]
+    top = torch.stack([torch.stack(per_micro[k]).max() for k in maxes]) if maxes else None
+    if top is not None:
+        works.append(dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group, async_op=True))
+
+    def finish() -> dict[str, float]:
+        for work in works:
+            work.wait()
+        out = dict(zip(["loss", *means], (packed / size).tolist(), strict=True))
+        if top is not None:
+            out.update(zip(maxes, top.tolist(), strict=True))
+        return out
+    return finish
