@@ -293,12 +293,11 @@ def pad_prompts(batch: dict[str, Any], width: int, pad_token_id: int) -> dict[st
 def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str, Any]:
     """input_ids/attention_mask/position_ids [B, P] left-padded, plus per-row metadata lists."""
     width = max(len(it.input_ids) for it in items)
-    ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(items), width), dtype=torch.long)
-    for i, it in enumerate(items):
-        n = len(it.input_ids)
-        ids[i, width - n:] = torch.tensor(it.input_ids, dtype=torch.long)
-        mask[i, width - n:] = 1
+    # one tensor from padded lists (a torch.tensor per row was half of a step's prompt batch)
+    ids = torch.tensor([[pad_token_id] * (width - len(it.input_ids)) + list(it.input_ids) for it in items],
+                       dtype=torch.long).reshape(len(items), width)
+    mask = torch.tensor([[0] * (width - len(it.input_ids)) + [1] * len(it.input_ids) for it in items],
+                        dtype=torch.long).reshape(len(items), width)
     return {
         "input_ids": ids,
         "attention_mask": mask,
