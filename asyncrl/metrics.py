@@ -56,9 +56,10 @@ def timed(phase: str) -> Callable:
 
 
 def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Average per-rank (or per-update) metric dicts, key by key; a key ending in `_max` takes the largest."""
+    """Average per-rank (or per-update) metric dicts, key by key; a key ending in `_max` takes the
+    largest, and so does a `timing/` key (a phase lasts as long as its slowest rank)."""
     keys = {k for m in per_rank for k in m}
-    return {k: max(m[k] for m in per_rank if k in m) if k.endswith("_max") else
+    return {k: max(m[k] for m in per_rank if k in m) if k.endswith("_max") or k.startswith("timing/") else
             sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
 
 SHOWN = ("critic/score_mean", "val/reward", "actor/pg_loss", "actor/kl_loss", "critic/kl",

@@ -146,8 +146,24 @@ def gather(ctx: CallContext, outputs: list[Any]) -> Any:
             trimmed.append(out)
         outputs = trimmed
     if all(isinstance(o, DistBatch) for o in outputs):
-        return DistBatch.concat(outputs)
-    return Batch.concat(outputs)
+        return with_slowest_timings(DistBatch.concat(outputs), outputs)
+    return with_slowest_timings(Batch.concat(outputs), outputs)
+
+
+def with_slowest_timings(out: Any, parts: list[Any]) -> Any:
+    """`out` (the ranks' outputs concatenated, meta from the first) with each `timing/` entry of
+    the slowest rank: a phase lasts as long as its slowest rank, which the step waits for."""
+    slowest: dict[str, float] = {}
+    for part in parts:
+        for k, v in part.meta.items():
+            if k.startswith("timing/"):
+                slowest[k] = max(v, slowest.get(k, v))
+    if not slowest:
+        return out
+    if isinstance(out, DistBatch):
+        return out.with_meta(**slowest)
+    out.meta.update(slowest)
+    return out
 
 
 def _all(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
@@ -262,7 +278,8 @@ def _collect_local_rows(ctx: CallContext, outputs: dict[int, Any]) -> Any:
     if not all(isinstance(o, (DistBatch, Batch)) for o in parts):
         return parts
     order = ctx.state["order"]
-    out = DistBatch.concat(parts) if all(isinstance(o, DistBatch) for o in parts) else Batch.concat(parts)
+    out = with_slowest_timings(DistBatch.concat(parts) if all(isinstance(o, DistBatch) for o in parts)
+                               else Batch.concat(parts), parts)
     if len(out) != len(order):
         raise ValueError(f"{ctx.group}.{ctx.method} is LOCAL_ROWS: it returned {len(out)} rows for "
                          f"{len(order)}; each rank must return one row per row it got")

@@ -386,3 +386,17 @@ def test_a_dist_batch_sends_each_ref_once_with_only_the_inline_rows_it_reads():
     assert list(sent) == ["o1"] and sent["o1"].inline_start == 4
     assert torch.equal(sent["o1"].inline["x"], rows["x"][4:8])
     assert [(p.start, p.stop) for b in back.blocks for p in b] == [(4, 6), (6, 8)]
+
+
+def test_a_calls_phase_time_is_its_slowest_ranks():
+    """Gathered rank outputs keep the first rank's meta, except `timing/` entries: the slowest
+    rank's (the step waits for it); per-rank metric dicts likewise."""
+    from asyncrl.metrics import mean_metrics
+    from asyncrl.single_controller.protocols import CallContext, gather
+
+    parts = [Batch({"x": torch.zeros(2)}, meta={"timing/gen_s": 0.010, "step": 3}),
+             Batch({"x": torch.ones(2)}, meta={"timing/gen_s": 0.014, "step": 3})]
+    out = gather(CallContext("g", "m", 2, {}), parts)
+    assert out.meta == {"timing/gen_s": 0.014, "step": 3} and len(out) == 4
+    assert mean_metrics([{"timing/update_actor_s": 0.5, "loss": 1.0},
+                         {"timing/update_actor_s": 0.7, "loss": 3.0}]) == {"timing/update_actor_s": 0.7, "loss": 2.0}
