@@ -556,15 +556,6 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         out = self.actor.train_step(*turn_loss(self.actor.model, mbs, loss_fn))
         return {"actor/pretrain_loss": out["actor/pretrain_loss"]}
 
-    @register(THREE_D_PROTO)
-    def compute_loss(self, batch: Batch) -> dict[str, float]:
-        """Pretrain/SFT loss (mean negative log-likelihood of response tokens), no update."""
-        logp, _ = self._log_probs(self.actor, batch, with_entropy=False)
-        if logp is None:  # not the last pipeline stage: the driver keeps the last stage's
-            return {}
-        mask = batch["response_mask"].float()
-        return {"sft_loss": float(-core.masked_mean(logp, mask)), "tokens": float(mask.sum())}
-
     @register(ONE_TO_ALL)
     def held_models(self) -> dict[str, Any]:
         """What this worker holds: which engines exist, and the actor's trainable and total

@@ -18,7 +18,7 @@ from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.common import full_tensor
-from asyncrl.train.lora import adapter_scales, merged_weight
+from asyncrl.train.lora import merged_weight
 from asyncrl.train.weight_sync import (
     WeightBridge,
     WeightSyncError,
@@ -51,24 +51,6 @@ class PoolWeights:
     def weight_sync_digest(self) -> str:
         """A fingerprint of the tensors a sync carries (both pools must agree)."""
         return digest(self.sync_specs)
-
-    @register(ONE_TO_ALL)
-    def weights_checksum(self) -> list[float]:
-        """Per synced tensor, the sum of its values in float64: the generating weights of a
-        rollout-only worker (after loading any staged version), the full training weights
-        otherwise (a collective over the training pool). Both pools agree after a sync."""
-        if self.actor is None:
-            if self.batcher is None:
-                self._apply_staged_weights()
-            named = dict(self.rollout.model.named_parameters())
-            return [float(named[name].double().sum()) for name in self._synced_weights()]
-        if self.cfg.actor.lora.enabled:  # the adapted weights as the rollout merges them
-            scales, state = adapter_scales(self.actor.model), self.actor.model.state_dict()
-            full = {k: full_tensor(v) for k, v in state.items()}
-            return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(self.sync_dtype),
-                                        full[f"{m}.lora_B"].to(self.sync_dtype), scales[m], self.sync_dtype)
-                          .double().sum()) for m in scales]
-        return [float(t.to(self.sync_dtype).double().sum()) for t in full_tensors(self.actor.model)]
 
     def _synced_weights(self) -> list[str]:
         """The rollout model's weights a sync sets (LoRA: the adapted ones, merged)."""

@@ -250,7 +250,7 @@ def test_split_sync_is_source_parallel_over_fsdp_ranks(tiny_model, tmp_path):
     res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=2",
                                             "rollout.max_staleness=1",
                                             "cluster.cpu_devices=4", "trainer.total_steps=3", "trainer.eval_every=3",
-                                            "trainer.loggers=[jsonl]", "job.entry=tests/helpers/sync_probe.py:main"])
+                                            "trainer.loggers=[jsonl]", "job.entry=tests/helpers/sync_probe.py:main", "cluster.allowed_packages=[tests]"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     train, rollouts = summary["train_checksum"], summary["rollout_checksums"]
@@ -267,7 +267,7 @@ def test_split_weight_sync_carries_the_compute_dtype(tiny_model, tmp_path):
     out = tmp_path / "bf16"
     res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2", "cluster.cpu_devices=3",
                                             "model.dtype=bfloat16", "trainer.total_steps=2", "trainer.eval_every=2",
-                                            "job.entry=tests/helpers/sync_probe.py:main"])
+                                            "job.entry=tests/helpers/sync_probe.py:main", "cluster.allowed_packages=[tests]"])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     train, rollouts = summary["train_checksum"], summary["rollout_checksums"]

@@ -202,7 +202,7 @@ def test_split_placement_syncs_only_the_adapters(tiny_model, tmp_path):
     res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2",
                                             "cluster.cpu_devices=3", "actor.lora.rank=2", "actor.optim.lr=5e-2",
                                             "trainer.total_steps=2", "trainer.eval_every=2",
-                                            "job.entry=tests/helpers/sync_probe.py:main"], tmp_path / "state", 240)
+                                            "job.entry=tests/helpers/sync_probe.py:main", "cluster.allowed_packages=[tests]"], tmp_path / "state", 240)
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2
     train, rollouts = summary["train_checksum"], summary["rollout_checksums"]

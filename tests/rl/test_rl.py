@@ -397,14 +397,17 @@ def test_mini_batches_cover_every_row_and_responses_pad_to_the_budget():
 
 
 async def test_actor_workers_through_the_api(tiny_model, tmp_path):
-    """generate → compute_loss (pretrain loss, no update) → update_pretrain lowers it."""
+    """generate → the SFT loss (no update) → update_pretrain lowers it."""
     from asyncrl.metrics import mean_metrics
     from asyncrl.roles.actor import ActorRolloutRefWorker
     from asyncrl.single_controller.context import local_cluster
+    from asyncrl.single_controller.protocols import THREE_D_PROTO
+    from tests.helpers.worker_probes import sft_loss
 
     cfg = {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
            "rollout": {"n": 2, "max_tokens": 4}, "actor": {"optim": {"lr": 1e-2}, "pretrain_coef": 1.0}}
-    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True) as ctx:
+    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True,
+                             allowed_packages=("tests",)) as ctx:
         actor = await ctx.spawn_group(ctx.create_pool("a", world_size=2), ActorRolloutRefWorker, cfg,
                                       ("actor", "rollout"))
         ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 5, 6]])
@@ -412,11 +415,11 @@ async def test_actor_workers_through_the_api(tiny_model, tmp_path):
                                 {"uid": ["a", "b", "c"]}, {"seed": 1}))
         gen = await actor.generate_sequences(prompts)
         assert len(gen) == 6 and gen.columns.count("responses") == 1
-        before = mean_metrics(await actor.compute_loss(gen))
+        before = mean_metrics(await actor.apply(sft_loss, gen, protocol=THREE_D_PROTO))
         assert math.isfinite(before["sft_loss"]) and before["tokens"] > 0
         for _ in range(3):
             await actor.update_pretrain(gen)
-        after = mean_metrics(await actor.compute_loss(gen))
+        after = mean_metrics(await actor.apply(sft_loss, gen, protocol=THREE_D_PROTO))
         assert after["sft_loss"] < before["sft_loss"]
         await gen.free()  # explicit free: the owners drop the objects now
         stats = [await h.call("store_stats") for h in actor.handles]
