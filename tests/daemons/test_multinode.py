@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -431,3 +432,125 @@ def test_blocked_driver_does_not_lose_the_other_node(netpair, tmp_path):
         assert '"same_workers": true' in text_a, report
         assert "event loop was blocked for 12." in text_a, report
         assert "unreachable" not in text_b and "missed heartbeats" not in text_a, report
+
+
+@pytest.mark.multinode
+def test_a_training_rank_on_the_other_node_fails_over(netpair, tmp_path):
+    """kill -9 the FSDP rank on node 1 (its node daemon lives on) mid-GRPO with
+    trainer.max_restarts=1: the job restarts its workers on both nodes from the last complete
+    checkpoint, over the veth again, and finishes every step once."""
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-failover")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    rl = ["trainer.total_steps=6", "trainer.save_every=2", "trainer.eval_every=6", "trainer.max_restarts=1",
+          "trainer.loggers=[console,jsonl]", "data.batch_size=4", "rollout.n=2", "data.synthetic.n_train=64",
+          "data.synthetic.n_val=8", f"trainer.output_dir={tmp}/out", f"model.path={tmp}/model"]
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    metrics = tmp / "out" / "metrics.jsonl"
+
+    def steps() -> list[dict]:
+        return [json.loads(x) for x in metrics.read_text().splitlines() if '"actor/pg_loss"' in x] if metrics.exists() else []
+
+    with _cleaned_up(procs, check_shm=False):  # a SIGKILLed worker cannot clean its shared memory
+        head = procs.start(_node0(ns_a, keys, tmp, *rl, config="quickstart"), out_a)
+        node1 = procs.start(_node1(ns_b, keys, tmp, config="quickstart"), out_b)
+        deadline = time.monotonic() + 150
+        while len(steps()) < 3:  # past the step-2 checkpoint
+            assert head.poll() is None and time.monotonic() < deadline, out_a.read_text()
+            time.sleep(0.1)
+        spawned = re.findall(r"spawned worker (\S+) pid (\d+)", out_b.read_text())
+        assert len(spawned) == 1, out_b.read_text()  # node 1 runs one rank of the actor
+        os.kill(int(spawned[0][1]), signal.SIGKILL)
+        rc0 = _wait(head, 150, out_a)
+        rc1 = _wait(node1, 15, out_b)
+        text_a, text_b = out_a.read_text(), out_b.read_text()
+        report = f"node 0 (rc {rc0}):\n{text_a}\nnode 1 (rc {rc1}):\n{text_b}"
+        assert rc0 == 0 and rc1 == 0, report
+        assert "failover 1 of trainer.max_restarts=1" in text_a and spawned[0][0] in text_a, report
+        summary = json.loads(text_a.strip().splitlines()[-1])
+        assert summary["steps"] == 6 and summary["restarts"] == 1, report
+        rows = steps()
+        assert [r["step"] for r in rows] == list(range(1, 7)), [r["step"] for r in rows]  # each step once
+        restarted = [r["step"] for r in rows if r["trainer/restarts"] == 1]
+        assert restarted == list(range(restarted[0], 7)) and restarted[0] <= 4, restarted
+        again = re.findall(r"spawned worker (\S+) pid (\d+)", text_b)
+        assert len(again) == 2 and again[1][1] != spawned[0][1], text_b  # the restart used node 1 again
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
+        assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs
+
+
+@pytest.mark.multinode
+def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path):
+    """An elastic rollout pool on node 0 alone; node 1 joins the running job over the veth
+    (`asyncrl-launch --join`), gets a rollout worker with the current weights, generates, and is
+    then killed (kill -9 its worker): its prompts are generated again on node 0 and the ledger
+    shows every prompt trained once. A gate in the reward holds the run between the events."""
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    ns_a, ns_b = netpair
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    procs = _Procs(f"arl-mn-{PID}-elastic")
+    tmp = tmp_path / procs.marker
+    tmp.mkdir()
+    model = ensure_tiny_model(tmp / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
+    out, gate, total = tmp / "out", tmp / "gate", 8
+    head_argv = ["ip", "netns", "exec", ns_a, sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo",
+                 f"cluster.key_dir={keys}", f"cluster.host={SUBNET}.1", f"cluster.port={PORT}",
+                 f"cluster.log_dir={tmp / 'logs-a'}", "cluster.cpu_devices=2", f"trainer.output_dir={out}",
+                 f"model.path={model}", "model.build_tiny=null", "data.batch_size=4", "rollout.n=2",
+                 "rollout.max_tokens=4", "data.synthetic.n_train=64", "data.synthetic.n_val=8",
+                 f"trainer.total_steps={total}", f"trainer.save_every={total}", f"trainer.eval_every={total}",
+                 "trainer.loggers=[console,jsonl]", "trainer.placement=split", "trainer.n_workers=1",
+                 "rollout.n_workers=1", "rollout.elastic=true",
+                 f"reward.fn={REPO / 'tests' / 'helpers' / 'gated_reward.py'}:score"]
+    join_argv = ["ip", "netns", "exec", ns_b, sys.executable, "-m", "asyncrl.launch", "--join", f"{SUBNET}.1:{PORT}",
+                 "--config-name", "grpo", f"cluster.key_dir={keys}", f"cluster.host={SUBNET}.2",
+                 "cluster.cpu_devices=1", f"cluster.log_dir={tmp / 'logs-b'}"]
+    out_a, out_b = tmp / "node0.out", tmp / "node1.out"
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> list[dict]:
+        return [json.loads(x) for x in metrics.read_text().splitlines() if '"actor/pg_loss"' in x] if metrics.exists() else []
+
+    def wait(cond, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert head.poll() is None and time.monotonic() < deadline, out_a.read_text()
+            time.sleep(0.1)
+
+    with _cleaned_up(procs, check_shm=False):  # a SIGKILLed worker cannot clean its shared memory
+        head = procs.start(head_argv, out_a, {"ASYNCRL_TEST_GATE": str(gate)})
+        wait(lambda: len(steps()) >= 2)
+        gate.touch()  # the run holds at its next scoring while node 1 joins
+        joiner = procs.start(join_argv, out_b)
+        joined = r"rollout-\d+ on (?!vm-0 )\S+ is live \(\d+ workers, weights version (\d+)\)"  # not the head's
+        wait(lambda: re.search(joined, out_a.read_text()) is not None)
+        gate.unlink()
+        wait(lambda: len(steps()) >= 5)
+        gate.touch()
+        spawned = re.findall(r"spawned worker (rollout-\S+) pid (\d+)", out_b.read_text())
+        assert len(spawned) == 1, out_b.read_text()
+        os.kill(int(spawned[0][1]), signal.SIGKILL)  # the joined node's rollout worker dies mid-run
+        gate.unlink()
+        rc0 = _wait(head, 150, out_a)
+        text_a = out_a.read_text()
+        assert rc0 == 0, text_a
+        summary = json.loads(text_a.strip().splitlines()[-1])
+        assert summary["steps"] == total, text_a
+        version = int(re.search(joined, text_a).group(1))
+        assert version >= 2, text_a  # the joiner started from the weights of the step it joined at
+        last = steps()[-1]
+        assert last["rollout/workers_joined"] == 1 and last["rollout/workers_lost"] == 1, last
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
+        assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs  # its rows came over the veth
+        ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in ledger] == list(range(1, total + 1))
+        drawn = [u for row in ledger for u in row["uids"]]
+        assert len(set(drawn)) == len(drawn)  # no prompt in two steps
+        for row in ledger:  # rollout.n rows of each drawn prompt: none lost with the worker, none twice
+            assert sorted(row["rows"]) == sorted(u for u in row["uids"] for _ in range(2)), row
+        joiner.wait(timeout=30)
