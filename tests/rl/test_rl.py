@@ -130,7 +130,10 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
                    for r in steps), steps
     if "rollout.multi_turn.enable=true" in extra:  # every trajectory ran its two turns
         assert all(r["agent/num_turns_mean"] == 2.0 for r in steps), steps
-        assert all(r["agent/ones_mean"] >= 0 for r in steps), steps  # the environment's own info number
+        # the environment's own info number against its reward, relayed apart: each trajectory's
+        # reward is its "1"s over its words, so the mean count of "1"s is at least the mean score
+        assert all(r["agent/ones_mean"] >= r["critic/score_mean"] - 1e-6 for r in steps), steps
+        assert all((r["agent/ones_mean"] > 0) == (r["critic/score_mean"] > 0) for r in steps), steps
     before, after = _weights(tiny_model), _weights(Path(summary["checkpoint"]))
     if "model.dtype=bfloat16" in extra:  # the export is in the compute dtype, and says so
         config = json.loads((Path(summary["checkpoint"]) / "config.json").read_text())
@@ -176,7 +179,9 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert sum(summary["policy_gain"]) > 0, summary
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
-    assert all(r["rollout/logprob_diff_max"] < 1e-5 and r["moe/expert_load_max"] >= 1.0
+    # the busiest expert's load over the mean: above 1 for a random router over a finite batch, at
+    # most experts / top-k (each token picks 2 distinct experts of 8)
+    assert all(r["rollout/logprob_diff_max"] < 1e-5 and 1.0 < r["moe/expert_load_max"] <= 8 / 2
                and 0.5 < r["moe/aux_loss"] < 8 and r["moe/z_loss"] > 0 for r in steps), steps
     if replay == "rollout":  # on-policy: the update's own routing is the rollout's
         assert all(r["moe/routing_agreement"] == 1.0 for r in steps), steps
