@@ -15,8 +15,8 @@ A run directory (`trainer.output_dir`) holds what this program wrote and nothing
 from __future__ import annotations
 
 import asyncio
-import gc
 import functools
+import gc
 import json
 import logging
 import math

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +36,7 @@ from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import routing
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
-from asyncrl.roles.pools import PoolWeights, StagedWeights
+from asyncrl.roles.pools import PoolWeights
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
@@ -83,9 +82,7 @@ from asyncrl.train.packing import AUTO_ATTR, is_packing, resolve_packing
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
 from asyncrl.train.ulysses import run_turns, sequence_parallel, turn_loss
 from asyncrl.train.weight_sync import (
-    Sending,
     TensorSpec,
-    WeightBridge,
     specs_of,
 )
 from transport import trace
@@ -95,8 +92,10 @@ log = logging.getLogger(__name__)
 SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "greedy")
 
 
-class ActorRolloutRefWorker(PoolWeights, Worker):
+class ActorRolloutRefWorker(Worker):
     """`roles` picks what this process hosts: any of "actor", "rollout", "ref"."""
+
+    parts = {"pool": PoolWeights}  # the weights between pools: its registered methods are this worker's
 
     def __init__(self, config: RLConfig | dict[str, Any], roles: tuple[str, ...] = ("actor", "rollout", "ref")) -> None:
         super().__init__()
@@ -111,18 +110,18 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                                     if "actor" in self.roles else pure_dp(self.world_size))
         self.gen_layout = self.register_mesh(generation_layout(layout, cfg.rollout.parallel))
         base = self._base_model(one_copy="actor" in self.roles)
-        self.sync_dtype, self.sync_specs = self._sync_specs(base)
+        sync_dtype, sync_specs = self._sync_specs(base)
         self.actor: TrainEngine | None = None  # the policy in training
         self.ref: TrainEngine | None = None  # the frozen reference policy
         self.rollout: Rollout | None = None  # the generation engine
-        self._pristine: dict[str, torch.Tensor] = {}  # LoRA, rollout-only: the adapted weights' base values
-        if "rollout" in self.roles and "actor" not in self.roles:
-            self._rollout_replica(base, layout)
+        # LoRA, rollout-only: the adapted weights' base values
+        replica = "rollout" in self.roles and "actor" not in self.roles
+        pristine = self._rollout_replica(base, layout, sync_specs) if replica else {}
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
         self._build_engines(base, layout, one_copy="actor" in self.roles)
         pack_engines(self.cfg, [e for e in (self.actor, self.ref) if e is not None], layout, "actor" in self.roles)
         self._hybrid_engine(base, layout)  # the reshard from training into generation weights
-        self._pool_state()  # split placement: versions of weights from the training pool
+        self._pool_state(sync_dtype, sync_specs, pristine)  # split placement: versions from the training pool
         # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
         self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
@@ -144,8 +143,10 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                            for name, shape in adapter_shapes(base, lora.rank, lora.target_modules)]
         return dtype, [replace(s, dtype=dtype) for s in specs_of(base)]
 
-    def _rollout_replica(self, base: torch.nn.Module, layout: ParallelLayout) -> None:
-        """A rollout without an actor: a generation-only copy of the whole model."""
+    def _rollout_replica(self, base: torch.nn.Module, layout: ParallelLayout,
+                         sync_specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+        """A rollout without an actor: a generation-only copy of the whole model; with LoRA
+        merged into it, the adapted weights' base values."""
         cfg, lora = self.cfg, self.cfg.actor.lora
         if self.gen_layout.size("tp") > 1 or self.world_size > 1 and layout.size("tp") > 1:
             raise ValueError("a rollout without an actor holds a full replica: set rollout.parallel.tp=1 "
@@ -155,9 +156,10 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
             raise ValueError("this model has no LoRA support in vLLM, and a split rollout pool cannot merge "
                              "adapters into vLLM's base: use rollout.engine=native or trainer.placement=colocated")
         if lora.enabled and not self.rollout.holds_own_weights:
-            adapted = [spec.name.rsplit(".", 1)[0] for spec in self.sync_specs[::2]]  # each module's lora_A
+            adapted = [spec.name.rsplit(".", 1)[0] for spec in sync_specs[::2]]  # each module's lora_A
             bound = cast(BoundRollout, self.rollout)
-            self._pristine = {m: bound.model.get_submodule(m).weight.detach().clone() for m in adapted}
+            return {m: bound.model.get_submodule(m).weight.detach().clone() for m in adapted}
+        return {}
 
     def _hybrid_engine(self, base: torch.nn.Module, layout: ParallelLayout) -> None:
         """Actor and rollout in one process: the weightless generation model the reshard fills
@@ -176,23 +178,19 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                                               compute_dtype(self.device, cfg.model.dtype))
         self.rollout = rollout_engine(cfg.rollout.engine).build_engine(self, self.generation.model, colocated=True)
 
-    def _pool_state(self) -> None:
-        """trainer.placement=split: weights from the training pool (`WeightBridge`); a rollout-only
-        worker receives a version into `_staged` while it may be generating, and applies it before
-        its next generate (or between decode steps with rollout.interrupt_on_update); its native
-        engine serves every call from one continuous batch."""
+    def _pool_state(self, sync_dtype: torch.dtype, sync_specs: list[TensorSpec],
+                    pristine: dict[str, torch.Tensor]) -> None:
+        """trainer.placement=split: weights from the training pool (`PoolWeights`); a rollout-only
+        worker's native engine serves every call from one continuous batch, which applies staged
+        versions between its decode steps."""
         self.update_steps = 0
-        self.bridge: WeightBridge | None = None
-        self._source_rows: list[list[int]] | None = None  # every training rank sends its own shards
-        self._pushing: Sending | None = None  # an overlapped push's sends in flight
-        self.weights_version = 0
-        self._staged: list[torch.Tensor] | None = None
-        self._staged_version: int | None = None
-        self._weights_lock = threading.Lock()
+        self.pool = PoolWeights(self.cfg, self.rank, self.device, self.actor, self.rollout, sync_dtype,
+                                sync_specs, pristine, lambda: self.update_steps)
         self.batcher: ContinuousBatcher | None = None
         if (self.rollout is not None and self.rollout.continuous_batching and self.actor is None
                 and self.cfg.trainer.placement == "split"):
-            self.batcher = ContinuousBatcher(self.rollout, self._decode_rows(), StagedWeights(self))
+            self.batcher = ContinuousBatcher(self.rollout, decode_rows(self.cfg, self.rollout, self.gen_layout),
+                                             self.pool)
 
     def _base_model(self, one_copy: bool) -> torch.nn.Module:
         """The model this worker starts from: an actor builds it on the meta device (rank 0 reads
@@ -257,7 +255,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
                     self.resharder.release()
                     self.base_in_vllm = True
                 cast(OwnWeightsRollout, self.rollout).load_adapter(self.update_steps, self._full_adapters(),
-                                                                   **self._adapter_settings())
+                                                                   **self.pool.adapter_settings())
                 self.rollout_current = True
         elif self.rollout.holds_own_weights:
             if not self.rollout_current:
@@ -286,12 +284,6 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         """The actor's LoRA A and B in full, by module name (a collective over the actor's ranks)."""
         state = self.actor.model.state_dict()
         return {plain_name(k): full_tensor(v) for k, v in state.items() if is_lora_param(k)}
-
-    def _adapter_settings(self) -> dict[str, Any]:
-        """What vLLM needs besides the tensors: the rank, alpha and adapted leaf modules."""
-        lora = self.cfg.actor.lora
-        leaves = sorted({spec.name.rsplit(".", 2)[-2] for spec in self.sync_specs})  # sync_specs: the adapters
-        return {"rank": lora.rank, "alpha": lora.alpha, "targets": leaves}
 
     def _full_weights(self, shards: dict[str, torch.Tensor]):
         """Generation-TP shards, all-gathered one tensor at a time within the generation-TP
@@ -344,7 +336,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         with trace.span("weight sync", "sync"):
             self._bind_generation_weights()
             if self.batcher is None:  # the batcher's loop loads staged weights itself, between steps
-                self._apply_staged_weights()
+                self.pool.apply_staged()
         t1 = time.perf_counter()
         rc = self.cfg.rollout
         over = {k: v for k, v in prompts.meta.items() if k in SAMPLING_KEYS}
@@ -372,9 +364,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     def _generate_waves(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                         gen: torch.Generator) -> tuple[dict[str, torch.Tensor], int]:
-        """The native engine decodes at most `_decode_rows()` rows at once (the KV cache and
+        """The native engine decodes at most `decode_rows` rows at once (the KV cache and
         prefill it may hold): the prompts in waves, the outputs joined (and how many waves)."""
-        slots = self._decode_rows()
+        slots = decode_rows(self.cfg, self.rollout, self.gen_layout)
         per_wave = max(1, slots // params.n) if slots else len(ids)
         outs = [self._generate_wave(ids[i:i + per_wave], mask[i:i + per_wave], params, gen)
                 for i in range(0, len(ids), per_wave)]
@@ -385,12 +377,12 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     def _generate_wave(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
                        gen: torch.Generator) -> dict[str, torch.Tensor]:
-        versions = [self._policy_version()]  # of token 0; one more per decode step
+        versions = [self.pool.policy_version()]  # of token 0; one more per decode step
 
         def before_step(step: int) -> None:
             if self.cfg.rollout.interrupt_on_update:
-                self._apply_staged_weights()
-            versions.append(self._policy_version())
+                self.pool.apply_staged()
+            versions.append(self.pool.policy_version())
 
         hook = {"before_step": before_step} if self.rollout.step_hooks else {}
         if self.cfg.actor.moe.router_replay == "rollout":  # the experts each token went to (R3)
@@ -405,9 +397,9 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
         plain = [[t for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids.tolist(), mask.tolist(), strict=True)]
         rows = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(plain))]
         turns = (BatcherGenerator(self.batcher, params, gen) if self.batcher is not None
-                 else WaveGenerator(self.rollout, params, gen, version=self._policy_version,
+                 else WaveGenerator(self.rollout, params, gen, version=self.pool.policy_version,
                                     lockstep=self.cfg.rollout.multi_turn.schedule == "lockstep",
-                                    max_rows=self._decode_rows()))
+                                    max_rows=decode_rows(self.cfg, self.rollout, self.gen_layout)))
         own = isinstance(self.agent, ApiRollout)  # an API agent's prompt is what its first call sent
         # each trajectory's turns sample from streams of its own, seeded from `gen` (one draw a call)
         seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}
@@ -490,7 +482,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @timed("update_actor")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates."""
-        self.wait_pushed()
+        self.pool.wait_pushed()
         ac = self.cfg.actor
         temp = sampling_temperature(batch, self.cfg.rollout.temperature)
         norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
@@ -543,7 +535,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
     @timed("update_pretrain")
     def update_pretrain(self, batch: Batch) -> dict[str, float]:
         """One SFT step on response tokens, its loss scaled by actor.pretrain_coef (Safe-RLHF's ptx)."""
-        self.wait_pushed()
+        self.pool.wait_pushed()
         coef, rows = self.cfg.actor.pretrain_coef, len(batch)
 
         def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
@@ -594,7 +586,7 @@ class ActorRolloutRefWorker(PoolWeights, Worker):
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
-        self.wait_pushed()
+        self.pool.wait_pushed()
         self._release_generation_weights()
         extra = self.actor.load_checkpoint(Path(path) / "actor") or {}
         if "rng" in extra:
@@ -692,6 +684,17 @@ def megatron_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layou
              if "actor" in roles else None)
     ref = MegatronEngine(cfg.model.path, layout, optim=None, **common) if "ref" in roles else None
     return actor, ref
+
+
+def decode_rows(cfg: RLConfig, rollout: Rollout | None, gen_layout: ParallelLayout) -> int:
+    """rollout.decode_slots, or (0) a training batch's rows on this generation rank: a larger
+    call (held-out prompts) decodes in waves of that many, so its memory does not grow with
+    the call (the budget `asyncrl.plan.memory` prices), and a rollout-only worker's continuous
+    batch has that many slots; 0 with vLLM, which sizes itself."""
+    if rollout is None or rollout.sizes_own_batches:
+        return 0
+    rc = cfg.rollout
+    return rc.decode_slots or -(-cfg.data.batch_size // gen_layout.data_shards()) * rc.n
 
 
 def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRollout | ApiRollout:

@@ -1,25 +1,31 @@
 """The actor worker's weights between pools (trainer.placement=split): the training pool
 sends its weights (with LoRA: only the adapters) over bridge groups, each rank its own shards
-where FSDP alone shards them (rank 0 the gathered whole otherwise); a rollout-only worker stages a version beside a running generate and applies it before the next
-one, or between decode steps (`rollout.interrupt_on_update`). A mixin of
-`asyncrl.roles.actor.ActorRolloutRefWorker`, whose `__init__` sets the attributes used here."""
+where FSDP alone shards them (rank 0 the gathered whole otherwise); a rollout-only worker stages a
+version beside a running generate and applies it before the next one, or between decode steps
+(`rollout.interrupt_on_update`). `PoolWeights` is a part of
+`asyncrl.roles.actor.ActorRolloutRefWorker` (`Worker.parts`): its registered methods are the
+worker's, and it holds what it reads."""
 
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 
-from asyncrl.rollout.base import OwnWeightsRollout
+from asyncrl.rollout.base import OwnWeightsRollout, Rollout
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.common import full_tensor
+from asyncrl.train.engine import TrainEngine
 from asyncrl.train.lora import merged_weight
 from asyncrl.train.weight_sync import (
+    Sending,
+    TensorSpec,
     WeightBridge,
     WeightSyncError,
     bridge_host,
@@ -32,30 +38,59 @@ from asyncrl.train.weight_sync import (
 
 
 class PoolWeights:
-    def _policy_version(self) -> int:
+    """What a sync between pools carries (`sync_specs`, in `sync_dtype`) and where each version
+    is: the bridge groups, an overlapped push in flight, a rollout-only worker's staging copy and
+    the version it generates with. Also the decode loop's `Weights` (asyncrl.rollout.continuous).
+
+    `steps()` counts the actor's updates (the worker's); `pristine` holds, for LoRA on a
+    rollout-only worker, the adapted weights' base values."""
+
+    def __init__(self, cfg: Any, rank: int, device: torch.device, actor: TrainEngine | None,
+                 rollout: Rollout | None, sync_dtype: torch.dtype, sync_specs: list[TensorSpec],
+                 pristine: dict[str, torch.Tensor], steps: Callable[[], int]) -> None:
+        self.cfg, self.rank, self.device, self.actor, self.rollout = cfg, rank, device, actor, rollout
+        self.sync_dtype, self.sync_specs, self.pristine, self.steps = sync_dtype, sync_specs, pristine, steps
+        self.interrupt = cfg.rollout.interrupt_on_update
+        self.bridge: WeightBridge | None = None
+        self._bridge_store: Any = None
+        self._source_rows: list[list[int]] | None = None  # every training rank sends its own shards
+        self._pushing: Sending | None = None  # an overlapped push's sends in flight
+        self.weights_version = 0
+        self._staged: list[torch.Tensor] | None = None
+        self._staged_version: int | None = None
+        self._weights_lock = threading.Lock()
+
+    def policy_version(self) -> int:
         """The policy version generating now: the updates this worker's actor has made, or the
         version a rollout-only worker last applied."""
-        return self.update_steps if self.actor is not None else self.weights_version
+        return self.steps() if self.actor is not None else self.weights_version
 
-    def _decode_rows(self) -> int:
-        """rollout.decode_slots, or (0) a training batch's rows on this generation rank: a larger
-        call (held-out prompts) decodes in waves of that many, so its memory does not grow with
-        the call (the budget `asyncrl.plan.memory` prices), and a rollout-only worker's continuous
-        batch has that many slots; 0 with vLLM, which sizes itself."""
-        if self.rollout is None or self.rollout.sizes_own_batches:
-            return 0
-        rc = self.cfg.rollout
-        return rc.decode_slots or -(-self.cfg.data.batch_size // self.gen_layout.data_shards()) * rc.n
+    @property
+    def version(self) -> int:
+        return self.weights_version
+
+    def pending(self) -> bool:
+        """A staged version waits to be applied."""
+        return self._staged_version is not None
+
+    def apply(self) -> None:
+        self.apply_staged()
+
+    def adapter_settings(self) -> dict[str, Any]:
+        """What vLLM needs besides the LoRA tensors: the rank, alpha and adapted leaf modules."""
+        lora = self.cfg.actor.lora
+        leaves = sorted({spec.name.rsplit(".", 2)[-2] for spec in self.sync_specs})  # sync_specs: the adapters
+        return {"rank": lora.rank, "alpha": lora.alpha, "targets": leaves}
 
     @register(ONE_TO_ALL)
     def weight_sync_digest(self) -> str:
         """A fingerprint of the tensors a sync carries (both pools must agree)."""
         return digest(self.sync_specs)
 
-    def _synced_weights(self) -> list[str]:
+    def synced_weights(self) -> list[str]:
         """The rollout model's weights a sync sets (LoRA: the adapted ones, merged)."""
-        if self._pristine:
-            return [f"{m}.weight" for m in self._pristine]
+        if self.pristine:
+            return [f"{m}.weight" for m in self.pristine]
         return [s.name for s in self.sync_specs]
 
     @register(ONE_TO_ALL)
@@ -119,7 +154,7 @@ class PoolWeights:
                 sent = 0
                 for _ in tensors:  # the gathers are collectives: every rank walks the list
                     pass
-        return {"version": float(self.update_steps), "timing/weight_sync_s": time.perf_counter() - t0,
+        return {"version": float(self.steps()), "timing/weight_sync_s": time.perf_counter() - t0,
                 "bytes": float(sum(s.nbytes for s in self.sync_specs)), "sent_bytes": float(sent)}
 
     def wait_pushed(self) -> None:
@@ -192,40 +227,22 @@ class PoolWeights:
             t = state[spec.name]
             yield full_tensor(t)
 
-    def _apply_staged_weights(self) -> None:
+    def apply_staged(self) -> None:
+        """Load the staged version into the rollout engine (nothing when none is staged)."""
         if self._staged_version is None:
             return
         with self._weights_lock:
             staged = [(spec.name, t) for spec, t in zip(self.sync_specs, self._staged, strict=True)]
             if self.cfg.actor.lora.enabled and self.rollout.lora_rank:  # vLLM serves the adapter
                 cast(OwnWeightsRollout, self.rollout).load_adapter(self._staged_version, dict(staged),
-                                                                   **self._adapter_settings())
+                                                                   **self.adapter_settings())
                 self.weights_version, self._staged_version = self._staged_version, None
                 return
-            if self._pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
+            if self.pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once
                 scale = self.cfg.actor.lora.alpha / self.cfg.actor.lora.rank
                 modules = [name.rsplit(".", 1)[0] for name, _ in staged[::2]]  # each module's lora_A, then B
-                staged = [(f"{m}.weight", merged_weight(self._pristine[m], a, b, scale))
+                staged = [(f"{m}.weight", merged_weight(self.pristine[m], a, b, scale))
                           for m, (_, a), (_, b) in zip(modules, staged[::2], staged[1::2], strict=True)]
             self.rollout.load_weights(staged)
             self.weights_version, self._staged_version = self._staged_version, None
-
-
-class StagedWeights:
-    """A rollout-only worker's weights as its continuous batcher sees them."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.interrupt = worker.cfg.rollout.interrupt_on_update
-
-    @property
-    def version(self) -> int:
-        return self.worker.weights_version
-
-    def pending(self) -> bool:
-        return self.worker._staged_version is not None
-
-    def apply(self) -> None:
-        self.worker._apply_staged_weights()
-
 

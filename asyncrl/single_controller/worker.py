@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from asyncrl.single_controller.memory import process_memory
 from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
@@ -116,7 +116,27 @@ def method_spec(cls: type, name: str) -> MethodSpec | None:
 
 
 def registered_methods(cls: type) -> dict[str, MethodSpec]:
-    return {n: s for n in dir(cls) if not n.startswith("_") and (s := method_spec(cls, n)) is not None}
+    """The methods the driver may call on a group of `cls`: its own registered ones and those of
+    the parts it holds (`Worker.parts`)."""
+    out = {n: s for n in dir(cls) if not n.startswith("_") and (s := method_spec(cls, n)) is not None}
+    for attr, part in getattr(cls, "parts", {}).items():
+        for name, spec in registered_methods(part).items():
+            if name in out:
+                raise TypeError(f"{cls.__qualname__}: {name!r} is registered twice (by the worker or another "
+                                f"part, and by its part {attr!r}, a {part.__qualname__}); rename one")
+            out[name] = spec
+    return out
+
+
+def registered_method(worker: Any, name: str) -> Callable | None:
+    """The bound registered method `name` of `worker` or of one of its parts; None if neither has it."""
+    cls = type(worker)
+    if not name.startswith("_") and method_spec(cls, name) is not None:
+        return getattr(worker, name)
+    for attr, part in getattr(cls, "parts", {}).items():
+        if not name.startswith("_") and method_spec(part, name) is not None:
+            return getattr(getattr(worker, attr), name)
+    return None
 
 
 class Worker:
@@ -127,6 +147,9 @@ class Worker:
     """
 
     runtime: WorkerRuntime | None = None
+    # objects a worker holds whose registered methods are the worker's, by attribute:
+    # e.g. {"pool": PoolWeights} (the driver calls them on the group like the worker's own)
+    parts: ClassVar[dict[str, type]] = {}
 
     @classmethod
     def create_hosted(cls, runtime: WorkerRuntime, *args: Any, **kwargs: Any) -> Worker:
@@ -197,7 +220,7 @@ class Worker:
     async def asyncrl_call(self, method: str, args: list, kwargs: dict) -> list[Any]:
         """Run registered `method` with pulled arguments; returns [output, layouts update or None,
         the warnings this process logged since the last reply]."""
-        fn = getattr(self, method, None)
+        fn = registered_method(self, method)
         spec = getattr(fn, REGISTER_ATTR, None)
         if fn is None or spec is None:
             known = sorted(registered_methods(type(self)))

@@ -165,3 +165,34 @@ class RowsWorker(Worker):
                       "ref_log_prob": -torch.rand(rows, width, generator=g),
                       "values": torch.randn(rows, width, generator=g)},
                      {"uid": [f"p{(start + i) // n}" for i in range(rows)]})
+
+
+class Counter:
+    """A part of `WithPart`: its registered methods are the worker's."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.count = rank, 0
+
+    @register(ONE_TO_ALL)
+    def bump(self, by: int) -> list[int]:
+        self.count += by
+        return [self.rank, self.count]
+
+    @register(DP_PROTO)
+    def tag(self, batch: Batch) -> Batch:
+        return Batch({"rank": torch.full((len(batch),), self.rank), "count": torch.full((len(batch),), self.count)})
+
+    def hidden(self) -> int:  # not registered: not the driver's to call
+        return self.count
+
+
+class WithPart(Worker):
+    parts = {"counter": Counter}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = Counter(self.rank)
+
+    @register(ONE_TO_ALL)
+    def count(self) -> int:
+        return self.counter.count

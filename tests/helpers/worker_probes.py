@@ -23,18 +23,19 @@ def weights_checksum(runtime: Any) -> list[float]:
     rollout-only worker (after loading any staged version), the full training weights
     otherwise (a collective over the training pool). Both pools agree after a sync."""
     w = actor_worker(runtime)
+    dtype = w.pool.sync_dtype
     if w.actor is None:
         if w.batcher is None:
-            w._apply_staged_weights()
+            w.pool.apply_staged()
         named = dict(w.rollout.model.named_parameters())
-        return [float(named[name].double().sum()) for name in w._synced_weights()]
+        return [float(named[name].double().sum()) for name in w.pool.synced_weights()]
     if w.cfg.actor.lora.enabled:  # the adapted weights as the rollout merges them
         scales, state = adapter_scales(w.actor.model), w.actor.model.state_dict()
         full = {k: full_tensor(v) for k, v in state.items()}
-        return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(w.sync_dtype),
-                                    full[f"{m}.lora_B"].to(w.sync_dtype), scales[m], w.sync_dtype)
+        return [float(merged_weight(full[f"{m}.weight"], full[f"{m}.lora_A"].to(dtype),
+                                    full[f"{m}.lora_B"].to(dtype), scales[m], dtype)
                       .double().sum()) for m in scales]
-    return [float(t.to(w.sync_dtype).double().sum()) for t in full_tensors(w.actor.model)]
+    return [float(t.to(dtype).double().sum()) for t in full_tensors(w.actor.model)]
 
 
 def sft_loss(batch: Batch, runtime: Any) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import time
@@ -151,20 +152,24 @@ def test_killed_rollout_worker_is_named_and_the_run_resumes(tiny_model, tmp_path
             "model.build_tiny=null", *SMALL, "trainer.placement=split", "trainer.n_workers=1",
             "rollout.max_staleness=1", "trainer.total_steps=6", "trainer.save_every=2", "trainer.eval_every=6",
             "trainer.loggers=[console,jsonl]"]
-    proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    log = tmp_path / "stderr"
+    with log.open("w") as f:
+        proc = subprocess.Popen(args, cwd=REPO, env=_env(out), stdout=subprocess.DEVNULL, stderr=f,
+                                text=True, start_new_session=True)
     try:
         marker = out / "checkpoints" / "step_2" / "COMPLETE"
         deadline = time.monotonic() + 180
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists(), "no checkpoint at step 2"
-        rollout = _rollout_pids(_env(out)["ASYNCRL_STATE_DIR"])
+        # a warm worker got its environment after it started: found by the launcher's log, not /proc
+        rollout = [int(p) for p in re.findall(r"spawned worker rollout-\S+ pid (\d+)", log.read_text())]
         assert rollout, "no rollout worker found"
         os.kill(rollout[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         kill_group(proc, grace_s=5)
+    err = log.read_text()
     assert proc.returncode not in (0, None)
     assert "rollout" in err and ("died" in err or "killed" in err), err[-3000:]
     assert "Traceback" not in err.split("died")[-1][:200]
@@ -172,19 +177,6 @@ def test_killed_rollout_worker_is_named_and_the_run_resumes(tiny_model, tmp_path
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1])["steps"] == 6
-
-
-def _rollout_pids(state_dir: str) -> list[int]:
-    """The rollout pool's worker processes of the launch using `state_dir` (by their environment)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except OSError:
-            continue
-        if b"ASYNCRL_GROUP=rollout" in env and f"ASYNCRL_STATE_DIR={state_dir}".encode() in env:
-            found.append(int(entry.name))
-    return found
 
 
 def test_continuous_batcher_matches_the_engine_alone_and_across_concurrent_calls(tiny_model):

@@ -111,6 +111,21 @@ async def test_user_protocol_and_apply(ctx):
         g.apply(W.add_column, made, 1.0, protocol="NOPE")
 
 
+async def test_a_parts_registered_methods_are_the_workers(ctx):
+    """`Worker.parts`: an object the worker holds whose registered methods the driver calls on
+    the group as the worker's own, with their protocols; its other methods stay private."""
+    from asyncrl.single_controller.worker import registered_methods
+
+    assert {"bump", "tag", "count"} <= set(registered_methods(W.WithPart)) and "hidden" not in registered_methods(W.WithPart)
+    g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.WithPart)
+    assert await g.bump(3) == [[0, 3], [1, 3]]
+    assert await g.count() == [3, 3]  # the same object the worker holds
+    tagged = await (await g.tag(ctx.put(Batch({"x": torch.zeros(4)})))).fetch()
+    assert tagged["rank"].tolist() == [0, 0, 1, 1] and tagged["count"].tolist() == [3] * 4
+    with pytest.raises(AttributeError, match="hidden"):
+        getattr(g, "hidden")  # noqa: B009 - the attribute access is what fails
+
+
 async def test_rank_exception_surfaces_with_rank_and_traceback(ctx):
     g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Consumer)
     fut = g.fail_on_rank_one(ctx.put(Batch({"x": torch.ones(4, 2)})))
