@@ -62,6 +62,10 @@ def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {k: max(m[k] for m in per_rank if k in m) if k.endswith("_max") or k.startswith("timing/") else
             sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in sorted(keys)}
 
+# TensorBoard's events reach disk this often (and at the end): a step writes one event (all its
+# numbers), where a scalar each and a flush cost ~2 ms a step on the driver (0.16 ms now)
+TB_FLUSH_S = 5
+
 SHOWN = ("critic/score_mean", "val/reward", "actor/pg_loss", "actor/kl_loss", "critic/kl",
          "critic/vf_loss", "response/length_mean", "timing/step_s")
 
@@ -146,7 +150,8 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
 
                 purge = None if resume_step is None else resume_step + 1
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
+                # written to disk by its own thread every TB_FLUSH_S (and at close), not every step
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge, flush_secs=TB_FLUSH_S)
             except ImportError as e:  # tensorboard is a dependency; a broken install only loses TB
                 log.warning("TensorBoard logging off: %s", e)
         self.wandb = None
@@ -168,10 +173,11 @@ class MetricsWriter:
         self.file.flush()
         if not mirror:
             return
-        if self.tb is not None:
-            for k, v in numbers.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        if self.tb is not None:  # one event with every number of the step
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [Summary.Value(tag=k, simple_value=v) for k, v in numbers.items()]
+            self.tb.file_writer.add_summary(Summary(value=values), step)
         if self.wandb is not None:
             self.wandb.log(step, numbers)
 

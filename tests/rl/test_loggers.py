@@ -108,3 +108,23 @@ def test_no_wandb_process_is_left_behind(offline):
     w.close()
     left = subprocess.run(["pgrep", "-f", "wandb-core"], capture_output=True, text=True).stdout.split()
     assert not left, f"wandb processes still running: {left}"
+
+
+def test_tensorboard_gets_every_number_of_every_step_and_a_resume_purges(tmp_path):
+    """One event per step carries all its numbers (TensorBoard reads each as a scalar series);
+    a run resumed at step 2 replaces the steps after it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    w = MetricsWriter(out, ["jsonl", "tensorboard"])
+    for step in range(1, 5):
+        w.write(step, {"critic/score_mean": step / 10, "timing/step_s": 0.5, "note": "not a number"})
+    w.close()
+    second = MetricsWriter(out, ["jsonl", "tensorboard"], resume_step=2)
+    second.write(3, {"critic/score_mean": 0.9, "timing/step_s": 0.25})
+    second.close()
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    assert set(ea.Tags()["scalars"]) == {"critic/score_mean", "timing/step_s"}
+    got = {e.step: round(e.value, 6) for e in ea.Scalars("critic/score_mean")}
+    assert got == {1: 0.1, 2: 0.2, 3: 0.9}, got
