@@ -252,8 +252,11 @@ def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_c
     _lm_loss(hf, rows)[0].backward()
     want = torch.sqrt(sum((p.grad ** 2).sum() for p in hf.parameters() if p.grad is not None))
     assert abs(results[0]["grad_norm"] - float(want)) < 1e-4 * float(want), (results[0]["grad_norm"], float(want))
+    # four steps on the same 4 rows: Hugging Face's model (the same maths) drops 0.76-1.02 over
+    # 10 seeds of the weights and rows (median 0.96); this seed 0.861, and megatron's run here
+    # 0.861 at (tp, ep) = (1, 2) and (2, 1). A fit of fixed rows, not a learning claim
     losses = results[0]["losses"]
-    assert losses[-1] < losses[0] - 0.1, losses
+    assert losses[0] - losses[-1] > 0.5, losses
     trained = results[0]["trained"]
     one_rank = run_ranks(_resume_job, 1, tmp_path, timeout_s=120)[0]
     assert all(torch.equal(trained[k], v) for k, v in one_rank["resumed"].items())
