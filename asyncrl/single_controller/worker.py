@@ -130,11 +130,12 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
 
 def registered_method(worker: Any, name: str) -> Callable | None:
     """The bound registered method `name` of `worker` or of one of its parts; None if neither has it."""
-    cls = type(worker)
-    if not name.startswith("_") and method_spec(cls, name) is not None:
+    if name.startswith("_"):
+        return None
+    if method_spec(type(worker), name) is not None:
         return getattr(worker, name)
-    for attr, part in getattr(cls, "parts", {}).items():
-        if not name.startswith("_") and method_spec(part, name) is not None:
+    for attr, part in type(worker).parts.items() if isinstance(worker, Worker) else ():
+        if method_spec(part, name) is not None:
             return getattr(getattr(worker, attr), name)
     return None
 
