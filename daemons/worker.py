@@ -146,6 +146,7 @@ class WorkerRuntime:
     loop: asyncio.AbstractEventLoop
     instances: dict[str, Any] = field(default_factory=dict)
     allowed: AllowList = field(default_factory=AllowList)
+    state: dict[str, Any] = field(default_factory=dict)  # what the layers above keep per process
 
     def resolve(self, path: str) -> Any:
         """The function or class `path` names, if this worker's allow-list admits it."""

@@ -49,7 +49,15 @@ from objectstore.paths.cuda_ipc import CudaIpcUnavailable
 from objectstore.paths.tcp import BulkServer
 from objectstore.ref import TENSOR, VALUE, ObjectRef, RowRange
 from objectstore.table import Entry, ObjectTable, check_rows, describe
-from transport import ConnectionLost, CurveConfig, RemoteError, RpcClient, RpcServer, RpcTimeout
+from transport import (
+    AuthenticationError,
+    ConnectionLost,
+    CurveConfig,
+    RemoteError,
+    RpcClient,
+    RpcServer,
+    RpcTimeout,
+)
 from transport.dtypes import dtype_name
 from transport.peers import ServerLimits
 
@@ -123,6 +131,7 @@ class ObjectStore:
         self.endpoint = ""
         self.bulk_addr = ""
         self._clients: dict[str, RpcClient] = {}
+        self._met_before: set[str] = set()  # owners that dropped after a handshake (`_met`)
         self._started = False
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets_local", "pulls_shm", "pulls_tcp", "pulls_cuda_ipc", "pulls_nccl",
@@ -219,6 +228,22 @@ class ObjectStore:
         if ref.endpoint == self.endpoint:
             return self.table.drop(ref.object_id)
         return await self.call_owner(ref, "free", ref.object_id)
+
+    async def free_many(self, refs: list[ObjectRef]) -> int:
+        """`free` every ref, one call per owner; how many objects were still there (an owner
+        that is gone counts none)."""
+        by_owner: dict[str, list[ObjectRef]] = {}
+        for ref in refs:
+            by_owner.setdefault(ref.endpoint, []).append(ref)
+
+        async def owner(endpoint: str, owned: list[ObjectRef]) -> int:
+            if endpoint == self.endpoint:
+                return sum(self.table.drop(r.object_id) for r in owned)
+            try:
+                return await self.call_owner(owned[0], "free_many", [r.object_id for r in owned])
+            except ObjectLostError:
+                return 0
+        return sum(await asyncio.gather(*(owner(e, owned) for e, owned in by_owner.items())))
 
     async def incref(self, ref: ObjectRef) -> None:
         """Hold `ref`: its owner keeps the object until the matching `decref`."""
@@ -319,6 +344,12 @@ class ObjectStore:
         return PullKind.TCP
 
     # talking to owners ------------------------------------------------------------------
+    @property
+    def _met(self) -> set[str]:
+        """The owners whose handshake this store's clients passed at least once (now or before)."""
+        self._met_before.update(e for e, c in self._clients.items() if c.authenticated_once)
+        return self._met_before
+
     def _client(self, endpoint: str) -> RpcClient:
         client = self._clients.get(endpoint)
         if client is None:
@@ -330,6 +361,8 @@ class ObjectStore:
 
     def _forget_client(self, endpoint: str) -> None:
         client = self._clients.pop(endpoint, None)
+        if client is not None and client.authenticated_once:
+            self._met_before.add(endpoint)
         if client is not None:
             asyncio.get_running_loop().create_task(client.close())
 
@@ -354,6 +387,13 @@ class ObjectStore:
         except RemoteError as e:
             raise from_remote(e) from None
         except (ConnectionLost, RpcTimeout) as e:
+            self._forget_client(ref.endpoint)
+            raise ObjectLostError.for_owner(ref.object_id, ref.node_id, ref.endpoint, e) from e
+        except AuthenticationError as e:
+            if ref.endpoint not in self._met:  # first contact: the keys are what is wrong
+                raise
+            # an owner that accepted our keys before and now drops the handshake has gone away
+            # (killed, its address reached something else): its objects are lost
             self._forget_client(ref.endpoint)
             raise ObjectLostError.for_owner(ref.object_id, ref.node_id, ref.endpoint, e) from e
 

@@ -236,6 +236,13 @@ class ObjectTable:
         return self.drop(object_id)
 
     @expose
+    def free_many(self, object_ids: list[str]) -> int:
+        """`free` each of `object_ids`; how many were still here."""
+        if not isinstance(object_ids, list) or not all(isinstance(o, str) for o in object_ids):
+            raise TypeError(f"free_many takes a list of object ids, got {type(object_ids).__name__}")
+        return sum(self.drop(o) for o in object_ids)
+
+    @expose
     def release_holder(self, holder: str) -> int:
         """Drop every hold of a store that died (called by whoever noticed it)."""
         released = 0

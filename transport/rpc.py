@@ -476,6 +476,7 @@ class RpcClient:
         self.request_bytes = self.reply_bytes = 0
         self._handshake_ok = False
         self._dropped = False  # the connection dropped and has not come back
+        self.authenticated_once = False  # a handshake with this server succeeded at least once
 
     @property
     def connection_dropped(self) -> bool:
@@ -646,8 +647,14 @@ class RpcClient:
         event = parse_monitor_message([f.bytes for f in frames])
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._auth_failure = None
-            self._handshake_ok = True
+            self._handshake_ok = self.authenticated_once = True
             self._dropped = False
+            return
+        if event["event"] == zmq.EVENT_DISCONNECTED and not self._handshake_ok and self.authenticated_once:
+            # it accepted our keys before: a reconnect cut short means the server went away
+            self._fail_all(ConnectionLost(
+                f"{self.endpoint} closed the connection while we reconnected, after it had accepted "
+                "our keys: the server exited or is restarting"))
             return
         if event["event"] == zmq.EVENT_DISCONNECTED and not self._handshake_ok:
             self._fail_all(AuthenticationError(

@@ -23,6 +23,7 @@ class Ext(enum.IntEnum):
     # asyncrl
     BATCH = 17
     DIST_BATCH = 18
+    PROMISED = 19  # a pipelined call's input (asyncrl.single_controller.pipeline)
     # objectstore pull messages
     PULL_REQUEST = 20
     TENSOR_REGION = 21

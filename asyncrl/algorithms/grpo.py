@@ -16,6 +16,7 @@ from asyncrl.algorithms.roles import Roles, balance_tokens, timings, union_all, 
 from asyncrl.metrics import mean_metrics
 from asyncrl.rewards.rules import REWARD_EXTRA
 from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.group import DataFuture
 from transport.checks import ConfigError
 
 if TYPE_CHECKING:  # the config imports the algorithms
@@ -24,19 +25,20 @@ if TYPE_CHECKING:  # the config imports the algorithms
 log = logging.getLogger(__name__)
 
 
-async def _rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch) -> DistBatch:
+def _rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch) -> DataFuture:
+    """The step's samples with their rewards (and log-probs): a future the next calls take as it is."""
     gen = roles.rollout.generate_sequences(prompts)  # a future: the calls below wait on it, not the driver
     reward = roles.reward.compute_reward(gen)
     old = roles.actor.compute_log_prob(gen) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(gen) if uses_ref(cfg) else None
-    return union_all(await gen, await reward, *[await f for f in (old, ref) if f is not None])
+    return union_all(gen, reward, *[f for f in (old, ref) if f is not None])
 
 
-async def _grouped_rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch,
-                           refill: Callable[[int], DistBatch] | None) -> tuple[DistBatch, dict[str, float]]:
+async def _grouped_rollout(roles: Roles, cfg: RLConfig, prompts: DistBatch, refill: Callable[[int], DistBatch] | None
+                           ) -> tuple[DistBatch | DataFuture, dict[str, float]]:
     """The step's samples; with algorithm.filter_groups.enable, DAPO's dynamic sampling."""
     if refill is None or not cfg.algorithm.filter_groups.enable:
-        return await _rollout(roles, cfg, prompts), {}
+        return _rollout(roles, cfg, prompts), {}
     batch, meta = await dynamic_sample(roles, cfg, prompts, refill)
     old = roles.actor.compute_log_prob(batch) if cfg.actor.recompute_old_log_probs() else None
     ref = roles.actor.compute_ref_log_prob(batch) if uses_ref(cfg) else None
@@ -117,7 +119,7 @@ async def rloo_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: Dist
 
 async def reinforce_pp_step(roles: Roles, cfg: RLConfig, ctl: Controllers, prompts: DistBatch) -> dict[str, float]:
     """REINFORCE++: KL-shaped token rewards, discounted returns, batch-whitened."""
-    batch = await _rollout(roles, cfg, prompts)
+    batch = _rollout(roles, cfg, prompts)
     adv = roles.actor.apply(advantage.reinforce_pp, batch, gamma=cfg.algorithm.gamma,
                             kl_coef=ctl.kl_coef, kl_penalty=cfg.algorithm.kl_penalty)
     batch, adv = await balance_tokens(roles, batch, adv)  # the update's ranks get near-equal tokens

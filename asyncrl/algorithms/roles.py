@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.single_controller.balance import balanced_shards, imbalance
 from asyncrl.single_controller.distbatch import DistBatch
+from asyncrl.single_controller.group import union_all  # noqa: F401 - the steps' join, re-exported
 from asyncrl.single_controller.parallel import TRAIN
 
 if TYPE_CHECKING:  # the config imports the algorithms
@@ -36,26 +37,22 @@ def uses_ref(cfg: RLConfig) -> bool:
     return cfg.actor.use_kl_loss or (algo.use_kl_in_reward and algo.kl_ctrl.kl_coef > 0)
 
 
-def union_all(first: DistBatch, *rest: DistBatch) -> DistBatch:
-    for other in rest:
-        first = first.union(other)
-    return first
-
-
 def timings(batch: DistBatch) -> dict[str, float]:
     """The per-phase worker timings (`timing/*_s`) the producing calls left in the batch's meta,
     and the step's `perf/` numbers (`balance_tokens`)."""
     return {k: float(v) for k, v in batch.meta.items() if k.startswith(("timing/", "perf/"))}
 
 
-async def balance_tokens(roles: Roles, batch: DistBatch, adv: Awaitable[DistBatch]) -> tuple[DistBatch, DistBatch]:
-    """`batch` joined with `adv` (the advantages being computed) and its rows reordered so the
+async def balance_tokens(roles: Roles, batch: DistBatch | Awaitable[DistBatch],
+                         adv: Awaitable[DistBatch]) -> tuple[DistBatch, DistBatch]:
+    """`batch` (or its future) joined with `adv` (the advantages being computed) and its rows reordered so the
     actor's data-parallel ranks get near-equal tokens for the update (a few rows swapped
     between ranks, `balanced_shards`: the advantages are computed by then, so a prompt's
     samples need not stay together); and `adv`. Only the rows' token counts come to the
     driver, fetched while the advantages are computed. The meta carries
     `perf/dp_token_imbalance` (the largest rank's tokens over the mean) and
     `perf/dp_token_imbalance_unbalanced` (the arrival order's)."""
+    batch = batch if isinstance(batch, DistBatch) else await batch  # its error is the step's (adv's follows from it)
     fetch = asyncio.ensure_future(_row_tokens(batch))
     try:
         adv = await adv

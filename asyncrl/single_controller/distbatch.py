@@ -370,6 +370,7 @@ class RefTracker:
         self.refs: dict[str, ObjectRef] = {}
         self.lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
         self.freed = 0
+        self.dropped: list[ObjectRef] = []  # refs to free at the end of this turn of the loop
         self.closed = False
 
     def track(self, d: DistBatch) -> DistBatch:
@@ -402,14 +403,23 @@ class RefTracker:
             self.loop.call_soon_threadsafe(self._free_soon, dead)
 
     def _free_soon(self, refs: list[ObjectRef]) -> None:
+        """Free `refs` with the others dropped in this turn of the loop: one call per owner."""
+        if self.closed:
+            return
+        if not self.dropped:
+            self.loop.call_soon(self._free_dropped)
+        self.dropped.extend(refs)
+
+    def _free_dropped(self) -> None:
+        refs, self.dropped = self.dropped, []
+
         async def free() -> None:
-            for ref in refs:
-                try:
-                    await self.store.free(ref)
-                    self.freed += 1
-                except Exception as e:  # the owner may be gone already: nothing left to free
-                    log.debug("free %s: %s", ref.object_id, e)
-        if not self.closed:
+            try:
+                await self.store.free_many(refs)
+                self.freed += len(refs)
+            except Exception as e:  # noqa: BLE001 - an owner may be gone already: nothing left to free
+                log.debug("free %d objects: %s", len(refs), e)
+        if refs and not self.closed:
             self.loop.create_task(free())
 
     def close(self) -> None:

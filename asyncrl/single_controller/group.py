@@ -16,14 +16,17 @@ import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.distbatch import DistBatch, RefTracker
 from asyncrl.single_controller.fanout import Gather, Replies
 from asyncrl.single_controller.parallel import LayoutError, ParallelLayout
+from asyncrl.single_controller.pipeline import PipelineError, Promised
 from asyncrl.single_controller.protocols import LOCAL_ROWS, CallContext, get_protocol
-from asyncrl.single_controller.tree import tree_map, tree_map_async
+from asyncrl.single_controller.tree import tree_leaves, tree_map, tree_map_async
 from asyncrl.single_controller.worker import MethodSpec, registered_methods
 from daemons.coordinator import ResourcePool
 from daemons.errors import CallTimeoutError, DaemonError, WorkerDiedError
@@ -33,6 +36,7 @@ from transport import RemoteError, RpcTimeout, trace
 from transport.rpc import encode_request
 
 log = logging.getLogger(__name__)
+PIPELINE = True  # LOCAL_ROWS calls on the outputs of pending calls on their processes are sent at once
 _relayed: set[str] = set()  # worker warnings already shown (the same one from every rank shows once)
 
 
@@ -77,13 +81,26 @@ class WorkerCallError(AsyncRLError):
         return f"rank {self.rank}: {self.remote_type}: {self.remote_message.splitlines()[0][:300]}"
 
 
+@dataclass(eq=False)
+class CallOutput:
+    """An ordered call's output on its processes: its number there (`seq`) and, once its requests
+    are out, whether every rank's output is its own part of the result (`sent`: True / False;
+    the call's error if it failed before sending)."""
+
+    procs: ProcessSet
+    seq: int
+    sent: asyncio.Future
+
+
 class DataFuture:
-    """The result of a group call that may not exist yet; await it, or pass it to another call."""
+    """The result of a group call that may not exist yet; await it, or pass it to another call.
+    `source`: the ordered calls whose outputs make it (one; several for `union_all`), None for
+    anything else."""
 
-    __slots__ = ("task", "label", "awaited")
+    __slots__ = ("task", "label", "awaited", "source")
 
-    def __init__(self, task: asyncio.Task, label: str) -> None:
-        self.task, self.label, self.awaited = task, label, False
+    def __init__(self, task: asyncio.Task, label: str, source: tuple[CallOutput, ...] | None = None) -> None:
+        self.task, self.label, self.awaited, self.source = task, label, False, source
         task.add_done_callback(_retrieved)  # reported below if nobody awaits it
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -123,6 +140,26 @@ def _report_unawaited(task: asyncio.Task, label: str) -> None:
                   str(err).splitlines()[0] if str(err) else "")
 
 
+def union_all(first: DistBatch | Awaitable, *rest: DistBatch | Awaitable) -> DistBatch | DataFuture:
+    """The batches' columns side by side, row by row (`DistBatch.union`); given calls (or other
+    awaitables) that may not have ended, a future of that, which a LOCAL_ROWS call on the same processes takes before
+    they end (pipelined)."""
+    parts = (first, *rest)
+    if all(isinstance(p, DistBatch) for p in parts):
+        out = first
+        for other in rest:
+            out = out.union(other)
+        return out
+
+    async def joined() -> DistBatch:
+        return union_all(*[p if isinstance(p, DistBatch) else await p for p in parts])
+
+    futures = [p for p in parts if isinstance(p, DataFuture)]
+    source = (tuple(c for f in futures for c in f.source)
+              if len(futures) == len(parts) and all(f.source for f in futures) else None)
+    return DataFuture(asyncio.get_running_loop().create_task(joined(), name="union_all"), "union_all", source)
+
+
 async def resolve_futures(value: Any) -> Any:
     """`value` with every DataFuture in it (nested in lists, tuples, dicts) awaited."""
     async def wait(f: DataFuture) -> Any:
@@ -139,6 +176,7 @@ class ProcessSet:
         self.call_timeout_s = call_timeout_s  # per call, every rank (0 = none; worker.call_timeout_s)
         self.collective_timeout_s = collective_timeout_s  # what the workers' process groups use
         self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
+        self.tail_seq = -1  # its number (`CallOutput.seq`)
         self.unsettled: list[asyncio.Future] = []  # rank calls still running after a failed call
         # the task waiting for them (`WorkerGroup._settle`), held here: the loop keeps tasks weakly
         self.settling: asyncio.Task | None = None
@@ -214,27 +252,81 @@ class WorkerGroup:
         protocol = get_protocol(spec.protocol)
         loop = asyncio.get_running_loop()
         prev = self.procs.tail if spec.blocking else None
+        out = CallOutput(self.procs, self.procs.calls, loop.create_future()) if spec.blocking else None
+        ahead = self._inputs_ahead(spec, args, kwargs)
 
-        async def run() -> Any:
+        async def ordered() -> Any:
             if prev is not None and not prev.done():
                 with trace.span("wait for the pool", "call"):
                     await asyncio.wait([prev])  # call order on shared processes; its errors are its own
             with trace.span("wait for inputs", "call"):
                 a, k = await resolve_futures((list(args), kwargs))
             with trace.span(f"{self.role}.{label}", "call"):
-                ctx = CallContext(self.role, label, self.world_size, self.layouts,
-                                  stores=[h.info.store_endpoint for h in self.handles])
+                ctx = self._context(label)
                 plan = protocol.distribute(ctx, tuple(a), k)
-                outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan)
+                local = protocol.stays_local is not None and protocol.stays_local(ctx, plan)
+                outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan, out, local)
                 return protocol.collect(ctx, outputs)
+
+        async def run() -> Any:
+            try:
+                if ahead is not None and all(await asyncio.gather(*(c.sent for c in ahead))):
+                    return await self._run_ahead(label, entry, head, args, kwargs, protocol, out)
+                return await ordered()
+            finally:
+                if out is not None and not out.sent.done():  # failed before its requests went out
+                    out.sent.set_exception(AsyncRLError(f"{self.role}.{label} failed before it was sent"))
+                    out.sent.exception()  # retrieved: the call's own error is what its caller sees
 
         task = loop.create_task(run(), name=f"{self.role}.{label}")
         if spec.blocking:
             # the next call waits until this one has ended on *every* rank (after a failure the
             # other ranks may still be running it), without keeping its result alive
             self.procs.tail = self._turn(task, label)
+            self.procs.tail_seq = out.seq
         self.procs.calls += 1
-        return DataFuture(task, f"{self.role}.{label}")
+        return DataFuture(task, f"{self.role}.{label}", (out,) if out is not None else None)
+
+    def _context(self, label: str) -> CallContext:
+        return CallContext(self.role, label, self.world_size, self.layouts,
+                           stores=[h.info.store_endpoint for h in self.handles])
+
+    def _inputs_ahead(self, spec: MethodSpec, args: tuple, kwargs: dict) -> tuple[CallOutput, ...] | None:
+        """The calls a LOCAL_ROWS call may take its inputs from before they end: its batch
+        arguments are all futures of ordered calls on these processes, among them the last one
+        issued (so it still runs after every call before it); None otherwise."""
+        if not PIPELINE or not spec.blocking or spec.protocol != LOCAL_ROWS:
+            return None
+        values = [*args, *kwargs.values()]
+        futures = [v for v in values if isinstance(v, DataFuture)]
+        if (not futures or all(f.done() for f in futures) or any(f.source is None for f in futures)
+                or any(tree_leaves(v, (DataFuture, DistBatch, Batch)) for v in values if not isinstance(v, DataFuture))):
+            return None
+        sources = tuple(c for f in futures for c in f.source)
+        if any(c.procs is not self.procs for c in sources) or self.procs.tail_seq not in {c.seq for c in sources}:
+            return None
+        return sources
+
+    async def _run_ahead(self, label: str, entry: str, head: list | Callable[[dict], list], args: tuple,
+                         kwargs: dict, protocol: Any, out: CallOutput) -> Any:
+        """Send the call now, every rank taking its own outputs of the calls it reads (`Promised`);
+        once the replies are in, plan it as the ordered path would, to collect."""
+        def promised(v: Any) -> Any:
+            return Promised(tuple(c.seq for c in v.source)) if isinstance(v, DataFuture) else v
+        a, k = tuple(promised(v) for v in args), {n: promised(v) for n, v in kwargs.items()}
+        plan = {r: (a, k) for r in range(self.world_size)}
+        with trace.span(f"{self.role}.{label}", "call", ahead=True):
+            outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan, out, True)
+            ctx = self._context(label)
+            real_a, real_k = await resolve_futures((list(args), kwargs))  # their replies came first
+            real = protocol.distribute(ctx, tuple(real_a), real_k)
+            for r, (ra, rk) in real.items():
+                want = next((len(v) for v in [*ra, *rk.values()] if isinstance(v, (DistBatch, Batch))), None)
+                got = outputs[r]
+                if want is not None and isinstance(got, (DistBatch, Batch)) and len(got) != want:
+                    raise PipelineError(f"{self.role}.{label} was sent ahead: rank {r} returned {len(got)} rows "
+                                        f"where its part of the inputs has {want}")
+            return protocol.collect(ctx, outputs)
 
     def _turn(self, task: asyncio.Task, label: str) -> asyncio.Future:
         """A future done once `task` has ended and no rank still runs a failed call."""
@@ -264,24 +356,36 @@ class WorkerGroup:
         if not turn.done():
             turn.set_result(None)
 
-    async def _fan_out(self, label: str, entry: str, head: list,
-                       plan: dict[int, tuple[tuple, dict]]) -> dict[int, Any]:
+    async def _fan_out(self, label: str, entry: str, head: list, plan: dict[int, tuple[tuple, dict]],
+                       out: CallOutput | None = None, local: bool = False) -> dict[int, Any]:
         """Send every rank its request without waiting (a ONE_TO_ALL call's arguments encoded once
-        for all), then gather the replies as they come: with no future per rank while every rank
-        is reachable (`Gather`), else with a future per rank, the unreachable ones checked first."""
+        for all; `out.sent` set to `local` once they are out), then gather the replies as they
+        come: with no future per rank while every rank is reachable (`Gather`), else with a
+        future per rank, the unreachable ones checked first."""
         timeout = self.procs.call_timeout_s or None
         shared = len({(id(a), id(k)) for a, k in plan.values()}) == 1  # the same arguments for every rank
+        numbered = {} if out is None else {"seq": out.seq}
         requests: dict[int, tuple[int, list]] = {}
         request = None
         for r, (a, k) in plan.items():  # every request encoded before any is sent
             if request is None or not shared:
-                request = encode_request("call_instance", [self.role, entry, [*head, list(a), k], {}])
+                request = encode_request("call_instance", [self.role, entry, [*head, list(a), k], numbered])
             requests[r] = request
+        try:
+            return await self._send_and_gather(label, requests, timeout, out, local)
+        finally:
+            if out is not None and not out.sent.done():
+                out.sent.set_result(False)
+
+    async def _send_and_gather(self, label: str, requests: dict[int, tuple[int, list]], timeout: float | None,
+                               out: CallOutput | None, local: bool) -> dict[int, Any]:
         handles = [self.handles[r] for r in requests]
         deadlines = {h.deadline(timeout) for h in handles}
         if len(deadlines) == 1 and not any(h.info.state is WorkerState.DEAD or h.client.connection_dropped
                                            for h in handles):
             gather = Gather(self.handles, requests, deadlines.pop())
+            if out is not None:
+                out.sent.set_result(local)
             try:
                 await gather.all_in_or_failed
             except asyncio.CancelledError:
@@ -290,10 +394,10 @@ class WorkerGroup:
             if gather.futures is None:  # every rank answered
                 return {r: self._received(r, gather.replies[r]) for r in requests}
             return await self._settle_failures(label, gather.futures, set(), timeout)
-        return await self._fan_out_checked(label, requests, timeout)
+        return await self._fan_out_checked(label, requests, timeout, out, local)
 
-    async def _fan_out_checked(self, label: str, requests: dict[int, tuple[int, list]],
-                               timeout: float | None) -> dict[int, Any]:
+    async def _fan_out_checked(self, label: str, requests: dict[int, tuple[int, list]], timeout: float | None,
+                               out: CallOutput | None = None, local: bool = False) -> dict[int, Any]:
         """`_fan_out` with a future per rank, a dead or disconnected rank's worker checked first."""
         calls: dict[int, asyncio.Future] = {}
         checked: set[int] = set()  # ranks sent through WorkerHandle.call_encoded (errors already explained)
@@ -312,6 +416,8 @@ class WorkerGroup:
             # its refs noted as the reply arrives, also when another rank fails the call
             fut.add_done_callback(functools.partial(replies.arrived, handle))
             calls[r] = fut
+        if out is not None:
+            out.sent.set_result(local)
         try:
             await replies.all_in_or_failed
         except asyncio.CancelledError:
@@ -478,5 +584,5 @@ async def gather(*futures: DataFuture | Awaitable) -> list[Any]:
     return list(await asyncio.gather(*futures))
 
 
-__all__ = ["DataFuture", "ProcessSet", "WorkerCallError", "WorkerGroup",
-           "create_groups", "gather", "resolve_futures"]
+__all__ = ["CallOutput", "DataFuture", "ProcessSet", "WorkerCallError", "WorkerGroup",
+           "create_groups", "gather", "resolve_futures", "union_all"]

@@ -52,18 +52,24 @@ class CallContext:
 
 @dataclass(frozen=True)
 class Protocol:
+    """`stays_local(ctx, plan)` (after `distribute`): whether each rank's output is exactly its
+    part of the collected result, in the same order, for a LOCAL_ROWS call that consumes it —
+    what lets such a call be sent before this one's replies (`WorkerGroup`'s pipelining)."""
+
     name: str
     distribute: Callable[[CallContext, tuple, dict], RankCalls]
     collect: Callable[[CallContext, dict[int, Any]], Any]
+    stays_local: Callable[[CallContext, RankCalls], bool] | None = None
 
 
 _PROTOCOLS: dict[str, Protocol] = {}
 
 
 def register_protocol(name: str, distribute: Callable[[CallContext, tuple, dict], RankCalls],
-                      collect: Callable[[CallContext, dict[int, Any]], Any]) -> Protocol:
+                      collect: Callable[[CallContext, dict[int, Any]], Any],
+                      stays_local: Callable[[CallContext, RankCalls], bool] | None = None) -> Protocol:
     """Add a user protocol usable as `@register(protocol=name)`."""
-    proto = Protocol(name, distribute, collect)
+    proto = Protocol(name, distribute, collect, stays_local)
     _PROTOCOLS[name] = proto
     return proto
 
@@ -272,6 +278,15 @@ def _local_rows(ctx: CallContext, args: tuple, kwargs: dict) -> RankCalls:
             for r, rows in enumerate(per_rank)}
 
 
+def _shards_stay_local(ctx: CallContext, plan: RankCalls) -> bool:
+    """A split call's outputs are the ranks' own parts when every rank got a shard, collects it,
+    and none was padded."""
+    if len(plan) != ctx.world_size or ctx.state.get("shards") != ctx.world_size or any(ctx.state.get("shard_pads", ())):
+        return False
+    layout = ctx.state.get("layout")
+    return layout is None or all(layout.is_collect_rank(r, ctx.state["data_dims"]) for r in plan)
+
+
 def _collect_local_rows(ctx: CallContext, outputs: dict[int, Any]) -> Any:
     """The ranks' batches back in the rows' original order (a plan over refs: nothing moves)."""
     parts = _in_rank_order(outputs)
@@ -291,11 +306,11 @@ register_protocol(ONE_TO_ALL, _all, lambda ctx, out: _in_rank_order(out))
 register_protocol(ALL_TO_ALL, _all_to_all, lambda ctx, out: _in_rank_order(out))
 register_protocol(RANK_ZERO, lambda ctx, a, k: {0: (a, k)}, lambda ctx, out: out[0])
 # where the rows live: each rank works on the rows its own store holds (advantages, rule rewards)
-register_protocol(LOCAL_ROWS, _local_rows, _collect_local_rows)
-register_protocol(DP_PROTO, _dp, lambda ctx, out: gather(ctx, _in_rank_order(out)))
-register_protocol(THREE_D_PROTO, _three_d(TRAIN, ("dp",)), _collect_3d)
+register_protocol(LOCAL_ROWS, _local_rows, _collect_local_rows, lambda ctx, plan: True)
+register_protocol(DP_PROTO, _dp, lambda ctx, out: gather(ctx, _in_rank_order(out)), _shards_stay_local)
+register_protocol(THREE_D_PROTO, _three_d(TRAIN, ("dp",)), _collect_3d, _shards_stay_local)
 # Generation layouts split each training model-parallel group into micro-DP groups (HybridFlow
 # §5.3): data splits over dp × micro-DP, is broadcast inside each generation TP group, and
 # comes back from generation-TP rank 0 of the last generation stage.
-register_protocol(THREE_D_ALL_MICRO_DP, _three_d(ROLLOUT, DATA_DIMS), _collect_3d)
+register_protocol(THREE_D_ALL_MICRO_DP, _three_d(ROLLOUT, DATA_DIMS), _collect_3d, _shards_stay_local)
 register_protocol(THREE_D_PP_ONLY, _all, _collect_pp_only)

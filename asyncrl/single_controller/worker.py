@@ -32,6 +32,7 @@ from typing import Any, ClassVar, TypeVar
 from asyncrl.single_controller.memory import process_memory
 from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import Peers
+from asyncrl.single_controller.pipeline import CallOutputs
 from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
 from daemons.worker import WorkerRuntime, takes, wants_runtime
@@ -218,18 +219,20 @@ class Worker:
         return {k: list(v) for k, v in PULLED.items()}
 
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
-    async def asyncrl_call(self, method: str, args: list, kwargs: dict) -> list[Any]:
+    async def asyncrl_call(self, method: str, args: list, kwargs: dict, seq: int | None = None) -> list[Any]:
         """Run registered `method` with pulled arguments; returns [output, layouts update or None,
-        the warnings this process logged since the last reply]."""
+        the warnings this process logged since the last reply]. `seq`: the call's number on its
+        processes (an ordered call), under which its output is kept for calls sent ahead."""
         fn = registered_method(self, method)
         spec = getattr(fn, REGISTER_ATTR, None)
         if fn is None or spec is None:
             known = sorted(registered_methods(type(self)))
             raise AttributeError(f"{type(self).__qualname__} has no registered method {method!r}; "
                                  f"registered: {known} (decorate it with @register)")
-        return await self._run(fn, spec.materialize, args, kwargs, label=method)
+        return await self._run(fn, spec.materialize, args, kwargs, label=method, seq=seq)
 
-    async def asyncrl_apply(self, fn_path: str, ranks: list[int], args: list, kwargs: dict) -> list[Any]:
+    async def asyncrl_apply(self, fn_path: str, ranks: list[int], args: list, kwargs: dict,
+                            seq: int | None = None) -> list[Any]:
         """Run the importable function `fn_path` here, on this rank's pulled data (a `runtime`
         parameter gets this process's runtime, a `peers` parameter the `Peers` of the ranks
         called)."""
@@ -241,17 +244,35 @@ class Worker:
         if takes(fn, "peers"):
             kwargs = {**kwargs, "peers": Peers(ranks, self.rank, self.world_size)}
         label = fn_path.partition(":")[0].rpartition(".")[2]
-        t0 = time.perf_counter()
-        out = await self._run(fn, True, args, kwargs, label=label)
-        if out[0] is not None and hasattr(out[0], "meta"):  # a phase of the step (`timing/advantage_s`)
-            out[0].meta[f"timing/{label}_s"] = time.perf_counter() - t0
-        return out
+        return await self._run(fn, True, args, kwargs, label=label, seq=seq, phase=True)
 
     def asyncrl_layouts(self) -> dict[str, Any]:
         self._layout_reported = self._layout_version
         return {n: m.to_wire() for n, m in self.layouts.items()}
 
-    async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str = "") -> list[Any]:
+    async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str = "",
+                   seq: int | None = None, phase: bool = False) -> list[Any]:
+        """`_run_pulled` once the inputs promised by earlier calls are here; `phase`: the output's
+        meta gets its time as a phase of the step (`timing/<label>_s`, e.g. the advantage)."""
+        outputs = None if self.runtime is None else self.runtime.state.setdefault("call_outputs", CallOutputs())
+        if seq is not None and outputs is not None:
+            outputs.begin(seq)
+        try:
+            if outputs is not None:  # inputs promised by calls sent before they ended (pipelined)
+                args, kwargs = await outputs.resolve((args, kwargs), self.store.endpoint)
+            t0 = time.perf_counter()
+            reply = await self._run_pulled(fn, pull, args, kwargs, label)
+            if phase and reply[0] is not None and hasattr(reply[0], "meta"):
+                reply[0].meta[f"timing/{label}_s"] = time.perf_counter() - t0
+        except BaseException as e:
+            if seq is not None and outputs is not None:
+                outputs.ended(seq, error=e)
+            raise
+        if seq is not None and outputs is not None:
+            outputs.ended(seq, reply[0])
+        return reply
+
+    async def _run_pulled(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str) -> list[Any]:
         if pull:  # the one place pulled rows move to this worker's device
             tally = PULLED.setdefault(label, [0, 0])
             with trace.span("pull", "store") as s:

@@ -11,6 +11,7 @@ from asyncrl import Batch, ParallelConfig, ParallelLayout, Worker, register
 from asyncrl.single_controller.protocols import (
     ALL_TO_ALL,
     DP_PROTO,
+    LOCAL_ROWS,
     ONE_TO_ALL,
     RANK_ZERO,
     THREE_D_ALL_MICRO_DP,
@@ -196,3 +197,34 @@ class WithPart(Worker):
     @register(ONE_TO_ALL)
     def count(self) -> int:
         return self.counter.count
+
+
+class Chain(Worker):
+    """A producer and a LOCAL_ROWS consumer on the same processes (pipelined calls), in a
+    process group (`totals`' sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from asyncrl.train.fsdp import init_distributed
+
+        init_distributed()
+
+    @register(DP_PROTO)
+    def make(self, spec: Batch, delay: float = 0.0, fail_rank: int = -1) -> Batch:
+        """Rows x = 10 * idx + rank after `delay` seconds; rank `fail_rank` raises."""
+        time.sleep(delay)
+        if self.rank == fail_rank:
+            raise RuntimeError(f"make failed on rank {self.rank}")
+        idx = spec["idx"]
+        return Batch({"x": idx.float() * 10 + self.rank, "made_by": torch.full_like(idx, self.rank)})
+
+    @register(LOCAL_ROWS)
+    def score(self, batch: Batch) -> Batch:
+        return Batch({"score": batch["x"] + 1, "scored_by": torch.full((len(batch),), self.rank)})
+
+
+def totals(batch: Batch, peers) -> Batch:
+    """Runs on a worker via group.apply: x + score per row, and the batch's sum over every rank."""
+    total = batch["x"] + batch["score"]
+    everything = peers.sum(total.sum().reshape(1))
+    return Batch({"total": total, "everything": everything.expand(len(batch)).clone()})

@@ -34,7 +34,7 @@ from objectstore.errors import from_remote
 from objectstore.paths import PullKind, cuda_ipc
 from objectstore.paths.base import PullRequest
 from objectstore.ref import TENSOR, _ref_from_wire, _ref_to_wire
-from transport import CurveConfig, RemoteError, RpcClient, codec
+from transport import AuthenticationError, CurveConfig, RemoteError, RpcClient, codec
 from transport.errors import CodecError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -308,6 +308,39 @@ async def test_curve_authenticated_stores(stores):
     assert torch.equal(await same_node.get(ref), matrix())
 
 
+async def test_an_owner_that_drops_the_handshake_after_accepting_us_is_lost_not_a_key_error(stores):
+    """An owner killed while its address still takes connections (a port another process holds
+    on its node, a dying kernel socket): a reader that passed its handshake before gets
+    ObjectLostError, so recovery starts; a reader meeting such an address first still gets the
+    key error."""
+    curve = CurveConfig.ephemeral()
+    owner = await stores(node_id="a", curve=curve)
+    reader, stranger = await stores(node_id="b", curve=curve), await stores(node_id="c", curve=curve)
+    ref, other = owner.put(matrix()), owner.put(matrix(8, 8))
+    assert torch.equal(await reader.get(ref, transport="tcp"), matrix())
+    port = int(owner.endpoint.rsplit(":", 1)[1])
+    await owner.close()
+
+    async def hang_up(reader_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    for _ in range(100):  # zmq lets go of the port from its own thread
+        try:
+            server = await asyncio.start_server(hang_up, "127.0.0.1", port, reuse_address=True)
+            break
+        except OSError:
+            await asyncio.sleep(0.05)
+    try:
+        for _ in range(2):  # the client that met it, then a new one after the store forgot it
+            with pytest.raises(ObjectLostError):
+                await asyncio.wait_for(reader.get(other, transport="tcp"), 20)
+        with pytest.raises(AuthenticationError):
+            await asyncio.wait_for(stranger.get(other, transport="tcp"), 20)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 # reference counting and free -----------------------------------------------------------------
 async def test_owner_frees_after_holders_release(stores):
     owner, holder = await stores(node_id="n"), await stores(node_id="n")
@@ -337,6 +370,24 @@ async def test_free_then_get_is_not_found_and_store_keeps_serving(stores):
         assert torch.equal(await consumer.get(keep, transport=transport), matrix(8, 8))
     with pytest.raises(ObjectNotFoundError):
         await consumer.incref(ref)
+
+
+async def test_free_many_frees_each_owners_objects_in_one_call(stores):
+    a, b, driver = await stores(node_id="a"), await stores(node_id="b"), await stores(node_id="c")
+    refs = [a.put(matrix()), a.put(matrix(8, 8)), b.put(matrix()), driver.put(matrix())]
+    keep = b.put(matrix(4, 4))
+    before = sum(c.requests["free_many"] for c in driver._clients.values())
+    assert await driver.free_many(refs) == 4
+    assert sum(c.requests["free_many"] for c in driver._clients.values()) - before == 2  # a and b
+    assert await driver.free_many(refs) == 0  # gone already: nothing to free, no error
+    assert [s.stats()["objects"] for s in (a, b, driver)] == [0, 1, 0]
+    assert torch.equal(await driver.get(keep), matrix(4, 4))
+    client = RpcClient(a.endpoint, insecure=True)
+    try:
+        with pytest.raises(RemoteError, match="free_many takes a list of object ids"):
+            await client.call("free_many", "not-a-list")
+    finally:
+        await client.close()
 
 
 # bad input --------------------------------------------------------------------------------------

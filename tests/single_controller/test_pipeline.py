@@ -1,0 +1,70 @@
+"""Pipelined calls: a LOCAL_ROWS call on the pending outputs of the calls before it on the same
+processes is sent before their replies, and gives what the ordered path gives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncrl import Batch, WorkerCallError
+from asyncrl.single_controller import group as group_module
+from asyncrl.single_controller.context import local_cluster
+from asyncrl.single_controller.group import union_all
+from tests.helpers import pm_workers as W
+
+
+@pytest.fixture
+async def chain(tmp_path):
+    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True,
+                             allowed_packages=("tests",)) as ctx:
+        yield ctx, await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Chain)
+
+
+async def _run(ctx, g, rows: int, delay: float):
+    made = g.make(ctx.put(Batch({"idx": torch.arange(rows)})), delay=delay)
+    scored = g.score(made)
+    total = g.apply(W.totals, union_all(made, scored))
+    return made, scored, total
+
+
+async def test_a_local_rows_call_on_pending_outputs_is_sent_before_they_end(chain):
+    ctx, g = chain
+    made, scored, total = await _run(ctx, g, 8, delay=0.5)
+    # both consumers went out (their rows promised) while the producer still ran
+    assert await asyncio.wait_for(scored.source[0].sent, 5) is True
+    assert await asyncio.wait_for(total.source[0].sent, 5) is True
+    assert not made.done()
+    out = await (await total).union(await made).union(await scored).fetch()
+    x = torch.arange(8).float() * 10 + torch.tensor([0] * 4 + [1] * 4)
+    assert torch.equal(out["x"], x)
+    assert torch.equal(out["score"], x + 1)
+    assert torch.equal(out["scored_by"], out["made_by"])  # each rank scored its own rows
+    assert torch.equal(out["total"], 2 * x + 1)
+    assert torch.equal(out["everything"], torch.full((8,), float((2 * x + 1).sum())))
+
+
+async def test_the_ordered_path_gives_the_same_and_is_taken_where_outputs_move(chain, monkeypatch):
+    ctx, g = chain
+    made, scored, total = await _run(ctx, g, 7, delay=0.2)  # 7 rows on 2 ranks: a padded shard
+    assert await asyncio.wait_for(made.source[0].sent, 5) is False  # rank 1's pad row is dropped
+    ahead = await (await total).union(await made).union(await scored).fetch()
+    monkeypatch.setattr(group_module, "PIPELINE", False)
+    made, scored, total = await _run(ctx, g, 7, delay=0.0)
+    ordered = await (await total).union(await made).union(await scored).fetch()
+    assert ahead.tensors.keys() == ordered.tensors.keys()
+    for k in ordered.tensors:
+        assert torch.equal(ahead[k], ordered[k]), k
+
+
+async def test_a_failed_producer_fails_the_calls_sent_ahead_and_the_pool_goes_on(chain):
+    ctx, g = chain
+    made = g.make(ctx.put(Batch({"idx": torch.arange(4)})), delay=0.2, fail_rank=1)
+    scored = g.score(made)
+    with pytest.raises(WorkerCallError, match="make failed on rank 1"):
+        await made
+    with pytest.raises(WorkerCallError, match=r"rank 1: .*PipelineError: call #\d+, whose output this call takes, failed"):
+        await scored
+    made, scored, total = await _run(ctx, g, 4, delay=0.0)
+    assert len(await total) == 4
