@@ -204,16 +204,18 @@ class ObjectStore:
             path.forget(entry)
 
     # producing --------------------------------------------------------------------------
-    def put(self, value: Any) -> ObjectRef:
+    def put(self, value: Any, inline: bool | None = None) -> ObjectRef:
         """Store `value` (a tensor, a dict of tensors sharing dim 0, or an msgpack value).
 
         The store keeps a reference, not a copy: do not modify a tensor after putting it.
+        `inline`: whether a host value also travels inside its ref (None: when it is at most
+        `inline_bytes`).
         """
         if not self._started:
             raise ObjectStoreError(f"{self.name} is not started; await store.start() first")
         ref, value = describe(value, object_id=uuid.uuid4().hex, node_id=self.node_id,
                               endpoint=self.endpoint, bulk_addr=self.bulk_addr)
-        if ref.nbytes <= self.inline_bytes and ref.device == "cpu":
+        if (ref.nbytes <= self.inline_bytes if inline is None else inline) and ref.device == "cpu":
             ref = dataclasses.replace(ref, inline=value)
         self.table.add(ref, value)
         self.counters["puts"] += 1

@@ -343,16 +343,23 @@ class PromptLoader:
         self.drop_last = drop_last
         self.epoch = 0
         self.position = 0  # batches of this epoch already handed out
+        self._drawn: tuple[int, list[int]] | None = None  # (epoch, its order)
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.batch_size
         return n // b if self.drop_last else -(-n // b)
 
     def _order(self, epoch: int) -> list[int]:
+        """The epoch's order of the rows (drawn once per epoch, not once per batch)."""
+        if self._drawn is not None and self._drawn[0] == epoch:
+            return self._drawn[1]
         if not self.shuffle:
-            return list(range(len(self.dataset)))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.dataset), generator=g).tolist()
+            order = list(range(len(self.dataset)))
+        else:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()
+        self._drawn = (epoch, order)
+        return order
 
     def _batch(self) -> dict[str, Any]:
         order = self._order(self.epoch)

@@ -37,6 +37,7 @@ from transport.wire import Ext
 log = logging.getLogger(__name__)
 
 EXT_DIST_BATCH = int(Ext.DIST_BATCH)
+SMALL_COLUMN_BYTES = 16 * 1024  # a batch's 1-D columns up to this size travel inside their ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,12 +348,21 @@ def _nbytes(value: Any) -> int:
 
 def publish(batch: Batch, store: ObjectStore, tracker: RefTracker | None = None) -> DistBatch:
     """Put a Batch in `store` (tensors zero-copy; non-tensor columns as one value) -> DistBatch,
-    tracked by `tracker` when given (the driver's data)."""
+    tracked by `tracker` when given (the driver's data). A host batch's one-number-per-row
+    columns (scores, token counts) are an object of their own that travels inside its ref when
+    it is at most SMALL_COLUMN_BYTES, so the driver and other ranks read them without a pull."""
     n = len(batch)
     pieces = []
-    if batch.tensors and n:
-        ref = store.put({k: t.contiguous() for k, t in batch.tensors.items()})
-        pieces.append(Piece(ref, 0, n, tuple(batch.tensors)))
+    small = {k: t for k, t in batch.tensors.items() if t.dim() == 1 and t.device.type == "cpu"}
+    if not n or sum(t.numel() * t.element_size() for t in small.values()) > SMALL_COLUMN_BYTES:
+        small = {}
+    if small:
+        ref = store.put({k: t.contiguous() for k, t in small.items()}, inline=True)
+        pieces.append(Piece(ref, 0, n, tuple(small)))
+    rest = {k: t for k, t in batch.tensors.items() if k not in small}
+    if rest and n:
+        ref = store.put({k: t.contiguous() for k, t in rest.items()})
+        pieces.append(Piece(ref, 0, n, tuple(rest)))
     if batch.non_tensors and n:
         ref = store.put({k: list(v) for k, v in batch.non_tensors.items()})
         pieces.append(Piece(ref, 0, n, tuple(batch.non_tensors)))

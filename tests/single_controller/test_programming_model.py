@@ -158,7 +158,10 @@ async def test_distbatch_plans_are_row_arithmetic(ctx):
     whole = DistBatch.concat(d)
     assert len(whole) == 8 and len(whole.blocks) == 2
     mid = whole.slice(3, 6)
-    assert [(p.start, p.stop) for b in mid.blocks for p in b] == [(3, 4), (0, 2)]
+    # each block: the small columns' piece (idx, inline in its ref) and x's, over the same rows
+    assert [[(p.start, p.stop, p.columns) for p in b] for b in mid.blocks] == [
+        [(3, 4, ("idx",)), (3, 4, ("x",))], [(0, 2, ("idx",)), (0, 2, ("x",))]]
+    assert [p.ref.inline is not None for p in mid.blocks[0]] == [True, False]
     rep = whole.slice(0, 2).repeat(2)
     assert (await rep.fetch())["idx"].tolist() == [0, 0, 1, 1]
     padded = whole.slice(0, 5).pad_to_divisor(4)
@@ -174,7 +177,7 @@ async def test_dropped_distbatches_are_freed(ctx):
     g = await ctx.spawn_group(ctx.create_pool("p", world_size=2), W.Producer)
     stats = lambda: asyncio.gather(*(h.call("store_stats") for h in g.handles))  # noqa: E731
     d = await g.make_rows(64, 64)
-    assert sum(s["objects"] for s in await stats()) == 2
+    assert sum(s["objects"] for s in await stats()) == 4  # per rank: idx (small, inline) and x
     del d
     gc.collect()
     for _ in range(50):
