@@ -142,8 +142,8 @@ def _report_unawaited(task: asyncio.Task, label: str) -> None:
 
 def union_all(first: DistBatch | Awaitable, *rest: DistBatch | Awaitable) -> DistBatch | DataFuture:
     """The batches' columns side by side, row by row (`DistBatch.union`); given calls (or other
-    awaitables) that may not have ended, a future of that, which a LOCAL_ROWS call on the same processes takes before
-    they end (pipelined)."""
+    awaitables) that may not have ended, a future of that, which a LOCAL_ROWS call on the same
+    processes takes before they end (pipelined)."""
     parts = (first, *rest)
     if all(isinstance(p, DistBatch) for p in parts):
         out = first

@@ -32,9 +32,10 @@ from typing import Any, ClassVar, TypeVar
 from asyncrl.single_controller.memory import process_memory
 from asyncrl.single_controller.parallel import TRAIN, LayoutError, ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import Peers
-from asyncrl.single_controller.pipeline import CallOutputs
+from asyncrl.single_controller.pipeline import CallOutputs, PipelineError, Promised
 from asyncrl.single_controller.protocols import ONE_TO_ALL, get_protocol
 from asyncrl.single_controller.transfer import materialize_all, publish_all, to_device
+from asyncrl.single_controller.tree import tree_leaves
 from daemons.worker import WorkerRuntime, takes, wants_runtime
 from objectstore import ObjectStore
 from transport import trace
@@ -254,11 +255,15 @@ class Worker:
                    seq: int | None = None, phase: bool = False) -> list[Any]:
         """`_run_pulled` once the inputs promised by earlier calls are here; `phase`: the output's
         meta gets its time as a phase of the step (`timing/<label>_s`, e.g. the advantage)."""
-        outputs = None if self.runtime is None else self.runtime.state.setdefault("call_outputs", CallOutputs())
+        promised = tree_leaves((args, kwargs), Promised)  # inputs of calls sent before they ended
+        outputs = (self.runtime.state.setdefault("call_outputs", CallOutputs())
+                   if self.runtime is not None and (seq is not None or promised) else None)
         if seq is not None and outputs is not None:
             outputs.begin(seq)
         try:
-            if outputs is not None:  # inputs promised by calls sent before they ended (pipelined)
+            if promised:
+                if outputs is None:
+                    raise PipelineError("a call sent ahead reached a worker that runs outside a worker process")
                 args, kwargs = await outputs.resolve((args, kwargs), self.store.endpoint)
             t0 = time.perf_counter()
             reply = await self._run_pulled(fn, pull, args, kwargs, label)

@@ -479,13 +479,13 @@ def test_a_training_rank_on_the_other_node_fails_over(netpair, tmp_path):
 
 
 @pytest.mark.multinode
-def test_the_elastic_pool_takes_a_node_that_joins(netpair, tmp_path):
+def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path):
     """An elastic rollout pool on node 0 alone; node 1 joins the running job over the veth
-    (`asyncrl-launch --join`), gets a rollout worker with the current weights and generates for
-    the rest of the run; the ledger shows every prompt trained once. A gate in the reward holds
-    the run while node 1 joins. (A worker killed on the joined node is not here: the driver's
-    next pull from its store failed as a CurveZMQ handshake error, not as a lost object, in 1 of
-    6 runs; tests/rl/test_elastic.py covers a lost worker on one host.)"""
+    (`asyncrl-launch --join`), gets a rollout worker with the current weights, generates, and is
+    then killed (kill -9 its worker): its prompts are generated again on node 0 and the ledger
+    shows every prompt trained once. A gate in the reward holds the run between the events. (The
+    driver's next pull from the dead worker's store can meet its address cutting the CurveZMQ
+    handshake short: a store it had met before reads as lost, `ObjectStore.call_owner`.)"""
     from asyncrl.models.tiny import ensure_tiny_model
 
     ns_a, ns_b = netpair
@@ -513,13 +513,19 @@ def test_the_elastic_pool_takes_a_node_that_joins(netpair, tmp_path):
             assert head.poll() is None and time.monotonic() < deadline, out_a.read_text()
             time.sleep(0.1)
 
-    with _cleaned_up(procs):
+    with _cleaned_up(procs, check_shm=False):  # a SIGKILLed worker cannot clean its shared memory
         head = procs.start(head_argv, out_a, {"ASYNCRL_TEST_GATE": str(gate)})
         wait(lambda: len(_trained_steps(metrics)) >= 2)
         gate.touch()  # the run holds at its next scoring while node 1 joins
         joiner = procs.start(join_argv, out_b)
         joined = r"rollout-\d+ on (?!vm-0 )\S+ is live \(\d+ workers, weights version (\d+)\)"  # not the head's
         wait(lambda: re.search(joined, out_a.read_text()) is not None)
+        gate.unlink()
+        wait(lambda: len(_trained_steps(metrics)) >= 5)
+        gate.touch()
+        spawned = re.findall(r"spawned worker (rollout-\S+) pid (\d+)", out_b.read_text())
+        assert len(spawned) == 1, out_b.read_text()
+        os.kill(int(spawned[0][1]), signal.SIGKILL)  # the joined node's rollout worker dies mid-run
         gate.unlink()
         rc0 = _wait(head, 150, out_a)
         text_a = out_a.read_text()
@@ -529,14 +535,13 @@ def test_the_elastic_pool_takes_a_node_that_joins(netpair, tmp_path):
         version = int(re.search(joined, text_a).group(1))
         assert version >= 2, text_a  # the joiner started from the weights of the step it joined at
         last = _trained_steps(metrics)[-1]
-        assert last["rollout/workers_joined"] == 1 and last["rollout/workers_lost"] == 0, last
-        assert last["rollout/workers"] == 2, last  # node 1's worker served to the end
+        assert last["rollout/workers_joined"] == 1 and last["rollout/workers_lost"] == 1, last
         worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs  # its rows came over the veth
         ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
         assert [row["step"] for row in ledger] == list(range(1, total + 1))
         drawn = [u for row in ledger for u in row["uids"]]
         assert len(set(drawn)) == len(drawn)  # no prompt in two steps
-        for row in ledger:  # rollout.n rows of each drawn prompt: none lost, none twice
+        for row in ledger:  # rollout.n rows of each drawn prompt: none lost with the worker, none twice
             assert sorted(row["rows"]) == sorted(u for u in row["uids"] for _ in range(2)), row
         joiner.wait(timeout=30)
