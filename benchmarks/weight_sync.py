@@ -2,6 +2,7 @@
 
     python -m benchmarks.weight_sync                       # the 0.5B shape: bf16/fp32 x 2/4 training x 1/2 rollout ranks
     python -m benchmarks.weight_sync --configs bf16:4:2    # one configuration (dtype:training ranks:rollout ranks)
+    python -m benchmarks.weight_sync --delta               # delta updates' bytes after real AdamW steps
 
 Every configuration spawns N training ranks (one torch.distributed world, Qwen2.5-0.5B's shape
 built on the meta device and sharded by FSDP2 with `asyncrl.train.parallelize`, random fp32
@@ -25,6 +26,12 @@ ratios floor / method (`split_vs_floor`, `reshard_vs_floor`; >= 1 beats the floo
 `max_rank_send_fraction` (the most one training rank sends / the model's bytes); the headline
 keys are the bf16 configuration with 4 training ranks and 2 rollout ranks (or the largest run).
 Ranks use one torch thread each; with more ranks than cores they share them.
+
+`--delta` (one process, no ranks): `--steps` real AdamW steps on the 0.5B shape at each of `--lrs`;
+after each, every weight in bf16 is encoded as a delta from the version before
+(`asyncrl.train.delta`: XOR or changed elements, zstd, a checksum) and applied to a receiver's
+copy; it reports `delta_bytes_ratio` (bytes sent / the bf16 model, median over the steps), the
+encode and apply seconds, and `bit_identical` (every rebuilt weight equal to the sender's).
 """
 
 from __future__ import annotations
@@ -229,6 +236,49 @@ def run_config(dtype: str, n: int, r: int, model_dir: Path, reps: int, timeout_s
     return row
 
 
+def delta_run(lrs: list[float], steps: int, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """Real AdamW steps on the 0.5B shape (fp32 master weights, a language-model loss on random
+    tokens); after each, every weight in bf16 encoded as a delta from the step before
+    (`asyncrl.train.delta`) and applied to a receiver's copy, checked bit for bit."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from asyncrl.train.delta import apply, checksum, encode
+
+    out: dict[str, Any] = {}
+    for lr in lrs:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN05.items() if k != "architectures"}))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        held = {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
+        full = sum(t.numel() * t.element_size() for t in held.values())
+        g = torch.Generator().manual_seed(seed + 1)
+        rows = []
+        for step in range(1, steps + 1):
+            ids = torch.randint(0, QWEN05["vocab_size"], (2, tokens // 2), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sent, kinds, t_enc, t_apply, identical = 0, {"xor": 0, "sparse": 0}, 0.0, 0.0, True
+            for n, p in model.named_parameters():
+                new = p.detach().to(torch.bfloat16)
+                t0 = time.perf_counter()
+                delta = encode(n, new, held[n], version=step, base_version=step - 1)
+                t1 = time.perf_counter()
+                apply(delta, held[n], held_version=step - 1)  # the receiver's copy moves to this version
+                t_enc, t_apply = t_enc + t1 - t0, t_apply + time.perf_counter() - t1
+                sent += delta.nbytes
+                kinds[delta.kind] += 1
+                identical &= checksum(held[n]) == checksum(new)
+            rows.append({"step": step, "delta_bytes_ratio": round(sent / full, 4), "encode_s": round(t_enc, 2),
+                         "apply_s": round(t_apply, 2), "kinds": kinds, "bit_identical": identical})
+            print(json.dumps({"lr": lr, **rows[-1]}), flush=True)
+        out[f"{lr:g}"] = {"full_mb": round(full / 2**20, 1), "steps": rows,
+                          "delta_bytes_ratio": statistics.median(r["delta_bytes_ratio"] for r in rows),
+                          "bit_identical": all(r["bit_identical"] for r in rows)}
+        del model, opt, held
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.weight_sync", description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=["bf16:2:1", "bf16:4:1", "bf16:2:2", "bf16:4:2",
@@ -236,7 +286,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="dtype:training ranks:rollout ranks")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=1200)
+    p.add_argument("--delta", action="store_true", help="the bytes of delta updates after real AdamW steps")
+    p.add_argument("--lrs", type=float, nargs="*", default=[1e-6, 1e-5])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per optimizer step (2 rows)")
     args = p.parse_args(argv)
+    if args.delta:
+        torch.set_num_threads(os.cpu_count() or 1)
+        per_lr = delta_run(args.lrs, args.steps, args.tokens)
+        print(json.dumps({"benchmark": "weight_sync_delta", "model": "Qwen2.5-0.5B shape", "sync_dtype": "bf16",
+                          "steps": args.steps, "lrs": per_lr,
+                          "delta_bytes_ratio": {lr: v["delta_bytes_ratio"] for lr, v in per_lr.items()},
+                          "bit_identical": all(v["bit_identical"] for v in per_lr.values())}))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="asyncrl-qwen05-") as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(QWEN05))

@@ -1,0 +1,122 @@
+"""Weight deltas: a tensor's new bit pattern sent as its difference from the version a receiver
+already holds, compressed, with a checksum of the result.
+
+At RL learning rates most weights keep their bit pattern in the sync dtype from one update to
+the next. `encode` writes, per tensor, whichever is smaller: the XOR of the two bit patterns
+(zeros where nothing changed, which zstd compresses to almost nothing) or the changed elements
+(gaps between their positions and their new bit patterns); `apply` rebuilds the new tensor in
+place on the receiver's copy and checks it against the sender's checksum. A receiver without the
+base version gets the full tensor (`kind="full"`); a checksum that does not match is a
+`DeltaMismatchError` (the caller syncs the full weights instead), never silently wrong weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import zstandard
+
+from asyncrl.errors import AsyncRLError
+
+Kind = Literal["full", "xor", "sparse"]
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SPARSE_BELOW = 0.25  # the changed elements are also tried when fewer than this fraction changed
+
+
+class DeltaMismatchError(AsyncRLError):
+    """A delta does not rebuild the sender's tensor on this receiver (another base version, or
+    corrupted bytes): sync the full weights instead."""
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """One tensor's update from version `base` to `version` (`base` None: the full tensor)."""
+
+    name: str
+    kind: Kind
+    dtype: str
+    shape: tuple[int, ...]
+    base: int | None
+    version: int
+    payload: bytes  # zstd frames
+    checksum: bytes  # blake2b-64 of the new tensor's bytes
+
+    @property
+    def nbytes(self) -> int:
+        """What travels: the compressed payload and the checksum."""
+        return len(self.payload) + len(self.checksum)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns as integers of its element size (a flat CPU view)."""
+    t = t.detach().contiguous().view(-1)
+    return t.view(_BITS[t.element_size()])
+
+
+def checksum(t: torch.Tensor) -> bytes:
+    return hashlib.blake2b(_bits(t).numpy().tobytes(), digest_size=8).digest()
+
+
+def encode(name: str, new: torch.Tensor, base: torch.Tensor | None, version: int, base_version: int | None,
+           level: int = 1, only: Kind | None = None) -> TensorDelta:
+    """`new` as a delta from `base` (the receiver's tensor at `base_version`), or in full when
+    there is no base; the smaller of the XOR and the changed elements (`only`: that one)."""
+    new_bits = _bits(new.cpu())
+    total = checksum(new.cpu())
+    zstd = zstandard.ZstdCompressor(level=level)
+    dtype, shape = str(new.dtype).removeprefix("torch."), tuple(new.shape)
+    if base is None or base_version is None:
+        return TensorDelta(name, "full", dtype, shape, None, version, zstd.compress(new_bits.numpy().tobytes()), total)
+    if base.shape != new.shape or base.dtype != new.dtype:
+        raise DeltaMismatchError(f"{name}: base {tuple(base.shape)} {base.dtype} does not match the new "
+                                 f"tensor {shape} {new.dtype}")
+    xor = _bits(base.cpu()) ^ new_bits
+    as_xor = zstd.compress(xor.numpy().tobytes()) if only != "sparse" else None
+    changed = torch.nonzero(xor).view(-1)
+    if only == "sparse" or (only is None and changed.numel() < SPARSE_BELOW * xor.numel()):
+        gaps = torch.diff(changed, prepend=changed.new_zeros(1)).to(torch.int64)
+        sparse = zstd.compress(gaps.numpy().tobytes() + new_bits[changed].numpy().tobytes())
+        if as_xor is None or len(sparse) < len(as_xor):
+            return TensorDelta(name, "sparse", dtype, shape, base_version, version, sparse, total)
+    return TensorDelta(name, "xor", dtype, shape, base_version, version, as_xor, total)
+
+
+def apply(delta: TensorDelta, target: torch.Tensor, held_version: int | None) -> None:
+    """Rebuild the sender's tensor in `target` (the receiver's copy at `held_version`), in place;
+    `DeltaMismatchError` if the versions differ or the result is not the sender's."""
+    if delta.kind != "full" and delta.base != held_version:
+        raise DeltaMismatchError(f"{delta.name}: a delta from version {delta.base} for a receiver at "
+                                 f"version {held_version}; sync the full weights")
+    if tuple(target.shape) != delta.shape or str(target.dtype).removeprefix("torch.") != delta.dtype:
+        raise DeltaMismatchError(f"{delta.name}: the delta is for {delta.shape} {delta.dtype}, this receiver "
+                                 f"holds {tuple(target.shape)} {target.dtype}")
+    raw = zstandard.ZstdDecompressor().decompress(delta.payload)
+    host = target if target.device.type == "cpu" else target.cpu()
+    bits = _bits(host)
+    kind = bits.dtype
+    try:
+        if delta.kind == "full":
+            bits.copy_(_from_bytes(raw, kind, bits.numel()))
+        elif delta.kind == "xor":
+            bits.bitwise_xor_(_from_bytes(raw, kind, bits.numel()))
+        else:
+            count = len(raw) // (8 + bits.element_size())
+            gaps = _from_bytes(raw[:8 * count], torch.int64, count)
+            bits[torch.cumsum(gaps, 0)] = _from_bytes(raw[8 * count:], kind, count)
+    except (ValueError, RuntimeError, IndexError) as e:
+        raise DeltaMismatchError(f"{delta.name}: the delta's bytes do not fit this tensor ({e})") from None
+    if host is not target:
+        target.copy_(host)
+    if checksum(host) != delta.checksum:
+        raise DeltaMismatchError(f"{delta.name}: the rebuilt tensor's checksum differs from the sender's "
+                                 f"(version {delta.base} -> {delta.version}); sync the full weights")
+
+
+def _from_bytes(raw: bytes, dtype: torch.dtype, count: int) -> torch.Tensor:
+    if len(raw) != count * torch.tensor([], dtype=dtype).element_size():
+        raise ValueError(f"{len(raw)} bytes for {count} elements of {dtype}")
+    return torch.from_numpy(np.frombuffer(raw, dtype=torch.tensor([], dtype=dtype).numpy().dtype).copy())
