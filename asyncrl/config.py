@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 from omegaconf import DictConfig
 
@@ -34,7 +35,7 @@ from asyncrl.single_controller.parallel import (
     ParallelLayout,
     generation_layout,
 )
-from asyncrl.single_controller.schema import to_dict, typed
+from asyncrl.single_controller.schema import choices_of, to_dict, typed
 from asyncrl.train.lora import INPUT_EMBEDDINGS
 from asyncrl.train.optim import OptimConfig as OptimConfig
 from transport.checks import ConfigError
@@ -45,9 +46,11 @@ from transport.checks import check_positive as _positive
 __all__ = ["ConfigError", "RLConfig", "rl_config", "to_dict", "typed"]  # and every section below
 
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-MODEL_DTYPES = ("auto", "bfloat16", "float32")
-KL_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs")
+# a field's choices are its type: `Annotated[str, Literal[...]]` (`schema.choices_of`), checked by `validate`
+LossAggMode = Annotated[str, Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]]
+ModelDtype = Annotated[str, Literal["auto", "bfloat16", "float32"]]
+KLType = Annotated[str, Literal["kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs"]]
+LOSS_AGG_MODES, MODEL_DTYPES, KL_TYPES = (choices_of(t) for t in (LossAggMode, ModelDtype, KLType))
 
 
 # the RL job --------------------------------------------------------------------------------------
@@ -64,13 +67,12 @@ class TinyModelConfig:
     sft_steps: int = 0
     # the warm start's answers: "format" (random symbols of the right shape: RL learns the task)
     # or "task" (the true answers; for `lookup`, a fifth of the conversations call the tool)
-    sft_targets: str = "format"
+    sft_targets: Annotated[str, Literal["format", "task"]] = "format"
     sft_lr: float = 1e-3
 
     def check(self, at: str) -> None:
         _one_of(at + "task", self.task, tiny_model_tasks())
         _positive(at + "sft_lr", self.sft_lr)
-        _one_of(at + "sft_targets", self.sft_targets, ("format", "task"))
         for name in ("hidden", "layers", "heads"):
             _positive(at + name, getattr(self, name))
         _check(self.hidden % self.heads == 0, at + "hidden", self.hidden,
@@ -90,12 +92,11 @@ class ModelConfig:
     # quickstart's tiny model trains fastest in fp32 on CPU cores); "bfloat16" everywhere; or
     # "float32". Trained weights and optimizer state stay fp32 (the master copy); forward-only
     # copies (the reference policy) are stored in the compute dtype
-    dtype: str = "auto"
+    dtype: ModelDtype = "auto"
 
     def check(self, at: str) -> None:
         _check(bool(self.path.strip()), at + "path", self.path,
                "must name a local Hugging Face model directory (or a cached Hub name such as Qwen/Qwen2.5-0.5B)")
-        _one_of(at + "dtype", self.dtype, MODEL_DTYPES)
 
 
 @dataclass
@@ -110,20 +111,20 @@ class VLLMConfig:
     # actor.lora: `adapter` serves each version's A and B over vLLM's frozen base (megabytes per
     # sync; unmerged adapters cost decode time), `merged` loads W0 + (alpha/rank) B A as full
     # weights (colocated only). A model vLLM has no LoRA support for falls back to merged.
-    lora: str = "adapter"
+    lora: Annotated[str, Literal["adapter", "merged"]] = "adapter"
 
     def check(self, at: str) -> None:
-        _check(self.lora in ("adapter", "merged"), at + "lora", self.lora, "must be adapter or merged")
         _check(0 < self.gpu_memory_utilization <= 1, at + "gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         _positive(at + "kv_cache_gib", self.kv_cache_gib, allow_zero=True)
         _positive(at + "max_num_seqs", self.max_num_seqs)
 
 
-PLACEMENTS = ("colocated", "split")
-CORRECTION_MODES = ("none", "tis", "mis", "icepop", "geo_mask")  # actor.rollout_correction.mode
+Placement = Annotated[str, Literal["colocated", "split"]]
+CorrectionMode = Annotated[str, Literal["none", "tis", "mis", "icepop", "geo_mask"]]  # actor.rollout_correction.mode
 CORRECTION_LEVELS = ("token", "sequence")  # losses that weigh by pi_old / pi_rollout themselves
-ROUTER_REPLAY = ("none", "rollout", "old_policy")  # actor.moe.router_replay
+RouterReplay = Annotated[str, Literal["none", "rollout", "old_policy"]]  # actor.moe.router_replay
+PLACEMENTS, CORRECTION_MODES, ROUTER_REPLAY = (choices_of(t) for t in (Placement, CorrectionMode, RouterReplay))
 
 
 @dataclass
@@ -191,7 +192,7 @@ class PPOUpdateConfig:
     pack_sequences: bool | None = None
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward pass
     shuffle: bool = True  # shuffle rows into mini-batches
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: LossAggMode = "token-mean"  # the loss's mean over every token, or per sequence then over sequences
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # this model's training layout
 
     def check(self, at: str) -> None:
@@ -211,7 +212,6 @@ class PPOUpdateConfig:
                    f"Ulysses shards packed micro-batches; set {at}pack_sequences to null or true, or sp=1")
             _check(self.parallel.pp == 1, sp, self.parallel.sp,
                    f"runs without pipeline stages; set {at}parallel.pp=1 or sp=1")
-        _one_of(at + "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 def _check_lora_layout(section: ActorConfig | CriticConfig, at: str) -> None:
@@ -286,7 +286,7 @@ class MoEConfig:
     # none; rollout: the log-prob and update passes route each token to the experts the rollout
     # engine chose (R3; the native engine records them); old_policy: the update routes as the
     # old-policy log-prob pass did. The gate weights always come from the live router.
-    router_replay: str = "none"
+    router_replay: RouterReplay = "none"
     # the Switch load-balancing loss (1.0 when balanced) and ST-MoE's router z-loss, added to the
     # policy loss with these weights; both are logged every step either way. Off by default: a
     # balancing push moves routing away from what the rollout engine sampled with.
@@ -300,7 +300,6 @@ class MoEConfig:
     ep: int = 1
 
     def check(self, at: str) -> None:
-        _one_of(at + "router_replay", self.router_replay, ROUTER_REPLAY)
         _positive(at + "ep", self.ep)
         _positive(at + "aux_loss_coef", self.aux_loss_coef, allow_zero=True)
         _positive(at + "z_loss_coef", self.z_loss_coef, allow_zero=True)
@@ -358,13 +357,12 @@ class RolloutCorrectionConfig:
     """Importance correction for the rollout engine sampling from a slightly different policy than
     the trainer's (r = pi_trainer / pi_rollout per token; docs/algorithms.md#rollout-correction)."""
 
-    mode: str = "none"  # none | tis | mis | icepop | geo_mask
+    mode: CorrectionMode = "none"
     level: str | None = None  # token | sequence (tis, mis); null = the mode's
     low: float | None = None  # the ratio band kept (mis, icepop, geo_mask); null = the mode's
     high: float | None = None  # tis: the weight cap; the others: the band's top
 
     def check(self, at: str) -> None:
-        _one_of(at + "mode", self.mode, CORRECTION_MODES)
         if self.mode == "none":
             for name in ("level", "low", "high"):
                 _check(getattr(self, name) is None, at + name, getattr(self, name),
@@ -389,7 +387,8 @@ class RolloutCorrectionConfig:
 class ActorConfig(PPOUpdateConfig):
     log_prob_micro_batch_size: int = 128  # rows per forward-only pass (old and reference log-probs)
     log_prob_max_tokens_per_micro_batch: int = 0  # > 0: the log-prob passes' micro-batches by tokens
-    recompute_log_prob: str = "auto"  # auto: only when off-policy (ppo_epochs or ppo_mini_batches > 1) | always | never
+    # auto: only when off-policy (ppo_epochs or ppo_mini_batches > 1)
+    recompute_log_prob: Annotated[str, Literal["auto", "always", "never"]] = "auto"
     clip_ratio: float = 0.2  # PPO's clip of the probability ratio, both sides
     clip_ratio_low: float | None = None  # None = clip_ratio
     clip_ratio_high: float | None = None  # None = clip_ratio (DAPO's clip-higher sets it above)
@@ -397,7 +396,7 @@ class ActorConfig(PPOUpdateConfig):
     entropy_coeff: float = 0.0  # weight of the entropy bonus in the loss
     use_kl_loss: bool = False  # GRPO-style KL term in the loss
     kl_loss_coef: float = 0.001  # weight of the KL to the reference policy (use_kl_loss)
-    kl_loss_type: str = "low_var_kl"  # k1 (kl) | k2 (mse) | k3 (low_var_kl) | abs
+    kl_loss_type: KLType = "low_var_kl"  # k1 (kl), k2 (mse), k3 (low_var_kl), abs
     pretrain_coef: float = 0.0  # weight of the SFT loss step (Safe-RLHF's ptx term)
     # ppo: PPO against the old policy; decoupled: AReaL's decoupled PPO (clip around the
     # proximal policy, importance weight to the behaviour policy that sampled); tis: PPO with
@@ -424,7 +423,6 @@ class ActorConfig(PPOUpdateConfig):
         _check(self.moe.router_replay == "none" or self.parallel.pp == 1, at + "moe.router_replay",
                self.moe.router_replay, f"needs {at}parallel.pp=1 (a pipeline interleaves micro-batches, so a "
                "stage would replay another micro-batch's experts); set it to none or pp=1")
-        _one_of(at + "recompute_log_prob", self.recompute_log_prob, ("auto", "always", "never"))
         _one_of(at + "policy_loss", self.policy_loss, tuple(policy_losses()))
         self.gspo.check(at + "gspo.")
         self.cispo.check(at + "cispo.")
@@ -443,7 +441,6 @@ class ActorConfig(PPOUpdateConfig):
         _check(not is_behaviour_loss(self.policy_loss) or self.recompute_log_prob != "never", at + "recompute_log_prob",
                self.recompute_log_prob, f"must not be never with {at}policy_loss={self.policy_loss}: it needs "
                "the current policy's log-probs before the update (the proximal/old policy)")
-        _one_of(at + "kl_loss_type", self.kl_loss_type, KL_TYPES)
         _positive(at + "log_prob_micro_batch_size", self.log_prob_micro_batch_size)
         _positive(at + "log_prob_max_tokens_per_micro_batch", self.log_prob_max_tokens_per_micro_batch, allow_zero=True)
         _check(not self.log_prob_max_tokens_per_micro_batch or self.parallel.pp == 1,
@@ -549,13 +546,12 @@ class TeacherConfig:
 
 @dataclass
 class KLControllerConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: Annotated[str, Literal["fixed", "adaptive"]] = "fixed"
     kl_coef: float = 0.001  # the reward's KL penalty weight (adaptive: its start)
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
 
     def check(self, at: str) -> None:
-        _one_of(at + "type", self.type, ("fixed", "adaptive"))
         _positive(at + "kl_coef", self.kl_coef, allow_zero=True)
         _positive(at + "horizon", self.horizon)
         _positive(at + "target_kl", self.target_kl)
@@ -596,25 +592,24 @@ class SafeRLHFConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # the step (asyncrl/algorithms/registry.py): ppo | grpo | rloo | reinforce_pp | remax | safe_rlhf | opd
-    estimator: str = "grpo"  # grpo | drgrpo (for name=grpo)
+    estimator: Annotated[str, Literal["grpo", "drgrpo"]] = "grpo"  # for name=grpo
     gamma: float = 1.0  # discount (GAE, REINFORCE++)
     lam: float = 1.0  # GAE's lambda
     norm_adv_by_std: bool = True  # GRPO: divide each group's advantages by its standard deviation
     use_kl_in_reward: bool = False  # subtract a KL to the reference policy from the reward (kl_ctrl)
-    kl_penalty: str = "kl"  # the KL estimator in the reward
+    kl_penalty: KLType = "kl"  # the KL estimator in the reward
     kl_ctrl: KLControllerConfig = field(default_factory=KLControllerConfig)
     safe: SafeRLHFConfig = field(default_factory=SafeRLHFConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def check(self, at: str) -> None:
         _one_of(at + "name", self.name, tuple(algorithms()))
-        _one_of(at + "estimator", self.estimator, ("grpo", "drgrpo"))
-        _one_of(at + "kl_penalty", self.kl_penalty, KL_TYPES)
         _check(0 <= self.gamma <= 1, at + "gamma", self.gamma, "must be in [0, 1]")
         _check(0 <= self.lam <= 1, at + "lam", self.lam, "must be in [0, 1]")
 
 
-PLAN_SEARCHES = ("auto", "hybridflow", "mcmc", "exhaustive")
+PlanSearch = Annotated[str, Literal["auto", "hybridflow", "mcmc", "exhaustive"]]
+PLAN_SEARCHES = choices_of(PlanSearch)
 
 
 @dataclass
@@ -624,7 +619,7 @@ class PlanConfig:
     # h100 | h200 | a100 | cpu (measured by `asyncrl-plan profile`) | a profile JSON file;
     # auto: this machine's GPU, h100 for a cluster.gpus_per_node plan made without one, else cpu
     device: str = "auto"
-    search: str = "auto"  # auto: exhaustive on small spaces, else hybridflow refined by mcmc
+    search: PlanSearch = "auto"  # auto: exhaustive on small spaces, else hybridflow refined by mcmc
     time_limit_s: float = 10.0  # the search's time budget
     runners_up: int = 3  # plans printed after the best
     seed: int = 0  # the MCMC search's seed
@@ -634,14 +629,14 @@ class PlanConfig:
     response_len: int = 0  # see prompt_len
 
     def check(self, at: str) -> None:
-        _one_of(at + "search", self.search, PLAN_SEARCHES)
         _positive(at + "prompt_len", self.prompt_len, allow_zero=True)
         _positive(at + "response_len", self.response_len, allow_zero=True)
         _positive(at + "time_limit_s", self.time_limit_s)
         _positive(at + "runners_up", self.runners_up, allow_zero=True)
 
 
-TRAINER_MODES = ("train", "eval")
+TrainerMode = Annotated[str, Literal["train", "eval"]]
+TRAINER_MODES = choices_of(TrainerMode)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
@@ -684,9 +679,9 @@ class TrainerConfig:
     torch_threads: int = 0  # per worker; 0 = the node's cores divided by its workers
     # colocated: every role on one pool of n_workers; split: training (actor, ref, critic) on n_workers
     # and generation on a pool of rollout.n_workers, weights broadcast between them
-    placement: str = "colocated"
+    placement: Placement = "colocated"
     overlap_weight_sync: bool = True  # split, rollout.max_staleness >= 1: the broadcast runs beside the next step
-    mode: str = "train"  # train | eval (no training: sample the held-out prompts, pass@k per data_source)
+    mode: TrainerMode = "train"  # eval: no training, sample the held-out prompts, pass@k per data_source
     log_samples: int = 3  # held-out prompts whose completions each evaluation shows and saves (samples.jsonl)
     # steps (1-based) whose spans on the controller and every worker go to trace/step_N.json, a
     # Chrome trace-event file (ui.perfetto.dev, chrome://tracing): e.g. trainer.trace=[5,6]
@@ -696,12 +691,10 @@ class TrainerConfig:
     stats_every: int = 10
 
     def check(self, at: str) -> None:
-        _one_of(at + "placement", self.placement, PLACEMENTS)
         for step in self.trace:
             _check(isinstance(step, int) and 1 <= step, at + "trace", self.trace,
                    "lists steps to trace, each an int from 1 (the first step)")
         _positive(at + "stats_every", self.stats_every)
-        _one_of(at + "mode", self.mode, TRAINER_MODES)
         for name in self.loggers:
             _one_of(at + "loggers", name, LOGGERS)
         _check(len(set(self.loggers)) == len(self.loggers), at + "loggers", self.loggers, "names a logger twice")

@@ -18,6 +18,8 @@ import typing
 from functools import cache
 from typing import Any
 
+from asyncrl.single_controller.schema import choices_of
+
 HEADER = """# Configuration reference
 
 Every key of an RL job's config (`asyncrl-launch --config-name grpo`, the `rl_schema`), its type,
@@ -58,6 +60,9 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _type_name(tp: Any) -> str:
+    allowed = choices_of(tp)
+    if allowed is not None:
+        return " | ".join(repr(v) for v in allowed)
     text = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
     return text.replace("NoneType", "None")
 
@@ -73,7 +78,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) for every leaf of `cls`, sections depth first."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     docs = {k: v for base in reversed(cls.__mro__) for k, v in _field_docs(base).items()}  # inherited fields too
     out: list[tuple[str, str, str, str]] = []
     for f in dataclasses.fields(cls):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from transport.checks import check, check_one_of, check_positive
+from asyncrl.single_controller.schema import choices_of
+from transport.checks import check, check_positive
 
-SCHEDULES = ("per_trajectory", "lockstep")
+Schedule = Annotated[str, Literal["per_trajectory", "lockstep"]]
+SCHEDULES = choices_of(Schedule)
 
 
 @dataclass
@@ -31,7 +33,7 @@ class MultiTurnConfig:
     """An observation longer than this is cut to its first tokens."""
     step_timeout_s: float = 30.0
     """An environment step that takes longer ends the trajectory with an error observation."""
-    schedule: str = "per_trajectory"
+    schedule: Schedule = "per_trajectory"
     """per_trajectory: a turn is decoded as soon as its trajectory asks (others may be waiting on
     their environment); lockstep: every live trajectory's turn t is decoded together, before any
     turn t + 1 (TRL's GRPOTrainer; the baseline of `benchmarks.agentic_rl`)."""
@@ -45,4 +47,3 @@ class MultiTurnConfig:
         check_positive(at + "max_observation_tokens", self.max_observation_tokens)
         check_positive(at + "step_timeout_s", self.step_timeout_s)
         check_positive(at + "concurrency", self.concurrency)
-        check_one_of(at + "schedule", self.schedule, SCHEDULES)

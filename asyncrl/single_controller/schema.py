@@ -18,6 +18,7 @@ import difflib
 import functools
 import logging
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from importlib.metadata import entry_points
@@ -26,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from transport.checks import ConfigError
+from transport.checks import ConfigError, check_one_of
 
 ENTRY_POINT_GROUP = "asyncrl.schemas"
 
@@ -118,14 +119,34 @@ def _unknown_keys(schema: type, data: dict, prefix: str = "") -> list[str]:
 
 
 def validate(value: Any, at: str = "") -> None:
-    """Run every section's `check` (ranges, choices), inner sections first; keys are named by
-    their full dotted path."""
+    """Check every field's declared choices (`choices_of`) and run every section's `check`
+    (ranges, choices that depend on other keys), inner sections first; keys are named by their
+    full dotted path."""
+    hints = _hints(type(value))
     for f in fields(value):
         inner = getattr(value, f.name)
         if is_dataclass(inner):
             validate(inner, f"{at}{f.name}.")
+        allowed = choices_of(hints.get(f.name))
+        if allowed is not None:
+            check_one_of(at + f.name, inner, allowed)
     if hasattr(value, "check"):
         value.check(at)
+
+
+def choices_of(hint: Any) -> tuple | None:
+    """The values a field may take when its type says so: `Annotated[str, Literal[...]]`.
+    (A bare `Literal` is what vLLM's configs use; OmegaConf 2.3, which hydra-core 1.3 requires,
+    refuses it, so the `Literal` rides in the annotation's metadata: one place names the choices,
+    `validate` enforces them, the config reference lists them.)"""
+    if typing.get_origin(hint) is not typing.Annotated:
+        return None
+    return next((typing.get_args(m) for m in hint.__metadata__ if typing.get_origin(m) is typing.Literal), None)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

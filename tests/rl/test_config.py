@@ -88,6 +88,44 @@ def test_typed_view_checks_values_and_keys():
         C.rl_config({"algorithm": {"name": "dpo"}})
 
 
+def test_a_keys_choices_are_its_type_checked_for_every_section():
+    """A field typed `Annotated[str, Literal[...]]` is checked by the schema alone (no `check`
+    repeats it) and the config reference lists its values."""
+    import typing
+
+    from asyncrl.config_reference import rows
+    from asyncrl.single_controller.schema import choices_of
+
+    declared = {}
+
+    def walk(cls: type, prefix: str = "") -> None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for f in fields(cls):
+            if is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+            elif choices_of(hints[f.name]) is not None:
+                declared[prefix + f.name] = choices_of(hints[f.name])
+
+    walk(C.RLConfig)
+    assert {"trainer.placement", "trainer.mode", "actor.loss_agg_mode", "actor.kl_loss_type", "algorithm.kl_penalty",
+            "algorithm.kl_ctrl.type", "actor.rollout_correction.mode", "rollout.multi_turn.schedule"} <= set(declared)
+    reference = {key: kind for key, kind, _, _ in rows(C.RLConfig)}
+    for key, allowed in declared.items():
+        with pytest.raises(ConfigError, match=rf"{key}='not-a-choice': must be one of {', '.join(allowed)}"):
+            C.rl_config(_nested(key, "not-a-choice"))
+        assert reference[key] == " | ".join(repr(v) for v in allowed)
+
+
+def _nested(key: str, value: object) -> dict:
+    out: dict = {}
+    node = out
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return out
+
+
 def test_a_typo_inside_a_user_yaml_exits_2_naming_key_file_and_closest(tmp_path, capsys):
     text = (REPO / "configs" / "grpo.yaml").read_text().replace("use_kl_loss:", "use_kl_los:")
     (tmp_path / "grpo.yaml").write_text(text)
