@@ -131,7 +131,7 @@ class ObjectStore:
         self.endpoint = ""
         self.bulk_addr = ""
         self._clients: dict[str, RpcClient] = {}
-        self._met_before: set[str] = set()  # owners that dropped after a handshake (`_met`)
+        self._met_before: set[str] = set()  # owners a forgotten client had passed the handshake of
         self._started = False
         self.counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets_local", "pulls_shm", "pulls_tcp", "pulls_cuda_ipc", "pulls_nccl",
@@ -346,12 +346,6 @@ class ObjectStore:
         return PullKind.TCP
 
     # talking to owners ------------------------------------------------------------------
-    @property
-    def _met(self) -> set[str]:
-        """The owners whose handshake this store's clients passed at least once (now or before)."""
-        self._met_before.update(e for e, c in self._clients.items() if c.authenticated_once)
-        return self._met_before
-
     def _client(self, endpoint: str) -> RpcClient:
         client = self._clients.get(endpoint)
         if client is None:
@@ -384,15 +378,16 @@ class ObjectStore:
     async def call_owner(self, ref: ObjectRef, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call `method` on the store that owns `ref`; typed errors come back typed, a dead
         owner is ObjectLostError."""
+        client = self._client(ref.endpoint)
         try:
-            return await self._client(ref.endpoint).call(method, *args, timeout=timeout)
+            return await client.call(method, *args, timeout=timeout)
         except RemoteError as e:
             raise from_remote(e) from None
         except (ConnectionLost, RpcTimeout) as e:
             self._forget_client(ref.endpoint)
             raise ObjectLostError.for_owner(ref.object_id, ref.node_id, ref.endpoint, e) from e
         except AuthenticationError as e:
-            if ref.endpoint not in self._met:  # first contact: the keys are what is wrong
+            if not client.authenticated_once and ref.endpoint not in self._met_before:  # first contact: keys
                 raise
             # an owner that accepted our keys before and now drops the handshake has gone away
             # (killed, its address reached something else): its objects are lost
