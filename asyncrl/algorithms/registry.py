@@ -20,6 +20,9 @@ class Algorithm:
     needs_critic: bool = False
     needs_pretrain: bool = False  # takes a `pretrain=` batch (Safe-RLHF's SFT term)
     needs_teacher: bool = False  # a teacher worker group scores the samples (`teacher.*`)
+    # the actor method a step calls once, as its last weight update: the next step's generation
+    # may be sent right behind it (rollout.launch_next_early); None: only after the step
+    last_update: str | None = None
 
     @property
     def step(self) -> Step:
@@ -29,13 +32,13 @@ class Algorithm:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "ppo": Algorithm("asyncrl.algorithms.ppo:ppo_step", needs_critic=True),
-    "grpo": Algorithm("asyncrl.algorithms.grpo:grpo_step"),
-    "rloo": Algorithm("asyncrl.algorithms.grpo:rloo_step"),
-    "reinforce_pp": Algorithm("asyncrl.algorithms.grpo:reinforce_pp_step"),
-    "remax": Algorithm("asyncrl.algorithms.remax:remax_step"),
+    "ppo": Algorithm("asyncrl.algorithms.ppo:ppo_step", needs_critic=True, last_update="update_actor"),
+    "grpo": Algorithm("asyncrl.algorithms.grpo:grpo_step", last_update="update_actor"),
+    "rloo": Algorithm("asyncrl.algorithms.grpo:rloo_step", last_update="update_actor"),
+    "reinforce_pp": Algorithm("asyncrl.algorithms.grpo:reinforce_pp_step", last_update="update_actor"),
+    "remax": Algorithm("asyncrl.algorithms.remax:remax_step", last_update="update_actor"),
     "safe_rlhf": Algorithm("asyncrl.algorithms.ppo:safe_rlhf_step", needs_critic=True, needs_pretrain=True),
-    "opd": Algorithm("asyncrl.algorithms.opd:opd_step", needs_teacher=True),
+    "opd": Algorithm("asyncrl.algorithms.opd:opd_step", needs_teacher=True, last_update="update_actor"),
 }
 
 
@@ -56,7 +59,7 @@ def algorithms() -> dict[str, Algorithm]:
 
 def register_algorithm(name: str, step: Step | str, **needs: Any) -> Algorithm:
     """Add `name` to the table: `step` is a module-level async function (or its "module:function");
-    `needs`: needs_critic, needs_pretrain, needs_teacher."""
+    `needs`: needs_critic, needs_pretrain, needs_teacher, last_update."""
     path = step if isinstance(step, str) else f"{step.__module__}:{step.__qualname__}"
     ALGORITHMS[name] = Algorithm(path, **needs)
     return ALGORITHMS[name]

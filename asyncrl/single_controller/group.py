@@ -126,6 +126,15 @@ class DataFuture:
         return f"DataFuture({self.label}, {state})"
 
 
+async def _went_out(out: CallOutput) -> bool:
+    """Whether an ordered call's requests reached every rank (False: it failed before sending)."""
+    try:
+        await out.sent
+    except Exception:  # noqa: BLE001 - its own error is its caller's
+        return False
+    return True
+
+
 def _retrieved(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()  # asyncio would print a traceback per dropped future; see _report_unawaited
@@ -177,6 +186,7 @@ class ProcessSet:
         self.collective_timeout_s = collective_timeout_s  # what the workers' process groups use
         self.tail: asyncio.Future | None = None  # the last ordered call issued on these processes
         self.tail_seq = -1  # its number (`CallOutput.seq`)
+        self.tail_out: CallOutput | None = None  # and its output
         self.unsettled: list[asyncio.Future] = []  # rank calls still running after a failed call
         # the task waiting for them (`WorkerGroup._settle`), held here: the loop keeps tasks weakly
         self.settling: asyncio.Task | None = None
@@ -198,6 +208,9 @@ class WorkerGroup:
         self.role, self.cls, self.procs, self.tracker = role, cls, procs, tracker
         self.methods: dict[str, MethodSpec] = registered_methods(cls)
         self.rank_layouts: list[dict[str, ParallelLayout]] = [{} for _ in procs.handles]
+        # once each: run right after the named method's next call is issued (e.g. the trainer
+        # sends the next step's generation behind the step's last update)
+        self.after_issue: dict[str, Callable[[], Any]] = {}
 
     @property
     def layouts(self) -> dict[str, ParallelLayout]:
@@ -234,6 +247,17 @@ class WorkerGroup:
         call.__name__ = name
         return call
 
+    def behind(self, method: str, *args: Any, **kwargs: Any) -> DataFuture:
+        """Call registered `method` now, to run on every rank right after the last ordered call
+        on these processes: sent once that call's requests are out, not after its replies, so no
+        driver round trip lies between the two. If that call fails on a rank, this one fails
+        there without running."""
+        spec = self.methods.get(method)
+        if spec is None or not spec.blocking:
+            raise AttributeError(f"{self.role}: {method!r} is not an ordered registered method; "
+                                 f"registered: {sorted(self.methods)}")
+        return self.call(method, spec, "asyncrl_call", [method], args, kwargs, behind=True)
+
     def apply(self, fn: Callable | str, *args: Any, protocol: str = LOCAL_ROWS, blocking: bool = True,
               **kwargs: Any) -> DataFuture:
         """Run an importable function on this group's ranks, where the data lives.
@@ -248,15 +272,16 @@ class WorkerGroup:
         return self.call(f"apply:{path}", spec, "asyncrl_apply", lambda plan: [path, sorted(plan)], args, kwargs)
 
     def call(self, label: str, spec: MethodSpec, entry: str, head: list | Callable[[dict], list], args: tuple,
-             kwargs: dict) -> DataFuture:
+             kwargs: dict, behind: bool = False) -> DataFuture:
         protocol = get_protocol(spec.protocol)
         loop = asyncio.get_running_loop()
         prev = self.procs.tail if spec.blocking else None
+        before = self.procs.tail_out if spec.blocking and behind and prev is not None and not prev.done() else None
         out = CallOutput(self.procs, self.procs.calls, loop.create_future()) if spec.blocking else None
         ahead = self._inputs_ahead(spec, args, kwargs)
 
-        async def ordered() -> Any:
-            if prev is not None and not prev.done():
+        async def ordered(after: int | None = None) -> Any:
+            if after is None and prev is not None and not prev.done():
                 with trace.span("wait for the pool", "call"):
                     await asyncio.wait([prev])  # call order on shared processes; its errors are its own
             with trace.span("wait for inputs", "call"):
@@ -265,13 +290,16 @@ class WorkerGroup:
                 ctx = self._context(label)
                 plan = protocol.distribute(ctx, tuple(a), k)
                 local = protocol.stays_local is not None and protocol.stays_local(ctx, plan)
-                outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan, out, local)
+                outputs = await self._fan_out(label, entry, head(plan) if callable(head) else head, plan, out, local,
+                                              after)
                 return protocol.collect(ctx, outputs)
 
         async def run() -> Any:
             try:
                 if ahead is not None and all(await asyncio.gather(*(c.sent for c in ahead))):
                     return await self._run_ahead(label, entry, head, args, kwargs, protocol, out)
+                if before is not None and await _went_out(before):  # the workers keep the order
+                    return await ordered(after=before.seq)
                 return await ordered()
             finally:
                 if out is not None and not out.sent.done():  # failed before its requests went out
@@ -283,9 +311,13 @@ class WorkerGroup:
             # the next call waits until this one has ended on *every* rank (after a failure the
             # other ranks may still be running it), without keeping its result alive
             self.procs.tail = self._turn(task, label)
-            self.procs.tail_seq = out.seq
+            self.procs.tail_seq, self.procs.tail_out = out.seq, out
         self.procs.calls += 1
-        return DataFuture(task, f"{self.role}.{label}", (out,) if out is not None else None)
+        future = DataFuture(task, f"{self.role}.{label}", (out,) if out is not None else None)
+        hook = self.after_issue.pop(label, None)
+        if hook is not None:
+            loop.call_soon(hook)  # after this call's first turn, which sends it when its inputs are here
+        return future
 
     def _context(self, label: str) -> CallContext:
         return CallContext(self.role, label, self.world_size, self.layouts,
@@ -357,14 +389,16 @@ class WorkerGroup:
             turn.set_result(None)
 
     async def _fan_out(self, label: str, entry: str, head: list, plan: dict[int, tuple[tuple, dict]],
-                       out: CallOutput | None = None, local: bool = False) -> dict[int, Any]:
+                       out: CallOutput | None = None, local: bool = False, after: int | None = None) -> dict[int, Any]:
         """Send every rank its request without waiting (a ONE_TO_ALL call's arguments encoded once
-        for all; `out.sent` set to `local` once they are out), then gather the replies as they
-        come: with no future per rank while every rank is reachable (`Gather`), else with a
-        future per rank, the unreachable ones checked first."""
+        for all; `out.sent` set to `local` once they are out; `after`: the call each rank ends
+        first), then gather the replies as they come: with no future per rank while every rank
+        is reachable (`Gather`), else with a future per rank, the unreachable ones checked first."""
         timeout = self.procs.call_timeout_s or None
         shared = len({(id(a), id(k)) for a, k in plan.values()}) == 1  # the same arguments for every rank
         numbered = {} if out is None else {"seq": out.seq}
+        if after is not None:
+            numbered["after"] = after
         requests: dict[int, tuple[int, list]] = {}
         request = None
         for r, (a, k) in plan.items():  # every request encoded before any is sent

@@ -80,6 +80,17 @@ class CallOutputs:
         else:
             fut.set_result(output)
 
+    async def wait_ended(self, seq: int) -> None:
+        """Until call `seq` ended here; a PipelineError if it failed (what was sent behind it
+        does not run: its ranks could otherwise meet in different collectives)."""
+        if seq not in self.outputs and seq <= self.newest:
+            return  # begun more than `keep` calls ago: long ended
+        try:
+            await self._future(seq)
+        except PipelineError as e:
+            raise PipelineError(f"not run: it was sent behind call #{seq}, which did not end well on this "
+                                f"rank ({e})") from None
+
     async def resolve(self, value: Any, endpoint: str) -> Any:
         """`value` with each `Promised` replaced by the union of this rank's outputs it names
         (waited for), which must all be stored here (`endpoint`)."""

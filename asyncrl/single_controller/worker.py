@@ -220,44 +220,67 @@ class Worker:
         return {k: list(v) for k, v in PULLED.items()}
 
     # the framework's entry points (called by WorkerGroup, not by users) ---------------------------
-    async def asyncrl_call(self, method: str, args: list, kwargs: dict, seq: int | None = None) -> list[Any]:
+    async def asyncrl_call(self, method: str, args: list, kwargs: dict, seq: int | None = None,
+                           after: int | None = None) -> list[Any]:
         """Run registered `method` with pulled arguments; returns [output, layouts update or None,
         the warnings this process logged since the last reply]. `seq`: the call's number on its
-        processes (an ordered call), under which its output is kept for calls sent ahead."""
+        processes (an ordered call), under which its output is kept for calls sent ahead;
+        `after`: the call it was sent behind, which must end here first."""
         fn = registered_method(self, method)
         spec = getattr(fn, REGISTER_ATTR, None)
         if fn is None or spec is None:
             known = sorted(registered_methods(type(self)))
+            self._not_run(seq, AttributeError(method))
             raise AttributeError(f"{type(self).__qualname__} has no registered method {method!r}; "
                                  f"registered: {known} (decorate it with @register)")
-        return await self._run(fn, spec.materialize, args, kwargs, label=method, seq=seq)
+        return await self._run(fn, spec.materialize, args, kwargs, label=method, seq=seq, after=after)
 
     async def asyncrl_apply(self, fn_path: str, ranks: list[int], args: list, kwargs: dict,
-                            seq: int | None = None) -> list[Any]:
+                            seq: int | None = None, after: int | None = None) -> list[Any]:
         """Run the importable function `fn_path` here, on this rank's pulled data (a `runtime`
         parameter gets this process's runtime, a `peers` parameter the `Peers` of the ranks
         called)."""
         if self.runtime is None:
             raise RuntimeError("apply() runs inside a worker process; this Worker has no runtime")
-        fn = self.runtime.resolve(fn_path)
+        try:
+            fn = self.runtime.resolve(fn_path)
+        except BaseException as e:
+            self._not_run(seq, e)
+            raise
         if wants_runtime(fn):
             kwargs = {**kwargs, "runtime": self.runtime}
         if takes(fn, "peers"):
             kwargs = {**kwargs, "peers": Peers(ranks, self.rank, self.world_size)}
         label = fn_path.partition(":")[0].rpartition(".")[2]
-        return await self._run(fn, True, args, kwargs, label=label, seq=seq, phase=True)
+        return await self._run(fn, True, args, kwargs, label=label, seq=seq, phase=True, after=after)
+
+    def _not_run(self, seq: int | None, error: BaseException) -> None:
+        """An ordered call refused before it ran: a call sent behind it must not wait for it."""
+        if seq is not None and self.runtime is not None:
+            outputs = self.runtime.state.setdefault("call_outputs", CallOutputs())
+            outputs.begin(seq)
+            outputs.ended(seq, error=error)
 
     def asyncrl_layouts(self) -> dict[str, Any]:
         self._layout_reported = self._layout_version
         return {n: m.to_wire() for n, m in self.layouts.items()}
 
     async def _run(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str = "",
-                   seq: int | None = None, phase: bool = False) -> list[Any]:
-        """`_run_pulled` once the inputs promised by earlier calls are here; `phase`: the output's
-        meta gets its time as a phase of the step (`timing/<label>_s`, e.g. the advantage)."""
+                   seq: int | None = None, phase: bool = False, after: int | None = None) -> list[Any]:
+        """`_run_pulled` once the call it was sent behind (`after`) ended here and the inputs
+        promised by earlier calls are here; `phase`: the output's meta gets its time as a phase
+        of the step (`timing/<label>_s`, e.g. the advantage)."""
         promised = tree_leaves((args, kwargs), Promised)  # inputs of calls sent before they ended
         outputs = (self.runtime.state.setdefault("call_outputs", CallOutputs())
-                   if self.runtime is not None and (seq is not None or promised) else None)
+                   if self.runtime is not None and (seq is not None or promised or after is not None) else None)
+        if after is not None:
+            if outputs is None:
+                raise PipelineError("a call sent behind another reached a worker that runs outside a worker process")
+            try:
+                await outputs.wait_ended(after)
+            except BaseException as e:
+                self._not_run(seq, e)
+                raise
         if seq is not None and outputs is not None:
             outputs.begin(seq)
         try:

@@ -89,16 +89,20 @@ async def main(ctx: Any) -> dict[str, Any]:
         step = trainer.train_step
         handles = [h for ps in trainer.ctx.process_sets.values() for h in ps.handles]
 
+        last: list[list[dict[str, Any]]] = []  # the workers' counters when the last step ended
+
         async def counted_step() -> dict[str, float]:
             if not steps:
                 for h in handles:
                     await h.run(f"{__name__}:install_counters")
-            before_workers = [await h.run(f"{__name__}:read_counters") for h in handles]
+            # windows that meet: a generation sent in the last step may run between the two
+            before_workers = last.pop() if last else [await h.run(f"{__name__}:read_counters") for h in handles]
             clients = _driver_clients(trainer)
             before = _snapshot(clients)
             metrics = await step()
             after = _snapshot(clients)
             after_workers = [await h.run(f"{__name__}:read_counters") for h in handles]
+            last.append(after_workers)
             collectives = []
             for b, a in zip(before_workers, after_workers, strict=True):
                 names = set(a["collectives"]) | set(b["collectives"])

@@ -222,6 +222,19 @@ class Chain(Worker):
     def score(self, batch: Batch) -> Batch:
         return Batch({"score": batch["x"] + 1, "scored_by": torch.full((len(batch),), self.rank)})
 
+    @register(DP_PROTO)
+    def span(self, spec: Batch, delay: float = 0.0, fail_rank: int = -1) -> Batch:
+        """Each row: when this rank began and ended the call (monotonic seconds), after `delay`;
+        rank `fail_rank` raises."""
+        began = time.monotonic()
+        time.sleep(delay)
+        if self.rank == fail_rank:
+            raise RuntimeError(f"span failed on rank {self.rank}")
+        n = len(spec["idx"])
+        return Batch({"began": torch.full((n,), began, dtype=torch.float64),
+                      "ended": torch.full((n,), time.monotonic(), dtype=torch.float64),
+                      "rank": torch.full((n,), self.rank)})
+
 
 def totals(batch: Batch, peers) -> Batch:
     """Runs on a worker via group.apply: x + score per row, and the batch's sum over every rank."""

@@ -366,17 +366,19 @@ def test_same_seed_same_metrics(extra, tiny_model, tmp_path):
     """Two runs with the same seed on this machine log the same numbers (timings aside): bit for
     bit with single-turn rollouts (one thread a rank, gloo's reductions in a fixed order); with
     multi-turn rollouts, whose decodes the environments' timing groups, the same tokens and
-    log-probs equal to float rounding (a decode of other rows runs other kernel shapes; `slow`)."""
-    def run(name: str) -> list[dict]:
+    log-probs equal to float rounding (a decode of other rows runs other kernel shapes; `slow`).
+    The second run sends each step's generation only after the step before ended
+    (rollout.launch_next_early=false): the first sent steps 3 and 4's behind the updates before."""
+    def run(name: str, *more: str) -> list[dict]:
         out = tmp_path / name
-        res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "trainer.eval_every=2",
-                                                "trainer.loggers=[console,jsonl]", *extra])
+        res = _launch("grpo", out, tiny_model, ["trainer.total_steps=4", "trainer.eval_every=4",
+                                                "trainer.loggers=[console,jsonl]", *extra, *more])
         assert res.returncode == 0, res.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         timings = ("timing/", "perf/", "agent/env_s")  # env_s: the seconds environments took
         return [{k: v for k, v in r.items() if not k.startswith(timings)} for r in rows]
 
-    a, b = run("a"), run("b")
+    a, b = run("a"), run("b", "rollout.launch_next_early=false")
     assert len(a) == len(b) == 5 and all(set(x) == set(y) for x, y in zip(a, b, strict=True))
     # multi-turn: within float rounding; an absolute 1e-6 for the metrics that are themselves
     # rounding-sized (rollout/logprob_diff_mean, ~8e-8, moved by 5e-9 between two runs)

@@ -68,3 +68,29 @@ async def test_a_failed_producer_fails_the_calls_sent_ahead_and_the_pool_goes_on
         await scored
     made, scored, total = await _run(ctx, g, 4, delay=0.0)
     assert len(await total) == 4
+
+
+async def test_a_call_sent_behind_goes_out_before_the_last_call_ends_and_runs_after_it_on_every_rank(chain):
+    ctx, g = chain
+    first = g.span(ctx.put(Batch({"idx": torch.arange(4)})), delay=0.5)
+    second = g.behind("span", ctx.put(Batch({"idx": torch.arange(4)})))
+    assert await asyncio.wait_for(second.source[0].sent, 5) is not None  # out while the first runs
+    assert not first.done()
+    a, b = await (await first).fetch(), await (await second).fetch()
+    for rank in (0, 1):
+        ended = a["ended"][a["rank"] == rank].max()
+        assert b["began"][b["rank"] == rank].min() >= ended  # the workers kept the order
+
+
+async def test_a_call_sent_behind_a_failed_call_does_not_run_and_the_pool_goes_on(chain):
+    ctx, g = chain
+    first = g.span(ctx.put(Batch({"idx": torch.arange(4)})), delay=0.2, fail_rank=1)
+    second = g.behind("span", ctx.put(Batch({"idx": torch.arange(4)})))
+    with pytest.raises(WorkerCallError, match="span failed on rank 1"):
+        await first
+    with pytest.raises(WorkerCallError, match=r"rank 1: .*not run: it was sent behind call #\d+"):
+        await second
+    with pytest.raises(AttributeError, match="not an ordered registered method"):
+        g.behind("no_such_method")
+    made, scored, total = await _run(ctx, g, 4, delay=0.0)
+    assert len(await total) == 4
