@@ -277,6 +277,8 @@ class Worker:
             if outputs is None:
                 raise PipelineError("a call sent behind another reached a worker that runs outside a worker process")
             try:
+                if pull and not promised:  # its rows come while the call before it runs
+                    args, kwargs, pull = *await self._pull(args, kwargs, label), False
                 await outputs.wait_ended(after)
             except BaseException as e:
                 self._not_run(seq, e)
@@ -300,13 +302,19 @@ class Worker:
             outputs.ended(seq, reply[0])
         return reply
 
+    async def _pull(self, args: list, kwargs: dict, label: str) -> tuple[list, dict]:
+        """The arguments with their refs' rows pulled, on this worker's device (the one place
+        pulled rows move to it)."""
+        tally = PULLED.setdefault(label, [0, 0])
+        with trace.span("pull", "store") as s:
+            before = sum(tally)
+            args, kwargs = to_device(await materialize_all((args, kwargs), self.store, tally), self.device)
+            s.note(bytes=sum(tally) - before)
+        return args, kwargs
+
     async def _run_pulled(self, fn: Callable, pull: bool, args: list, kwargs: dict, label: str) -> list[Any]:
-        if pull:  # the one place pulled rows move to this worker's device
-            tally = PULLED.setdefault(label, [0, 0])
-            with trace.span("pull", "store") as s:
-                before = sum(tally)
-                args, kwargs = to_device(await materialize_all((args, kwargs), self.store, tally), self.device)
-                s.note(bytes=sum(tally) - before)
+        if pull:
+            args, kwargs = await self._pull(args, kwargs, label)
         if inspect.iscoroutinefunction(fn):
             out = await fn(*args, **kwargs)
         else:
