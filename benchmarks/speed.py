@@ -10,9 +10,12 @@ directory. Reported, as medians over the steps after the first 5 of every run:
   phases, i.e. everything that is not a worker computing (the driver, RPC, pulls, waits);
 - `trace_overhead_ratio`: the median step of the runs' traced steps (trainer.trace on steps
   6..15 of one more run) over the same steps untraced;
+- `update_to_generate_gap_ms`: per rank, the median time a worker sat between a step's update
+  and the next step's generation (what a device idles between steps), from one more run whose
+  workers' spans are recorded over steps 20-50 of the trainer's own loop (`benchmarks.step_gap`);
 - with `--baseline DIR` (a checkout of another commit: `git worktree add DIR <commit>`), the
   same runs of that checkout interleaved with these, and `step_ratio_vs_baseline` =
-  this checkout's median step / the baseline's (same machine, same sitting).
+  this checkout's median step / the baseline's (same machine, same sitting), and its gap.
 
 Trailing `key=value` overrides go to every run (e.g. `trainer.n_workers=1` on one GPU).
 The last line printed is one JSON object.
@@ -45,6 +48,19 @@ def launch(checkout: Path, out: Path, steps: int, extra: list[str]) -> list[dict
         raise RuntimeError(f"the quickstart of {checkout} failed:\n{res.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if "timing/step_s" in r]
+
+
+def idle_gap(checkout: Path, tmp: Path, name: str, common: list[str]) -> list[float]:
+    """Per rank, a worker's median idle between an update and the next generation (`benchmarks.step_gap`)."""
+    from benchmarks import step_gap
+
+    path = tmp / f"{name}.json"
+    os.environ["ASYNCRL_GAP_TRACE"] = str(path)
+    try:
+        launch(checkout, tmp / name, step_gap.LAST + 2, [*common, f"job.entry={REPO / 'benchmarks' / 'step_gap.py'}:main"])
+    finally:
+        del os.environ["ASYNCRL_GAP_TRACE"]
+    return step_gap.gaps(path)
 
 
 def busy_s(row: dict) -> float:
@@ -82,15 +98,17 @@ def main() -> None:
         traced = launch(REPO, Path(tmp) / "traced", max(args.steps, TRACED[-1]), [*common,
                         f"trainer.trace=[{','.join(map(str, TRACED))}]"])
         traces = sorted((Path(tmp) / "traced" / "trace").glob("step_*.json"))
+        gap = idle_gap(REPO, Path(tmp), "gap", common)
+        base_gap = idle_gap(args.baseline.resolve(), Path(tmp), "base_gap", common) if args.baseline else None
         plain = statistics.median(r["timing/step_s"] for r in ours if r["step"] in TRACED)
         with_trace = statistics.median(r["timing/step_s"] for r in traced if r["step"] in TRACED)
     out = {"benchmark": "speed", "config": "quickstart", "overrides": args.overrides, "steps_per_run": args.steps, "runs": args.runs,
            **summarise(ours), "traced_steps": TRACED, "traced_files": len(traces),
            "traced_step_ms_median": round(1000 * with_trace, 2), "untraced_step_ms_median": round(1000 * plain, 2),
-           "trace_overhead_ratio": round(with_trace / plain, 3)}
+           "trace_overhead_ratio": round(with_trace / plain, 3), "update_to_generate_gap_ms": gap}
     if args.baseline is not None:
         b = summarise(base)
-        out["baseline"] = {"checkout": str(args.baseline), **b}
+        out["baseline"] = {"checkout": str(args.baseline), **b, "update_to_generate_gap_ms": base_gap}
         out["step_ratio_vs_baseline"] = round(out["step_ms_median"] / b["step_ms_median"], 3)
     for k in ("step_ms_median", "overhead_ms_median"):
         out[k] = round(out[k], 2)
