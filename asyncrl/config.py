@@ -49,6 +49,7 @@ ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rl
 # a field's choices are its type: `Annotated[str, Literal[...]]` (`schema.choices_of`), checked by `validate`
 LossAggMode = Annotated[str, Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]]
 ModelDtype = Annotated[str, Literal["auto", "bfloat16", "float32"]]
+WeightSync = Annotated[str, Literal["full", "delta"]]
 KLType = Annotated[str, Literal["kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs"]]
 LOSS_AGG_MODES, MODEL_DTYPES, KL_TYPES = (choices_of(t) for t in (LossAggMode, ModelDtype, KLType))
 
@@ -152,6 +153,9 @@ class RolloutConfig:
     min_workers: int = 1  # elastic: below this many live rollout workers a step waits for one to join
     min_workers_wait_s: float = 600.0  # ... this long, then the run ends saying so
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
+    # split: each update whole, or as each tensor's difference from the last version sent (XOR or
+    # changed elements, zstd, a checksum each; a mismatch falls back to a full sync, logged)
+    weight_sync: WeightSync = "full"
     # native engine: rows a worker decodes together, the KV cache it holds (colocated: a call's
     # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
     # of a call (split: of one batch on one rollout worker)
@@ -854,6 +858,10 @@ class RLConfig(LaunchConfig):
                "rollout.vllm.lora=adapter (the default), or trainer.placement=colocated")
         _check(split or not self.rollout.elastic, at + "rollout.elastic", True,
                "an elastic rollout pool is a pool of its own: set trainer.placement=split")
+        _check(self.rollout.weight_sync == "full" or (split and not self.rollout.elastic), at + "rollout.weight_sync",
+               self.rollout.weight_sync, "deltas travel between a training pool and a rollout pool of its own: "
+               "set trainer.placement=split (without rollout.elastic, whose workers pull whole versions), or "
+               "rollout.weight_sync=full")
         _check(not self.rollout.elastic or self.rollout.min_workers <= self.rollout.n_workers, at + "rollout.min_workers",
                self.rollout.min_workers, f"must be <= rollout.n_workers={self.rollout.n_workers} (the workers it starts with)")
         if not split:

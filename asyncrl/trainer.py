@@ -192,8 +192,11 @@ class Trainer:
         if self.cfg.trainer.placement == "split":
             metrics["timing/weight_sync_s"] = self.sync_wait_s - waited
             metrics["perf/weight_sync_s"] = self.sync_s  # the last sync's own time, overlapped or not
-            metrics["perf/weight_sync_mb"] = self.sync_bytes / 2**20
+            metrics["perf/weight_sync_mb"] = self.sync_wire_bytes / 2**20  # on the wire, from every training rank
             metrics["perf/weight_sync_max_rank_share"] = self.sync_max_rank_share
+            if self.cfg.rollout.weight_sync == "delta":
+                metrics["perf/weight_sync_delta_ratio"] = self.sync_wire_bytes / max(1, self.sync_bytes)
+                metrics["perf/weight_sync_fallbacks"] = float(self.delta_fallbacks)
         else:
             metrics["timing/weight_sync_s"] = metrics.get("timing/sync_s", 0.0)
         if step % self.cfg.trainer.stats_every == 0 or step == 1:
@@ -378,10 +381,17 @@ class Trainer:
         size = 1 + self.cfg.rollout.n_workers
         rows = await actor.source_rows()  # each training rank's shard rows: source-parallel sync
         rows = rows if all(r is not None for r in rows) else None
+        if rows is None and self.cfg.rollout.weight_sync == "delta":
+            raise ConfigError("rollout.weight_sync=delta: every training rank must send its own shards (FSDP "
+                              "alone), and this actor layout gathers its weights on rank 0 (tensor parallel or "
+                              "LoRA with shards that are not rows); set rollout.weight_sync=full")
         host, port = (await actor.bridge_listen(size))[0]
         await asyncio.gather(actor.bridge_join(host, port, size, rows), self.rollout.bridge_join(host, port, size, rows))
 
     sync_bytes = 0  # what one weight sync carries (split placement; LoRA: the adapters only)
+    sync_wire_bytes = 0  # what its training ranks sent (rollout.weight_sync=delta: the deltas)
+    delta_ready = False  # the rollout pool holds the version sent last: the next may go as a delta
+    delta_fallbacks = 0  # deltas that did not rebuild on a rollout rank, synced again in full
     sync_max_rank_share = 0.0  # the most one training rank sends of it (1/N + rounding when source-parallel)
     sync_s = 0.0  # the last sync's own seconds, from its start to the rollout pool holding it
     sync_wait_s = 0.0  # the seconds the loop has waited for syncs
@@ -407,11 +417,25 @@ class Trainer:
             await self.rollout.sync(version, await self.roles.actor.publish_weights())
             self.sync_s = time.monotonic() - t0
             return
-        pushed, _ = await asyncio.gather(self.roles.actor.push_weights(mb, overlap),
-                                         self.rollout.receive_weights(version, mb))
+        delta = self.cfg.rollout.weight_sync == "delta" and self.delta_ready
+        self.delta_ready = False
+        pushed, received = await asyncio.gather(self.roles.actor.push_weights(mb, overlap, delta, version),
+                                                self.rollout.receive_weights(version, mb, delta),
+                                                return_exceptions=True)
+        if delta and isinstance(received, WorkerCallError) and received.remote_type.endswith("DeltaMismatchError"):
+            self.delta_fallbacks += 1
+            log.warning("weight sync of version %d: %s; sending it in full", version, received.remote_message)
+            pushed, received = await asyncio.gather(self.roles.actor.push_weights(mb, overlap, False, version),
+                                                    self.rollout.receive_weights(version, mb, False),
+                                                    return_exceptions=True)
+        for outcome in (pushed, received):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self.delta_ready = True
         self.sync_s = time.monotonic() - t0
         self.sync_bytes = int(pushed[0]["bytes"])
-        self.sync_max_rank_share = max(r["sent_bytes"] for r in pushed) / max(1, self.sync_bytes)
+        self.sync_wire_bytes = int(sum(r["sent_bytes"] for r in pushed))
+        self.sync_max_rank_share = max(r["sent_bytes"] for r in pushed) / max(1, self.sync_wire_bytes)
 
     async def _synced(self, counted: bool = True) -> None:
         """Wait for the sync in flight, if any (the loop's own waits counted in `sync_wait_s`)."""

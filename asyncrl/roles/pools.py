@@ -21,6 +21,7 @@ from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.common import full_tensor
+from asyncrl.train.delta import DeltaMismatchError, apply, encode
 from asyncrl.train.engine import TrainEngine
 from asyncrl.train.lora import merged_weight
 from asyncrl.train.weight_sync import (
@@ -58,6 +59,11 @@ class PoolWeights:
         self.weights_version = 0
         self._staged: list[torch.Tensor] | None = None
         self._staged_version: int | None = None
+        # rollout.weight_sync=delta: a training rank's shards as last sent (host copies in the sync
+        # dtype) and their version; a rollout rank's version of what `_staged` holds
+        self._sent: list[torch.Tensor | None] | None = None
+        self._sent_version: int | None = None
+        self._held_version: int | None = None
         self._weights_lock = threading.Lock()
 
     def policy_version(self) -> int:
@@ -131,20 +137,32 @@ class PoolWeights:
         return [p.data for _, p in self.actor.model.named_parameters()]
 
     @register(ONE_TO_ALL)
-    def push_weights(self, bucket_mb: int, overlap: bool = False) -> dict[str, float]:
+    def push_weights(self, bucket_mb: int, overlap: bool = False, delta: bool = False,
+                     version: int | None = None) -> dict[str, float]:
         """Training pool: every rank broadcasts its own shards to the rollout pool (FSDP alone),
         or gathers each weight in full with rank 0 broadcasting it, bucketed; returns the version
         sent and the time taken. With `overlap` (own shards only) it returns once the sends are
         queued: they run beside this pool's next calls (the log-probs), and the next that changes
         the weights (an update, a load, the next push) waits for them first (`wait_pushed`), so
-        the update's memory peak is the same as without."""
+        the update's memory peak is the same as without. With `delta` (own shards only) each
+        shard goes as its difference from the version this rank sent last (`asyncrl.train.delta`;
+        in full, compressed, when it has none; `version`: the number the receivers know it by)."""
         self.wait_pushed()
-        t0 = time.perf_counter()
-        if self._source_rows and overlap:
+        t0, version = time.perf_counter(), self.steps() if version is None else version
+        keep = self.cfg.rollout.weight_sync == "delta"
+        if (delta or keep) and not self._source_rows:
+            raise WeightSyncError("rollout.weight_sync=delta needs every training rank to send its own shards "
+                                  "(FSDP alone); this layout gathers them: set rollout.weight_sync=full")
+        if delta:
+            sent = self._push_deltas(version)
+        elif self._source_rows and overlap and not keep:
             self._pushing = self.bridge.queue_pieces(local_pieces(self._sync_tensors(), self.sync_dtype))
             sent = self._pushing.nbytes
         elif self._source_rows:  # every rank sends its own shards: no gather
-            sent = self.bridge.send_pieces(local_pieces(self._sync_tensors(), self.sync_dtype))
+            pieces = list(local_pieces(self._sync_tensors(), self.sync_dtype))
+            sent = self.bridge.send_pieces(pieces)
+            if keep:
+                self._keep_sent(pieces, version)
         else:
             tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
                                                        else full_tensors(self.actor.model)))  # the rollout's dtype
@@ -157,6 +175,25 @@ class PoolWeights:
         return {"version": float(self.steps()), "timing/weight_sync_s": time.perf_counter() - t0,
                 "bytes": float(sum(s.nbytes for s in self.sync_specs)), "sent_bytes": float(sent)}
 
+    def _push_deltas(self, version: int) -> int:
+        """Send this rank's shards as deltas from the version it sent last; keep them as sent."""
+        pieces = list(local_pieces(self._sync_tensors(), self.sync_dtype))
+        base = self._sent or [None] * len(pieces)
+        deltas = [encode(spec.name, p, b, version, self._sent_version if b is not None else None)
+                  for spec, p, b in zip(self.sync_specs, pieces, base, strict=True) if p.shape[0]]
+        sent = self.bridge.send_deltas(deltas)
+        self._keep_sent(pieces, version)
+        return sent
+
+    def _keep_sent(self, pieces: list[torch.Tensor], version: int) -> None:
+        """This version's shards as sent: the base of the next delta (host copies)."""
+        if self._sent is None:
+            self._sent = [p.detach().to("cpu", copy=True) for p in pieces]
+        else:
+            for held, p in zip(self._sent, pieces, strict=True):
+                held.copy_(p)
+        self._sent_version = version
+
     def wait_pushed(self) -> None:
         """Before the training weights change: the sends of an overlapped push finished."""
         if self._pushing is not None:
@@ -164,18 +201,42 @@ class PoolWeights:
             pushing.wait()
 
     @register(ONE_TO_ALL, blocking=False)
-    def receive_weights(self, version: int, bucket_mb: int) -> None:
+    def receive_weights(self, version: int, bucket_mb: int, delta: bool = False) -> dict[str, float]:
         """Rollout pool, beside a running generate: receive a version into the staging copy; it
-        is applied before the next generate (or decode step, with rollout.interrupt_on_update)."""
+        is applied before the next generate (or decode step, with rollout.interrupt_on_update).
+        With `delta`, each shard's difference is applied to the version the staging copy holds
+        and checked against the sender's checksum: a `DeltaMismatchError` (after every delta was
+        received) means the trainer syncs this version in full. Returns the bytes received."""
         specs = self.sync_specs
         with self._weights_lock:
             if self._staged is None:
                 self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-            if self._source_rows:
-                self.bridge.receive_pieces(specs, self._source_rows, self._staged)
+            if delta:
+                received = self._receive_deltas(version)
+            elif self._source_rows:
+                received = self.bridge.receive_pieces(specs, self._source_rows, self._staged)
             else:
-                self.bridge.receive(specs, self._staged, bucket_mb << 20)
-            self._staged_version = version
+                received = self.bridge.receive(specs, self._staged, bucket_mb << 20)
+            self._staged_version = self._held_version = version
+        return {"bytes": float(received)}
+
+    def _receive_deltas(self, version: int) -> int:
+        if not self._source_rows:
+            raise WeightSyncError("rollout.weight_sync=delta needs every training rank to send its own shards")
+        per_source, received = self.bridge.receive_deltas(self.sync_specs, self._source_rows, version)
+        held, self._held_version, wrong = self._held_version, None, []
+        for rows, starts, deltas in zip(self._source_rows, piece_offsets(self.sync_specs, self._source_rows),
+                                        per_source, strict=True):
+            shards = [(t, n) for t, n in enumerate(rows) if n]
+            for (t, n), d in zip(shards, deltas, strict=True):
+                try:
+                    apply(d, self._staged[t].narrow(0, starts[t], n), held)
+                except DeltaMismatchError as e:
+                    wrong.append(str(e))
+        if wrong:
+            raise DeltaMismatchError(f"{len(wrong)} of the update's tensors did not rebuild here (first: {wrong[0]}); "
+                                     f"the trainer sends version {version} in full")
+        return received
 
     @register(ONE_TO_ALL)
     def publish_weights(self) -> Batch:

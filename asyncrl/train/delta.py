@@ -116,6 +116,37 @@ def apply(delta: TensorDelta, target: torch.Tensor, held_version: int | None) ->
                                  f"(version {delta.base} -> {delta.version}); sync the full weights")
 
 
+_KINDS: tuple[Kind, ...] = ("full", "xor", "sparse")
+
+
+def frame(deltas: list[TensorDelta]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deltas as two tensors a broadcast carries: a header (one int64 row per delta: its kind,
+    payload length, base version or -1, checksum) and the payloads end to end (uint8)."""
+    header = torch.tensor([[_KINDS.index(d.kind), len(d.payload), -1 if d.base is None else d.base,
+                            int.from_bytes(d.checksum, "little", signed=True)] for d in deltas],
+                          dtype=torch.int64).reshape(len(deltas), 4)
+    payload = torch.frombuffer(bytearray(b"".join(d.payload for d in deltas)) or bytearray(1), dtype=torch.uint8)
+    return header, payload[:sum(len(d.payload) for d in deltas)]
+
+
+def unframe(header: torch.Tensor, payload: torch.Tensor, pieces: list[tuple[str, torch.dtype, tuple[int, ...]]],
+            version: int) -> list[TensorDelta]:
+    """`frame`'s tensors back into deltas for `pieces` (name, dtype, shape; in the sender's order)."""
+    rows, raw = header.cpu().tolist(), payload.cpu().numpy().tobytes()
+    if len(rows) != len(pieces) or sum(r[1] for r in rows) != len(raw):
+        raise DeltaMismatchError(f"a delta frame of {len(rows)} tensors and {len(raw)} bytes for {len(pieces)} "
+                                 "tensors: the pools do not hold the same model")
+    out, at = [], 0
+    for (kind, size, base, check), (name, dtype, shape) in zip(rows, pieces, strict=True):
+        if not 0 <= kind < len(_KINDS):
+            raise DeltaMismatchError(f"{name}: unknown delta kind {kind}")
+        out.append(TensorDelta(name, _KINDS[kind], str(dtype).removeprefix("torch."), tuple(shape),
+                               None if base < 0 else base, version, raw[at:at + size],
+                               check.to_bytes(8, "little", signed=True)))
+        at += size
+    return out
+
+
 def _from_bytes(raw: bytes, dtype: torch.dtype, count: int) -> torch.Tensor:
     if len(raw) != count * torch.tensor([], dtype=dtype).element_size():
         raise ValueError(f"{len(raw)} bytes for {count} elements of {dtype}")

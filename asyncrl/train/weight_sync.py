@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.train.common import full_tensor
+from asyncrl.train.delta import TensorDelta, frame, unframe
 
 
 class WeightSyncError(RuntimeError):
@@ -179,6 +180,30 @@ class WeightBridge:
         for w in works:
             w.wait()
         return received
+
+    def send_deltas(self, deltas: list[TensorDelta]) -> int:
+        """A training rank: its shards' deltas (`asyncrl.train.delta`, in sync order, empty
+        shards left out) over its group, a header then the payloads; returns the bytes sent."""
+        header, payload = frame(deltas)
+        self._broadcast(header.to(self.device))
+        if payload.numel():
+            self._broadcast(payload.to(self.device))
+        return header.numel() * 8 + payload.numel()
+
+    def receive_deltas(self, specs: list[TensorSpec], rows: list[list[int]], version: int
+                       ) -> tuple[list[list[TensorDelta]], int]:
+        """A rollout rank: every source's `send_deltas` (all sources at once), as deltas per
+        source for its non-empty shards in order; and the bytes received."""
+        shapes = [[(specs[t].name, specs[t].dtype, (n, *specs[t].shape[1:])) for t, n in enumerate(r) if n]
+                  for r in rows]
+        headers = [torch.empty((len(s), 4), dtype=torch.int64, device=self.device) for s in shapes]
+        for w in [self._broadcast_async(self.groups[i], h) for i, h in enumerate(headers)]:
+            w.wait()
+        payloads = [torch.empty(int(h[:, 1].sum()), dtype=torch.uint8, device=self.device) for h in headers]
+        for w in [self._broadcast_async(self.groups[i], p) for i, p in enumerate(payloads) if p.numel()]:
+            w.wait()
+        received = sum(h.numel() * 8 + p.numel() for h, p in zip(headers, payloads, strict=True))
+        return [unframe(h, p, s, version) for h, p, s in zip(headers, payloads, shapes, strict=True)], received
 
     @staticmethod
     def _broadcast_async(group: dist.ProcessGroup, buf: torch.Tensor) -> dist.Work:

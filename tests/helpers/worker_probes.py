@@ -38,6 +38,28 @@ def weights_checksum(runtime: Any) -> list[float]:
     return [float(t.to(dtype).double().sum()) for t in full_tensors(w.actor.model)]
 
 
+def weights_digest(runtime: Any) -> list[str]:
+    """Per synced tensor, a hash of its bytes in the sync dtype: what a rollout-only worker
+    generates with (any staged version loaded), or the full training weights (a collective over
+    the training pool). Equal when a sync rebuilt the weights bit for bit."""
+    from asyncrl.train.delta import checksum
+
+    w = actor_worker(runtime)
+    if w.actor is None:
+        w.pool.apply_staged()
+        named = dict(w.rollout.model.named_parameters())
+        return [checksum(named[name].detach()).hex() for name in w.pool.synced_weights()]
+    return [checksum(t.to(w.pool.sync_dtype)).hex() for t in full_tensors(w.actor.model)]
+
+
+def forget_held_version(runtime: Any) -> int:
+    """A rollout-only worker told its staging copy holds another version: the next delta must
+    not rebuild there. Returns the version it held."""
+    pool = actor_worker(runtime).pool
+    held, pool._held_version = pool._held_version, -7
+    return held if held is not None else -1
+
+
 def sft_loss(batch: Batch, runtime: Any) -> dict[str, float]:
     """Pretrain/SFT loss (mean negative log-likelihood of response tokens), no update."""
     w = actor_worker(runtime)

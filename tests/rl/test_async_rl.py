@@ -265,3 +265,33 @@ def test_split_weight_sync_carries_the_compute_dtype(tiny_model, tmp_path):
     train, rollouts = summary["train_checksum"], summary["rollout_checksums"]
     assert len(rollouts) == 2 and all(r == train for r in rollouts), (train, rollouts)
     assert summary["steps"] == 2
+
+
+def test_split_sync_sends_deltas_that_rebuild_the_weights_bit_for_bit(tiny_model, tmp_path):
+    """rollout.weight_sync=delta, two FSDP training ranks (each sends its own shards' deltas), 8
+    steps: every step logs the same numbers as a full-sync run (the weights are the same bytes),
+    the rollout worker ends with the training pool's weights byte for byte, and a rollout worker
+    told after step 4 that it holds another version fails the next delta with a
+    DeltaMismatchError and gets that version in full (logged; `perf/weight_sync_fallbacks` 1)."""
+    def run(mode: str) -> tuple[dict, list[dict], str]:
+        out = tmp_path / mode
+        res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=1",
+                                                "cluster.cpu_devices=3", "trainer.total_steps=8", "trainer.eval_every=8",
+                                                f"rollout.weight_sync={mode}", "trainer.loggers=[jsonl]",
+                                                "job.entry=tests/helpers/delta_probe.py:main",
+                                                "cluster.allowed_packages=[tests]"])
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return json.loads(res.stdout.strip().splitlines()[-1]), rows, res.stderr
+
+    (_, full_rows, _), (delta, delta_rows, log) = run("full"), run("delta")
+    assert delta["rollout_digests"] == [delta["train_digest"]], delta
+    assert delta["held_before_forgetting"] == [4]
+    assert "weight sync of version 5" in log and "sending it in full" in log
+    steps = delta_rows[1:]
+    assert [r["perf/weight_sync_fallbacks"] for r in steps] == [0.0] * 4 + [1.0] * 4, steps
+    assert all(0 < r["perf/weight_sync_delta_ratio"] < 1.05 for r in steps), steps
+
+    def numbers(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+    assert numbers(delta_rows) == numbers(full_rows)

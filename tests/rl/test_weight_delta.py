@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from asyncrl.train.delta import DeltaMismatchError, apply, encode
+from asyncrl.train.delta import DeltaMismatchError, apply, encode, frame, unframe
 
 
 def _changed(base: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
@@ -74,3 +74,24 @@ def test_after_a_small_adamw_step_most_bf16_weights_keep_their_bits():
         assert torch.equal(held, new)
         sent, full = sent + delta.nbytes, full + new.numel() * 2
     assert sent < 0.5 * full, (sent, full)
+
+
+def test_deltas_travel_as_a_header_and_one_payload_and_come_back_whole():
+    torch.manual_seed(0)
+    olds = [torch.randn(6, 4).bfloat16(), torch.randn(3).bfloat16(), torch.randn(5, 2).bfloat16()]
+    news = [o.clone() for o in olds]
+    news[0][2, 1] += 1  # a few elements change: sparse; one tensor not at all; one in full (no base)
+    deltas = [encode("a", news[0], olds[0], 2, 1), encode("b", news[1], olds[1], 2, 1), encode("c", news[2], None, 2, None)]
+    header, payload = frame(deltas)
+    assert header.shape == (3, 4) and header.dtype == torch.int64 and payload.dtype == torch.uint8
+    pieces = [(d.name, torch.bfloat16, d.shape) for d in deltas]
+    back = unframe(header.clone(), payload.clone(), pieces, version=2)
+    assert back == deltas
+    held = [olds[0].clone(), olds[1].clone(), torch.zeros(5, 2, dtype=torch.bfloat16)]
+    for d, t in zip(back, held, strict=True):
+        apply(d, t, held_version=1)
+    assert all(torch.equal(a, b) for a, b in zip(held, news, strict=True))
+    with pytest.raises(DeltaMismatchError, match="frame of 3 tensors"):
+        unframe(header, payload, pieces[:2], version=2)
+    with pytest.raises(DeltaMismatchError, match="frame of 3 tensors"):
+        unframe(header, payload[:-1], pieces, version=2)
