@@ -279,6 +279,133 @@ def delta_run(lrs: list[float], steps: int, tokens: int, seed: int = 0) -> dict[
     return out
 
 
+def _link_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN05.items() if k != "architectures"}))
+
+
+def _link_bridge(role: str, host: str, port: int) -> Any:
+    from asyncrl.train.weight_sync import WeightBridge
+
+    store = torch.distributed.TCPStore(host if role == "receiver" else "0.0.0.0", port, 2, is_master=role == "sender",
+                                       timeout=datetime.timedelta(seconds=600))
+    return WeightBridge(store, 0 if role == "sender" else 1, 2, "cpu", 600)
+
+
+def link_role(role: str, host: str, port: int, lrs: list[float], steps: int, tokens: int, seed: int = 0) -> None:
+    """One side of `delta_link_run`, inside its network namespace. The sender trains (real AdamW
+    steps on the 0.5B shape) and sends each version twice, in full and as deltas; the receiver
+    times both from a barrier to the version applied (encode, wire and apply), checks the rebuilt
+    copy against the full one bit for bit, and prints one JSON line per step."""
+    from asyncrl.train.delta import apply, checksum, encode
+    from asyncrl.train.weight_sync import TensorSpec
+
+    torch.set_num_threads(1)
+    bridge = _link_bridge(role, host, port)
+    for lr in lrs:
+        model = _link_model(seed)
+        specs = [TensorSpec(n, tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()]
+        rows = [[s.shape[0] for s in specs]]
+        if role == "sender":
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+            base = [p.detach().to(torch.bfloat16).clone() for p in model.parameters()]
+            g = torch.Generator().manual_seed(seed + 1)
+        else:
+            held = [p.detach().to(torch.bfloat16).clone() for p in model.parameters()]  # version 0, as the sender's base
+            full = [torch.empty_like(t) for t in held]
+            del model
+        for step in range(1, steps + 1):
+            if role == "sender":
+                ids = torch.randint(0, QWEN05["vocab_size"], (2, tokens // 2), generator=g)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                new = [p.detach().to(torch.bfloat16) for p in model.parameters()]
+                bridge._broadcast(torch.zeros(1))
+                bridge.send_pieces(new)
+                bridge._broadcast(torch.zeros(1))
+                deltas = [encode(s.name, t, b, step, step - 1) for s, t, b in zip(specs, new, base, strict=True)]
+                sent = bridge.send_deltas(deltas)
+                for b, t in zip(base, new, strict=True):
+                    b.copy_(t)
+                bridge._broadcast(torch.tensor([float(sent)]))
+                continue
+            bridge._broadcast(torch.zeros(1))
+            t0 = time.perf_counter()
+            full_bytes = bridge.receive_pieces(specs, rows, full)
+            t1 = time.perf_counter()
+            bridge._broadcast(torch.zeros(1))
+            t2 = time.perf_counter()
+            (deltas,), received = bridge.receive_deltas(specs, rows, step)
+            t3 = time.perf_counter()
+            for d, t in zip(deltas, held, strict=True):
+                apply(d, t, held_version=step - 1)
+            t4 = time.perf_counter()
+            sent = torch.zeros(1)
+            bridge._broadcast(sent)
+            identical = all(checksum(a) == checksum(b) for a, b in zip(held, full, strict=True))
+            print(json.dumps({"lr": lr, "step": step, "full_s": round(t1 - t0, 3), "delta_s": round(t4 - t2, 3),
+                              "delta_wire_and_encode_s": round(t3 - t2, 3), "apply_s": round(t4 - t3, 3),
+                              "full_bytes": full_bytes, "delta_bytes": received, "bit_identical": identical}), flush=True)
+        if role == "sender":
+            del model, opt, base
+    bridge.close()
+
+
+def delta_link_run(rate: str, lrs: list[float], steps: int, tokens: int) -> dict[str, Any]:
+    """The sender and the receiver in two network namespaces joined by a veth link whose sending
+    side is shaped to `rate` (`tc ... tbf`): full syncs against delta syncs as bytes cost time
+    between machines, encode and apply included."""
+    import subprocess
+    import sys
+
+    from benchmarks.elastic import hosts
+
+    with hosts(2) as [(ns0, ip0), (ns1, _)]:
+        dev = next(line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
+            ["ip", "-n", ns0, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.splitlines()
+            if ": lo:" not in line)
+        subprocess.run(["ip", "netns", "exec", ns0, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                        "burst", "1mb", "latency", "100ms"], check=True)
+        port = 29500 + os.getpid() % 1000
+        common = ["--lrs", *map(str, lrs), "--steps", str(steps), "--tokens", str(tokens), "--link-host", ip0,
+                  "--link-port", str(port)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": dev}
+
+        def side(ns: str, role: str) -> subprocess.Popen:
+            ifname = dev if ns == ns0 else next(line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
+                ["ip", "-n", ns, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.splitlines()
+                if ": lo:" not in line)
+            return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.weight_sync",
+                                     "--link-role", role, *common], env={**env, "GLOO_SOCKET_IFNAME": ifname},
+                                    stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        procs = [side(ns0, "sender"), side(ns1, "receiver")]
+        try:
+            out = procs[1].communicate(timeout=3600)[0]
+            procs[0].wait(60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if procs[1].returncode != 0 or procs[0].returncode != 0:
+        raise RuntimeError(f"the link run failed (sender {procs[0].returncode}, receiver {procs[1].returncode})")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    per_lr = {}
+    for lr in lrs:
+        mine = [r for r in rows if r["lr"] == lr]
+        full_s = statistics.median(r["full_s"] for r in mine)
+        per_lr[f"{lr:g}"] = {"steps": mine, "full_sync_s": full_s,
+                             "delta_sync_s": statistics.median(r["delta_s"] for r in mine),
+                             "delta_time_ratio": round(statistics.median(r["delta_s"] / r["full_s"] for r in mine), 3),
+                             "delta_bytes_ratio": round(statistics.median(r["delta_bytes"] / r["full_bytes"] for r in mine), 4),
+                             "link_gbit_s": round(8 * mine[0]["full_bytes"] / full_s / 1e9, 3),
+                             "bit_identical": all(r["bit_identical"] for r in mine)}
+    return per_lr
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.weight_sync", description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=["bf16:2:1", "bf16:4:1", "bf16:2:2", "bf16:4:2",
@@ -290,7 +417,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=float, nargs="*", default=[1e-6, 1e-5])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=256, help="tokens per optimizer step (2 rows)")
+    p.add_argument("--link", default=None, help="with --delta: over a real bridge between two network namespaces, "
+                                                "the sending side shaped to this rate (tc; e.g. 1gbit); needs root")
+    p.add_argument("--link-role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
+    p.add_argument("--link-host", help=argparse.SUPPRESS)
+    p.add_argument("--link-port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.link_role:
+        link_role(args.link_role, args.link_host, args.link_port, args.lrs, args.steps, args.tokens)
+        return 0
+    if args.delta and args.link:
+        per_lr = delta_link_run(args.link, args.lrs, args.steps, args.tokens)
+        print(json.dumps({"benchmark": "weight_sync_delta_link", "model": "Qwen2.5-0.5B shape", "sync_dtype": "bf16",
+                          "link": args.link, "steps": args.steps,
+                          "lrs": {k: {x: y for x, y in v.items() if x != "steps"} for k, v in per_lr.items()},
+                          "delta_time_ratio": {k: v["delta_time_ratio"] for k, v in per_lr.items()},
+                          "delta_bytes_ratio": {k: v["delta_bytes_ratio"] for k, v in per_lr.items()},
+                          "bit_identical": all(v["bit_identical"] for v in per_lr.values())}))
+        return 0
     if args.delta:
         torch.set_num_threads(os.cpu_count() or 1)
         per_lr = delta_run(args.lrs, args.steps, args.tokens)
