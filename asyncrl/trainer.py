@@ -23,6 +23,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,19 @@ PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob"
           "update_actor", "update_critic", "update_pretrain")
 
 
+@dataclass
+class SyncRecord:
+    """Split placement: the last weight sync between the pools, and the loop's waits for syncs."""
+
+    bytes: int = 0  # what one sync carries (LoRA: the adapters only)
+    wire_bytes: int = 0  # what its training ranks sent (rollout.weight_sync=delta: the deltas)
+    max_rank_share: float = 0.0  # the most one training rank sent of it (1/N + rounding when source-parallel)
+    seconds: float = 0.0  # its own seconds, from its start to the rollout pool holding it
+    waited_s: float = 0.0  # the seconds the loop has waited for syncs
+    delta_ready: bool = False  # the rollout pool holds the version sent last: the next may go as a delta
+    delta_fallbacks: int = 0  # deltas that did not rebuild on a rollout rank, synced again in full
+
+
 class Trainer:
     """Drives one RL run: worker groups, controllers, data, the loop and its bookkeeping."""
 
@@ -81,6 +95,7 @@ class Trainer:
         # the step it was read after, and per rank the bytes pulled by stage so far
         self.pulled: tuple[int, list[dict[str, list[int]]] | None] = (0, None)
         self._saving: tuple[Path, dict[str, Any]] | None = None  # a save whose marker waits (async_save)
+        self.synced = SyncRecord()
         self._ended: float | None = None  # when the last step ended, if the next one's generation was sent in it
 
     @property
@@ -155,7 +170,7 @@ class Trainer:
     async def _train_step(self, step: int) -> dict[str, float]:
         # launched in the last step, this step's generation may have run since that step ended:
         # the step is the loop's period (every step's bookkeeping in it)
-        t0, waited, launching = self._ended or time.monotonic(), self.sync_wait_s, None
+        t0, waited, launching = self._ended or time.monotonic(), self.synced.waited_s, None
         self._ended = None
         if self.generations:
             launching = await self._launch_ahead()
@@ -190,13 +205,13 @@ class Trainer:
         # reshard into generation weights
         await self.sync_weights()
         if self.cfg.trainer.placement == "split":
-            metrics["timing/weight_sync_s"] = self.sync_wait_s - waited
-            metrics["perf/weight_sync_s"] = self.sync_s  # the last sync's own time, overlapped or not
-            metrics["perf/weight_sync_mb"] = self.sync_wire_bytes / 2**20  # on the wire, from every training rank
-            metrics["perf/weight_sync_max_rank_share"] = self.sync_max_rank_share
+            metrics["timing/weight_sync_s"] = self.synced.waited_s - waited
+            metrics["perf/weight_sync_s"] = self.synced.seconds  # the last sync's own time, overlapped or not
+            metrics["perf/weight_sync_mb"] = self.synced.wire_bytes / 2**20  # on the wire, from every training rank
+            metrics["perf/weight_sync_max_rank_share"] = self.synced.max_rank_share
             if self.cfg.rollout.weight_sync == "delta":
-                metrics["perf/weight_sync_delta_ratio"] = self.sync_wire_bytes / max(1, self.sync_bytes)
-                metrics["perf/weight_sync_fallbacks"] = float(self.delta_fallbacks)
+                metrics["perf/weight_sync_delta_ratio"] = self.synced.wire_bytes / max(1, self.synced.bytes)
+                metrics["perf/weight_sync_fallbacks"] = float(self.synced.delta_fallbacks)
         else:
             metrics["timing/weight_sync_s"] = metrics.get("timing/sync_s", 0.0)
         if step % self.cfg.trainer.stats_every == 0 or step == 1:
@@ -388,13 +403,6 @@ class Trainer:
         host, port = (await actor.bridge_listen(size))[0]
         await asyncio.gather(actor.bridge_join(host, port, size, rows), self.rollout.bridge_join(host, port, size, rows))
 
-    sync_bytes = 0  # what one weight sync carries (split placement; LoRA: the adapters only)
-    sync_wire_bytes = 0  # what its training ranks sent (rollout.weight_sync=delta: the deltas)
-    delta_ready = False  # the rollout pool holds the version sent last: the next may go as a delta
-    delta_fallbacks = 0  # deltas that did not rebuild on a rollout rank, synced again in full
-    sync_max_rank_share = 0.0  # the most one training rank sends of it (1/N + rounding when source-parallel)
-    sync_s = 0.0  # the last sync's own seconds, from its start to the rollout pool holding it
-    sync_wait_s = 0.0  # the seconds the loop has waited for syncs
     _sync: asyncio.Future | None = None  # a sync in flight (overlap_weight_sync)
 
     async def sync_weights(self) -> None:
@@ -415,15 +423,15 @@ class Trainer:
         t0, mb = time.monotonic(), self.cfg.rollout.sync_bucket_mb
         if isinstance(self.rollout, ElasticRollout):  # published in the training stores, pulled from there
             await self.rollout.sync(version, await self.roles.actor.publish_weights())
-            self.sync_s = time.monotonic() - t0
+            self.synced.seconds = time.monotonic() - t0
             return
-        delta = self.cfg.rollout.weight_sync == "delta" and self.delta_ready
-        self.delta_ready = False
+        delta = self.cfg.rollout.weight_sync == "delta" and self.synced.delta_ready
+        self.synced.delta_ready = False
         pushed, received = await asyncio.gather(self.roles.actor.push_weights(mb, overlap, delta, version),
                                                 self.rollout.receive_weights(version, mb, delta),
                                                 return_exceptions=True)
         if delta and isinstance(received, WorkerCallError) and received.remote_type.endswith("DeltaMismatchError"):
-            self.delta_fallbacks += 1
+            self.synced.delta_fallbacks += 1
             log.warning("weight sync of version %d: %s; sending it in full", version, received.remote_message)
             pushed, received = await asyncio.gather(self.roles.actor.push_weights(mb, overlap, False, version),
                                                     self.rollout.receive_weights(version, mb, False),
@@ -431,14 +439,14 @@ class Trainer:
         for outcome in (pushed, received):
             if isinstance(outcome, BaseException):
                 raise outcome
-        self.delta_ready = True
-        self.sync_s = time.monotonic() - t0
-        self.sync_bytes = int(pushed[0]["bytes"])
-        self.sync_wire_bytes = int(sum(r["sent_bytes"] for r in pushed))
-        self.sync_max_rank_share = max(r["sent_bytes"] for r in pushed) / max(1, self.sync_wire_bytes)
+        self.synced.delta_ready = True
+        self.synced.seconds = time.monotonic() - t0
+        self.synced.bytes = int(pushed[0]["bytes"])
+        self.synced.wire_bytes = int(sum(r["sent_bytes"] for r in pushed))
+        self.synced.max_rank_share = max(r["sent_bytes"] for r in pushed) / max(1, self.synced.wire_bytes)
 
     async def _synced(self, counted: bool = True) -> None:
-        """Wait for the sync in flight, if any (the loop's own waits counted in `sync_wait_s`)."""
+        """Wait for the sync in flight, if any (the loop's own waits counted in `synced.waited_s`)."""
         if self._sync is None:
             return
         t0 = time.monotonic()
@@ -446,7 +454,7 @@ class Trainer:
             await asyncio.shield(self._sync)  # a cancelled waiter leaves the sync to finish
         finally:
             self._sync = None
-            self.sync_wait_s += time.monotonic() - t0 if counted else 0.0
+            self.synced.waited_s += time.monotonic() - t0 if counted else 0.0
 
     async def _launch_synced(self, step: int, version: int) -> None:
         """Launch batch `step`'s generation once the version in flight is on the rollout pool

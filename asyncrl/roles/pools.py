@@ -61,8 +61,7 @@ class PoolWeights:
         self._staged_version: int | None = None
         # rollout.weight_sync=delta: a training rank's shards as last sent (host copies in the sync
         # dtype) and their version; a rollout rank's version of what `_staged` holds
-        self._sent: list[torch.Tensor | None] | None = None
-        self._sent_version: int | None = None
+        self._sent: tuple[int, list[torch.Tensor]] | None = None
         self._held_version: int | None = None
         self._weights_lock = threading.Lock()
 
@@ -178,8 +177,8 @@ class PoolWeights:
     def _push_deltas(self, version: int) -> int:
         """Send this rank's shards as deltas from the version it sent last; keep them as sent."""
         pieces = list(local_pieces(self._sync_tensors(), self.sync_dtype))
-        base = self._sent or [None] * len(pieces)
-        deltas = [encode(spec.name, p, b, version, self._sent_version if b is not None else None)
+        base_version, base = self._sent or (None, [None] * len(pieces))
+        deltas = [encode(spec.name, p, b, version, base_version)
                   for spec, p, b in zip(self.sync_specs, pieces, base, strict=True) if p.shape[0]]
         sent = self.bridge.send_deltas(deltas)
         self._keep_sent(pieces, version)
@@ -188,11 +187,11 @@ class PoolWeights:
     def _keep_sent(self, pieces: list[torch.Tensor], version: int) -> None:
         """This version's shards as sent: the base of the next delta (host copies)."""
         if self._sent is None:
-            self._sent = [p.detach().to("cpu", copy=True) for p in pieces]
-        else:
-            for held, p in zip(self._sent, pieces, strict=True):
-                held.copy_(p)
-        self._sent_version = version
+            self._sent = (version, [p.detach().to("cpu", copy=True) for p in pieces])
+            return
+        for held, p in zip(self._sent[1], pieces, strict=True):
+            held.copy_(p)
+        self._sent = (version, self._sent[1])
 
     def wait_pushed(self) -> None:
         """Before the training weights change: the sends of an overlapped push finished."""
