@@ -154,7 +154,8 @@ class RolloutConfig:
     min_workers_wait_s: float = 600.0  # ... this long, then the run ends saying so
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
     # split: each update whole, or as each tensor's difference from the last version sent (XOR or
-    # changed elements, zstd, a checksum each; a mismatch falls back to a full sync, logged)
+    # changed elements, zstd, a checksum each; a mismatch falls back to a full sync, logged). FSDP
+    # training ranks only; the push is not overlapped with the next step (it encodes, then sends)
     weight_sync: WeightSync = "full"
     # native engine: rows a worker decodes together, the KV cache it holds (colocated: a call's
     # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
