@@ -424,6 +424,7 @@ class Trainer:
         if isinstance(self.rollout, ElasticRollout):  # published in the training stores, pulled from there
             await self.rollout.sync(version, await self.roles.actor.publish_weights())
             self.synced.seconds = time.monotonic() - t0
+            self.synced.wire_bytes = self.rollout.pulled_bytes  # every live worker's pull
             return
         delta = self.cfg.rollout.weight_sync == "delta" and self.synced.delta_ready
         self.synced.delta_ready = False

@@ -13,7 +13,9 @@ rollout throughput (generated tokens / generation seconds, the steps' own number
 loss, after it and after the join, `throughput_after_loss_ratio` = (after / before) / ((N-1)/N)
 for N = 2 workers, `throughput_after_join_ratio` = after the join / after the loss,
 `join_to_first_generate_s` (from D's launch to the end of the first step generated with its
-worker live), the run's exit code and steps. The last line printed is one JSON object.
+worker live), `weight_sync_mb_per_sync` (the median step's weight sync: what the live workers
+pulled, `perf/weight_sync_mb`), the run's exit code and steps. The last line printed is one JSON
+object.
 
     python -m benchmarks.elastic
     python -m benchmarks.elastic --steps 150 --kill-at 25 --join-at 50   # the defaults
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -184,6 +187,7 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float) -> dict[str, A
             "exit_code": head.returncode, "steps": summary.get("steps"), "lost_at_step": lost_at, "joined_at_step": joined_at,
             "prompts_trained_once": len(ledger) == len(rows) == steps and trained_once(ledger, n),
             **{f"throughput_{k}_tok_s": round(v, 1) if v else None for k, v in tp.items()},
+            "weight_sync_mb_per_sync": round(statistics.median(r["perf/weight_sync_mb"] for r in rows), 3) if rows else None,
             "throughput_after_loss_ratio": round(tp["after_loss"] / tp["before"] / 0.5, 3)
             if tp["after_loss"] and tp["before"] else None,
             "throughput_after_join_ratio": round(tp["after_join"] / tp["after_loss"], 3)

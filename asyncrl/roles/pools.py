@@ -255,10 +255,10 @@ class PoolWeights:
         return Batch({"weights": flat.unsqueeze(0)})
 
     @register(ONE_TO_ALL, blocking=False)
-    def pull_weights(self, version: int, pieces: list[Batch], rows: list[list[int]] | None) -> None:
+    def pull_weights(self, version: int, pieces: list[Batch], rows: list[list[int]] | None) -> float:
         """Rollout-only worker (rollout.elastic): `version`, pulled from the training ranks' stores
         (`publish_weights`; `rows`: each rank's shard rows, None for rank 0's whole tensors), into
-        the staging copy; applied before the next generate."""
+        the staging copy; applied before the next generate. Returns the bytes it took."""
         specs = self.sync_specs
         with self._weights_lock:
             if self._staged is None:
@@ -279,6 +279,7 @@ class PoolWeights:
                     raise WeightSyncError(f"a training rank published {flat.numel()} values, its shards hold {at}: "
                                           "both pools must hold the same model")
             self._staged_version = version
+        return float(sum(p["weights"].numel() * p["weights"].element_size() for p in pieces))
 
     def _adapter_tensors(self) -> Iterator[torch.Tensor]:
         """The actor's adapters in full, in `sync_specs` order (collectives over the training pool)."""

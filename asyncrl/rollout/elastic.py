@@ -64,6 +64,7 @@ class ElasticRollout:
         self.members: dict[str, Member] = {}
         self.rows: list[list[int]] | None = None  # each training rank's shard rows (FSDP alone)
         self.published: tuple[int, list[DistBatch]] | None = None  # the newest version in the stores
+        self.pulled_bytes = 0  # what the live workers took of the last version, all together
         self.stats = ElasticStats()
         self.ledger: Ledger | None = None  # what each step trained (the trainer sets it)
         self.changed = asyncio.Event()  # a worker joined
@@ -196,11 +197,15 @@ class ElasticRollout:
         members = list(self.members.values())
         results = await asyncio.gather(*(m.group.pull_weights(version, pieces, self.rows) for m in members),
                                        return_exceptions=True)
+        pulled = 0.0
         for m, r in zip(members, results, strict=True):
             if isinstance(r, (WorkerDiedError, TransportError)):
                 self._drop(m.name, r)
             elif isinstance(r, BaseException):
                 raise r
+            else:
+                pulled += sum(r)  # a group of one: [bytes]
+        self.pulled_bytes = int(pulled)
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/workers": float(len(self.members)), "rollout/workers_lost": float(self.stats.lost),

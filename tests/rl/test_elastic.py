@@ -96,6 +96,8 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     version = int(re.search(r"on vm-\d{4,} is live \([23] workers, weights version (\d+)\)", log).group(1))
     assert version >= 4  # the joiner started from the newest weights (the run was past step 4), not step 0's
     assert last["rollout/workers"] == 2, last
+    # every sync's bytes: what the live workers pulled (each the whole model; a joiner's first pull aside)
+    assert all(r["perf/weight_sync_mb"] > 0 for r in _steps(out)), [r["perf/weight_sync_mb"] for r in _steps(out)]
     # the ledger: the rows each step's update consumed (written from the update's batches)
     ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
     assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))  # each step once, resumed or not
