@@ -154,8 +154,9 @@ class RolloutConfig:
     min_workers_wait_s: float = 600.0  # ... this long, then the run ends saying so
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
     # split: each update whole, or as each tensor's difference from the last version sent (XOR or
-    # changed elements, zstd, a checksum each; a mismatch falls back to a full sync, logged). FSDP
-    # training ranks only; the push is not overlapped with the next step (it encodes, then sends)
+    # changed elements, zstd, a checksum each; a mismatch falls back to a full sync, logged). Split
+    # placement: FSDP training ranks only, the push not overlapped with the next step (it encodes,
+    # then sends); the elastic pool's workers pull deltas where they hold the version before
     weight_sync: WeightSync = "full"
     # native engine: rows a worker decodes together, the KV cache it holds (colocated: a call's
     # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
@@ -859,10 +860,9 @@ class RLConfig(LaunchConfig):
                "rollout.vllm.lora=adapter (the default), or trainer.placement=colocated")
         _check(split or not self.rollout.elastic, at + "rollout.elastic", True,
                "an elastic rollout pool is a pool of its own: set trainer.placement=split")
-        _check(self.rollout.weight_sync == "full" or (split and not self.rollout.elastic), at + "rollout.weight_sync",
-               self.rollout.weight_sync, "deltas travel between a training pool and a rollout pool of its own: "
-               "set trainer.placement=split (without rollout.elastic, whose workers pull whole versions), or "
-               "rollout.weight_sync=full")
+        _check(self.rollout.weight_sync == "full" or split, at + "rollout.weight_sync", self.rollout.weight_sync,
+               "deltas travel between a training pool and a rollout pool of its own: set trainer.placement=split, "
+               "or rollout.weight_sync=full")
         _check(not self.rollout.elastic or self.rollout.min_workers <= self.rollout.n_workers, at + "rollout.min_workers",
                self.rollout.min_workers, f"must be <= rollout.n_workers={self.rollout.n_workers} (the workers it starts with)")
         if not split:

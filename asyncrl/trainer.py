@@ -50,6 +50,7 @@ from asyncrl.single_controller.trace import Recording
 from daemons.errors import PlacementError, WorkerDiedError
 from transport import trace
 from transport.checks import ConfigError
+from transport.dtypes import torch_dtype
 
 log = logging.getLogger("asyncrl.trainer")
 GIB = float(1 << 30)
@@ -63,6 +64,12 @@ class NonFiniteLossError(TrainingError, ValueError):
 # the worker-side phases of a step; on one colocated pool they run one after another
 PHASES = ("gen", "sync", "weight_sync", "reward", "reward_model", "old_log_prob", "ref_log_prob", "values", "advantage",
           "update_actor", "update_critic", "update_pretrain")
+
+
+def _batch_bytes(batch: Any) -> int:
+    """The bytes of a stored batch's columns, from its refs (nothing pulled)."""
+    return sum(math.prod(shape) * torch_dtype(dtype).itemsize
+               for ref in batch.refs().values() for dtype, shape in ref.column_specs.values())
 
 
 @dataclass
@@ -422,9 +429,13 @@ class Trainer:
     async def _sync_run(self, version: int, overlap: bool) -> None:
         t0, mb = time.monotonic(), self.cfg.rollout.sync_bucket_mb
         if isinstance(self.rollout, ElasticRollout):  # published in the training stores, pulled from there
-            await self.rollout.sync(version, await self.roles.actor.publish_weights())
+            pieces = await self.roles.actor.publish_weights()
+            deltas = await self.roles.actor.publish_deltas(version) if self.cfg.rollout.weight_sync == "delta" else None
+            await self.rollout.sync(version, pieces, deltas)
             self.synced.seconds = time.monotonic() - t0
             self.synced.wire_bytes = self.rollout.pulled_bytes  # every live worker's pull
+            self.synced.bytes = sum(_batch_bytes(p) for p in pieces) * len(self.rollout.members)
+            self.synced.delta_fallbacks = self.rollout.delta_fallbacks
             return
         delta = self.cfg.rollout.weight_sync == "delta" and self.synced.delta_ready
         self.synced.delta_ready = False

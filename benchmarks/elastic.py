@@ -19,6 +19,7 @@ object.
 
     python -m benchmarks.elastic
     python -m benchmarks.elastic --steps 150 --kill-at 25 --join-at 50   # the defaults
+    python -m benchmarks.elastic --weight-sync delta                     # the workers pull deltas
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def _throughput(rows: list[dict[str, Any]]) -> float | None:
     return sum(r["response/tokens"] for r in rows) / gen if gen > 0 and rows else None
 
 
-def run(steps: int, kill_at: int, join_at: int, timeout_s: float) -> dict[str, Any]:
+def run(steps: int, kill_at: int, join_at: int, timeout_s: float, weight_sync: str = "full") -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="asyncrl-elastic-") as tmp_dir, hosts(4) as nets:
         tmp = Path(tmp_dir)
         keys = tmp / "keys"
@@ -144,7 +145,8 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float) -> dict[str, A
                         f"trainer.output_dir={out}", f"model.path={tmp / 'model'}", f"trainer.total_steps={steps}",
                         f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.placement=split",
                         "trainer.n_workers=1", "rollout.n_workers=2", "rollout.elastic=true",
-                        "trainer.torch_threads=1", "trainer.loggers=[jsonl]"], "a.log")
+                        "trainer.torch_threads=1", "trainer.loggers=[jsonl]", f"rollout.weight_sync={weight_sync}"],
+                    "a.log")
         others = [node(ns, [*common, f"cluster.coordinator={ip_a}:{PORT}", f"cluster.node_rank={rank}",
                             f"cluster.host={ip}", f"cluster.log_dir={tmp / f'logs-{rank}'}"], f"{rank}.log")
                   for rank, (ns, ip) in ((1, (b, ip_b)), (2, (c, ip_c)))]
@@ -184,7 +186,7 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float) -> dict[str, A
         tp = {k: _throughput(v) for k, v in (("before", before), ("after_loss", after_loss), ("after_join", after_join))}
         summary = json.loads(stdout.strip().splitlines()[-1]) if head.returncode == 0 else {}
         return {
-            "exit_code": head.returncode, "steps": summary.get("steps"), "lost_at_step": lost_at, "joined_at_step": joined_at,
+            "exit_code": head.returncode, "steps": summary.get("steps"), "weight_sync": weight_sync, "lost_at_step": lost_at, "joined_at_step": joined_at,
             "prompts_trained_once": len(ledger) == len(rows) == steps and trained_once(ledger, n),
             **{f"throughput_{k}_tok_s": round(v, 1) if v else None for k, v in tp.items()},
             "weight_sync_mb_per_sync": round(statistics.median(r["perf/weight_sync_mb"] for r in rows), 3) if rows else None,
@@ -204,10 +206,11 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=25)
     p.add_argument("--join-at", type=int, default=50)
     p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--weight-sync", choices=["full", "delta"], default="full", help="rollout.weight_sync")
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("benchmarks.elastic needs root for `ip netns` (network namespaces as hosts)")
-    print(json.dumps(run(args.steps, args.kill_at, args.join_at, args.timeout_s)))
+    print(json.dumps(run(args.steps, args.kill_at, args.join_at, args.timeout_s, args.weight_sync)))
 
 
 if __name__ == "__main__":

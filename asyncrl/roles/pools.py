@@ -21,7 +21,7 @@ from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.protocols import ONE_TO_ALL
 from asyncrl.single_controller.worker import register
 from asyncrl.train.common import full_tensor
-from asyncrl.train.delta import DeltaMismatchError, apply, encode
+from asyncrl.train.delta import DeltaMismatchError, apply, encode, frame, unframe
 from asyncrl.train.engine import TrainEngine
 from asyncrl.train.lora import merged_weight
 from asyncrl.train.weight_sync import (
@@ -224,6 +224,7 @@ class PoolWeights:
             raise WeightSyncError("rollout.weight_sync=delta needs every training rank to send its own shards")
         per_source, received = self.bridge.receive_deltas(self.sync_specs, self._source_rows, version)
         held, self._held_version, wrong = self._held_version, None, []
+        self._staged_version = None  # a delta that fails leaves the staging copy half-built
         for rows, starts, deltas in zip(self._source_rows, piece_offsets(self.sync_specs, self._source_rows),
                                         per_source, strict=True):
             shards = [(t, n) for t, n in enumerate(rows) if n]
@@ -243,16 +244,60 @@ class PoolWeights:
         rollout workers to pull: its own shards (FSDP alone: `source_rows`), or on rank 0 every
         tensor in full (the other ranks join the gathers); one flat row in the rollout's dtype."""
         self.wait_pushed()
-        tensors = self._sync_tensors()
-        if source_rows(tensors) is not None:
-            pieces = list(local_pieces(tensors, self.sync_dtype))
-        else:
-            full = [t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
-                                                   else full_tensors(self.actor.model))]
-            pieces = full if self.rank == 0 else []
+        pieces = self._published_pieces()
         flat = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
                 else torch.zeros(0, dtype=self.sync_dtype, device=self.device))
         return Batch({"weights": flat.unsqueeze(0)})
+
+    @register(ONE_TO_ALL)
+    def publish_deltas(self, version: int) -> Batch:
+        """Training pool (rollout.elastic, rollout.weight_sync=delta): this rank's part of
+        `publish_weights` as deltas from the version it published deltas for last (the first:
+        compressed in full), framed (`asyncrl.train.delta.frame`) as one row of two columns."""
+        pieces = self._published_pieces()
+        base_version, base = self._sent or (None, [None] * len(pieces))
+        deltas = [encode(spec.name, p, b, version, base_version)
+                  for spec, p, b in zip(self.sync_specs, pieces, base, strict=False) if p.numel()]
+        header, payload = frame(deltas)
+        self._keep_sent(pieces, version)
+        return Batch({"delta_header": header.reshape(1, -1), "delta_payload": payload.reshape(1, -1)})
+
+    def _published_pieces(self) -> list[torch.Tensor]:
+        """What this rank publishes: its own shards (FSDP alone), or on rank 0 every tensor in
+        full (the other ranks join the gathers and publish nothing)."""
+        tensors = self._sync_tensors()
+        if source_rows(tensors) is not None:
+            return list(local_pieces(tensors, self.sync_dtype))
+        full = [t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
+                                               else full_tensors(self.actor.model))]
+        return full if self.rank == 0 else []
+
+    @register(ONE_TO_ALL, blocking=False)
+    def pull_weight_deltas(self, version: int, deltas: list[Batch], rows: list[list[int]] | None) -> float:
+        """Rollout-only worker (rollout.elastic, rollout.weight_sync=delta): `version` as the
+        training ranks' deltas (`publish_deltas`) applied to the staging copy, which must hold
+        the version before; a `DeltaMismatchError` otherwise (the pool then pulls it in full).
+        Returns the bytes it took."""
+        specs = self.sync_specs
+        if rows is None:
+            rows, deltas = [[s.shape[0] if len(s.shape) else 1 for s in specs]], deltas[:1]
+        with self._weights_lock:
+            held, self._held_version = self._held_version, None
+            if self._staged is None:
+                raise DeltaMismatchError("this worker holds no version to apply deltas to; pull the full weights")
+            self._staged_version = None  # a delta that fails leaves the staging copy half-built
+            for b, r, starts in zip(deltas, rows, piece_offsets(specs, rows), strict=True):
+                shards = [(t, n) for t, n in enumerate(r) if n]
+                shapes = [tuple(specs[t].shape) if not len(specs[t].shape) else (n, *specs[t].shape[1:])
+                          for t, n in shards]
+                frames = unframe(b["delta_header"][0].view(-1, 4), b["delta_payload"][0],
+                                 [(specs[t].name, specs[t].dtype, shape) for (t, _), shape in zip(shards, shapes, strict=True)],
+                                 version)
+                for (t, n), d in zip(shards, frames, strict=True):
+                    target = self._staged[t] if not len(specs[t].shape) else self._staged[t].narrow(0, starts[t], n)
+                    apply(d, target, held)
+            self._staged_version = self._held_version = version
+        return float(sum(b["delta_header"].numel() * 8 + b["delta_payload"].numel() for b in deltas))
 
     @register(ONE_TO_ALL, blocking=False)
     def pull_weights(self, version: int, pieces: list[Batch], rows: list[list[int]] | None) -> float:
@@ -278,7 +323,7 @@ class PoolWeights:
                 if at != flat.numel():
                     raise WeightSyncError(f"a training rank published {flat.numel()} values, its shards hold {at}: "
                                           "both pools must hold the same model")
-            self._staged_version = version
+            self._staged_version = self._held_version = version
         return float(sum(p["weights"].numel() * p["weights"].element_size() for p in pieces))
 
     def _adapter_tensors(self) -> Iterator[torch.Tensor]:

@@ -43,6 +43,7 @@ class Member:
     node_id: str
     joined_s: float  # when it was started (monotonic)
     late: bool  # joined while the job ran
+    version: int = 0  # the weights version it holds
     first_generate_s: float | None = None  # seconds from its start to the end of its first generation
 
 
@@ -65,6 +66,8 @@ class ElasticRollout:
         self.rows: list[list[int]] | None = None  # each training rank's shard rows (FSDP alone)
         self.published: tuple[int, list[DistBatch]] | None = None  # the newest version in the stores
         self.pulled_bytes = 0  # what the live workers took of the last version, all together
+        self.full_pulls = 0  # how many of them took it in full (the others: deltas)
+        self.delta_fallbacks = 0  # deltas that did not rebuild on a worker, pulled again in full
         self.stats = ElasticStats()
         self.ledger: Ledger | None = None  # what each step trained (the trainer sets it)
         self.changed = asyncio.Event()  # a worker joined
@@ -122,7 +125,7 @@ class ElasticRollout:
         if self.published is not None:  # a late worker takes the current version first
             version, pieces = self.published
             await group.pull_weights(version, pieces, self.rows)
-        self.members[name] = Member(name, group, node_id, t0, late)
+        self.members[name] = Member(name, group, node_id, t0, late, version)
         self.changed.set()
         log.info("elastic rollout: %s on %s is live (%d workers, weights version %d)", name, node_id,
                  len(self.members), version)
@@ -191,26 +194,38 @@ class ElasticRollout:
                   if k.startswith("timing/")}
         return DistBatch.concat(parts).with_meta(**timing)
 
-    async def sync(self, version: int, pieces: list[DistBatch]) -> None:
-        """Every live worker pulls `version` (a worker that dies meanwhile is dropped)."""
+    async def sync(self, version: int, pieces: list[DistBatch], deltas: list[DistBatch] | None = None) -> None:
+        """Every live worker pulls `version` (a worker that dies meanwhile is dropped): as
+        `deltas` from the version before where it holds that one, else in full (a delta that
+        does not rebuild there too, logged)."""
         self.published = (version, pieces)
         members = list(self.members.values())
-        results = await asyncio.gather(*(m.group.pull_weights(version, pieces, self.rows) for m in members),
-                                       return_exceptions=True)
-        pulled = 0.0
-        for m, r in zip(members, results, strict=True):
+        by_delta = [deltas is not None and m.version == version - 1 for m in members]
+        results = await asyncio.gather(*(m.group.pull_weight_deltas(version, deltas, self.rows) if d
+                                         else m.group.pull_weights(version, pieces, self.rows)
+                                         for m, d in zip(members, by_delta, strict=True)), return_exceptions=True)
+        pulled, self.full_pulls = 0.0, 0
+        for m, d, r in zip(members, by_delta, results, strict=True):
+            if d and isinstance(r, WorkerCallError) and r.remote_type.endswith("DeltaMismatchError"):
+                self.delta_fallbacks += 1
+                log.warning("elastic rollout: %s: %s; pulling version %d in full", m.name, r.remote_message, version)
+                d, r = False, (await asyncio.gather(m.group.pull_weights(version, pieces, self.rows),
+                                                    return_exceptions=True))[0]
             if isinstance(r, (WorkerDiedError, TransportError)):
                 self._drop(m.name, r)
             elif isinstance(r, BaseException):
                 raise r
             else:
                 pulled += sum(r)  # a group of one: [bytes]
+                self.full_pulls += not d
+                m.version = version
         self.pulled_bytes = int(pulled)
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/workers": float(len(self.members)), "rollout/workers_lost": float(self.stats.lost),
                 "rollout/workers_joined": float(self.stats.joined),
-                "rollout/regenerated_prompts": float(self.stats.regenerated_rows)}
+                "rollout/regenerated_prompts": float(self.stats.regenerated_rows),
+                "rollout/weights_pulled_in_full": float(self.full_pulls)}  # the others took deltas
 
     def close(self) -> None:
         for task in [*self._joining.values(), *([self._watch] if self._watch else [])]:

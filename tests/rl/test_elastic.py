@@ -47,7 +47,9 @@ def _wait(cond, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None
 
 
 def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path):
-    """A gate in the reward function holds the run between the events (no race with its pace)."""
+    """A gate in the reward function holds the run between the events (no race with its pace).
+    Weights go as deltas (rollout.weight_sync=delta); tests/daemons/test_multinode.py's elastic
+    pool pulls whole versions."""
     model, keys, port = _cluster_inputs(tmp_path)
     out, gate = tmp_path / "run", tmp_path / "gate"
     env = {**_env(out), "ASYNCRL_TEST_GATE": str(gate)}
@@ -55,7 +57,7 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
                 f"model.path={model}", "model.build_tiny=null", *SMALL, f"trainer.total_steps={STEPS}",
                 f"trainer.save_every={STEPS}", f"trainer.eval_every={STEPS}", "trainer.loggers=[jsonl]",
                 "trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2", "rollout.elastic=true",
-                f"reward.fn={REPO / 'tests' / 'helpers' / 'gated_reward.py'}:score",
+                "rollout.weight_sync=delta", f"reward.fn={REPO / 'tests' / 'helpers' / 'gated_reward.py'}:score",
                 "cluster.cpu_devices=3", f"cluster.port={port}", f"cluster.key_dir={keys}"]
     head_log, join_log = tmp_path / "head.log", tmp_path / "join.log"
     with head_log.open("w") as err:
@@ -96,8 +98,13 @@ def test_rollout_workers_leave_and_join_while_every_prompt_trains_once(tmp_path)
     version = int(re.search(r"on vm-\d{4,} is live \([23] workers, weights version (\d+)\)", log).group(1))
     assert version >= 4  # the joiner started from the newest weights (the run was past step 4), not step 0's
     assert last["rollout/workers"] == 2, last
-    # every sync's bytes: what the live workers pulled (each the whole model; a joiner's first pull aside)
-    assert all(r["perf/weight_sync_mb"] > 0 for r in _steps(out)), [r["perf/weight_sync_mb"] for r in _steps(out)]
+    # every sync's bytes: what the live workers pulled; as deltas (rollout.weight_sync=delta) once a
+    # worker holds the version before: the joiner took the newest version in full when it joined
+    # (above), then deltas like the others; every delta rebuilt its version
+    rows = _steps(out)
+    assert all(r["perf/weight_sync_mb"] > 0 for r in rows), [r["perf/weight_sync_mb"] for r in rows]
+    assert [r["rollout/weights_pulled_in_full"] for r in rows[1:]] == [0.0] * (len(rows) - 1), rows
+    assert rows[-1]["perf/weight_sync_fallbacks"] == 0 and 0 < rows[-1]["perf/weight_sync_delta_ratio"] < 1.05, rows[-1]
     # the ledger: the rows each step's update consumed (written from the update's batches)
     ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
     assert [row["step"] for row in ledger] == list(range(1, STEPS + 1))  # each step once, resumed or not
