@@ -364,22 +364,21 @@ def delta_link_run(rate: str, lrs: list[float], steps: int, tokens: int) -> dict
     from benchmarks.elastic import hosts
 
     with hosts(2) as [(ns0, ip0), (ns1, _)]:
-        dev = next(line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
-            ["ip", "-n", ns0, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.splitlines()
-            if ": lo:" not in line)
+        def ifname(ns: str) -> str:  # the namespace's end of its veth pair
+            return next(line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
+                ["ip", "-n", ns, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.splitlines()
+                if ": lo:" not in line)
+
+        dev = ifname(ns0)
         subprocess.run(["ip", "netns", "exec", ns0, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                         "burst", "1mb", "latency", "100ms"], check=True)
         port = 29500 + os.getpid() % 1000
         common = ["--lrs", *map(str, lrs), "--steps", str(steps), "--tokens", str(tokens), "--link-host", ip0,
                   "--link-port", str(port)]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": dev}
 
         def side(ns: str, role: str) -> subprocess.Popen:
-            ifname = dev if ns == ns0 else next(line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
-                ["ip", "-n", ns, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout.splitlines()
-                if ": lo:" not in line)
             return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.weight_sync",
-                                     "--link-role", role, *common], env={**env, "GLOO_SOCKET_IFNAME": ifname},
+                                     "--link-role", role, *common], env={**os.environ, "GLOO_SOCKET_IFNAME": ifname(ns)},
                                     stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
         procs = [side(ns0, "sender"), side(ns1, "receiver")]
         try:

@@ -223,20 +223,24 @@ class PoolWeights:
         if not self._source_rows:
             raise WeightSyncError("rollout.weight_sync=delta needs every training rank to send its own shards")
         per_source, received = self.bridge.receive_deltas(self.sync_specs, self._source_rows, version)
-        held, self._held_version, wrong = self._held_version, None, []
-        self._staged_version = None  # a delta that fails leaves the staging copy half-built
-        for rows, starts, deltas in zip(self._source_rows, piece_offsets(self.sync_specs, self._source_rows),
-                                        per_source, strict=True):
-            shards = [(t, n) for t, n in enumerate(rows) if n]
-            for (t, n), d in zip(shards, deltas, strict=True):
+        self._apply_deltas(per_source, self._source_rows, version)
+        return received
+
+    def _apply_deltas(self, per_source: list[list[Any]], rows: list[list[int]], version: int) -> None:
+        """Every source's deltas (for its non-empty shards, in order) applied to the staging copy
+        at the version it holds; one `DeltaMismatchError` naming how many did not rebuild. The
+        staged version is dropped first: a delta that fails leaves the copy half-built."""
+        held, self._held_version, self._staged_version, wrong = self._held_version, None, None, []
+        for r, starts, deltas in zip(rows, piece_offsets(self.sync_specs, rows), per_source, strict=True):
+            for (t, n), d in zip([(t, n) for t, n in enumerate(r) if n], deltas, strict=True):
+                whole = not len(self.sync_specs[t].shape)
                 try:
-                    apply(d, self._staged[t].narrow(0, starts[t], n), held)
+                    apply(d, self._staged[t] if whole else self._staged[t].narrow(0, starts[t], n), held)
                 except DeltaMismatchError as e:
                     wrong.append(str(e))
         if wrong:
             raise DeltaMismatchError(f"{len(wrong)} of the update's tensors did not rebuild here (first: {wrong[0]}); "
-                                     f"the trainer sends version {version} in full")
-        return received
+                                     f"version {version} has to come in full")
 
     @register(ONE_TO_ALL)
     def publish_weights(self) -> Batch:
@@ -282,20 +286,13 @@ class PoolWeights:
         if rows is None:
             rows, deltas = [[s.shape[0] if len(s.shape) else 1 for s in specs]], deltas[:1]
         with self._weights_lock:
-            held, self._held_version = self._held_version, None
             if self._staged is None:
                 raise DeltaMismatchError("this worker holds no version to apply deltas to; pull the full weights")
-            self._staged_version = None  # a delta that fails leaves the staging copy half-built
-            for b, r, starts in zip(deltas, rows, piece_offsets(specs, rows), strict=True):
-                shards = [(t, n) for t, n in enumerate(r) if n]
-                shapes = [tuple(specs[t].shape) if not len(specs[t].shape) else (n, *specs[t].shape[1:])
-                          for t, n in shards]
-                frames = unframe(b["delta_header"][0].view(-1, 4), b["delta_payload"][0],
-                                 [(specs[t].name, specs[t].dtype, shape) for (t, _), shape in zip(shards, shapes, strict=True)],
-                                 version)
-                for (t, n), d in zip(shards, frames, strict=True):
-                    target = self._staged[t] if not len(specs[t].shape) else self._staged[t].narrow(0, starts[t], n)
-                    apply(d, target, held)
+            shapes = [[(specs[t].name, specs[t].dtype, tuple(specs[t].shape) if not len(specs[t].shape)
+                        else (n, *specs[t].shape[1:])) for t, n in enumerate(r) if n] for r in rows]
+            per_source = [unframe(b["delta_header"][0].view(-1, 4), b["delta_payload"][0], pieces, version)
+                          for b, pieces in zip(deltas, shapes, strict=True)]
+            self._apply_deltas(per_source, rows, version)
             self._staged_version = self._held_version = version
         return float(sum(b["delta_header"].numel() * 8 + b["delta_payload"].numel() for b in deltas))
 
