@@ -50,6 +50,7 @@ ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rl
 LossAggMode = Annotated[str, Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]]
 ModelDtype = Annotated[str, Literal["auto", "bfloat16", "float32"]]
 WeightSync = Annotated[str, Literal["full", "delta"]]
+Decode = Annotated[str, Literal["eager", "compiled"]]
 KLType = Annotated[str, Literal["kl", "k1", "k2", "k3", "low_var_kl", "mse", "abs"]]
 LOSS_AGG_MODES, MODEL_DTYPES, KL_TYPES = (choices_of(t) for t in (LossAggMode, ModelDtype, KLType))
 
@@ -162,6 +163,11 @@ class RolloutConfig:
     # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
     # of a call (split: of one batch on one rollout worker)
     decode_slots: int = 0
+    # native engine, colocated: each decode step eager, or compiled once per (rows, cache width) over a
+    # preallocated KV cache (CUDA graphs on a GPU; "all rows done?" read back every 8 steps). Compiling
+    # takes seconds (CPU: ~10 s tiny, ~35 s at 0.5B) and pays off on a GPU, where the eager step waits on
+    # kernel launches; on CPU it is 1.13x at 0.5B x 32 rows (docs/results/2026-11-28-compiled-decode.md)
+    decode: Decode = "eager"
     # trajectories of several turns with an environment (tools, games): asyncrl.agents
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
@@ -863,6 +869,11 @@ class RLConfig(LaunchConfig):
         _check(self.rollout.weight_sync == "full" or split, at + "rollout.weight_sync", self.rollout.weight_sync,
                "deltas travel between a training pool and a rollout pool of its own: set trainer.placement=split, "
                "or rollout.weight_sync=full")
+        _check(self.rollout.decode == "eager" or (engine.compiles_decode and not split and self.rollout.parallel.tp == 1),
+               at + "rollout.decode", self.rollout.decode,
+               "a compiled decode runs in the native engine's colocated calls with rollout.parallel.tp=1 (a split "
+               "pool's continuous batch and tensor-parallel generation decode eagerly): set rollout.decode=eager, "
+               "or rollout.engine=native with trainer.placement=colocated")
         _check(not self.rollout.elastic or self.rollout.min_workers <= self.rollout.n_workers, at + "rollout.min_workers",
                self.rollout.min_workers, f"must be <= rollout.n_workers={self.rollout.n_workers} (the workers it starts with)")
         if not split:

@@ -71,6 +71,7 @@ class RolloutEngineKind:
     reads_own_weights: bool = False  # loads the checkpoint itself: a rollout-only worker builds a skeleton
     records_routes: bool = False  # records each token's experts (`actor.moe.router_replay=rollout`)
     continuous_batching: bool = False  # serves a split pool's calls from one continuous batch
+    compiles_decode: bool = False  # takes rollout.decode=compiled
     any_generation_tp: bool = True  # a generation TP group need not be the whole training TP group
     merges_embedding_adapters_on_split_pool: bool = True  # a split pool can merge LoRA on embeddings
     merges_adapters_on_split_pool: bool = True  # a split pool can merge LoRA adapters into its base
@@ -101,7 +102,8 @@ BACKENDS: dict[str, TrainBackend] = {
 }
 
 ROLLOUT_ENGINES: dict[str, RolloutEngineKind] = {
-    "native": RolloutEngineKind("asyncrl.roles.actor:native_rollout", records_routes=True, continuous_batching=True),
+    "native": RolloutEngineKind("asyncrl.roles.actor:native_rollout", records_routes=True, continuous_batching=True,
+                                compiles_decode=True),
     "vllm": RolloutEngineKind("asyncrl.roles.actor:vllm_rollout", reads_own_weights=True, any_generation_tp=False,
                               merges_embedding_adapters_on_split_pool=False, merges_adapters_on_split_pool=False,
                               hard_context_limit=True, device_bytes="asyncrl.engines:_vllm_device_bytes"),

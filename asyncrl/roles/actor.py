@@ -36,7 +36,7 @@ from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import routing
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
-from asyncrl.roles.pools import PoolWeights
+from asyncrl.roles.pools import PoolWeights, adapter_settings
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
@@ -255,7 +255,7 @@ class ActorRolloutRefWorker(Worker):
                     self.resharder.release()
                     self.base_in_vllm = True
                 cast(OwnWeightsRollout, self.rollout).load_adapter(self.update_steps, self._full_adapters(),
-                                                                   **self.pool.adapter_settings())
+                                                                   **adapter_settings(self.cfg, self.pool.sync_specs))
                 self.rollout_current = True
         elif self.rollout.holds_own_weights:
             if not self.rollout_current:
@@ -602,7 +602,8 @@ class ActorRolloutRefWorker(Worker):
 def native_rollout(worker: ActorRolloutRefWorker, model: torch.nn.Module, colocated: bool) -> RolloutEngine:
     """rollout.engine=native: decodes with `model` itself (colocated: the weights the reshard fills)."""
     tok = worker.tokenizer
-    return RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, device=worker.device)
+    return RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, device=worker.device,
+                         decode=worker.cfg.rollout.decode)
 
 
 def vllm_rollout(worker: ActorRolloutRefWorker, model: torch.nn.Module, colocated: bool) -> VLLMRolloutEngine:

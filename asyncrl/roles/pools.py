@@ -38,6 +38,21 @@ from asyncrl.train.weight_sync import (
 )
 
 
+def adapter_settings(cfg: Any, sync_specs: list[TensorSpec]) -> dict[str, Any]:
+    """What vLLM needs besides the LoRA tensors: the rank, alpha and adapted leaf modules."""
+    leaves = sorted({spec.name.rsplit(".", 2)[-2] for spec in sync_specs})  # sync_specs: the adapters
+    return {"rank": cfg.actor.lora.rank, "alpha": cfg.actor.lora.alpha, "targets": leaves}
+
+
+def staging_copy(specs: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
+    """Empty tensors for a version of `specs`: views of one flat buffer when they share a dtype
+    (the whole copy can then be handed on as one object, `PoolWeights.share_weights`)."""
+    if len({s.dtype for s in specs}) != 1:
+        return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
+    flat = torch.empty(sum(math.prod(s.shape) for s in specs), dtype=specs[0].dtype, device=device)
+    return [t.view(s.shape) for s, t in zip(specs, flat.split([math.prod(s.shape) for s in specs]), strict=True)]
+
+
 class PoolWeights:
     """What a sync between pools carries (`sync_specs`, in `sync_dtype`) and where each version
     is: the bridge groups, an overlapped push in flight, a rollout-only worker's staging copy and
@@ -80,12 +95,6 @@ class PoolWeights:
 
     def apply(self) -> None:
         self.apply_staged()
-
-    def adapter_settings(self) -> dict[str, Any]:
-        """What vLLM needs besides the LoRA tensors: the rank, alpha and adapted leaf modules."""
-        lora = self.cfg.actor.lora
-        leaves = sorted({spec.name.rsplit(".", 2)[-2] for spec in self.sync_specs})  # sync_specs: the adapters
-        return {"rank": lora.rank, "alpha": lora.alpha, "targets": leaves}
 
     @register(ONE_TO_ALL)
     def weight_sync_digest(self) -> str:
@@ -209,7 +218,7 @@ class PoolWeights:
         specs = self.sync_specs
         with self._weights_lock:
             if self._staged is None:
-                self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+                self._staged = staging_copy(specs, self.device)
             if delta:
                 received = self._receive_deltas(version)
             elif self._source_rows:
@@ -304,7 +313,7 @@ class PoolWeights:
         specs = self.sync_specs
         with self._weights_lock:
             if self._staged is None:
-                self._staged = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+                self._staged = staging_copy(specs, self.device)
             if rows is None:
                 rows, pieces = [[s.shape[0] if len(s.shape) else 1 for s in specs]], pieces[:1]
             for piece, r, starts in zip(pieces, rows, piece_offsets(specs, rows), strict=True):
@@ -323,6 +332,20 @@ class PoolWeights:
             self._staged_version = self._held_version = version
         return float(sum(p["weights"].numel() * p["weights"].element_size() for p in pieces))
 
+    @register(ONE_TO_ALL)
+    def share_weights(self, version: int) -> Batch:
+        """Rollout-only worker (rollout.elastic): the staged `version` as one flat row, for the other
+        workers on its node to pull through shared memory (`pull_weights` with rows=None) instead of
+        each taking it from another node. No copy where the staging copy is one buffer."""
+        with self._weights_lock:
+            if self._held_version != version or self._staged is None:
+                raise WeightSyncError(f"this worker holds version {self._held_version}, not {version}: "
+                                      "it cannot hand that version on")
+            base = self._staged[0]._base if self._staged and self._staged[0]._base is not None else None
+            flat = (base if base is not None and base.numel() == sum(t.numel() for t in self._staged)
+                    else torch.cat([t.reshape(-1) for t in self._staged]))
+        return Batch({"weights": flat.unsqueeze(0)})
+
     def _adapter_tensors(self) -> Iterator[torch.Tensor]:
         """The actor's adapters in full, in `sync_specs` order (collectives over the training pool)."""
         state = self.actor.model.state_dict()
@@ -338,7 +361,7 @@ class PoolWeights:
             staged = [(spec.name, t) for spec, t in zip(self.sync_specs, self._staged, strict=True)]
             if self.cfg.actor.lora.enabled and self.rollout.lora_rank:  # vLLM serves the adapter
                 cast(OwnWeightsRollout, self.rollout).load_adapter(self._staged_version, dict(staged),
-                                                                   **self.adapter_settings())
+                                                                   **adapter_settings(self.cfg, self.sync_specs))
                 self.weights_version, self._staged_version = self._staged_version, None
                 return
             if self.pristine:  # LoRA: W0 + (alpha / rank) B A from the untouched base, cast once

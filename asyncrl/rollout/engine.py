@@ -13,16 +13,23 @@ shapes what is sampled but not the reported log-prob, so a trainer recomputing
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from asyncrl.data.dataset import positions_from_mask
+from asyncrl.rollout import packed
 from asyncrl.train.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
 from transport import trace
 
+log = logging.getLogger(__name__)
+STATIC_WIDTH_STEP = 32  # a compiled decode's KV cache width is a multiple of this (masked columns still cost attention)
+STOP_CHECK_EVERY = 8  # a compiled decode reads "all rows finished?" back to the host this often
 
 class WeightLoadError(ValueError):
     """A tensor handed to `RolloutEngine.load_weights` does not fit the engine's model."""
@@ -180,8 +187,14 @@ class RolloutEngine:
         eos_token_id: int | list[int],
         pad_token_id: int,
         device: str | torch.device = "cpu",
+        decode: str = "eager",
     ) -> None:
+        if decode not in ("eager", "compiled"):
+            raise ValueError(f"decode must be 'eager' or 'compiled', got {decode!r}")
         self.device = torch.device(device)
+        self.decode = decode
+        self._compiled_forward: Callable | None = None
+        self._packable = False  # its plain linears can run packed (`asyncrl.rollout.packed.install`)
         weightless = any(p.is_meta for p in model.parameters())
         self.model = model if weightless else model.to(self.device)
         self.eos_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -275,8 +288,9 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            responses, log_probs, full_mask, steps = self._decode(input_ids, attention_mask, params, generator,
-                                                                  noise, stop_ids, before_step, routes)
+            with self._packed_linears(routes is not None):
+                responses, log_probs, full_mask, steps = self._decode(input_ids, attention_mask, params, generator,
+                                                                      noise, stop_ids, before_step, routes)
         finally:
             self.model.train(was_training)
             if routes is not None:
@@ -295,7 +309,7 @@ class RolloutEngine:
                 before_step: Callable[[int], None] | None, routes: _Routes | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Prefill, then sample a token per row per step: responses, their log-probs, the full
-        attention mask (prompt + max_tokens columns) and the steps taken."""
+        attention mask (prompt + max_tokens columns or more) and the steps taken."""
         dev, n, max_tokens = self.device, params.n, params.max_tokens
         rows, prompt_len = input_ids.shape[0] * n, input_ids.shape[1]
         cache = _new_cache(self.model)
@@ -304,20 +318,24 @@ class RolloutEngine:
             logits = self._forward(input_ids, attention_mask, position_ids, cache)
         if routes is not None:
             routes.prefilled()
-        if n > 1:
-            # prefill once per prompt, then fan out the cache: cheaper than n prefills
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
+        static = self._static_decode(cache, n, prompt_len + max_tokens) if routes is None else None
+        if static is not None:
+            cache, forward, check_every, width = None, static.step, STOP_CHECK_EVERY, static.width
+        else:
+            if n > 1:  # prefill once per prompt, then fan out the cache: cheaper than n prefills
+                cache.batch_repeat_interleave(n)
+            forward, check_every, width = self._dynamic_step(cache), 1, prompt_len + max_tokens
+        logits = logits.repeat_interleave(n, dim=0) if n > 1 else logits
 
         # one preallocated mask for the whole call; step t attends to its first P+t+1 columns
-        full_mask = attention_mask.new_zeros((rows, prompt_len + max_tokens))
+        full_mask = attention_mask.new_zeros((rows, width))
         full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
         responses = input_ids.new_full((rows, max_tokens), self.pad_token_id)
         log_probs = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
         next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         steps = 0
-        with trace.span("decode", "compute", rows=rows):
+        with trace.span("decode", "compute", rows=rows, compiled=static is not None):
             for t in range(max_tokens):
                 tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
                 alive = ~finished
@@ -327,16 +345,81 @@ class RolloutEngine:
                 full_mask[:, prompt_len + t] = alive
                 finished |= torch.isin(tokens, stop_ids)
                 steps = t + 1
-                # one sync per step to stop early; cheap next to a forward
-                if steps == max_tokens or bool(finished.all()):
+                # a host sync to stop early: every step eager (cheap next to a forward), every few compiled
+                if steps == max_tokens or (steps % check_every == 0 and bool(finished.all())):
                     break
                 if before_step is not None:
                     before_step(t)
-                logits = self._forward(tokens.unsqueeze(-1), full_mask[:, : prompt_len + t + 1], next_pos, cache)
+                logits = forward(tokens.unsqueeze(-1), full_mask, prompt_len + t + 1, next_pos)
                 if routes is not None:
                     routes.decoded(t, alive)
                 next_pos = next_pos + 1
+        if check_every > 1:  # steps run after every row had finished made only padding: drop them
+            steps = int(full_mask[:, prompt_len:prompt_len + steps].any(0).nonzero().max()) + 1
         return responses, log_probs, full_mask, steps
+
+    def _dynamic_step(self, cache: DynamicCache) -> Callable:
+        def forward(tokens: torch.Tensor, mask: torch.Tensor, columns: int, positions: torch.Tensor) -> torch.Tensor:
+            return self._forward(tokens, mask[:, :columns], positions, cache)
+        return forward
+
+    def _static_decode(self, prefilled: DynamicCache, n: int, columns: int) -> _StaticDecode | None:
+        """With decode=compiled: a preallocated KV cache holding the prefill's keys and values
+        and the compiled step that writes into it; None with decode=eager or where the model's
+        cache is not all full-attention layers (sliding windows decode eagerly, logged once)."""
+        if self.decode != "compiled":
+            return None
+        width = -(-columns // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+        cache = StaticCache(config=self.model.config, max_cache_len=width)
+        if not all(type(layer) is StaticLayer for layer in cache.layers):
+            log.warning("rollout.decode=compiled: this model's KV cache has sliding-window or other "
+                        "non-static layers; decoding eagerly")
+            self.decode = "eager"
+            return None
+        if self._compiled_forward is None:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on a GPU
+            self._compiled_forward = torch.compile(_static_forward, mode=mode)  # a second width: one dynamic graph
+        return _StaticDecode(cache, prefilled, n, width, self.model, self._compiled_forward)
+
+    def _packed_linears(self, routes: bool) -> contextlib.AbstractContextManager:
+        """decode=compiled on CPU: the call's linears on oneDNN-packed weights (`asyncrl.rollout.packed`)."""
+        if self.decode != "compiled" or routes or self.device.type != "cpu" or not packed.available():
+            return contextlib.nullcontext()
+        if not self._packable:
+            packed.install(self.model)
+            self._packable = True
+        return packed.active()
+
+
+def _static_forward(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                    cache: StaticCache) -> torch.Tensor:
+    out = model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()
+
+
+class _StaticDecode:
+    """One call's preallocated KV cache (rows x `width` columns, the prompts' keys and values in
+    the first columns) and the compiled forward of one decode step over it: every step has the
+    same shapes, so a graph is compiled once per (rows, width) and weights updated in place or
+    rebound reuse it."""
+
+    def __init__(self, cache: StaticCache, prefilled: DynamicCache, n: int, width: int,
+                 model: torch.nn.Module, compiled: Callable) -> None:
+        self.cache, self.width, self.model, self.compiled = cache, width, model, compiled
+        for layer, source in zip(cache.layers, prefilled.layers, strict=True):
+            keys, values = source.keys.repeat_interleave(n, dim=0), source.values.repeat_interleave(n, dim=0)
+            layer.lazy_initialization(keys, values)
+            columns = keys.shape[2]
+            layer.keys[:, :, :columns] = keys
+            layer.values[:, :, :columns] = values
+            layer.cumulative_length.fill_(columns)
+        self.cuda = keys.device.type == "cuda"
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, columns: int, positions: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay over them
+        return self.compiled(self.model, tokens, mask, positions, self.cache)
 
 
 class _Routes:

@@ -142,7 +142,8 @@ def test_config_refuses_what_split_placement_cannot_do(tiny_model, tmp_path):
                        (["trainer.placement=split", "rollout.n_workers=0"], "rollout.n_workers"),
                        (["rollout.max_staleness=-1"], "rollout.max_staleness"),
                        (["rollout.weight_sync=delta"], "rollout.weight_sync"),  # colocated: nothing to send
-                       (["rollout.weight_sync=xor"], "rollout.weight_sync")):
+                       (["rollout.weight_sync=xor"], "rollout.weight_sync"),
+                       (["trainer.placement=split", "rollout.decode=compiled"], "rollout.decode")):
         res = _launch("grpo", tmp_path / "bad", tiny_model, extra, timeout=60)
         assert res.returncode == 2 and key in res.stderr, (extra, res.stderr[-2000:])
 

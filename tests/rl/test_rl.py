@@ -435,28 +435,30 @@ async def test_actor_workers_through_the_api(tiny_model, tmp_path):
 
 async def test_native_engine_decodes_in_waves_of_decode_slots(tiny_model, tmp_path):
     """rollout.decode_slots bounds the rows (the KV cache) the native engine decodes at once:
-    the prompts go in waves and the joined greedy outputs equal one wave's."""
+    the prompts go in waves and the joined greedy outputs equal one wave's; so do a compiled
+    decode's (rollout.decode=compiled, over the weights the hybrid engine binds)."""
     from asyncrl.roles.actor import ActorRolloutRefWorker
     from asyncrl.single_controller.context import local_cluster
 
-    def cfg(slots: int) -> dict:
+    def cfg(slots: int, decode: str) -> dict:
         return {"model": {"path": str(tiny_model)}, "seed": 0, "trainer": {"torch_threads": 1},
-                "rollout": {"n": 2, "max_tokens": 5, "decode_slots": slots}}
+                "rollout": {"n": 2, "max_tokens": 5, "decode_slots": slots, "decode": decode}}
 
     ids = torch.tensor([[0, 5, 6], [7, 8, 9], [4, 5, 6]])
-    async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True) as ctx:
+    async with local_cluster(cpu_devices=3, log_dir=tmp_path / "logs", insecure=True) as ctx:
         outs = []
-        for name, slots in (("all", 0), ("waves", 2)):
-            actor = await ctx.spawn_group(ctx.create_pool(name, world_size=1), ActorRolloutRefWorker, cfg(slots),
-                                          ("actor", "rollout"))
+        for name, slots, decode in (("all", 0, "eager"), ("waves", 2, "eager"), ("compiled", 2, "compiled")):
+            actor = await ctx.spawn_group(ctx.create_pool(name, world_size=1), ActorRolloutRefWorker,
+                                          cfg(slots, decode), ("actor", "rollout"))
             prompts = ctx.put(Batch({"input_ids": ids, "attention_mask": (ids != 0).long()},
                                     {"uid": ["a", "b", "c"]}, {"greedy": True}))
             outs.append(await (await actor.generate_sequences(prompts)).fetch())
-    one, waves = outs
+    one, waves, compiled = outs
     assert (one.meta["gen_waves"], waves.meta["gen_waves"]) == (1, 3)  # 2 slots, n=2: a prompt per wave
-    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
-        assert torch.equal(one[key], waves[key]), key
-    torch.testing.assert_close(one["rollout_log_probs"], waves["rollout_log_probs"])
+    for other in (waves, compiled):
+        for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+            assert torch.equal(one[key], other[key]), key
+        torch.testing.assert_close(one["rollout_log_probs"], other["rollout_log_probs"], atol=1e-5, rtol=0)
 
 
 async def test_held_out_prompts_decode_in_waves_of_a_training_batch(tiny_model, tmp_path):

@@ -339,3 +339,44 @@ def test_prefill_does_not_copy_a_frozen_head_per_row():
     engine.generate(ids, torch.ones_like(ids), params)  # warm-up: allocator pools, lazy inits
     extra = _peak_gib(lambda: engine.generate(ids, torch.ones_like(ids), params))
     assert extra < 0.1, f"prefill of 32 rows raised the peak by {extra:.2f} GiB"
+
+
+def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(prompts):
+    """decode=compiled (a static KV cache, the decode step compiled once) gives eager's tokens and
+    log-probs: greedy with rows stopping at different steps, sampled with a generator per row,
+    after weights copied in place and after parameters rebound (as the hybrid engine's reshard
+    does) — without compiling again."""
+    from torch._dynamo.utils import counters
+
+    _, input_ids, attention_mask = prompts
+    model, other = tiny_llama(seed=0).requires_grad_(False), tiny_llama(seed=7)  # a generation model's weights
+    free = engine_for(model, eos=[]).generate(input_ids, attention_mask, SamplingParams(greedy=True, max_tokens=12))
+    stop = int(free["responses"][0, 2])  # row 0 stops by its third token, others later or never
+    eager = RolloutEngine(model, eos_token_id=stop, pad_token_id=PAD)
+    compiled = RolloutEngine(model, eos_token_id=stop, pad_token_id=PAD, decode="compiled")
+
+    def same(params: SamplingParams, generators=None) -> None:
+        gens = (lambda: [torch.Generator().manual_seed(i) for i in range(generators)]) if generators else lambda: None
+        a = eager.generate(input_ids, attention_mask, params, gens())
+        b = compiled.generate(input_ids, attention_mask, params, gens())
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "rollout_log_probs":
+                torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0)
+            else:
+                assert torch.equal(a[key], b[key]), key
+
+    greedy = SamplingParams(greedy=True, max_tokens=12, n=2)
+    same(greedy)
+    assert 1 < int(free["response_mask"].sum(-1).min()) and stop in free["responses"][0].tolist()
+    graphs = counters["stats"]["unique_graphs"]
+    same(SamplingParams(temperature=1.0, max_tokens=12, n=2), generators=8)
+    eager.load_weights(other.state_dict())  # in place: the compiled graph reads the new values
+    same(greedy)
+    for name, param in list(model.named_parameters()):  # rebound, as GenerationModel.bind does
+        owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        owner._parameters[leaf] = torch.nn.Parameter(param.detach().clone() * 1.01, requires_grad=False)
+    same(greedy)
+    assert counters["stats"]["unique_graphs"] == graphs  # one graph for every call above
+    with pytest.raises(ValueError, match="decode must be"):
+        RolloutEngine(model, eos_token_id=EOS, pad_token_id=PAD, decode="fast")
