@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,8 @@ class ElasticRollout:
         self.published: tuple[int, list[DistBatch]] | None = None  # the newest version in the stores
         self.pulled_bytes = 0  # what the live workers took of the last version, all together
         self.full_pulls = 0  # how many of them took it in full (the others: deltas)
+        self.relayed_bytes = 0  # what workers took of the last version from another worker on their node
+        self.copies_per_node = 0  # the most workers of one node (without training ranks) that pulled it from another
         self.delta_fallbacks = 0  # deltas that did not rebuild on a worker, pulled again in full
         self.stats = ElasticStats()
         self.ledger: Ledger | None = None  # what each step trained (the trainer sets it)
@@ -195,21 +198,46 @@ class ElasticRollout:
         return DistBatch.concat(parts).with_meta(**timing)
 
     async def sync(self, version: int, pieces: list[DistBatch], deltas: list[DistBatch] | None = None) -> None:
-        """Every live worker pulls `version` (a worker that dies meanwhile is dropped): as
-        `deltas` from the version before where it holds that one, else in full (a delta that
-        does not rebuild there too, logged)."""
+        """Every live worker takes `version` (a worker that dies meanwhile is dropped). One worker
+        per node pulls it from the training ranks' stores: as `deltas` from the version before
+        where it holds that one, else in full (a delta that does not rebuild there too, logged);
+        the node's other workers then take that worker's copy through shared memory — one copy
+        per node crosses the network (on a node that hosts training ranks every worker pulls
+        from them: that is shared memory already)."""
         self.published = (version, pieces)
-        members = list(self.members.values())
+        sources = {ref.node_id for p in pieces for ref in p.refs().values()}
+        first, relayed = _relays(list(self.members.values()), sources)
+        self.full_pulls, self.relayed_bytes = 0, 0
+        pulled = await self._pull(first, version, pieces, deltas, self.rows)
+        for leader, followers in relayed:
+            if leader.name not in self.members:  # it died pulling: its node's others pull for themselves
+                pulled += await self._pull(followers, version, pieces, None, self.rows)
+                continue
+            try:
+                share = await leader.group.share_weights(version)  # a group of one: [its copy]
+            except (WorkerDiedError, TransportError) as e:
+                self._drop(leader.name, e)
+                pulled += await self._pull(followers, version, pieces, None, self.rows)
+                continue
+            self.relayed_bytes += int(await self._pull(followers, version, share, None, None, relayed=True))
+        self.pulled_bytes = int(pulled)
+        self.copies_per_node = max(Counter(m.node_id for m in first if m.node_id not in sources).values(), default=0)
+
+    async def _pull(self, members: list[Member], version: int, pieces: list[DistBatch],
+                    deltas: list[DistBatch] | None, rows: list[list[int]] | None, relayed: bool = False) -> float:
+        """`members` pull `version` (deltas where they hold the version before; `rows`: each
+        piece's shard rows, None for whole tensors; `relayed`: from a worker on their node, not
+        counted as pulled in full); the bytes they took."""
         by_delta = [deltas is not None and m.version == version - 1 for m in members]
-        results = await asyncio.gather(*(m.group.pull_weight_deltas(version, deltas, self.rows) if d
-                                         else m.group.pull_weights(version, pieces, self.rows)
+        results = await asyncio.gather(*(m.group.pull_weight_deltas(version, deltas, rows) if d
+                                         else m.group.pull_weights(version, pieces, rows)
                                          for m, d in zip(members, by_delta, strict=True)), return_exceptions=True)
-        pulled, self.full_pulls = 0.0, 0
+        pulled = 0.0
         for m, d, r in zip(members, by_delta, results, strict=True):
             if d and isinstance(r, WorkerCallError) and r.remote_type.endswith("DeltaMismatchError"):
                 self.delta_fallbacks += 1
                 log.warning("elastic rollout: %s: %s; pulling version %d in full", m.name, r.remote_message, version)
-                d, r = False, (await asyncio.gather(m.group.pull_weights(version, pieces, self.rows),
+                d, r = False, (await asyncio.gather(m.group.pull_weights(version, pieces, rows),
                                                     return_exceptions=True))[0]
             if isinstance(r, (WorkerDiedError, TransportError)):
                 self._drop(m.name, r)
@@ -217,20 +245,41 @@ class ElasticRollout:
                 raise r
             else:
                 pulled += sum(r)  # a group of one: [bytes]
-                self.full_pulls += not d
+                self.full_pulls += not (d or relayed)
                 m.version = version
-        self.pulled_bytes = int(pulled)
+        return pulled
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/workers": float(len(self.members)), "rollout/workers_lost": float(self.stats.lost),
                 "rollout/workers_joined": float(self.stats.joined),
                 "rollout/regenerated_prompts": float(self.stats.regenerated_rows),
-                "rollout/weights_pulled_in_full": float(self.full_pulls)}  # the others took deltas
+                "rollout/weights_pulled_in_full": float(self.full_pulls),  # the others took deltas
+                "rollout/weight_copies_per_node": float(self.copies_per_node),  # from another node, most on one
+                "rollout/weights_relayed_mb": self.relayed_bytes / 2**20}  # within nodes, worker to worker
 
     def close(self) -> None:
         for task in [*self._joining.values(), *([self._watch] if self._watch else [])]:
             task.cancel()
 
+
+
+def _relays(members: list[Member], sources: set[str]) -> tuple[list[Member], list[tuple[Member, list[Member]]]]:
+    """Who pulls a version from the training ranks (every worker on a node that hosts them, one
+    worker on each other node: one that holds the version before if any, so it can take deltas),
+    and who takes it from that worker instead (the other workers on its node)."""
+    by_node: dict[str, list[Member]] = {}
+    for m in members:
+        by_node.setdefault(m.node_id, []).append(m)
+    first: list[Member] = []
+    relayed: list[tuple[Member, list[Member]]] = []
+    for node, here in by_node.items():
+        if node in sources or len(here) == 1:
+            first += here
+            continue
+        leader = max(here, key=lambda m: m.version)  # the newest version it holds: deltas, if any can
+        first.append(leader)
+        relayed.append((leader, [m for m in here if m is not leader]))
+    return first, relayed
 
 
 def _split(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:

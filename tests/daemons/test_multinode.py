@@ -481,9 +481,10 @@ def test_a_training_rank_on_the_other_node_fails_over(netpair, tmp_path):
 @pytest.mark.multinode
 def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path):
     """An elastic rollout pool on node 0 alone; node 1 joins the running job over the veth
-    (`asyncrl-launch --join`), gets a rollout worker with the current weights, generates, and is
-    then killed (kill -9 its worker): its prompts are generated again on node 0 and the ledger
-    shows every prompt trained once. A gate in the reward holds the run between the events. (The
+    (`asyncrl-launch --join`), gets a rollout worker on each of its 2 devices with the current
+    weights; each sync, one of them pulls the version over the veth and the other takes its copy
+    through shared memory (one copy per node); then one is killed (kill -9): its prompts are
+    generated again elsewhere and the ledger shows every prompt trained once. A gate in the reward holds the run between the events. (The
     driver's next pull from the dead worker's store can meet its address cutting the CurveZMQ
     handshake short: a store it had met before reads as lost, `ObjectStore.call_owner`.)"""
     from asyncrl.models.tiny import ensure_tiny_model
@@ -491,7 +492,7 @@ def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path
     ns_a, ns_b = netpair
     keys, procs, tmp = _job_dirs(tmp_path, "elastic")
     model = ensure_tiny_model(tmp / "model", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
-    out, gate, total = tmp / "out", tmp / "gate", 8
+    out, gate, total = tmp / "out", tmp / "gate", 10
     head_argv = ["ip", "netns", "exec", ns_a, sys.executable, "-m", "asyncrl.launch", "--config-name", "grpo",
                  f"cluster.key_dir={keys}", f"cluster.host={SUBNET}.1", f"cluster.port={PORT}",
                  f"cluster.log_dir={tmp / 'logs-a'}", "cluster.cpu_devices=2", f"trainer.output_dir={out}",
@@ -503,7 +504,7 @@ def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path
                  f"reward.fn={REPO / 'tests' / 'helpers' / 'gated_reward.py'}:score"]
     join_argv = ["ip", "netns", "exec", ns_b, sys.executable, "-m", "asyncrl.launch", "--join", f"{SUBNET}.1:{PORT}",
                  "--config-name", "grpo", f"cluster.key_dir={keys}", f"cluster.host={SUBNET}.2",
-                 "cluster.cpu_devices=1", f"cluster.log_dir={tmp / 'logs-b'}"]
+                 "cluster.cpu_devices=2", f"cluster.log_dir={tmp / 'logs-b'}"]
     out_a, out_b = tmp / "node0.out", tmp / "node1.out"
     metrics = out / "metrics.jsonl"
 
@@ -519,13 +520,16 @@ def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path
         gate.touch()  # the run holds at its next scoring while node 1 joins
         joiner = procs.start(join_argv, out_b)
         joined = r"rollout-\d+ on (?!vm-0 )\S+ is live \(\d+ workers, weights version (\d+)\)"  # not the head's
-        wait(lambda: re.search(joined, out_a.read_text()) is not None)
+        wait(lambda: len(re.findall(joined, out_a.read_text())) == 2)  # a worker on each of its devices
         gate.unlink()
-        wait(lambda: len(_trained_steps(metrics)) >= 5)
+        wait(lambda: len(_trained_steps(metrics)) >= 6)
         gate.touch()
+        both = [r for r in _trained_steps(metrics) if r["rollout/workers"] == 3]  # both of node 1's live
+        assert len(both) >= 2 and all(r["rollout/weight_copies_per_node"] == 1 and r["rollout/weights_relayed_mb"] > 0
+                            for r in both[1:]), both  # the first may have synced before the second joined
         spawned = re.findall(r"spawned worker (rollout-\S+) pid (\d+)", out_b.read_text())
-        assert len(spawned) == 1, out_b.read_text()
-        os.kill(int(spawned[0][1]), signal.SIGKILL)  # the joined node's rollout worker dies mid-run
+        assert len(spawned) == 2, out_b.read_text()
+        os.kill(int(spawned[0][1]), signal.SIGKILL)  # one of the joined node's rollout workers dies mid-run
         gate.unlink()
         rc0 = _wait(head, 150, out_a)
         text_a = out_a.read_text()
@@ -535,7 +539,7 @@ def test_the_elastic_pool_takes_a_node_that_joins_and_loses_it(netpair, tmp_path
         version = int(re.search(joined, text_a).group(1))
         assert version >= 2, text_a  # the joiner started from the weights of the step it joined at
         last = _trained_steps(metrics)[-1]
-        assert last["rollout/workers_joined"] == 1 and last["rollout/workers_lost"] == 1, last
+        assert last["rollout/workers_joined"] == 2 and last["rollout/workers_lost"] == 1, last
         worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
         assert f"serving tcp://{SUBNET}.2:" in worker_logs, worker_logs  # its rows came over the veth
         ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]

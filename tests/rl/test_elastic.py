@@ -230,3 +230,63 @@ def test_below_min_workers_a_call_waits_for_one_to_join(monkeypatch):
         return live
 
     assert sorted(m.name for m in asyncio.run(main())) == ["a", "b"]
+
+
+def test_one_worker_per_node_pulls_a_version_and_hands_it_to_the_others():
+    """ElasticRollout.sync on stand-in groups: node "train" hosts the training ranks (its workers
+    pull from them: shared memory already), node "b" two workers, node "c" one. One of b's pulls
+    (the one holding the version before, so it takes deltas) and hands its copy to the other
+    (`share_weights`, pulled as whole tensors); a leader that dies pulling leaves the other to pull
+    for itself."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from asyncrl.rollout import elastic
+    from daemons.errors import WorkerDiedError
+
+    class Group:
+        def __init__(self, name, dies=False):
+            self.name, self.dies, self.calls = name, dies, []
+
+        async def pull_weights(self, version, pieces, rows):
+            self.calls.append(("full", [p.name for p in pieces], rows))
+            if self.dies:
+                raise WorkerDiedError(f"{self.name}-0", "b", 0, "killed by SIGKILL")
+            return [100.0]
+
+        async def pull_weight_deltas(self, version, deltas, rows):
+            self.calls.append(("delta", [p.name for p in deltas], rows))
+            if self.dies:
+                raise WorkerDiedError(f"{self.name}-0", "b", 0, "killed by SIGKILL")
+            return [10.0]
+
+        async def share_weights(self, version):
+            self.calls.append(("share", version))
+            return [SimpleNamespace(name=f"share-of-{self.name}")]  # a group of one
+
+    class Pieces(SimpleNamespace):
+        def refs(self):
+            return {"weights": SimpleNamespace(node_id="train")}
+
+    def pool_of(groups):
+        pool = elastic.ElasticRollout(ctx=None, spawn=None, hold=None, min_workers=1, wait_s=5)
+        pool.rows = [[4, 4]]
+        for g, node, version in groups:
+            pool.members[g.name] = elastic.Member(g.name, g, node, 0.0, late=False, version=version)
+        return pool
+
+    t1, t2, b1, b2, c1 = Group("t1"), Group("t2"), Group("b1"), Group("b2"), Group("c1")
+    pool = pool_of([(t1, "train", 1), (t2, "train", 1), (b1, "b", 0), (b2, "b", 1), (c1, "c", 1)])
+    asyncio.run(pool.sync(2, [Pieces(name="full")], [Pieces(name="deltas")]))
+    assert t1.calls == t2.calls == c1.calls == [("delta", ["deltas"], [[4, 4]])]
+    assert b2.calls == [("delta", ["deltas"], [[4, 4]]), ("share", 2)]  # it held version 1: deltas
+    assert b1.calls == [("full", ["share-of-b2"], None)]  # b2's whole copy, through shared memory
+    metrics = pool.metrics()
+    assert metrics["rollout/weight_copies_per_node"] == 1 and pool.pulled_bytes == 40
+    assert metrics["rollout/weights_relayed_mb"] == 100 / 2**20 and metrics["rollout/weights_pulled_in_full"] == 0
+
+    b1, b2 = Group("b1", dies=True), Group("b2")  # b1 leads (the first of equals) and dies pulling
+    pool = pool_of([(b1, "b", 1), (b2, "b", 1)])
+    asyncio.run(pool.sync(2, [Pieces(name="full")], None))
+    assert "b1" not in pool.members and b2.calls == [("full", ["full"], [[4, 4]])]  # it pulled for itself
+    assert pool.metrics()["rollout/workers_lost"] == 1
