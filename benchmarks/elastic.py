@@ -3,15 +3,17 @@
 Four namespaces on one bridge play four hosts: A runs `asyncrl-launch` (the coordinator and the
 training worker), B and C run node daemons whose devices take the two rollout workers, and D
 joins mid-run with `asyncrl-launch --join`. The job is the quickstart as users run it, split
-placement with `rollout.elastic=true`, one CPU device and one torch thread per node. At step
-`--kill-at` every process of host C gets SIGKILL (its node daemon and its rollout worker), at a
-moment its worker is using CPU (generating: read from /proc, so the kill lands mid-call); at
-step `--join-at` host D starts. Needs root (`ip netns`).
+placement with `rollout.elastic=true`, one CPU device and one torch thread per node (D: two
+devices, two rollout workers). At step `--kill-at` every process of host C gets SIGKILL (its node
+daemon and its rollout worker), at a moment its worker is using CPU (generating: read from
+/proc, so the kill lands mid-call); at step `--join-at` host D starts. Needs root (`ip netns`).
 
-Reported: `prompts_trained_once` (the ledger holds every step's prompts, each uid once),
+Reported: `prompts_trained_once` (the ledger holds every step's prompts, each data row once an epoch),
 rollout throughput (generated tokens / generation seconds, the steps' own numbers) before the
 loss, after it and after the join, `throughput_after_loss_ratio` = (after / before) / ((N-1)/N)
-for N = 2 workers, `throughput_after_join_ratio` = after the join / after the loss,
+for N = 2 workers, `throughput_after_join_ratio` = after the join / after the loss (3 workers then, against 1, on 2 cores),
+`weight_copies_per_node` (of D's two workers, how many took a version from another host; 1: the
+other took its copy through shared memory) and `weights_relayed_mb_per_sync`,
 `join_to_first_generate_s` (from D's launch to the end of the first step generated with its
 worker live), `weight_sync_mb_per_sync` (the median step's weight sync: what the live workers
 pulled, `perf/weight_sync_mb`), the run's exit code and steps. The last line printed is one JSON
@@ -47,14 +49,19 @@ REPO = Path(__file__).resolve().parent.parent
 PORT = 29400
 
 
-def trained_once(ledger: list[dict], n: int) -> bool:
-    """Whether a ledger shows steps 1..N once each, no prompt drawn twice, and each drawn prompt's
-    `n` rows in its step's update."""
+def trained_once(ledger: list[dict], n: int, epoch: int | None = None) -> bool:
+    """Whether a ledger shows steps 1..N once each, no data row drawn twice within an epoch of
+    `epoch` draws (all of them when None), and each drawn prompt's `n` rows in its step's update."""
     from collections import Counter
 
-    drawn = [u for row in ledger for u in row["uids"]]
-    steps_ok = [row["step"] for row in ledger] == list(range(1, len(ledger) + 1)) and len(set(drawn)) == len(drawn)
-    return steps_ok and all(Counter(row["rows"]) == Counter({u: n for u in row["uids"]}) for row in ledger)
+    # by data row where the data numbers them: two rows of the synthetic set can hold the same
+    # prompt text (4,096 rows, 3,370 texts), and so the same uid
+    drawn = [d for row in ledger for d in (row["data_rows"] if None not in row.get("data_rows", [None]) else row["uids"])]
+    epoch = epoch or len(drawn) or 1
+    epochs = [drawn[i:i + epoch] for i in range(0, len(drawn), epoch)]
+    steps_ok = [row["step"] for row in ledger] == list(range(1, len(ledger) + 1))
+    return steps_ok and all(len(set(e)) == len(e) for e in epochs) and all(
+        Counter(row["rows"]) == Counter({u: n * c for u, c in Counter(row["uids"]).items()}) for row in ledger)
 
 
 def _ip(*args: str) -> None:
@@ -164,10 +171,10 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float, weight_sync: s
                     others[1].wait(10)
                 if len(done) >= join_at and joiner is None:
                     t_join = time.monotonic()
-                    joiner = node(d, ["--join", f"{ip_a}:{PORT}", f"cluster.key_dir={keys}", "cluster.cpu_devices=1",
+                    joiner = node(d, ["--join", f"{ip_a}:{PORT}", f"cluster.key_dir={keys}", "cluster.cpu_devices=2",
                                       f"cluster.host={ip_d}", f"cluster.log_dir={tmp / 'logs-d'}"], "d.log")
                 if joined_s is None and t_join is not None and done and done[-1].get("rollout/workers_joined", 0) >= 1 \
-                        and done[-1]["rollout/workers"] == 2:
+                        and done[-1]["rollout/workers"] >= 2:
                     joined_s = time.monotonic() - t_join
                 time.sleep(0.1)
             stdout, _ = head.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -177,7 +184,8 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float, weight_sync: s
             remove_stale_segments()
         rows = _steps(out)
         ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()] if (out / "ledger.jsonl").exists() else []
-        n = rl_config(load_config("quickstart", [])).rollout.n
+        cfg = rl_config(load_config("quickstart", []))
+        n, epoch = cfg.rollout.n, cfg.data.synthetic.n_train  # 4,096 rows: 150 steps of 32 draw 4,800
         lost_at = next((r["step"] for r in rows if r["rollout/workers_lost"] >= 1), None)
         joined_at = next((r["step"] for r in rows if r["rollout/workers_joined"] >= 1), None)
         before = [r for r in rows if r["step"] < (lost_at or 1 << 30) and r["step"] > 1]  # step 1: warm-up
@@ -187,7 +195,7 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float, weight_sync: s
         summary = json.loads(stdout.strip().splitlines()[-1]) if head.returncode == 0 else {}
         return {
             "exit_code": head.returncode, "steps": summary.get("steps"), "weight_sync": weight_sync, "lost_at_step": lost_at, "joined_at_step": joined_at,
-            "prompts_trained_once": len(ledger) == len(rows) == steps and trained_once(ledger, n),
+            "prompts_trained_once": len(ledger) == len(rows) == steps and trained_once(ledger, n, epoch),
             **{f"throughput_{k}_tok_s": round(v, 1) if v else None for k, v in tp.items()},
             "weight_sync_mb_per_sync": round(statistics.median(r["perf/weight_sync_mb"] for r in rows), 3) if rows else None,
             "throughput_after_loss_ratio": round(tp["after_loss"] / tp["before"] / 0.5, 3)
@@ -196,6 +204,11 @@ def run(steps: int, kill_at: int, join_at: int, timeout_s: float, weight_sync: s
             if tp["after_join"] and tp["after_loss"] else None,
             "join_to_first_generate_s": round(joined_s, 2) if joined_s is not None else None,
             "regenerated_prompts": rows[-1]["rollout/regenerated_prompts"] if rows else None,
+            # host D's two workers: how many of them took each version from another host (1: one
+            # pulled, the other took its copy through shared memory), and what that copy was
+            "weight_copies_per_node": max((r["rollout/weight_copies_per_node"] for r in after_join), default=None),
+            "weights_relayed_mb_per_sync": round(statistics.median(r["rollout/weights_relayed_mb"] for r in after_join), 3)
+            if after_join else None,
             "head_log_tail": None if head.returncode == 0 else (tmp / "a.log").read_text()[-1500:],
         }
 

@@ -298,8 +298,9 @@ def _split(ranges: list[tuple[int, int]], parts: int) -> list[tuple[int, int]]:
 
 class Ledger:
     """What each step trained (`trainer.output_dir/ledger.jsonl`, one line per step): the uids of
-    the prompts drawn and of the rows the actor's update consumed (every `update_actor` call of
-    the step). With workers coming and going, the record that each drawn prompt was trained
+    the prompts drawn (and their data rows' `extra_info.index`, where the data numbers its rows:
+    two rows with the same prompt text share a uid) and of the rows the actor's update consumed
+    (every `update_actor` call of the step). With workers coming and going, the record that each drawn prompt was trained
     once: every step once, and its updated rows exactly n per drawn prompt (a lost worker's share
     replaced, never added)."""
 
@@ -314,9 +315,15 @@ class Ledger:
 
     async def record(self, step: int, prompts: DistBatch, updated: list[DistBatch]) -> None:
         """Step `step`'s drawn prompts and the rows of each batch its updates consumed."""
-        drawn, *trained = await asyncio.gather(*(b.select("uid", meta=False).fetch() for b in (prompts, *updated)))
+        has_info = "extra_info" in prompts
+        drawn, *trained = await asyncio.gather(prompts.select("uid", *(["extra_info"] if has_info else []),
+                                                              meta=False).fetch(),
+                                               *(b.select("uid", meta=False).fetch() for b in updated))
+        info = drawn["extra_info"] if has_info else [None] * len(drawn["uid"])
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "uids": [str(u) for u in drawn["uid"]],
+                                # the data rows drawn, where the data numbers them (extra_info.index)
+                                "data_rows": [e.get("index") if isinstance(e, dict) else None for e in info],
                                 "rows": [str(u) for t in trained for u in t["uid"]]}) + "\n")
 
 
