@@ -166,7 +166,7 @@ class RolloutConfig:
     # of a call (split: of one batch on one rollout worker)
     decode_slots: int = 0
     # native engine, colocated: each decode step eager, or compiled once per (rows, cache width) over a
-    # preallocated KV cache (CUDA graphs on a GPU; "all rows done?" read back every 8 steps). Compiling
+    # preallocated KV cache (inductor, no CUDA graphs; "all rows done?" read back every 8 steps). Compiling
     # takes seconds (CPU: ~10 s tiny, ~35 s at 0.5B) and pays off on a GPU, where the eager step waits on
     # kernel launches; on CPU it is 1.13x at 0.5B x 32 rows (docs/results/2026-11-28-compiled-decode.md)
     decode: Decode = "eager"

@@ -9,7 +9,7 @@ skipped once `--budget-s` is spent:
 - `limits`: the bf16 matmul rate (8192^3), the bandwidth of reading a 1 GiB array (its sum) and
   of copying it;
 - `decode`: the native engine at Qwen2.5-0.5B and 1.5B shapes (random weights, bf16) x 64 and
-  256 rows, 128-token prompts, 64 tokens each, eager and `decode="compiled"` (CUDA graphs):
+  256 rows, 128-token prompts, 64 tokens each, eager and `decode="compiled"` (inductor):
   tokens/s, the memory bound (rows x read bandwidth / weight bytes: a decode step reads every
   weight once) and the fraction reached, the compiled call's first (compiling) call;
 - `train`: an RL update step of the 1.5B shape with each backend (FSDP2, Megatron), 8 rows x 1,024

@@ -147,12 +147,14 @@ def main() -> None:
             theirs = compiled.generate(input_ids, attention_mask, params)  # its first call compiles
             compile_call_s = time.perf_counter() - start
             ours = engine.generate(input_ids, attention_mask, params)
+            hf_out = None if args.no_hf else model.generate(input_ids, **hf_kwargs)[:, input_ids.shape[1]:]
             times = dict(zip(sides, interleaved_medians(list(sides.values()), args.repeats), strict=True))
+        # last: it loads other weights into the model the sides share
         extra = {} if vllm is None else vllm_results(vllm, model, engine, ours, input_ids, attention_mask,
                                                      params, times, args)
     result = {**decode_results(args, model, times, ours, theirs, compile_call_s), **extra}
-    if not args.no_hf:
-        result.update(hf_results(args, times, ours, model.generate(input_ids, **hf_kwargs)[:, input_ids.shape[1]:]))
+    if hf_out is not None:
+        result.update(hf_results(args, times, ours, hf_out))
     print(json.dumps(result))
 
 

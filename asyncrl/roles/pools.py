@@ -332,7 +332,7 @@ class PoolWeights:
             self._staged_version = self._held_version = version
         return float(sum(p["weights"].numel() * p["weights"].element_size() for p in pieces))
 
-    @register(ONE_TO_ALL)
+    @register(ONE_TO_ALL, blocking=False)
     def share_weights(self, version: int) -> Batch:
         """Rollout-only worker (rollout.elastic): the staged `version` as one flat row, for the other
         workers on its node to pull through shared memory (`pull_weights` with rows=None) instead of

@@ -69,7 +69,8 @@ class ElasticRollout:
         self.pulled_bytes = 0  # what the live workers took of the last version, all together
         self.full_pulls = 0  # how many of them took it in full (the others: deltas)
         self.relayed_bytes = 0  # what workers took of the last version from another worker on their node
-        self.copies_per_node = 0  # the most workers of one node (without training ranks) that pulled it from another
+        self.copies_per_node = 0  # the most workers of one node that pulled the last version from another node
+        self._remote: Counter = Counter()  # per node, its workers that pulled the last version from another
         self.delta_fallbacks = 0  # deltas that did not rebuild on a worker, pulled again in full
         self.stats = ElasticStats()
         self.ledger: Ledger | None = None  # what each step trained (the trainer sets it)
@@ -202,32 +203,41 @@ class ElasticRollout:
         per node pulls it from the training ranks' stores: as `deltas` from the version before
         where it holds that one, else in full (a delta that does not rebuild there too, logged);
         the node's other workers then take that worker's copy through shared memory — one copy
-        per node crosses the network (on a node that hosts training ranks every worker pulls
-        from them: that is shared memory already)."""
+        per node crosses the network (on a node that holds every piece, every worker pulls from
+        there: that is shared memory already)."""
         self.published = (version, pieces)
-        sources = {ref.node_id for p in pieces for ref in p.refs().values()}
-        first, relayed = _relays(list(self.members.values()), sources)
-        self.full_pulls, self.relayed_bytes = 0, 0
-        pulled = await self._pull(first, version, pieces, deltas, self.rows)
-        for leader, followers in relayed:
-            if leader.name not in self.members:  # it died pulling: its node's others pull for themselves
-                pulled += await self._pull(followers, version, pieces, None, self.rows)
-                continue
+        local = _local_nodes(pieces)
+        first, relayed = _relays(list(self.members.values()), local)
+        self.full_pulls, self.relayed_bytes, self._remote = 0, 0, Counter()
+        pulled = await self._pull(first, version, pieces, deltas, self.rows, local)
+        pulled += sum(await asyncio.gather(*(self._relay(leader, followers, version, pieces, deltas, local)
+                                             for leader, followers in relayed)))
+        self.pulled_bytes = int(pulled)
+        self.copies_per_node = max(self._remote.values(), default=0)
+
+    async def _relay(self, leader: Member, followers: list[Member], version: int, pieces: list[DistBatch],
+                     deltas: list[DistBatch] | None, local: set[str]) -> float:
+        """`followers` take `leader`'s copy of `version`; where that fails (the leader lost, its copy
+        unreadable) they pull it themselves. Returns the bytes pulled across nodes."""
+        if leader.name in self.members and leader.version == version:
             try:
                 share = await leader.group.share_weights(version)  # a group of one: [its copy]
-            except (WorkerDiedError, TransportError) as e:
-                self._drop(leader.name, e)
-                pulled += await self._pull(followers, version, pieces, None, self.rows)
-                continue
-            self.relayed_bytes += int(await self._pull(followers, version, share, None, None, relayed=True))
-        self.pulled_bytes = int(pulled)
-        self.copies_per_node = max(Counter(m.node_id for m in first if m.node_id not in sources).values(), default=0)
+                self.relayed_bytes += int(await self._pull(followers, version, share, None, None, local, relayed=True))
+                return 0.0
+            except Exception as e:  # noqa: BLE001 - any failure of the relay: the followers pull for themselves
+                log.warning("elastic rollout: %s could not hand version %d on (%s); its node's other workers "
+                            "pull it themselves", leader.name, version, e)
+                if isinstance(e, (WorkerDiedError, TransportError)):
+                    self._drop(leader.name, e)
+        behind = [m for m in followers if m.name in self.members and m.version != version]
+        return await self._pull(behind, version, pieces, deltas, self.rows, local)
 
     async def _pull(self, members: list[Member], version: int, pieces: list[DistBatch],
-                    deltas: list[DistBatch] | None, rows: list[list[int]] | None, relayed: bool = False) -> float:
+                    deltas: list[DistBatch] | None, rows: list[list[int]] | None, local: set[str],
+                    relayed: bool = False) -> float:
         """`members` pull `version` (deltas where they hold the version before; `rows`: each
-        piece's shard rows, None for whole tensors; `relayed`: from a worker on their node, not
-        counted as pulled in full); the bytes they took."""
+        piece's shard rows, None for whole tensors; `local`: the nodes that hold every piece;
+        `relayed`: from a worker on their node, not counted as pulled in full); the bytes they took."""
         by_delta = [deltas is not None and m.version == version - 1 for m in members]
         results = await asyncio.gather(*(m.group.pull_weight_deltas(version, deltas, rows) if d
                                          else m.group.pull_weights(version, pieces, rows)
@@ -246,6 +256,7 @@ class ElasticRollout:
             else:
                 pulled += sum(r)  # a group of one: [bytes]
                 self.full_pulls += not (d or relayed)
+                self._remote[m.node_id] += not relayed and m.node_id not in local
                 m.version = version
         return pulled
 
@@ -261,6 +272,14 @@ class ElasticRollout:
         for task in [*self._joining.values(), *([self._watch] if self._watch else [])]:
             task.cancel()
 
+
+
+def _local_nodes(pieces: list[DistBatch]) -> set[str]:
+    """The nodes whose stores hold every non-empty piece of a version (where every worker pulls
+    it through shared memory): none when the pieces live on several nodes."""
+    held = [{ref.node_id for ref in p.refs().values() if ref.nbytes} for p in pieces]
+    held = [h for h in held if h]
+    return set.intersection(*held) if held else set()
 
 
 def _relays(members: list[Member], sources: set[str]) -> tuple[list[Member], list[tuple[Member, list[Member]]]]:

@@ -334,9 +334,10 @@ class RolloutEngine:
         log_probs = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
         next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
-        steps = 0
+        steps, draws = 0, _Draws(generator if check_every > 1 and not params.is_greedy else None)
         with trace.span("decode", "compute", rows=rows, compiled=static is not None):
             for t in range(max_tokens):
+                draws.mark(t)
                 tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
                 alive = ~finished
                 tokens = torch.where(alive, tokens, self.pad_token_id)
@@ -355,7 +356,9 @@ class RolloutEngine:
                     routes.decoded(t, alive)
                 next_pos = next_pos + 1
         if check_every > 1:  # steps run after every row had finished made only padding: drop them
-            steps = int(full_mask[:, prompt_len:prompt_len + steps].any(0).nonzero().max()) + 1
+            alive = full_mask[:, prompt_len:prompt_len + steps].any(0).nonzero()
+            steps = int(alive.max()) + 1 if alive.numel() else steps
+            draws.rewind(steps)
         return responses, log_probs, full_mask, steps
 
     def _dynamic_step(self, cache: DynamicCache) -> Callable:
@@ -376,9 +379,10 @@ class RolloutEngine:
                         "non-static layers; decoding eagerly")
             self.decode = "eager"
             return None
-        if self._compiled_forward is None:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on a GPU
-            self._compiled_forward = torch.compile(_static_forward, mode=mode)  # a second width: one dynamic graph
+        if self._compiled_forward is None:  # a second width or row count: one dynamic graph
+            # no CUDA graphs: a KV cache per call and weights rebound every step would give them new
+            # static addresses each call, which torch re-records without bound (nor counts)
+            self._compiled_forward = torch.compile(_static_forward)
         return _StaticDecode(cache, prefilled, n, width, self.model, self._compiled_forward)
 
     def _packed_linears(self, routes: bool) -> contextlib.AbstractContextManager:
@@ -414,12 +418,28 @@ class _StaticDecode:
             layer.keys[:, :, :columns] = keys
             layer.values[:, :, :columns] = values
             layer.cumulative_length.fill_(columns)
-        self.cuda = keys.device.type == "cuda"
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, columns: int, positions: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay over them
         return self.compiled(self.model, tokens, mask, positions, self.cache)
+
+
+class _Draws:
+    """A shared generator's state before each step since the last stop check: the steps a
+    compiled decode runs after every row has finished give their random numbers back, so the
+    generator continues as after an eager decode."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator, self.states = generator, {}
+
+    def mark(self, t: int) -> None:
+        if self.generator is not None:
+            if t % STOP_CHECK_EVERY == 0:
+                self.states.clear()
+            self.states[t] = self.generator.get_state()
+
+    def rewind(self, steps: int) -> None:
+        if self.generator is not None and steps in self.states:
+            self.generator.set_state(self.states[steps])
 
 
 class _Routes:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-_packed: dict[tuple[int, tuple[int, ...]], tuple[int, Tensor]] = {}
+_packed: dict[tuple[int, tuple[int, ...]], tuple[Tensor, int | None, Tensor]] = {}
 _active = False  # a compiled decode is running: plain fp32 linears use the packed op
 
 
@@ -28,13 +28,22 @@ def available() -> bool:
 @torch.library.custom_op("asyncrl::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`F.linear(x, weight, bias)` through oneDNN with `weight` packed (cached while it is unchanged)."""
-    key = (weight.data_ptr(), tuple(weight.shape))
+    key, version = (weight.data_ptr(), tuple(weight.shape)), _version(weight)
     hit = _packed.get(key)
-    if hit is None or hit[0] != weight._version:
+    if hit is None or hit[1] != version:
         rows = x.numel() // x.shape[-1]
-        hit = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows))
-        _packed[key] = hit
-    return torch.ops.mkldnn._linear_pointwise(x, hit[1], bias, "none", [], "")
+        hit = (weight, version, torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows))
+        _packed[key] = hit  # holds the weight too: its address cannot pass to another tensor meanwhile
+    return torch.ops.mkldnn._linear_pointwise(x, hit[2], bias, "none", [], "")
+
+
+def _version(weight: Tensor) -> int | None:
+    """The weight's version counter (moves with every in-place change); None for an inference
+    tensor, which has none (packed once a call then: a change within the call goes unseen)."""
+    try:
+        return weight._version
+    except RuntimeError:
+        return None
 
 
 @packed_linear.register_fake

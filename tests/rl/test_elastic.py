@@ -237,7 +237,7 @@ def test_one_worker_per_node_pulls_a_version_and_hands_it_to_the_others():
     pull from them: shared memory already), node "b" two workers, node "c" one. One of b's pulls
     (the one holding the version before, so it takes deltas) and hands its copy to the other
     (`share_weights`, pulled as whole tensors); a leader that dies pulling leaves the other to pull
-    for itself."""
+    for itself, and so does one whose copy cannot be read (then two copies reached that node)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -245,13 +245,15 @@ def test_one_worker_per_node_pulls_a_version_and_hands_it_to_the_others():
     from daemons.errors import WorkerDiedError
 
     class Group:
-        def __init__(self, name, dies=False):
-            self.name, self.dies, self.calls = name, dies, []
+        def __init__(self, name, dies=False, lost_share=False):
+            self.name, self.dies, self.lost_share, self.calls = name, dies, lost_share, []
 
         async def pull_weights(self, version, pieces, rows):
             self.calls.append(("full", [p.name for p in pieces], rows))
             if self.dies:
                 raise WorkerDiedError(f"{self.name}-0", "b", 0, "killed by SIGKILL")
+            if self.lost_share and pieces[0].name.startswith("share"):
+                raise RuntimeError("ObjectLostError: the owner of that object is gone")
             return [100.0]
 
         async def pull_weight_deltas(self, version, deltas, rows):
@@ -266,7 +268,7 @@ def test_one_worker_per_node_pulls_a_version_and_hands_it_to_the_others():
 
     class Pieces(SimpleNamespace):
         def refs(self):
-            return {"weights": SimpleNamespace(node_id="train")}
+            return {"weights": SimpleNamespace(node_id="train", nbytes=8)}
 
     def pool_of(groups):
         pool = elastic.ElasticRollout(ctx=None, spawn=None, hold=None, min_workers=1, wait_s=5)
@@ -289,4 +291,10 @@ def test_one_worker_per_node_pulls_a_version_and_hands_it_to_the_others():
     pool = pool_of([(b1, "b", 1), (b2, "b", 1)])
     asyncio.run(pool.sync(2, [Pieces(name="full")], None))
     assert "b1" not in pool.members and b2.calls == [("full", ["full"], [[4, 4]])]  # it pulled for itself
-    assert pool.metrics()["rollout/workers_lost"] == 1
+    assert pool.metrics()["rollout/workers_lost"] == 1 and pool.metrics()["rollout/weight_copies_per_node"] == 1
+
+    b1, b2 = Group("b1"), Group("b2", lost_share=True)  # b1's copy cannot be read from b2
+    pool = pool_of([(b1, "b", 1), (b2, "b", 1)])
+    asyncio.run(pool.sync(2, [Pieces(name="full")], [Pieces(name="deltas")]))
+    assert b2.calls == [("full", ["share-of-b1"], None), ("delta", ["deltas"], [[4, 4]])]  # then its own deltas
+    assert pool.metrics()["rollout/weight_copies_per_node"] == 2 and set(pool.members) == {"b1", "b2"}

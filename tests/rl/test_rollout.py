@@ -371,6 +371,13 @@ def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(
     assert 1 < int(free["response_mask"].sum(-1).min()) and stop in free["responses"][0].tolist()
     graphs = counters["stats"]["unique_graphs"]
     same(SamplingParams(temperature=1.0, max_tokens=12, n=2), generators=8)
+    # one generator for the call, every row ended between two stop checks: the compiled decode ran
+    # a few steps more, and gives their random numbers back (the generator goes on as after eager)
+    many_stops = SamplingParams(temperature=1.0, max_tokens=12, n=2, stop_token_ids=list(range(3, 11)))
+    shared = [torch.Generator().manual_seed(5) for _ in range(2)]
+    a, b = (e.generate(input_ids, attention_mask, many_stops, g) for e, g in zip((eager, compiled), shared, strict=True))
+    assert a["responses"].shape[1] % 8 and torch.equal(a["responses"], b["responses"])
+    assert torch.equal(shared[0].get_state(), shared[1].get_state())
     eager.load_weights(other.state_dict())  # in place: the compiled graph reads the new values
     same(greedy)
     for name, param in list(model.named_parameters()):  # rebound, as GenerationModel.bind does
