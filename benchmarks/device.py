@@ -43,31 +43,22 @@ SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers":
                "num_key_value_heads": 2}
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
 
-def limits(device: str, smoke: bool) -> dict:
-    nbytes = (64 << 20) if smoke else (1 << 30)
+def copy_seconds(nbytes: int, device: str) -> float:
     x = torch.ones(nbytes // 4, device=device)
     y = torch.empty_like(x)
-    copy_s = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        y.copy_(x)
-        sync(device)
-        copy_s = min(copy_s, time.perf_counter() - start)
-    del x, y
+    return rb.best_seconds(lambda: y.copy_(x), device)
+
+
+def limits(device: str, smoke: bool) -> dict:
+    nbytes = (64 << 20) if smoke else (1 << 30)
     out = {"read_gb_per_s": round(rb.read_bandwidth(device, nbytes) / 1e9, 1),
-           "copy_gb_per_s": round(2 * nbytes / copy_s / 1e9, 1)}  # read + write
+           "copy_gb_per_s": round(2 * nbytes / copy_seconds(nbytes, device) / 1e9, 1)}  # read + write
     if device.startswith("cuda"):
         out["bf16_matmul_tflops"] = round(mb.matmul_tflops(device), 1)
     return out
@@ -86,13 +77,13 @@ def decode_case(shape: str, rows: int, device: str, dtype: str, smoke: bool, rea
         engine = RolloutEngine(model, eos_token_id=[], pad_token_id=rb.PAD, device=device, decode=decode)
         start = time.perf_counter()
         engine.generate(ids, mask, params)
-        sync(device)
+        rb.synchronize(device)
         first = time.perf_counter() - start
         times = []
         for _ in range(2):
             start = time.perf_counter()
             outputs[decode] = engine.generate(ids, mask, params)
-            sync(device)
+            rb.synchronize(device)
             times.append(time.perf_counter() - start)
         tokens_per_s = rows * args.tokens / min(times)
         out[decode] = {"tokens_per_s": round(tokens_per_s, 1), "first_call_s": round(first, 2)}
@@ -154,18 +145,8 @@ def weight_sync(device: str, smoke: bool) -> dict:
     targets = [p.data for _, p in model.named_parameters()]
     sources = [t for _, t in new]
 
-    def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(4):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    load_s = timed(lambda: engine.load_weights(new))
-    copy_s = timed(lambda: torch._foreach_copy_(targets, sources))
+    load_s = rb.best_seconds(lambda: engine.load_weights(new), device, repeats=4)
+    copy_s = rb.best_seconds(lambda: torch._foreach_copy_(targets, sources), device, repeats=4)
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     return {"bytes": nbytes, "load_weights_s": round(load_s, 4), "device_copy_s": round(copy_s, 4),
             "load_vs_copy": round(load_s / copy_s, 2)}

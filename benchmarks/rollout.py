@@ -200,37 +200,35 @@ def hf_results(args, times: dict, ours: dict, theirs: torch.Tensor) -> dict:
     }
 
 
-def _synchronize(device: str) -> None:
+def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def best_seconds(fn, device: str, repeats: int = 5, calls: int = 1) -> float:
+    """The fastest of `repeats` timings of `calls` calls of `fn` (the device synchronised), per call."""
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
 
 def read_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     """Bytes a second of reading a large array (its sum), best of 5."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(5):
-        _synchronize(device)
-        start = time.perf_counter()
-        x.sum()
-        _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return nbytes / best_seconds(x.sum, device)
 
 
 def matmul_rate(rows: int, hidden: int, device: str, dtype: torch.dtype) -> float:
     """Flops a second of [rows, hidden] x [hidden, 8 hidden], the shape of a decode step's MLP, best of 5."""
     a = torch.randn(rows, hidden, device=device, dtype=dtype)
     b = torch.randn(hidden, 8 * hidden, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(5):
-        _synchronize(device)
-        start = time.perf_counter()
-        for _ in range(10):
-            a @ b
-        _synchronize(device)
-        best = min(best, (time.perf_counter() - start) / 10)
-    return 2 * rows * hidden * 8 * hidden / best
+    return 2 * rows * hidden * 8 * hidden / best_seconds(lambda: a @ b, device, calls=10)
 
 
 @contextlib.contextmanager
