@@ -44,6 +44,11 @@ def adapter_settings(cfg: Any, sync_specs: list[TensorSpec]) -> dict[str, Any]:
     return {"rank": cfg.actor.lora.rank, "alpha": cfg.actor.lora.alpha, "targets": leaves}
 
 
+def whole_rows(specs: list[TensorSpec]) -> list[list[int]]:
+    """The shard rows of one source that holds every tensor whole (a scalar counts as a row)."""
+    return [[s.shape[0] if len(s.shape) else 1 for s in specs]]
+
+
 def staging_copy(specs: list[TensorSpec], device: torch.device) -> list[torch.Tensor]:
     """Empty tensors for a version of `specs`: views of one flat buffer when they share a dtype
     (the whole copy can then be handed on as one object, `PoolWeights.share_weights`)."""
@@ -293,7 +298,7 @@ class PoolWeights:
         Returns the bytes it took."""
         specs = self.sync_specs
         if rows is None:
-            rows, deltas = [[s.shape[0] if len(s.shape) else 1 for s in specs]], deltas[:1]
+            rows, deltas = whole_rows(specs), deltas[:1]
         with self._weights_lock:
             if self._staged is None:
                 raise DeltaMismatchError("this worker holds no version to apply deltas to; pull the full weights")
@@ -315,7 +320,7 @@ class PoolWeights:
             if self._staged is None:
                 self._staged = staging_copy(specs, self.device)
             if rows is None:
-                rows, pieces = [[s.shape[0] if len(s.shape) else 1 for s in specs]], pieces[:1]
+                rows, pieces = whole_rows(specs), pieces[:1]
             for piece, r, starts in zip(pieces, rows, piece_offsets(specs, rows), strict=True):
                 flat, at = piece["weights"][0], 0
                 for t, n in enumerate(r):
