@@ -25,24 +25,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import USER_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps left out of the medians: the first steps warm caches and allocators
 TRACED = list(range(6, 16))
 
 
-def launch(checkout: Path, out: Path, steps: int, extra: list[str]) -> list[dict]:
-    """One quickstart run of `checkout` cut to `steps`; its metrics.jsonl rows that are steps."""
+def launch(checkout: Path, out: Path, steps: int, extra: list[str], env: dict[str, str] | None = None) -> list[dict]:
+    """One quickstart run of `checkout` cut to `steps` (the user's environment and `env`); its
+    metrics.jsonl rows that are steps."""
     args = [sys.executable, "-c", "import sys; from asyncrl.launch import main; sys.exit(main())",
             "--config-name", "quickstart", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
             "trainer.eval_every=1000", "trainer.save_every=1000", *extra]
-    env = {**os.environ, "PYTHONPATH": str(checkout), "ASYNCRL_STATE_DIR": str(out.parent / f"{out.name}.state")}
+    env = {**USER_ENV, **(env or {}), "PYTHONPATH": str(checkout),
+           "ASYNCRL_STATE_DIR": str(out.parent / f"{out.name}.state")}
     res = subprocess.run(args, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"the quickstart of {checkout} failed:\n{res.stderr[-3000:]}")
@@ -55,11 +58,8 @@ def idle_gap(checkout: Path, tmp: Path, name: str, common: list[str]) -> list[fl
     from benchmarks import step_gap
 
     path = tmp / f"{name}.json"
-    os.environ["ASYNCRL_GAP_TRACE"] = str(path)
-    try:
-        launch(checkout, tmp / name, step_gap.LAST + 2, [*common, f"job.entry={REPO / 'benchmarks' / 'step_gap.py'}:main"])
-    finally:
-        del os.environ["ASYNCRL_GAP_TRACE"]
+    launch(checkout, tmp / name, step_gap.LAST + 2, [*common, f"job.entry={REPO / 'benchmarks' / 'step_gap.py'}:main"],
+           {"ASYNCRL_GAP_TRACE": str(path)})
     return step_gap.gaps(path)
 
 

@@ -14,6 +14,18 @@ from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
+# torch's CPU allocator asks the kernel for transparent huge pages (madvise) for its blocks of
+# 2 MiB and more when this is set, read once as a process first allocates: a training step of a
+# 0.5B model on 2 cores took 14 M page faults without it and 0.9 M with it, 1.3x faster
+# (`python -m benchmarks.training`). A value the user set is kept.
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
+    """`env` (changed in place) asking torch for huge pages unless it says otherwise already."""
+    env.setdefault(HUGE_PAGES_ENV, "1")
+    return env
+
 
 def die_with_parent() -> None:
     """preexec_fn: the child gets SIGKILL when the spawning thread's process dies (Linux)."""

@@ -274,13 +274,16 @@ def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
 
 
 # warm workers ----------------------------------------------------------------------------------
-async def test_warm_workers_take_their_work_keys_and_log_from_the_node(tmp_path):
+async def test_warm_workers_take_their_work_keys_and_log_from_the_node(tmp_path, monkeypatch):
     """cluster.warm_imports: the node starts one process per device that imports ahead; a spawned
     worker is one of them, with its own environment, CurveZMQ keys (never in its environment) and
     log file; a warm process killed before it got work is passed over (a cold start instead); the
-    node's close leaves none behind."""
+    node's close leaves none behind. Warm and cold workers ask torch for huge pages."""
     from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
+    from daemons.proc import HUGE_PAGES_ENV
     from transport import CurveConfig
+
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)  # the node's own default, not the test process's
 
     secret = CurveConfig.ephemeral()
     spec = ClusterSpec(ClusterConfig(cpu_devices=3, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=0.5,
@@ -298,10 +301,12 @@ async def test_warm_workers_take_their_work_keys_and_log_from_the_node(tmp_path)
         for w in workers:
             assert await w.run("os:getenv", "ASYNCRL_WORKER_ID", timeout=10) == w.info.worker_id
             assert await w.run("os:getenv", "ASYNCRL_WARM_IMPORTS", timeout=10) is None
+            assert await w.run("os:getenv", HUGE_PAGES_ENV, timeout=10) == "1"
             assert secret.secret_key not in Path(f"/proc/{w.info.pid}/environ").read_bytes()
         (third,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("q", world_size=1))
         assert third.info.pid not in warm  # none left: a cold start
         assert await third.run("os:getpid", timeout=10) == third.info.pid
+        assert await third.run("os:getenv", HUGE_PAGES_ENV, timeout=10) == "1"
         logs = sorted((tmp_path / "logs").rglob("worker-*.log"))
         assert len(logs) == 3 and all("ready at" in p.read_text() for p in logs)
     assert _pids_alive([*warm, *pids, third.info.pid]) == []
@@ -332,6 +337,7 @@ def test_a_worker_whose_code_or_native_settings_differ_starts_cold(tmp_path):
     base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path / "a")}
     for env, warm in [({**base, "PYTHONPATH": str(tmp_path / "b")}, False),
                       ({**base, "OMP_NUM_THREADS": "3"}, False),
+                      ({**base, "THP_MEM_ALLOC_ENABLE": "0"}, False),
                       ({**base, "PYTHONPATH": f"{tmp_path / 'c'}{os.pathsep}{tmp_path / 'a'}"}, False),
                       ({**base, "PYTHONPATH": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}, True),
                       ({**base, "ASYNCRL_WORKER_ID": "w"}, True)]:
@@ -370,3 +376,22 @@ exit_now(3)
                          env=_env(tmp_path))
     assert res.returncode == 3 and res.stdout == "buffered, no newline", res.stderr
     assert {p.name for p in tmp_path.iterdir() if p.is_file()} == {"thread", "atexit", "finalizer"}
+
+
+def test_torch_in_a_test_process_allocates_large_blocks_on_huge_pages():
+    """The suite's processes (and every worker: the node's environment) run torch with
+    THP_MEM_ALLOC_ENABLE, read once as torch first allocates: writing a 64 MiB tensor faults a
+    few hundred times (2 MiB pages) where 4 KiB pages fault 16 384 times (where the kernel lends
+    huge pages on request)."""
+    import resource
+
+    import torch
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[never]" in mode.read_text():
+        pytest.skip("this kernel lends no transparent huge pages")
+    block = torch.empty(64 << 20, dtype=torch.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block.fill_(1)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < (64 << 20) // 4096 // 4, faults

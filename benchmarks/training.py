@@ -1,0 +1,146 @@
+"""The actor's update on CPU against the cores' own matmul rate (CPU MFU), as users run it.
+
+    python -m benchmarks.training                 # the Qwen2.5-0.5B shape, 8 rows x (64 + 64) tokens (~4 min)
+    python -m benchmarks.training --shape 1.5B --rows 4
+
+Each arm is a fresh process (torch reads its allocator settings once, as it starts): one rank,
+FSDP2 over it as the actor builds it (fp32 on CPU, sequence packing where it pays), the model
+loaded from a checkpoint of random weights, and `ppo_update` with the PPO-clip loss (what
+`update_actor` runs) timed over `--updates` updates of a `--rows`-row batch after one warm-up
+update. Arms:
+- `small_pages`: THP_MEM_ALLOC_ENABLE=0, torch's default allocator (what the workers ran before
+  they asked for huge pages), micro-batches of `--micro-rows` rows (2, the GPU benchmark's);
+- `huge_pages`: the workers' default environment, the same micro-batches;
+- `one_micro_batch`: the workers' default, `actor.micro_batch_size`'s default (the whole batch).
+Per arm: `step_s`, `tokens_per_s`, `page_faults` (minor faults per update), and `mfu`: the model
+FLOPs (6·N per token plus causal attention, the PaLM convention) per second over the fp32 rate of
+a [1024, hidden] x [hidden, 8·hidden] matmul measured in the same process. `huge_pages_speedup`
+and `one_micro_batch_speedup` are tokens/s over `small_pages`'. The last line printed is one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import USER_ENV
+from benchmarks.megatron import SHAPES, VOCAB, model_flops, qwen2
+
+ARMS = {"small_pages": ("0", False), "huge_pages": ("1", False), "one_micro_batch": ("1", True)}
+
+
+def rl_rows(rows: int, prompt: int, response: int, seed: int = 0):
+    """`rows` rows shaped as `generate_sequences` returns them, with advantages and old log-probs."""
+    from asyncrl.single_controller.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, prompt + response), generator=g)
+    ones = torch.ones_like(ids)
+    return Batch({"input_ids": ids, "attention_mask": ones, "position_ids": ones.cumsum(-1) - 1,
+                  "responses": ids[:, prompt:], "response_mask": ones[:, prompt:],
+                  "advantages": torch.randn(rows, response, generator=g), "old_log_probs": torch.zeros(rows, response)})
+
+
+def ppo_loss(model, mb):
+    from asyncrl.algorithms import core
+    from asyncrl.roles.forward import packed_view, response_forward
+
+    pk, _ = packed_view(model, mb)
+    logp, _ = response_forward(model, mb, packed=pk)
+    mask = mb["response_mask"].float()
+    loss, _ = core.ppo_policy_loss(mb["old_log_probs"], logp, mb["advantages"], mask, clip_ratio_low=0.2,
+                                   clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    return loss, {}
+
+
+def run_arm(args: argparse.Namespace) -> dict:
+    """This process's arm: the update's seconds, page faults and MFU."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config import OptimConfig, PPOUpdateConfig
+    from asyncrl.roles.update import ppo_update
+    from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
+    from asyncrl.train import FSDPEngine, init_distributed, mixed_precision_policy, parallelize
+    from asyncrl.train.packing import enable_packing
+    from benchmarks.rollout import matmul_rate
+
+    torch.set_num_threads(args.threads)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_distributed()
+    layout = ParallelLayout.from_config(ParallelConfig(), 1)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    model = parallelize(model, layout, mixed_precision_policy("cpu", dtype="float32"))
+    enable_packing(model)
+    engine = FSDPEngine(model, layout, optim=OptimConfig(lr=1e-6), device="cpu")
+    _, one_batch = ARMS[args.arm]
+    micro = PPOUpdateConfig().micro_batch_size if one_batch else args.micro_rows
+    cfg = PPOUpdateConfig(micro_batch_size=micro, shuffle=False)
+    batch, gen = rl_rows(args.rows, args.prompt, args.response), torch.Generator().manual_seed(0)
+    ppo_update(engine, batch, cfg, ppo_loss, gen)  # warm-up
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    for _ in range(args.updates):
+        ppo_update(engine, batch, cfg, ppo_loss, gen)
+    seconds = (time.perf_counter() - start) / args.updates
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.updates
+    seq = args.prompt + args.response
+    rate = matmul_rate(1024, SHAPES[args.shape]["hidden_size"], "cpu", torch.float32)
+    flops = model_flops(SHAPES[args.shape], params, args.rows, seq) / seconds
+    return {"micro_batch_rows": min(micro, args.rows), "step_s": round(seconds, 3),
+            "tokens_per_s": round(args.rows * seq / seconds, 2), "page_faults": int(faults),
+            "model_gflops": round(flops / 1e9, 1), "matmul_gflops": round(rate / 1e9, 1),
+            "mfu": round(flops / rate, 3)}
+
+
+def spawn_arm(arm: str, model: Path, args: argparse.Namespace) -> dict:
+    """`arm` in a fresh process with its allocator setting; its JSON result."""
+    huge, _ = ARMS[arm]
+    cmd = [sys.executable, "-m", "benchmarks.training", "--arm", arm, "--model", str(model),
+           *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("arm", "model"))]
+    env = {**USER_ENV, "THP_MEM_ALLOC_ENABLE": huge, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"arm {arm} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5B")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--response", type=int, default=64)
+    p.add_argument("--micro-rows", type=int, default=2)
+    p.add_argument("--updates", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--arm", choices=sorted(ARMS), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.arm is not None:
+        print(json.dumps(run_arm(args)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="asyncrl-training-") as tmp:
+        qwen2(SHAPES[args.shape], dtype=torch.float32).save_pretrained(tmp)
+        arms = {arm: spawn_arm(arm, Path(tmp), args) for arm in ARMS}
+    out = {"shape": args.shape, "rows": args.rows, "tokens_per_row": args.prompt + args.response,
+           "threads": args.threads, **arms}
+    for arm in ("huge_pages", "one_micro_batch"):
+        out[f"{arm}_speedup"] = round(arms[arm]["tokens_per_s"] / arms["small_pages"]["tokens_per_s"], 3)
+    out["mfu"] = max(a["mfu"] for a in arms.values())
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
