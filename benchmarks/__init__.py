@@ -1,14 +1,14 @@
 """Benchmarks of asyncrl against peers and physical limits; each prints one JSON object last.
 
-Torch in a benchmark's own process allocates as asyncrl's workers do (huge pages for large
-blocks, `daemons.proc.with_huge_pages`); `USER_ENV` is the environment as the user started the
+Torch in a benchmark's own process allocates as asyncrl's workers do (huge pages, glibc's heap
+reused: `daemons.proc.ALLOCATOR_ENV`); `USER_ENV` is the environment as the user started the
 benchmark, what another checkout under comparison is launched with."""
 
 from __future__ import annotations
 
 import os
 
-from daemons.proc import with_huge_pages
+from daemons.proc import use_allocator_settings
 
 USER_ENV = dict(os.environ)
-with_huge_pages(os.environ)  # type: ignore[arg-type]
+use_allocator_settings()

@@ -7,16 +7,20 @@ Each arm is a fresh process (torch reads its allocator settings once, as it star
 FSDP2 over it as the actor builds it (fp32 on CPU, sequence packing where it pays), the model
 loaded from a checkpoint of random weights, and `ppo_update` with the PPO-clip loss (what
 `update_actor` runs) timed over `--updates` updates of a `--rows`-row batch after one warm-up
-update. Arms:
-- `small_pages`: THP_MEM_ALLOC_ENABLE=0, torch's default allocator (what the workers ran before
-  they asked for huge pages), micro-batches of `--micro-rows` rows (2, the GPU benchmark's);
-- `huge_pages`: the workers' default environment, the same micro-batches;
-- `one_micro_batch`: the workers' default, `actor.micro_batch_size`'s default (the whole batch).
+update. Arms, in micro-batches of `--micro-rows` rows (2, the GPU benchmark's) unless named:
+- `system_allocator`: torch's and glibc's own allocator defaults (ASYNCRL_ALLOCATOR=system; what
+  the workers ran before `daemons.proc.ALLOCATOR_ENV`);
+- `huge_pages_only`: those defaults but torch's huge pages (THP_MEM_ALLOC_ENABLE=1);
+- `asyncrl_allocator`: the workers' default environment (huge pages, glibc's heap reused);
+  these three arms reduce the gradients after every micro-batch, as the engine did before;
+- `accumulate_unsharded`: the workers' default environment and the engine's default, which keeps
+  the gathered parameters and unreduced gradients across micro-batches when memory allows
+  (`asyncrl.train.fsdp.UNSHARDED_ROOM`);
+- `one_micro_batch`: all defaults, `actor.micro_batch_size`'s too (the whole batch at once).
 Per arm: `step_s`, `tokens_per_s`, `page_faults` (minor faults per update), and `mfu`: the model
 FLOPs (6·N per token plus causal attention, the PaLM convention) per second over the fp32 rate of
-a [1024, hidden] x [hidden, 8·hidden] matmul measured in the same process. `huge_pages_speedup`
-and `one_micro_batch_speedup` are tokens/s over `small_pages`'. The last line printed is one
-JSON object.
+a [1024, hidden] x [hidden, 8·hidden] matmul measured in the same process. `<arm>_speedup` is an
+arm's tokens/s over `system_allocator`'s. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -35,8 +39,16 @@ import torch
 
 from benchmarks import USER_ENV
 from benchmarks.megatron import SHAPES, VOCAB, model_flops, qwen2
+from daemons.proc import ALLOCATOR_CHOICE_ENV, ALLOCATOR_ENV
 
-ARMS = {"small_pages": ("0", False), "huge_pages": ("1", False), "one_micro_batch": ("1", True)}
+SYSTEM = {ALLOCATOR_CHOICE_ENV: "system"}
+ARMS = {  # environment, the actor's default micro-batch size, FSDPEngine(accumulate_unsharded=)
+    "system_allocator": (SYSTEM, False, False),
+    "huge_pages_only": ({**SYSTEM, "THP_MEM_ALLOC_ENABLE": "1"}, False, False),
+    "asyncrl_allocator": (ALLOCATOR_ENV, False, False),
+    "accumulate_unsharded": (ALLOCATOR_ENV, False, None),
+    "one_micro_batch": (ALLOCATOR_ENV, True, None),
+}
 
 
 def rl_rows(rows: int, prompt: int, response: int, seed: int = 0):
@@ -82,8 +94,8 @@ def run_arm(args: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in model.parameters())
     model = parallelize(model, layout, mixed_precision_policy("cpu", dtype="float32"))
     enable_packing(model)
-    engine = FSDPEngine(model, layout, optim=OptimConfig(lr=1e-6), device="cpu")
-    _, one_batch = ARMS[args.arm]
+    _, one_batch, accumulate = ARMS[args.arm]
+    engine = FSDPEngine(model, layout, optim=OptimConfig(lr=1e-6), device="cpu", accumulate_unsharded=accumulate)
     micro = PPOUpdateConfig().micro_batch_size if one_batch else args.micro_rows
     cfg = PPOUpdateConfig(micro_batch_size=micro, shuffle=False)
     batch, gen = rl_rows(args.rows, args.prompt, args.response), torch.Generator().manual_seed(0)
@@ -105,10 +117,11 @@ def run_arm(args: argparse.Namespace) -> dict:
 
 def spawn_arm(arm: str, model: Path, args: argparse.Namespace) -> dict:
     """`arm` in a fresh process with its allocator setting; its JSON result."""
-    huge, _ = ARMS[arm]
+    settings = ARMS[arm][0]
     cmd = [sys.executable, "-m", "benchmarks.training", "--arm", arm, "--model", str(model),
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("arm", "model"))]
-    env = {**USER_ENV, "THP_MEM_ALLOC_ENABLE": huge, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**{k: v for k, v in USER_ENV.items() if k not in (*ALLOCATOR_ENV, ALLOCATOR_CHOICE_ENV)}, **settings,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"arm {arm} failed:\n{res.stderr[-3000:]}")
@@ -135,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         arms = {arm: spawn_arm(arm, Path(tmp), args) for arm in ARMS}
     out = {"shape": args.shape, "rows": args.rows, "tokens_per_row": args.prompt + args.response,
            "threads": args.threads, **arms}
-    for arm in ("huge_pages", "one_micro_batch"):
-        out[f"{arm}_speedup"] = round(arms[arm]["tokens_per_s"] / arms["small_pages"]["tokens_per_s"], 3)
+    for arm in list(ARMS)[1:]:
+        out[f"{arm}_speedup"] = round(arms[arm]["tokens_per_s"] / arms["system_allocator"]["tokens_per_s"], 3)
     out["mfu"] = max(a["mfu"] for a in arms.values())
     print(json.dumps(out))
     return 0

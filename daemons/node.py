@@ -29,13 +29,14 @@ from daemons.errors import PlacementError
 from daemons.liveness import HeartbeatSender
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
 from daemons.proc import (
-    HUGE_PAGES_ENV,
+    ALLOCATOR_CHOICE_ENV,
+    ALLOCATOR_ENV,
     die_with_parent,
     exit_reason,
     interface_for,
     kill_group,
     tail,
-    with_huge_pages,
+    with_allocator_settings,
 )
 from daemons.proc import free_port as _free_port
 from daemons.state import JOB_LOGS_MARKER, check_job_id
@@ -140,7 +141,7 @@ def _remove_job_logs(folder: Path) -> None:
 # environment variables read as the interpreter or a native library loads (a warm worker has
 # loaded them already); PYTHONPATH is the exception: a warm worker adds its entries to sys.path
 _AT_START = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "CUDA_",
-             HUGE_PAGES_ENV)
+             *ALLOCATOR_ENV, ALLOCATOR_CHOICE_ENV)
 
 
 def _read_at_start(env: dict[str, str]) -> dict[str, str]:
@@ -346,7 +347,7 @@ class NodeDaemon:
         folder = self._job_log_dir(check_job_id(spec.job_id)) if spec.job_id else self.log_dir
         folder.mkdir(parents=True, exist_ok=True)
         log_path = str(folder / f"worker-{worker_id}.log")
-        full_env = {**with_huge_pages(dict(os.environ)), SHM_POOL_ENV: str(self.shm_pool_bytes),
+        full_env = {**with_allocator_settings(dict(os.environ)), SHM_POOL_ENV: str(self.shm_pool_bytes),
                     STORE_MEMORY_LIMIT_ENV: str(self.store_memory_limit),
                     **{k: str(v) for k, v in spec.env.items()},
                     "ASYNCRL_WORKER_ID": worker_id, "ASYNCRL_NODE_ID": self.node_id,
@@ -391,7 +392,7 @@ class NodeDaemon:
         self._warm = [p for p in self._warm if p.poll() is None]
         if not self.warm_imports:
             return
-        env = self._warm_env = with_huge_pages({k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_CURVE_")})
+        env = self._warm_env = with_allocator_settings({k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_CURVE_")})
         env.update({WARM_IMPORTS_ENV: ",".join(self.warm_imports), "PYTHONUNBUFFERED": "1"})
         for _ in range(len(self.devices) - len(self._warm)):
             self._warm.append(subprocess.Popen(WORKER_CMD, env=env, stdin=subprocess.PIPE,

@@ -8,15 +8,14 @@ fresh clone without one passes the same."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from daemons.proc import with_huge_pages
+from daemons.proc import use_allocator_settings
 
-with_huge_pages(os.environ)  # type: ignore[arg-type]  # torch (not imported yet) allocates as the workers do
+use_allocator_settings()  # before torch loads: this process allocates as the workers do
 
 REPO = Path(__file__).resolve().parents[1]
 

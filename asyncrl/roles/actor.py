@@ -46,6 +46,7 @@ from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.memory import phase as memory_phase
+from asyncrl.single_controller.memory import release_host_memory
 from asyncrl.single_controller.parallel import ParallelLayout, generation_layout, pure_dp
 from asyncrl.single_controller.protocols import (
     DP_PROTO,
@@ -65,7 +66,7 @@ from asyncrl.train import (
 )
 from asyncrl.train.common import full_tensor
 from asyncrl.train.engine import PipelinedEngine
-from asyncrl.train.fsdp import release_host_memory, warn_if_bf16_is_slow
+from asyncrl.train.fsdp import warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
 from asyncrl.train.lora import (
     adapter_scales,

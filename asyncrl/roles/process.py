@@ -11,8 +11,8 @@ import torch
 
 from asyncrl.algorithms.registry import needs_critic
 from asyncrl.config import ConfigError, RLConfig
+from asyncrl.single_controller.memory import workers_on_node
 from asyncrl.train import init_distributed
-from daemons.node import NODE_DEVICES_ENV
 
 
 def check_node_paths(cfg: RLConfig) -> None:
@@ -41,8 +41,7 @@ def setup_process(cfg: RLConfig, rank: int) -> None:
     """torch threads per worker (cores are shared by the node's devices: a pool of one worker
     beside another pool gets its device's share, not the node's), distributed init, seeds."""
     check_node_paths(cfg)
-    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get(NODE_DEVICES_ENV, "1")))
-    torch.set_num_threads(cfg.trainer.torch_threads or max(1, (os.cpu_count() or 1) // per_node))
+    torch.set_num_threads(cfg.trainer.torch_threads or max(1, (os.cpu_count() or 1) // workers_on_node()))
     init_distributed()
     seed = cfg.seed + rank
     random.seed(seed)

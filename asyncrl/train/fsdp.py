@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
+from asyncrl.single_controller.memory import release_host_memory, spare_bytes
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import open_group as open_peer_group
 from asyncrl.train.common import EngineError, find_blocks, start_step_metrics
@@ -59,40 +60,6 @@ ADAPTER_STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, stri
 
 # HF Llama/Qwen2 names of the token embedding and the LM head, one tensor when tied
 TIED_PAIR = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-# A trim walks every free chunk of the C heap (2-5 ms a call on the quickstart's workers, twice a
-# step); skipped while the process holds less than this many resident bytes more than after its
-# last trim, so at most this much freed memory stays mapped between trims
-TRIM_MIN_GROWTH = 32 << 20
-_trimmed_at = 0  # resident bytes after the last trim
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def release_host_memory() -> None:
-    """Return the C allocator's free pages to the OS (glibc keeps large freed blocks mapped, so
-    a process's resident memory stays at its peak long after tensors are gone) once the process
-    grew by TRIM_MIN_GROWTH since the last time."""
-    global _trimmed_at
-    rss = resident_bytes()
-    if rss is not None and rss - _trimmed_at < TRIM_MIN_GROWTH:
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-    _trimmed_at = resident_bytes() or 0
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory now (None where /proc does not say)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def init_distributed(backend: str | None = None) -> None:
@@ -173,6 +140,12 @@ def mixed_precision_policy(device: str | torch.device, enabled: bool = True, dty
 # size the memory is noise (gathered params and full grads, twice the model) while the
 # collectives were 37 % of the quickstart's update on 2 gloo ranks (81.9 -> 64.4 ms a step)
 ONE_UNIT_MAX_BYTES = 64 * 2**20
+# Above it, a step of several micro-batches still keeps the gathered parameters and their
+# unreduced gradients across its micro-batches (one reduction a step, not one per micro-batch)
+# when this many times what that holds at once (the parameters and their gradients, unsharded,
+# at 4 bytes each: an upper bound) is spare on the device: the 0.5B shape on 2 cores, in
+# micro-batches of 2 rows, 23.0 -> 19.8 s a step (`python -m benchmarks.training`)
+UNSHARDED_ROOM = 2.0
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
@@ -253,6 +226,7 @@ class FSDPEngine:
         *,
         optim: OptimConfig | None,
         device: str | None = None,
+        accumulate_unsharded: bool | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise EngineError("call asyncrl.train.init_distributed() before building a FSDPEngine")
@@ -277,7 +251,8 @@ class FSDPEngine:
             model.requires_grad_(False)
             model.eval()
         self.model = model
-        self._one_unit = one_unit(model)
+        # None: by the spare memory at each step (`_accumulates_unsharded`)
+        self.accumulate_unsharded = True if one_unit(model) else accumulate_unsharded
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -321,9 +296,9 @@ class FSDPEngine:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         per_micro: dict[str, list[Tensor]] = {}  # a sequence-parallel turn this rank does not own logs nothing
-        accumulate = self._one_unit and len(micro_batches) > 1
+        accumulate = len(micro_batches) > 1 and self._accumulates_unsharded()
         for i, micro_batch in enumerate(micro_batches):
-            if accumulate:  # one unit: gathered once, its grads reduced once, after the last micro-batch
+            if accumulate:  # gathered params kept, grads reduced once, after the last micro-batch
                 last = i == len(micro_batches) - 1
                 self.model.set_requires_gradient_sync(last)
                 self.model.set_reshard_after_backward(last)
@@ -343,6 +318,19 @@ class FSDPEngine:
             out = metrics_done()
         out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
         return out
+
+    def _accumulates_unsharded(self) -> bool:
+        """Whether this step's micro-batches accumulate unsharded: as set, or (None) when
+        UNSHARDED_ROOM times the unsharded parameters and gradients are spare now on every rank
+        of the dp group (whose collectives must match)."""
+        if self.accumulate_unsharded is not None:
+            return self.accumulate_unsharded
+        fits = spare_bytes(str(self.device)) >= UNSHARDED_ROOM * 2 * parameter_bytes(self.model)
+        if self.mesh.size() == 1:
+            return fits
+        every = torch.tensor([int(fits)], device=self.device)
+        dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.mesh.get_group())
+        return bool(every.item())
 
     def _optimizer_step(self) -> tuple[Tensor, float, bool]:
         """Clip the accumulated grads, step AdamW and the lr schedule unless the grad norm is

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from asyncrl.single_controller.memory import release_host_memory
 from asyncrl.train.experts import expert_names_at, fuse_experts
-from asyncrl.train.fsdp import release_host_memory
 from asyncrl.train.lora import plain_name
 
 log = logging.getLogger(__name__)

@@ -63,11 +63,12 @@ def loss_fn(model, micro_batch):
     return ce * scale, {"ce": ce.detach()}
 
 
-def build_engine(model, optim, layout, unit: str = "auto"):
+def build_engine(model, optim, layout, unit: str = "auto", accumulate: bool | None = None):
     """apply_fsdp over the layout's dp sub-mesh, then the engine (as an RL worker does)."""
     from asyncrl.train import FSDPEngine, apply_fsdp
 
-    return FSDPEngine(apply_fsdp(model, layout.submesh("dp"), unit=unit), layout, optim=optim, device="cpu")
+    return FSDPEngine(apply_fsdp(model, layout.submesh("dp"), unit=unit), layout, optim=optim, device="cpu",
+                      accumulate_unsharded=accumulate)
 
 
 def nan_loss_fn(model, micro_batch):
@@ -103,12 +104,18 @@ def _scenarios(rank: int, world_size: int, out_dir: Path) -> dict:
     a = build_engine(tiny_model(0), OPTIM, layout)
     res["a_metrics"] = [a.train_step(rank_micro(s, 2), loss_fn) for s in range(STEPS)]
     res["a_sd"] = a.full_state_dict()
-    # (a') the same with a unit per decoder block (what models above ONE_UNIT_MAX_BYTES get)
+    # (a') the same with a unit per decoder block (what models above ONE_UNIT_MAX_BYTES get):
+    # accumulated unsharded (memory allows it here), and reduced after every micro-batch
     blocks = build_engine(tiny_model(0), OPTIM, layout, unit="block")
+    res["block_accumulates"] = blocks._accumulates_unsharded()
     res["block_metrics"] = [blocks.train_step(rank_micro(s, 2), loss_fn) for s in range(STEPS)]
     res["block_sd"] = blocks.full_state_dict()
     res["one_unit"] = [one_unit(e.model) for e in (a, blocks)]
     del blocks
+    reduced = build_engine(tiny_model(0), OPTIM, layout, unit="block", accumulate=False)
+    res["reduced_metrics"] = [reduced.train_step(rank_micro(s, 2), loss_fn) for s in range(STEPS)]
+    res["reduced_sd"] = reduced.full_state_dict()
+    del reduced
     b = build_engine(tiny_model(0), OPTIM, layout)
     for s in range(STEPS):
         b.train_step(rank_micro(s, 1), loss_fn)
@@ -248,13 +255,16 @@ def test_two_rank_fsdp_matches_plain_adamw(job, reference):
 
 def test_fsdp_per_block_units_match_plain_adamw(job, reference):
     """The tiny model is one FSDP unit by default (accumulated unsharded); per block it gives
-    the same training."""
+    the same training, accumulated unsharded (the spare memory allows it, both ranks agree) or
+    reduced after every micro-batch."""
     r0, r1 = job
     assert r0["one_unit"] == r1["one_unit"] == [True, False]
-    for rank_metrics in (r0["block_metrics"], r1["block_metrics"]):
+    assert r0["block_accumulates"] is r1["block_accumulates"] is True
+    for rank_metrics in (r0["block_metrics"], r1["block_metrics"], r0["reduced_metrics"], r1["reduced_metrics"]):
         assert [m["loss"] for m in rank_metrics] == pytest.approx(reference["losses"], abs=1e-5)
         assert [m["grad_norm"] for m in rank_metrics] == pytest.approx(reference["norms"], rel=1e-4)
     assert_sd_close(r0["block_sd"], reference["sd"])
+    assert_sd_close(r0["reduced_sd"], reference["sd"])
 
 
 def test_single_process_engine_matches_plain_adamw(tmp_path, reference):

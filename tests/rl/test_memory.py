@@ -351,7 +351,7 @@ def test_host_memory_is_trimmed_only_once_the_process_grew(monkeypatch):
     resident bytes than after its last trim, and not on every call."""
     import ctypes
 
-    from asyncrl.train import fsdp
+    from asyncrl.single_controller import memory as fsdp
 
     rss = [500 << 20]
     trims: list[int] = []
@@ -376,7 +376,7 @@ def test_host_memory_is_trimmed_only_once_the_process_grew(monkeypatch):
 
 
 def test_resident_bytes_reads_this_process():
-    from asyncrl.train.fsdp import resident_bytes
+    from asyncrl.single_controller.memory import resident_bytes
 
     before = resident_bytes()
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncrl.single_controller.memory import release_host_memory
 from asyncrl.single_controller.parallel import ParallelLayout
 from asyncrl.train.common import reduce_step_metrics
 from asyncrl.train.engine import LossFn
 from asyncrl.train.experts import fuse_experts
-from asyncrl.train.fsdp import EngineError, release_host_memory
+from asyncrl.train.fsdp import EngineError
 from asyncrl.train.megatron.checkpoint import adam_step, load_optimizer, save_optimizer
 from asyncrl.train.megatron.convert import (
     GPTShape,
