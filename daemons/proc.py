@@ -20,8 +20,8 @@ _PR_SET_PDEATHSIG = 1
 # its heap, never a fresh mapping, so a freed block is reused rather than unmapped and faulted in
 # again (`asyncrl.single_controller.memory.release_host_memory` gives the free pages back after an update
 # and before each phase a worker measures).
-# A training step of a 0.5B model on 2 cores, in micro-batches of 2 rows: 36 s, 14 M page faults
-# with the defaults; 23 s, 0.2 M faults with these (`python -m benchmarks.training`).
+# The 0.5B shape's update on 2 cores, in micro-batches of 2 rows: 36.8 s and 7.0 M page faults
+# with the defaults, 23.6 s and 20 K with these (`python -m benchmarks.training`).
 ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 ALLOCATOR_CHOICE_ENV = "ASYNCRL_ALLOCATOR"
 

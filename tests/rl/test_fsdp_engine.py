@@ -198,7 +198,11 @@ def _single_process(rank: int, world_size: int, out_dir: Path) -> dict:
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
     engine = build_engine(tiny_model(0), OPTIM, layout)
     metrics = [engine.train_step(split(step_batch(s), 2), loss_fn) for s in range(STEPS)]
-    return {"metrics": metrics, "sd": engine.full_state_dict()}
+    tied = build_engine(tiny_model(0, tied=True), OPTIM, layout, unit="block")
+    for s in range(STEPS):
+        tied.train_step(split(step_batch(s), 2), loss_fn)
+    return {"metrics": metrics, "sd": engine.full_state_dict(), "tied_sd": tied.full_state_dict(),
+            "tied_sparse": tied.model.get_input_embeddings().sparse}
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +212,13 @@ def job(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
+    return plain_adamw(tied=False)
+
+
+def plain_adamw(tied: bool) -> dict:
     """Plain AdamW on the full batch, 2 micro-batches of half the rows each."""
     torch.set_num_threads(1)
-    model = tiny_model(0)
+    model = tiny_model(0, tied=tied)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
         weight_decay=OPTIM.weight_decay,
@@ -268,7 +276,13 @@ def test_fsdp_per_block_units_match_plain_adamw(job, reference):
 
 
 def test_single_process_engine_matches_plain_adamw(tmp_path, reference):
+    """One rank; also a tied model in per-block units, whose input embedding hands autograd a
+    sparse gradient on CPU (`sparse_tied_embedding`): it trains as plain AdamW's dense one."""
     (r0,) = run_ranks(_job, 1, tmp_path, JOB_TIMEOUT_S)
+    assert r0["tied_sparse"] is True
+    want = plain_adamw(tied=True)["sd"]
+    assert_sd_close(r0["tied_sd"], {k: v for k, v in want.items() if k in r0["tied_sd"]})
+    assert "model.embed_tokens.weight" in r0["tied_sd"]
     assert [m["loss"] for m in r0["metrics"]] == pytest.approx(reference["losses"], abs=1e-6)
     assert_sd_close(r0["sd"], reference["sd"])
 
