@@ -413,6 +413,9 @@ class VLLMRolloutEngine:
 
     def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         if self.sleep_enabled and self.asleep:
+            # vLLM maps its memory itself: the blocks torch's allocator keeps cached after the
+            # update (its accumulation across micro-batches, activations) go back to the device first
+            torch.cuda.empty_cache()
             self.llm.wake_up(list(tags) if tags else None)
             self.asleep = tags is not None and set(tags) != {"weights", "kv_cache"}
 

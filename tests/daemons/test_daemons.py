@@ -379,23 +379,25 @@ exit_now(3)
     assert {p.name for p in tmp_path.iterdir() if p.is_file()} == {"thread", "atexit", "finalizer"}
 
 
-def test_the_suite_allocates_as_the_workers_do():
-    """The suite's processes (like every worker: the node's environment) run with
-    `daemons.proc.ALLOCATOR_ENV`: writing a fresh 64 MiB tensor faults a few hundred times
-    (2 MiB pages, where the kernel lends huge pages on request) where 4 KiB pages fault 16 384
-    times, and a second one of the same size reuses the first's freed pages (glibc's heap, not a
-    fresh mapping): it hardly faults at all."""
-    import resource
+def test_a_process_started_with_the_allocator_settings_faults_little():
+    """A process started with `daemons.proc.ALLOCATOR_ENV` (as the node starts every worker):
+    writing a fresh 64 MiB tensor faults a few hundred times (2 MiB pages, where the kernel lends
+    huge pages on request) where 4 KiB pages fault 16 384 times, and a second one of the same
+    size reuses the first's freed pages (glibc's heap, not a fresh mapping): it hardly faults."""
+    from daemons.proc import ALLOCATOR_ENV
 
-    import torch
-
-    def faults_writing() -> int:
-        block = torch.empty(64 << 20, dtype=torch.uint8)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        block.fill_(1)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    first, second = faults_writing(), faults_writing()
+    code = """
+import resource, torch
+def faults_writing():
+    block = torch.empty(64 << 20, dtype=torch.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block.fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(faults_writing(), faults_writing())
+"""
+    env = {**os.environ, **ALLOCATOR_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    first, second = map(int, out.stdout.split())
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if mode.is_file() and "[never]" not in mode.read_text():
         assert first < (64 << 20) // 4096 // 4, first
