@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import USER_ENV
-from benchmarks.megatron import SHAPES, VOCAB, model_flops, qwen2
+from benchmarks.megatron import SHAPES, VOCAB, model_flops, qwen2, rl_batch
 from daemons.proc import ALLOCATOR_CHOICE_ENV, ALLOCATOR_ENV
 
 SYSTEM = {ALLOCATOR_CHOICE_ENV: "system"}
@@ -51,16 +51,12 @@ ARMS = {  # environment, the actor's default micro-batch size, FSDPEngine(accumu
 }
 
 
-def rl_rows(rows: int, prompt: int, response: int, seed: int = 0):
-    """`rows` rows shaped as `generate_sequences` returns them, with advantages and old log-probs."""
-    from asyncrl.single_controller.batch import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (rows, prompt + response), generator=g)
-    ones = torch.ones_like(ids)
-    return Batch({"input_ids": ids, "attention_mask": ones, "position_ids": ones.cumsum(-1) - 1,
-                  "responses": ids[:, prompt:], "response_mask": ones[:, prompt:],
-                  "advantages": torch.randn(rows, response, generator=g), "old_log_probs": torch.zeros(rows, response)})
+def rl_rows(rows: int, prompt: int, response: int):
+    """`benchmarks.megatron.rl_batch`'s rows with the advantages and old log-probs the update reads."""
+    batch = rl_batch(rows, prompt, response, VOCAB, "cpu")
+    batch["advantages"] = torch.randn(rows, response, generator=torch.Generator().manual_seed(1))
+    batch["old_log_probs"] = torch.zeros(rows, response)
+    return batch
 
 
 def ppo_loss(model, mb):

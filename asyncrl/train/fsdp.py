@@ -187,12 +187,10 @@ def sparse_tied_embedding(model: nn.Module) -> bool:
     tied one; returns whether it did."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(emb, nn.Embedding) or head is None or emb.weight is not getattr(head, "weight", None):
+    if not isinstance(emb, nn.Embedding) or emb.weight is not getattr(head, "weight", None):
         return False
-    if not emb.weight.requires_grad:
-        return False
-    emb.sparse = True
-    return True
+    emb.sparse = emb.weight.requires_grad
+    return emb.sparse
 
 
 def parameter_bytes(model: nn.Module) -> int:
@@ -269,8 +267,8 @@ class FSDPEngine:
         elif self.device.type == "cpu" and layout.size("tp") == 1:  # a GPU writes the dense one at its bandwidth
             sparse_tied_embedding(model)
         self.model = model
-        # None: by the spare memory at each step (`_accumulates_unsharded`)
-        self.accumulate_unsharded = True if one_unit(model) else accumulate_unsharded
+        # None: always for one unit, else by the spare memory at each step (`_accumulates_unsharded`)
+        self.accumulate_unsharded = True if accumulate_unsharded is None and one_unit(model) else accumulate_unsharded
 
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
