@@ -156,8 +156,9 @@ class RolloutConfig:
     sync_bucket_mb: int = 64  # split: the weight broadcast's bucket size
     # split: each update whole, or as each tensor's difference from the last version sent (XOR or
     # changed elements, zstd, a checksum each; a mismatch falls back to a full sync, logged). Split
-    # placement: FSDP training ranks only, the push not overlapped with the next step (it encodes,
-    # then sends); the elastic pool's workers pull deltas where they hold the version before. Deltas pay
+    # placement: FSDP ranks send their own shards' deltas, a gathering layout's (tensor parallel) rank 0
+    # each gathered tensor's, keeping a host copy of what it sent; the push is not overlapped with the
+    # next step (it encodes, then sends); the elastic pool's workers pull deltas where they hold the version before. Deltas pay
     # off on links slower than the codec: 2 cores encode and apply ~0.5 GB/s (faster than 1 Gbit/s, slower
     # than 10: docs/results/2026-11-28-node-copies.md)
     weight_sync: WeightSync = "full"

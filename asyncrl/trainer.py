@@ -47,6 +47,7 @@ from asyncrl.run_data import RunData
 from asyncrl.rundir import DONE_MARKER, RunDir, complete_checkpoints
 from asyncrl.single_controller.group import WorkerCallError
 from asyncrl.single_controller.trace import Recording
+from asyncrl.train.weight_sync import bridge_plan
 from daemons.errors import PlacementError, WorkerDiedError
 from transport import trace
 from transport.checks import ConfigError
@@ -400,15 +401,12 @@ class Trainer:
         if len(set(train) | set(rollout)) != 1:
             raise ConfigError(f"the training and rollout pools hold different models ({set(train)} vs "
                               f"{set(rollout)}); both load model.path={self.cfg.model.path}")
-        size = 1 + self.cfg.rollout.n_workers
+        nodes, train_nodes = ([h.info.node_id for h in group.handles] for group in (self.rollout, actor))
+        size = 1 + len(bridge_plan(nodes, set(train_nodes))[0])  # one receiver per node it relays to
         rows = await actor.source_rows()  # each training rank's shard rows: source-parallel sync
         rows = rows if all(r is not None for r in rows) else None
-        if rows is None and self.cfg.rollout.weight_sync == "delta":
-            raise ConfigError("rollout.weight_sync=delta: every training rank must send its own shards (FSDP "
-                              "alone), and this actor layout gathers its weights on rank 0 (tensor parallel or "
-                              "LoRA with shards that are not rows); set rollout.weight_sync=full")
         host, port = (await actor.bridge_listen(size))[0]
-        await asyncio.gather(actor.bridge_join(host, port, size, rows), self.rollout.bridge_join(host, port, size, rows))
+        await asyncio.gather(*(g.bridge_join(host, port, rows, nodes, train_nodes) for g in (actor, self.rollout)))
 
     _sync: asyncio.Future | None = None  # a sync in flight (overlap_weight_sync)
 

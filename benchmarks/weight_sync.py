@@ -3,6 +3,7 @@
     python -m benchmarks.weight_sync                       # the 0.5B shape: bf16/fp32 x 2/4 training x 1/2 rollout ranks
     python -m benchmarks.weight_sync --configs bf16:4:2    # one configuration (dtype:training ranks:rollout ranks)
     python -m benchmarks.weight_sync --delta               # delta updates' bytes after real AdamW steps
+    python -m benchmarks.weight_sync --delta --link 1gbit  # ... synced over a shaped link to a node of 2 workers
 
 Every configuration spawns N training ranks (one torch.distributed world, Qwen2.5-0.5B's shape
 built on the meta device and sharded by FSDP2 with `asyncrl.train.parallelize`, random fp32
@@ -32,6 +33,13 @@ after each, every weight in bf16 is encoded as a delta from the version before
 (`asyncrl.train.delta`: XOR or changed elements, zstd, a checksum) and applied to a receiver's
 copy; it reports `delta_bytes_ratio` (bytes sent / the bf16 model, median over the steps), the
 encode and apply seconds, and `bit_identical` (every rebuilt weight equal to the sender's).
+
+`--delta --link 1gbit` (root): the sender and a node of `--node-workers` (2) rollout workers in two
+network namespaces over a veth shaped to the rate: each version in full and as deltas, timed until
+every worker of the node holds it (encode, wire, relay, apply); `per_node_copies` (the bytes the
+node's link received / the update's) with the node's first worker relaying to the others as the
+trainer does it, against `per_node_copies_without_relay` and `full_sync_s_without_relay` (every
+worker in the sender's group, one full sync before the steps).
 """
 
 from __future__ import annotations
@@ -286,24 +294,43 @@ def _link_model(seed: int):
     return Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN05.items() if k != "architectures"}))
 
 
-def _link_bridge(role: str, host: str, port: int) -> Any:
-    from asyncrl.train.weight_sync import WeightBridge
+def _link_bridges(role: str, index: int, workers: int, host: str, port: int) -> tuple[Any, Any]:
+    """The sender's or rollout worker `index`'s two bridges: as the trainer plans it (the
+    receiving node's first worker takes each update and relays it to the others there,
+    `bridge_plan`), and without the relay (every worker in the sender's group)."""
+    from asyncrl.train.weight_sync import WeightBridge, bridge_plan
 
-    store = torch.distributed.TCPStore(host if role == "receiver" else "0.0.0.0", port, 2, is_master=role == "sender",
-                                       timeout=datetime.timedelta(seconds=600))
-    return WeightBridge(store, 0 if role == "sender" else 1, 2, "cpu", 600)
+    store = torch.distributed.TCPStore(host if role == "receiver" else "0.0.0.0", port, 1 + workers,
+                                       is_master=role == "sender", timeout=datetime.timedelta(seconds=600))
+    receivers, relays = bridge_plan(["receiving node"] * workers, {"sending node"})
+    rank = 0 if role == "sender" else 1 + receivers.index(index) if index in receivers else None
+    relayed = WeightBridge(store, rank, 1 + len(receivers), "cpu", 600,
+                           relay=None if role == "sender" else relays.get(index))
+    direct = WeightBridge(torch.distributed.PrefixStore("direct/", store), 0 if role == "sender" else 1 + index,
+                          1 + workers, "cpu", 600)
+    return relayed, direct
 
 
-def link_role(role: str, host: str, port: int, lrs: list[float], steps: int, tokens: int, seed: int = 0) -> None:
+def _rx_bytes() -> int:
+    """Bytes this network namespace's link to the sender has received (its sysfs counter)."""
+    return int(Path(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/rx_bytes").read_text())
+
+
+def link_role(role: str, host: str, port: int, lrs: list[float], steps: int, tokens: int, index: int = 0,
+              workers: int = 1, seed: int = 0) -> None:
     """One side of `delta_link_run`, inside its network namespace. The sender trains (real AdamW
-    steps on the 0.5B shape) and sends each version twice, in full and as deltas; the receiver
-    times both from a barrier to the version applied (encode, wire and apply), checks the rebuilt
-    copy against the full one bit for bit, and prints one JSON line per step."""
+    steps on the 0.5B shape) and sends each version twice, in full and as deltas; every receiver
+    times both from a barrier to the version applied (encode, wire, relay and apply), checks the
+    rebuilt copy against the full one bit for bit, and prints one JSON line per step; the first
+    also counts the bytes that crossed into its namespace. Before the steps, one full sync over a
+    bridge without the relay counts what every worker receiving its own copy costs."""
+    from asyncrl.single_controller.memory import release_host_memory
     from asyncrl.train.delta import apply, checksum, encode
     from asyncrl.train.weight_sync import TensorSpec
 
     torch.set_num_threads(1)
-    bridge = _link_bridge(role, host, port)
+    bridge, direct = _link_bridges(role, index, workers, host, port)
+    first = True
     for lr in lrs:
         model = _link_model(seed)
         specs = [TensorSpec(n, tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()]
@@ -312,10 +339,21 @@ def link_role(role: str, host: str, port: int, lrs: list[float], steps: int, tok
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
             base = [p.detach().to(torch.bfloat16).clone() for p in model.parameters()]
             g = torch.Generator().manual_seed(seed + 1)
+            if first:
+                direct._broadcast(torch.zeros(1))
+                direct.send_pieces(base)
         else:
             held = [p.detach().to(torch.bfloat16).clone() for p in model.parameters()]  # version 0, as the sender's base
             full = [torch.empty_like(t) for t in held]
             del model
+            release_host_memory()  # the fp32 model's pages back: three of these processes share the machine
+            if first:
+                direct._broadcast(torch.zeros(1))
+                rx, t0 = _rx_bytes(), time.perf_counter()
+                full_bytes = direct.receive_pieces(specs, rows, full)
+                print(json.dumps({"direct_copies": round((_rx_bytes() - rx) / full_bytes, 3),
+                                  "direct_full_s": round(time.perf_counter() - t0, 3)}), flush=True)
+        first = False
         for step in range(1, steps + 1):
             if role == "sender":
                 ids = torch.randint(0, QWEN05["vocab_size"], (2, tokens // 2), generator=g)
@@ -327,37 +365,39 @@ def link_role(role: str, host: str, port: int, lrs: list[float], steps: int, tok
                 bridge.send_pieces(new)
                 bridge._broadcast(torch.zeros(1))
                 deltas = [encode(s.name, t, b, step, step - 1) for s, t, b in zip(specs, new, base, strict=True)]
-                sent = bridge.send_deltas(deltas)
+                bridge.send_deltas(deltas)
                 for b, t in zip(base, new, strict=True):
                     b.copy_(t)
-                bridge._broadcast(torch.tensor([float(sent)]))
                 continue
             bridge._broadcast(torch.zeros(1))
-            t0 = time.perf_counter()
+            rx, t0 = _rx_bytes(), time.perf_counter()
             full_bytes = bridge.receive_pieces(specs, rows, full)
-            t1 = time.perf_counter()
+            t1, full_rx = time.perf_counter(), _rx_bytes() - rx
             bridge._broadcast(torch.zeros(1))
-            t2 = time.perf_counter()
+            rx, t2 = _rx_bytes(), time.perf_counter()
             (deltas,), received = bridge.receive_deltas(specs, rows, step)
-            t3 = time.perf_counter()
+            t3, delta_rx = time.perf_counter(), _rx_bytes() - rx
             for d, t in zip(deltas, held, strict=True):
                 apply(d, t, held_version=step - 1)
             t4 = time.perf_counter()
-            sent = torch.zeros(1)
-            bridge._broadcast(sent)
             identical = all(checksum(a) == checksum(b) for a, b in zip(held, full, strict=True))
-            print(json.dumps({"lr": lr, "step": step, "full_s": round(t1 - t0, 3), "delta_s": round(t4 - t2, 3),
-                              "delta_wire_and_encode_s": round(t3 - t2, 3), "apply_s": round(t4 - t3, 3),
-                              "full_bytes": full_bytes, "delta_bytes": received, "bit_identical": identical}), flush=True)
+            print(json.dumps({"lr": lr, "step": step, "worker": index, "full_s": round(t1 - t0, 3),
+                              "delta_s": round(t4 - t2, 3), "delta_wire_and_encode_s": round(t3 - t2, 3),
+                              "apply_s": round(t4 - t3, 3), "full_bytes": full_bytes, "delta_bytes": received,
+                              "node_rx_full": full_rx, "node_rx_delta": delta_rx, "bit_identical": identical}),
+                  flush=True)
         if role == "sender":
             del model, opt, base
+            release_host_memory()
     bridge.close()
+    direct.close()
 
 
-def delta_link_run(rate: str, lrs: list[float], steps: int, tokens: int) -> dict[str, Any]:
-    """The sender and the receiver in two network namespaces joined by a veth link whose sending
-    side is shaped to `rate` (`tc ... tbf`): full syncs against delta syncs as bytes cost time
-    between machines, encode and apply included."""
+def delta_link_run(rate: str, lrs: list[float], steps: int, tokens: int, workers: int = 2) -> dict[str, Any]:
+    """The sender and a node of `workers` rollout workers in two network namespaces joined by a
+    veth link whose sending side is shaped to `rate` (`tc ... tbf`): full syncs against delta
+    syncs as bytes cost time between machines, encode, relay and apply included; and the copies
+    of each update that cross into the receiving node (its link's received bytes / the update's)."""
     import subprocess
     import sys
 
@@ -374,34 +414,43 @@ def delta_link_run(rate: str, lrs: list[float], steps: int, tokens: int) -> dict
                         "burst", "1mb", "latency", "100ms"], check=True)
         port = 29500 + os.getpid() % 1000
         common = ["--lrs", *map(str, lrs), "--steps", str(steps), "--tokens", str(tokens), "--link-host", ip0,
-                  "--link-port", str(port)]
+                  "--link-port", str(port), "--node-workers", str(workers)]
 
-        def side(ns: str, role: str) -> subprocess.Popen:
+        def side(ns: str, role: str, index: int = 0) -> subprocess.Popen:
             return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.weight_sync",
-                                     "--link-role", role, *common], env={**os.environ, "GLOO_SOCKET_IFNAME": ifname(ns)},
+                                     "--link-role", role, "--link-index", str(index), *common],
+                                    env={**os.environ, "GLOO_SOCKET_IFNAME": ifname(ns)},
                                     stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
-        procs = [side(ns0, "sender"), side(ns1, "receiver")]
+        procs = [side(ns0, "sender"), *(side(ns1, "receiver", k) for k in range(workers))]
         try:
-            out = procs[1].communicate(timeout=3600)[0]
+            outs = [p.communicate(timeout=3600)[0] for p in procs[1:]]
             procs[0].wait(60)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    if procs[1].returncode != 0 or procs[0].returncode != 0:
-        raise RuntimeError(f"the link run failed (sender {procs[0].returncode}, receiver {procs[1].returncode})")
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    per_lr = {}
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"the link run failed (exit codes: sender, receivers {[p.returncode for p in procs]})")
+    lines = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
+    rows = [r for r in lines if "lr" in r]
+    direct = [r for r in lines if "direct_copies" in r]
+    per_lr: dict[str, Any] = {"direct_copies": direct[0]["direct_copies"],
+                              "direct_full_s": max(r["direct_full_s"] for r in direct)}
     for lr in lrs:
-        mine = [r for r in rows if r["lr"] == lr]
-        full_s = statistics.median(r["full_s"] for r in mine)
-        per_lr[f"{lr:g}"] = {"steps": mine, "full_sync_s": full_s,
-                             "delta_sync_s": statistics.median(r["delta_s"] for r in mine),
-                             "delta_time_ratio": round(statistics.median(r["delta_s"] / r["full_s"] for r in mine), 3),
-                             "delta_bytes_ratio": round(statistics.median(r["delta_bytes"] / r["full_bytes"] for r in mine), 4),
-                             "link_gbit_s": round(8 * mine[0]["full_bytes"] / full_s / 1e9, 3),
-                             "bit_identical": all(r["bit_identical"] for r in mine)}
+        steps_ = sorted({r["step"] for r in rows if r["lr"] == lr})
+        # a step's sync is done when every worker of the node holds the version
+        mine = [[r for r in rows if r["lr"] == lr and r["step"] == k] for k in steps_]
+        full_s = [max(r["full_s"] for r in m) for m in mine]
+        delta_s = [max(r["delta_s"] for r in m) for m in mine]
+        lead = [next(r for r in m if r["worker"] == 0) for m in mine]
+        per_lr[f"{lr:g}"] = {"steps": [x for m in mine for x in m], "full_sync_s": statistics.median(full_s),
+                             "delta_sync_s": statistics.median(delta_s),
+                             "delta_time_ratio": round(statistics.median(d / f for d, f in zip(delta_s, full_s, strict=True)), 3),
+                             "delta_bytes_ratio": round(statistics.median(r["delta_bytes"] / r["full_bytes"] for r in lead), 4),
+                             "per_node_copies": round(statistics.median(r["node_rx_full"] / r["full_bytes"] for r in lead), 3),
+                             "link_gbit_s": round(8 * lead[0]["full_bytes"] / statistics.median(full_s) / 1e9, 3),
+                             "bit_identical": all(r["bit_identical"] for m in mine for r in m)}
     return per_lr
 
 
@@ -421,17 +470,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-role", choices=["sender", "receiver"], help=argparse.SUPPRESS)
     p.add_argument("--link-host", help=argparse.SUPPRESS)
     p.add_argument("--link-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--link-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--node-workers", type=int, default=2,
+                   help="with --link: rollout workers on the receiving node (one copy of each update crosses to it)")
     args = p.parse_args(argv)
     if args.link_role:
-        link_role(args.link_role, args.link_host, args.link_port, args.lrs, args.steps, args.tokens)
+        link_role(args.link_role, args.link_host, args.link_port, args.lrs, args.steps, args.tokens, args.link_index,
+                  args.node_workers)
         return 0
     if args.delta and args.link:
-        per_lr = delta_link_run(args.link, args.lrs, args.steps, args.tokens)
+        per_lr = delta_link_run(args.link, args.lrs, args.steps, args.tokens, args.node_workers)
+        direct, direct_s = per_lr.pop("direct_copies"), per_lr.pop("direct_full_s")
         print(json.dumps({"benchmark": "weight_sync_delta_link", "model": "Qwen2.5-0.5B shape", "sync_dtype": "bf16",
-                          "link": args.link, "steps": args.steps,
+                          "link": args.link, "steps": args.steps, "node_workers": args.node_workers,
                           "lrs": {k: {x: y for x, y in v.items() if x != "steps"} for k, v in per_lr.items()},
                           "delta_time_ratio": {k: v["delta_time_ratio"] for k, v in per_lr.items()},
                           "delta_bytes_ratio": {k: v["delta_bytes_ratio"] for k, v in per_lr.items()},
+                          "per_node_copies": max(v["per_node_copies"] for v in per_lr.values()),
+                          "per_node_copies_without_relay": direct,
+                          "full_sync_s_without_relay": direct_s,
                           "bit_identical": all(v["bit_identical"] for v in per_lr.values())}))
         return 0
     if args.delta:

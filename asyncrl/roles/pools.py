@@ -8,10 +8,11 @@ worker's, and it holds what it reads."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -30,12 +31,15 @@ from asyncrl.train.weight_sync import (
     WeightBridge,
     WeightSyncError,
     bridge_host,
+    bridge_plan,
     digest,
     full_tensors,
     local_pieces,
     piece_offsets,
     source_rows,
 )
+
+log = logging.getLogger(__name__)
 
 
 def adapter_settings(cfg: Any, sync_specs: list[TensorSpec]) -> dict[str, Any]:
@@ -56,6 +60,14 @@ def staging_copy(specs: list[TensorSpec], device: torch.device) -> list[torch.Te
         return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
     flat = torch.empty(sum(math.prod(s.shape) for s in specs), dtype=specs[0].dtype, device=device)
     return [t.view(s.shape) for s, t in zip(specs, flat.split([math.prod(s.shape) for s in specs]), strict=True)]
+
+
+def _hold(held: list[torch.Tensor], i: int, piece: torch.Tensor) -> None:
+    """Keep `piece` as `held[i]` (a host copy, reused from the version before when there is one)."""
+    if i < len(held):
+        held[i].copy_(piece)
+    else:
+        held.append(piece.detach().to("cpu", copy=True))
 
 
 class PoolWeights:
@@ -127,20 +139,28 @@ class PoolWeights:
         return source_rows(self._sync_tensors())
 
     @register(ONE_TO_ALL)
-    def bridge_join(self, host: str, port: int, size: int, rows: list[list[int]] | None = None) -> None:
-        """Build the bridge groups, rollout rank r as bridge rank r + 1 in each: with `rows`
-        (every training rank's shard rows) one group per training rank, each sending its shards;
-        without, training rank 0's alone (the others take part in the gathers of `push_weights`)."""
+    def bridge_join(self, host: str, port: int, rows: list[list[int]] | None, nodes: list[str],
+                    train_nodes: list[str]) -> None:
+        """Build the bridge groups: with `rows` (every training rank's shard rows) one group per
+        training rank, each sending its shards; without, training rank 0's alone (the others take
+        part in the gathers of `push_weights`). `nodes`/`train_nodes`: each rollout / training
+        rank's node; a node's rollout ranks share one copy of each update (`bridge_plan`)."""
         timeout = self.cfg.worker.collective_timeout_s
+        receivers, relays = bridge_plan(nodes, set(train_nodes))
+        size, sources = 1 + len(receivers), len(rows) if rows else 1
         self._source_rows = rows
-        sources = len(rows) if rows else 1
         if self.actor is not None:
             if self.rank == 0 or rows:
                 store = self._bridge_store if self.rank == 0 else WeightBridge.connect(host, port, size, timeout)
                 self.bridge = WeightBridge(store, 0, size, self.device, timeout, sources, source=self.rank)
             return
         store = WeightBridge.connect(host, port, size, timeout)
-        self.bridge = WeightBridge(store, self.rank + 1, size, self.device, timeout, sources)
+        rank = 1 + receivers.index(self.rank) if self.rank in receivers else None
+        relay = relays.get(self.rank)
+        self.bridge = WeightBridge(store, rank, size, self.device, timeout, sources, relay=relay)
+        if relay is not None and relay.rank == 0:
+            log.info("weight sync: rollout rank %d takes each update for the %d rollout ranks of node %s and "
+                     "relays it to the others", self.rank, relay.size, nodes[self.rank])
 
     def _sync_tensors(self) -> list[torch.Tensor]:
         """The training weights a sync carries, as this rank holds them (sharded), in sync order."""
@@ -157,15 +177,13 @@ class PoolWeights:
         sent and the time taken. With `overlap` (own shards only) it returns once the sends are
         queued: they run beside this pool's next calls (the log-probs), and the next that changes
         the weights (an update, a load, the next push) waits for them first (`wait_pushed`), so
-        the update's memory peak is the same as without. With `delta` (own shards only) each
-        shard goes as its difference from the version this rank sent last (`asyncrl.train.delta`;
-        in full, compressed, when it has none; `version`: the number the receivers know it by)."""
+        the update's memory peak is the same as without. With `delta` each shard (in a gathering layout
+        rank 0's each gathered tensor) goes as its difference from the version this rank sent
+        last (`asyncrl.train.delta`; in full, compressed, when it has none; `version`: the number
+        the receivers know it by)."""
         self.wait_pushed()
         t0, version = time.perf_counter(), self.steps() if version is None else version
-        keep = self.cfg.rollout.weight_sync == "delta"
-        if (delta or keep) and not self._source_rows:
-            raise WeightSyncError("rollout.weight_sync=delta needs every training rank to send its own shards "
-                                  "(FSDP alone); this layout gathers them: set rollout.weight_sync=full")
+        keep = self.cfg.rollout.weight_sync == "delta"  # what is sent is the next delta's base
         if delta:
             sent = self._push_deltas(version)
         elif self._source_rows and overlap and not keep:
@@ -176,36 +194,58 @@ class PoolWeights:
             sent = self.bridge.send_pieces(pieces)
             if keep:
                 self._keep_sent(pieces, version)
+        elif self.bridge is not None:  # rank 0 of a gathering layout
+            tensors = self._keeping(self._gathered(), version) if keep else self._gathered()
+            sent = self.bridge.send(self.sync_specs, tensors, bucket_mb << 20)
+            for _ in tensors:  # to its end: the last tensor kept too
+                pass
         else:
-            tensors = (t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
-                                                       else full_tensors(self.actor.model)))  # the rollout's dtype
-            if self.bridge is not None:
-                sent = self.bridge.send(self.sync_specs, iter(tensors), bucket_mb << 20)
-            else:
-                sent = 0
-                for _ in tensors:  # the gathers are collectives: every rank walks the list
-                    pass
+            sent = self._join_gathers()
         return {"version": float(self.steps()), "timing/weight_sync_s": time.perf_counter() - t0,
                 "bytes": float(sum(s.nbytes for s in self.sync_specs)), "sent_bytes": float(sent)}
 
+    def _gathered(self) -> Iterator[torch.Tensor]:
+        """Every synced tensor in full, in the rollout's dtype, one at a time (a collective over
+        the training pool: every rank walks the list)."""
+        full = self._adapter_tensors() if self.cfg.actor.lora.enabled else full_tensors(self.actor.model)
+        return (t.to(self.sync_dtype) for t in full)
+
+    def _join_gathers(self) -> int:
+        """A training rank other than 0 of a gathering layout: its part in the gathers; sends nothing."""
+        for _ in self._gathered():
+            pass
+        return 0
+
     def _push_deltas(self, version: int) -> int:
-        """Send this rank's shards as deltas from the version it sent last; keep them as sent."""
-        pieces = list(local_pieces(self._sync_tensors(), self.sync_dtype))
-        base_version, base = self._sent or (None, [None] * len(pieces))
-        deltas = [encode(spec.name, p, b, version, base_version)
-                  for spec, p, b in zip(self.sync_specs, pieces, base, strict=True) if p.shape[0]]
-        sent = self.bridge.send_deltas(deltas)
-        self._keep_sent(pieces, version)
-        return sent
+        """Send this rank's part of a version (its own shards; in a gathering layout rank 0 each
+        gathered tensor) as deltas from the version it sent last; keep what it sent."""
+        if not self._source_rows and self.bridge is None:
+            return self._join_gathers()
+        pieces = local_pieces(self._sync_tensors(), self.sync_dtype) if self._source_rows else self._gathered()
+        base_version, held = self._sent or (None, [])
+        self._sent, deltas = None, []  # no base until every piece is kept
+        for i, p in enumerate(pieces):
+            if p.numel():  # as the receiver counts (a scalar is one row)
+                deltas.append(encode(self.sync_specs[i].name, p, held[i] if held else None, version, base_version))
+            _hold(held, i, p)
+        self._sent = (version, held)
+        return self.bridge.send_deltas(deltas)
+
+    def _keeping(self, pieces: Iterable[torch.Tensor], version: int) -> Iterator[torch.Tensor]:
+        """`pieces` (this rank's part of a version, in sync order), each kept as it passes (host
+        copies: the base of the next delta); the base is this version's once the last has passed,
+        none before (a sync cut short is followed by a full one)."""
+        held = self._sent[1] if self._sent is not None else []
+        self._sent = None
+        for i, p in enumerate(pieces):
+            _hold(held, i, p)
+            yield p
+        self._sent = (version, held)
 
     def _keep_sent(self, pieces: list[torch.Tensor], version: int) -> None:
-        """This version's shards as sent: the base of the next delta (host copies)."""
-        if self._sent is None:
-            self._sent = (version, [p.detach().to("cpu", copy=True) for p in pieces])
-            return
-        for held, p in zip(self._sent[1], pieces, strict=True):
-            held.copy_(p)
-        self._sent = (version, self._sent[1])
+        """This version's pieces as sent: the base of the next delta."""
+        for _ in self._keeping(pieces, version):
+            pass
 
     def wait_pushed(self) -> None:
         """Before the training weights change: the sends of an overlapped push finished."""
@@ -234,10 +274,9 @@ class PoolWeights:
         return {"bytes": float(received)}
 
     def _receive_deltas(self, version: int) -> int:
-        if not self._source_rows:
-            raise WeightSyncError("rollout.weight_sync=delta needs every training rank to send its own shards")
-        per_source, received = self.bridge.receive_deltas(self.sync_specs, self._source_rows, version)
-        self._apply_deltas(per_source, self._source_rows, version)
+        rows = self._source_rows or whole_rows(self.sync_specs)  # a gathering layout: rank 0 sends each whole
+        per_source, received = self.bridge.receive_deltas(self.sync_specs, rows, version)
+        self._apply_deltas(per_source, rows, version)
         return received
 
     def _apply_deltas(self, per_source: list[list[Any]], rows: list[list[int]], version: int) -> None:
@@ -286,8 +325,7 @@ class PoolWeights:
         tensors = self._sync_tensors()
         if source_rows(tensors) is not None:
             return list(local_pieces(tensors, self.sync_dtype))
-        full = [t.to(self.sync_dtype) for t in (self._adapter_tensors() if self.cfg.actor.lora.enabled
-                                               else full_tensors(self.actor.model))]
+        full = list(self._gathered())
         return full if self.rank == 0 else []
 
     @register(ONE_TO_ALL, blocking=False)

@@ -13,6 +13,11 @@ never pass through the driver, which only hands the rendezvous address around.
   weight in full and rank 0 broadcasts it, bucketed: consecutive tensors of one dtype until a
   bucket holds `bucket_bytes`.
 
+On a node that holds several rollout ranks and no training rank, only one of them (the node's
+receiver) is in the bridge groups, and it hands each piece on to the others over a group of that
+node's own (`bridge_plan`, `Relay`): one copy of an update crosses the network per node, as
+verl's and NeMo-RL's checkpoint engines do it.
+
 Both ends walk the same ordered tensor list (`TensorSpec`s from the same architecture's
 `named_parameters()`, or the LoRA adapters'), so pieces and buckets line up without headers.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +113,34 @@ def piece_offsets(specs: list[TensorSpec], rows: list[list[int]]) -> list[list[i
     return offsets
 
 
+@dataclass(frozen=True)
+class Relay:
+    """A rollout rank's place in its node's relay: the node's group (`key`), this rank in it
+    (0: the node's receiver, which takes each update from the training ranks) and its size."""
+
+    key: str
+    rank: int
+    size: int
+
+
+def bridge_plan(nodes: list[str], sender_nodes: Collection[str]) -> tuple[list[int], dict[int, Relay]]:
+    """Who the training ranks send to, given each rollout rank's node: one rollout rank of each
+    node that holds several and no training rank (it relays every update to the others there),
+    every rollout rank elsewhere. Returns those receivers (rollout ranks, in bridge order: bridge
+    rank 1 + position) and each relayed node's ranks' `Relay`."""
+    by_node: dict[str, list[int]] = {}
+    for r, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(r)
+    receivers, relays = [], {}
+    for node, ranks in by_node.items():
+        if len(ranks) > 1 and node not in sender_nodes:
+            receivers.append(ranks[0])
+            relays.update({r: Relay(str(ranks[0]), k, len(ranks)) for k, r in enumerate(ranks)})
+        else:
+            receivers.extend(ranks)
+    return sorted(receivers), relays
+
+
 def _group(store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> dist.ProcessGroup:
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
@@ -132,21 +165,24 @@ class Sending:
 
 
 class WeightBridge:
-    """Process groups from the training pool to the rollout pool's ranks (bridge ranks 1..R):
-    one per source, source i's group holding training rank i as its rank 0 (single source:
-    `sources=1`, training rank 0 alone). Training rank 0 opens the rendezvous first (`listen`,
-    whose port the driver hands to the others); every member then builds its groups at once,
-    the rollout ranks theirs in source order."""
+    """Process groups from the training pool to the rollout pool's receiving ranks (bridge ranks
+    1..size-1): one per source, source i's group holding training rank i as its rank 0 (single
+    source: `sources=1`, training rank 0 alone). Training rank 0 opens the rendezvous first
+    (`listen`, whose port the driver hands to the others); every member then builds its groups at
+    once, the rollout ranks theirs in source order, then a relayed node's ranks their `relay`
+    group (a rank its node's receiver relays to has `rank` None: it is in no bridge group)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: str | torch.device,
-                 timeout_s: float, sources: int = 1, source: int = 0) -> None:
+    def __init__(self, store: dist.Store, rank: int | None, size: int, device: str | torch.device,
+                 timeout_s: float, sources: int = 1, source: int = 0, relay: Relay | None = None) -> None:
         self.rank, self.size = rank, size  # rank 0 on a training rank (the source `source`)
         self.device = torch.device(device)
         self.store = store  # rank 0's listening socket lives as long as the bridge
-        mine = [source] if rank == 0 else list(range(sources))
+        mine = [] if rank is None else [source] if rank == 0 else list(range(sources))
         self.groups = {i: _group(dist.PrefixStore(f"source{i}/", store), rank, size, self.device, timeout_s)
                        for i in mine}
-        self.group = self.groups[mine[0]]
+        self.group = self.groups[mine[0]] if mine else None
+        self.relay = None if relay is None else _group(dist.PrefixStore(f"relay{relay.key}/", store), relay.rank,
+                                                        relay.size, self.device, timeout_s)
 
     def send_pieces(self, pieces: Iterable[torch.Tensor]) -> int:
         """A training rank: broadcast its shards (in sync order) over its group, all queued at
@@ -170,16 +206,25 @@ class WeightBridge:
     def receive_pieces(self, specs: list[TensorSpec], rows: list[list[int]], into: list[torch.Tensor]) -> int:
         """A rollout rank: every source's shards straight into their rows of `into`, all sources
         at once; returns the bytes received."""
-        works, received = [], 0
-        for i, (r, starts) in enumerate(zip(rows, piece_offsets(specs, rows), strict=True)):
-            for t, n in enumerate(r):
-                if n:
-                    view = into[t].narrow(0, starts[t], n)
-                    works.append(self._broadcast_async(self.groups[i], view))
-                    received += view.numel() * view.element_size()
-        for w in works:
+        views = [(i, into[t].narrow(0, starts[t], n))
+                 for i, (r, starts) in enumerate(zip(rows, piece_offsets(specs, rows), strict=True))
+                 for t, n in enumerate(r) if n]
+        self._fill(views)
+        return sum(v.numel() * v.element_size() for _, v in views)
+
+    def _fill(self, bufs: list[tuple[int, torch.Tensor]]) -> None:
+        """A rollout rank: `bufs` ((source, tensor), in the order every rank walks them) from the
+        sources' groups, all at once; on a relayed node each handed on by the node's receiver
+        as soon as it holds it."""
+        works = [self._broadcast_async(self.groups[i], b) for i, b in bufs] if self.groups else []
+        relayed = []
+        for k, (_, b) in enumerate(bufs):
+            if works:
+                works[k].wait()
+            if self.relay is not None:
+                relayed.append(self._broadcast_async(self.relay, b))
+        for w in relayed:
             w.wait()
-        return received
 
     def send_deltas(self, deltas: list[TensorDelta]) -> int:
         """A training rank: its shards' deltas (`asyncrl.train.delta`, in sync order, empty
@@ -197,11 +242,9 @@ class WeightBridge:
         shapes = [[(specs[t].name, specs[t].dtype, (n, *specs[t].shape[1:])) for t, n in enumerate(r) if n]
                   for r in rows]
         headers = [torch.empty((len(s), 4), dtype=torch.int64, device=self.device) for s in shapes]
-        for w in [self._broadcast_async(self.groups[i], h) for i, h in enumerate(headers)]:
-            w.wait()
+        self._fill(list(enumerate(headers)))
         payloads = [torch.empty(int(h[:, 1].sum()), dtype=torch.uint8, device=self.device) for h in headers]
-        for w in [self._broadcast_async(self.groups[i], p) for i, p in enumerate(payloads) if p.numel()]:
-            w.wait()
+        self._fill([(i, p) for i, p in enumerate(payloads) if p.numel()])
         received = sum(h.numel() * 8 + p.numel() for h, p in zip(headers, payloads, strict=True))
         return [unframe(h, p, s, version) for h, p, s in zip(headers, payloads, shapes, strict=True)], received
 
@@ -222,9 +265,11 @@ class WeightBridge:
         return dist.TCPStore(host, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
     def _broadcast(self, buf: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        self.group.broadcast([buf], opts).wait()
+        """`buf` from training rank 0 (the single source) to every rollout rank."""
+        if self.rank == 0:
+            self._broadcast_async(self.group, buf).wait()
+        else:
+            self._fill([(0, buf)])
 
     def send(self, specs: list[TensorSpec], tensors: Iterator[torch.Tensor], bucket_bytes: int) -> int:
         """Broadcast `tensors` (full, in `specs` order, produced lazily so a caller can gather
@@ -253,7 +298,7 @@ class WeightBridge:
         return received
 
     def close(self) -> None:
-        for group in self.groups.values():
+        for group in [*self.groups.values(), *([self.relay] if self.relay is not None else [])]:
             try:
                 group.shutdown()
             except Exception:  # noqa: BLE001 - a half-open group on teardown; nothing to keep

@@ -363,6 +363,31 @@ def test_grpo_across_two_namespaces(netpair, tmp_path):
 
 
 @pytest.mark.multinode
+def test_split_placement_sends_one_copy_of_each_update_to_a_node_of_rollout_workers(netpair, tmp_path):
+    """Split placement, the actor on node 0 and two rollout workers on node 1: one of them takes
+    each update over the veth and relays it to the other (`asyncrl.train.weight_sync.bridge_plan`);
+    the run trains its steps, and every step's rollout log-probs are the actor's (both workers
+    generated with the version the actor holds: `rollout/logprob_diff_max`)."""
+    ns_a, ns_b = netpair
+    keys, procs, tmp = _job_dirs(tmp_path, "split")
+    split = ["trainer.placement=split", "trainer.n_workers=1", "rollout.n_workers=2", "rollout.max_staleness=0",
+             "trainer.total_steps=3", "trainer.eval_every=3"]
+    head = _small_grpo(tmp, *split)
+    node1 = _launch_args(ns_b, keys, tmp / "logs-b", f"cluster.coordinator={SUBNET}.1:{PORT}", "cluster.node_rank=1",
+                         f"cluster.host={SUBNET}.2", config="quickstart")
+    node1[node1.index("cluster.cpu_devices=1")] = "cluster.cpu_devices=2"
+    with _cleaned_up(procs):
+        rc0, rc1, text_a, _, report = _run_pair(procs, tmp, _node0(ns_a, keys, tmp, *head, config="quickstart"),
+                                                node1, timeout0=150)
+        assert rc0 == 0 and rc1 == 0, report
+        assert '"steps": 3' in text_a, report
+        worker_logs = "".join(p.read_text() for p in (tmp / "logs-b").glob("*/worker-*.log"))
+        assert "takes each update for the 2 rollout ranks of node" in worker_logs, report + worker_logs
+        steps = _trained_steps(tmp / "out" / "metrics.jsonl")
+        assert len(steps) == 3 and all(r["rollout/logprob_diff_max"] < 1e-3 for r in steps), steps
+
+
+@pytest.mark.multinode
 def test_node_exits_when_the_head_is_killed(netpair, tmp_path):
     """kill -9 node 0 (coordinator, driver) mid-job: node 1's launcher exits, naming the head's
     loss, within cluster.head_loss_timeout_s (and takes its worker with it)."""

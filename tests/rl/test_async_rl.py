@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from asyncrl.rollout import RolloutEngine, SamplingParams
-from asyncrl.train.weight_sync import TensorSpec, WeightBridge, buckets, digest
+from asyncrl.train.weight_sync import Relay, TensorSpec, WeightBridge, bridge_plan, buckets, digest
 from daemons.proc import kill_group
 from tests.helpers import forked
 from tests.rl.test_rl import LAUNCH, REPO, SMALL, _env, _launch
@@ -74,6 +75,81 @@ def test_bridge_broadcasts_every_tensor_to_every_rollout_rank():
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def test_the_bridge_plan_sends_one_copy_to_each_node_without_a_training_rank():
+    # rollout ranks 0 on x, 1-3 on y, 4-5 on the training ranks' node t
+    receivers, relays = bridge_plan(["x", "y", "y", "y", "t", "t"], {"t"})
+    assert receivers == [0, 1, 4, 5]
+    assert relays == {1: Relay("1", 0, 3), 2: Relay("1", 1, 3), 3: Relay("1", 2, 3)}
+    assert bridge_plan(["a", "b"], {"t"}) == ([0, 1], {})
+
+
+def _relay_member(store, who: str, index: int, out: dict) -> None:
+    """One member of `test_a_node_takes_one_copy...` (a thread): training rank `index` or rollout
+    rank `index`, over a source-parallel bridge (2 sources) and a single-source one."""
+    from asyncrl.train.delta import apply, encode
+
+    specs = [TensorSpec("a", (4, 3), torch.float32), TensorSpec("b", (6,), torch.float32)]
+    rows = [[2, 3], [2, 3]]
+    receivers, relays = bridge_plan(["x", "y", "y", "y"], {"t"})
+    size = 1 + len(receivers)
+    versions = [[torch.arange(12.0).view(4, 3) * v, torch.arange(6.0) + v] for v in (1, 2)]
+    if who == "train":
+        bridges = [WeightBridge(store, 0, size, "cpu", 30, 2, source=index)]
+        if index == 0:
+            bridges.append(WeightBridge(dist.PrefixStore("single/", store), 0, size, "cpu", 30))
+        mine = [[t[2 * index:2 * index + 2] if t.dim() == 2 else t[3 * index:3 * index + 3] for t in v] for v in versions]
+        bridges[0].send_pieces(mine[0])
+        bridges[0].send_deltas([encode(s.name, p, b, 2, 1) for s, p, b in zip(specs, mine[1], mine[0], strict=True)])
+        if index == 0:
+            bridges[1].send(specs, iter(versions[1]), 16)
+        out[("sizes", index)] = [b.group.size() for b in bridges]
+    else:
+        rank = 1 + receivers.index(index) if index in receivers else None
+        bridges = [WeightBridge(store, rank, size, "cpu", 30, 2, relay=relays.get(index)),
+                   WeightBridge(dist.PrefixStore("single/", store), rank, size, "cpu", 30, relay=relays.get(index))]
+        into = [torch.zeros(s.shape) for s in specs]
+        bridges[0].receive_pieces(specs, rows, into)
+        got = [[t.clone() for t in into]]
+        per_source, _ = bridges[0].receive_deltas(specs, rows, 2)
+        for i, deltas in enumerate(per_source):
+            for t, d in zip(into, deltas, strict=True):
+                apply(d, t.narrow(0, 2 * i if t.dim() == 2 else 3 * i, 2 if t.dim() == 2 else 3), 1)
+        got.append([t.clone() for t in into])
+        single = [torch.zeros(s.shape) for s in specs]
+        bridges[1].receive(specs, single, 16)
+        got.append(single)
+        out[("got", index)] = got
+        out[("in_bridge", index)] = bool(bridges[0].groups)
+    for b in bridges:
+        b.close()
+
+
+def test_a_node_takes_one_copy_of_an_update_and_relays_it_to_its_other_rollout_ranks():
+    """Rollout rank 0 alone on node x, ranks 1-3 on node y: the training ranks' groups hold ranks
+    0 and 1 only (3 members), rank 1 hands every piece, delta and bucket on to 2 and 3, and every
+    rollout rank ends with the sender's weights (shards, deltas and a single source's buckets)."""
+    import threading
+
+    store = WeightBridge.listen(8, 30)
+    out: dict = {}
+    members = [("train", 0), ("train", 1), *(("rollout", r) for r in range(4))]
+    threads = [threading.Thread(target=_relay_member, args=(store if (w, i) == ("train", 0) else
+                                                            WeightBridge.connect("127.0.0.1", store.port, 8, 30), w, i, out))
+               for w, i in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    want = [[torch.arange(12.0).view(4, 3) * v, torch.arange(6.0) + v] for v in (1, 2)]
+    for r in range(4):
+        got = out[("got", r)]
+        for version, expected in zip(got, [want[0], want[1], want[1]], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(version, expected, strict=True)), (r, version)
+    assert out[("sizes", 0)] == [3, 3] and out[("sizes", 1)] == [3]
+    assert [out[("in_bridge", r)] for r in range(4)] == [True, True, False, False]
 
 
 def test_before_step_loads_new_weights_mid_generation(tiny_model):
@@ -298,3 +374,23 @@ def test_split_sync_sends_deltas_that_rebuild_the_weights_bit_for_bit(tiny_model
     def numbers(rows: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
     assert numbers(delta_rows) == numbers(full_rows)
+
+
+def test_a_tensor_parallel_actor_sends_deltas_of_the_gathered_weights(tiny_model, tmp_path):
+    """rollout.weight_sync=delta with actor.parallel.tp=2 (the weights gathered, rank 0 sending
+    each whole): the deltas rebuild the weights bit for bit on the rollout worker, a worker told it
+    holds another version gets that version in full (once), and the deltas are smaller than the
+    model (`perf/weight_sync_delta_ratio`)."""
+    out = tmp_path / "tp2"
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=2", "actor.parallel.tp=2",
+                                            "rollout.n_workers=1", "cluster.cpu_devices=3", "trainer.total_steps=6",
+                                            "trainer.eval_every=6", "rollout.weight_sync=delta",
+                                            "trainer.loggers=[jsonl]", "job.entry=tests/helpers/delta_probe.py:main",
+                                            "cluster.allowed_packages=[tests]"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["rollout_digests"] == [summary["train_digest"]], summary
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["perf/weight_sync_fallbacks"] for r in steps] == [0.0] * 4 + [1.0] * 2, steps
+    assert all(0 < r["perf/weight_sync_delta_ratio"] < 1.05 for r in steps), steps
+    assert all(r["perf/weight_sync_max_rank_share"] == 1.0 for r in steps), steps  # rank 0 sends it all
