@@ -169,7 +169,8 @@ class RolloutConfig:
     # native engine, colocated: each decode step eager, or compiled once per (rows, cache width) over a
     # preallocated KV cache (inductor, no CUDA graphs; "all rows done?" read back every 8 steps). Compiling
     # takes seconds (CPU: ~10 s tiny, ~35 s at 0.5B) and pays off on a GPU, where the eager step waits on
-    # kernel launches; on CPU it is 1.13x at 0.5B x 32 rows (docs/results/2026-11-28-compiled-decode.md)
+    # kernel launches; on CPU (oneDNN-packed linears, attention by matmuls, the prefill without padding)
+    # it is ~2.1x eager at 0.5B x 32 rows (docs/results/2026-11-29-compiled-decode-cpu.md)
     decode: Decode = "eager"
     # trajectories of several turns with an environment (tools, games): asyncrl.agents
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -23,13 +23,16 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from asyncrl.data.dataset import positions_from_mask
-from asyncrl.rollout import packed
+from asyncrl.rollout import attention, packed
 from asyncrl.train.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
 from transport import trace
 
 log = logging.getLogger(__name__)
 STATIC_WIDTH_STEP = 32  # a compiled decode's KV cache width is a multiple of this (masked columns still cost attention)
 STOP_CHECK_EVERY = 8  # a compiled decode reads "all rows finished?" back to the host this often
+# a compiled decode's prefill runs the prompts without padding, this many tokens a forward at most
+# (attention over a group is block-diagonal but computed whole: its cost grows with the square)
+PACKED_PREFILL_TOKENS = 2048
 
 class WeightLoadError(ValueError):
     """A tensor handed to `RolloutEngine.load_weights` does not fit the engine's model."""
@@ -107,10 +110,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch
     cdf = probs.cumsum(dim=-1)
     u = (torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
          if uniforms is None else uniforms.to(cdf.dtype))
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    # u * total can round up to total: fall back to the last index with nonzero probability
-    last_nonzero = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
-    return torch.where(idx < probs.shape[-1], idx, last_nonzero)
+    total = cdf[:, -1:].contiguous()
+    idx = torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
+    # u * total can round up to total: fall back to the first index whose cdf reaches the total
+    # (a token of nonzero probability; a binary search, not another pass over the vocabulary)
+    reached = torch.searchsorted(cdf, total).squeeze(-1)
+    return torch.where(idx < probs.shape[-1], idx, reached)
 
 
 def sample_tokens(
@@ -119,15 +124,20 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from float logits [N, V]; return (tokens [N], log-probs [N]).
     `uniforms` [N, 1], when given, are the draws instead of `generator`'s."""
-    logprobs = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
+    logprobs = torch.log_softmax(_scaled(logits, params.logprob_temperature), dim=-1)
     if params.is_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        probs, ids = candidate_probs(logits / params.temperature, params.top_k, params.top_p)
+        probs, ids = candidate_probs(_scaled(logits, params.temperature), params.top_k, params.top_p)
         tokens = draw(probs, generator, uniforms)
         if ids is not None:
             tokens = ids.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits / temperature`, without a copy at temperature 1."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 @torch.no_grad()
@@ -312,15 +322,18 @@ class RolloutEngine:
         attention mask (prompt + max_tokens columns or more) and the steps taken."""
         dev, n, max_tokens = self.device, params.n, params.max_tokens
         rows, prompt_len = input_ids.shape[0] * n, input_ids.shape[1]
-        cache = _new_cache(self.model)
         position_ids = positions_from_mask(attention_mask)
-        with trace.span("prefill", "compute", rows=input_ids.shape[0], prompt=prompt_len):
-            logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        static = self._static_decode(n, prompt_len + max_tokens) if routes is None else None
+        with trace.span("prefill", "compute", rows=input_ids.shape[0], prompt=prompt_len, packed=static is not None):
+            if static is not None:
+                logits = static.prefill(input_ids, attention_mask)
+            else:
+                cache = _new_cache(self.model)
+                logits = self._forward(input_ids, attention_mask, position_ids, cache)
         if routes is not None:
             routes.prefilled()
-        static = self._static_decode(cache, n, prompt_len + max_tokens) if routes is None else None
         if static is not None:
-            cache, forward, check_every, width = None, static.step, STOP_CHECK_EVERY, static.width
+            forward, check_every, width = static.step, STOP_CHECK_EVERY, static.width
         else:
             if n > 1:  # prefill once per prompt, then fan out the cache: cheaper than n prefills
                 cache.batch_repeat_interleave(n)
@@ -335,7 +348,7 @@ class RolloutEngine:
         next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         steps, draws = 0, _Draws(generator if check_every > 1 and not params.is_greedy else None)
-        with trace.span("decode", "compute", rows=rows, compiled=static is not None):
+        with trace.span("decode", "compute", rows=rows, compiled=static is not None), self._decode_attention(static):
             for t in range(max_tokens):
                 draws.mark(t)
                 tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
@@ -366,10 +379,10 @@ class RolloutEngine:
             return self._forward(tokens, mask[:, :columns], positions, cache)
         return forward
 
-    def _static_decode(self, prefilled: DynamicCache, n: int, columns: int) -> _StaticDecode | None:
-        """With decode=compiled: a preallocated KV cache holding the prefill's keys and values
-        and the compiled step that writes into it; None with decode=eager or where the model's
-        cache is not all full-attention layers (sliding windows decode eagerly, logged once)."""
+    def _static_decode(self, n: int, columns: int) -> _StaticDecode | None:
+        """With decode=compiled: a preallocated KV cache for the call (its prefill packed) and the
+        compiled step that writes into it; None with decode=eager or where the model's cache is
+        not all full-attention layers (sliding windows decode eagerly, logged once)."""
         if self.decode != "compiled":
             return None
         width = -(-columns // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
@@ -383,7 +396,13 @@ class RolloutEngine:
             # no CUDA graphs: a KV cache per call and weights rebound every step would give them new
             # static addresses each call, which torch re-records without bound (nor counts)
             self._compiled_forward = torch.compile(_static_forward)
-        return _StaticDecode(cache, prefilled, n, width, self.model, self._compiled_forward)
+        return _StaticDecode(cache, n, width, self.model, self._compiled_forward)
+
+    def _decode_attention(self, static: _StaticDecode | None) -> contextlib.AbstractContextManager:
+        """A compiled decode on CPU: attention by matmuls (`asyncrl.rollout.attention`)."""
+        if static is None or self.device.type != "cpu":
+            return contextlib.nullcontext()
+        return attention.decoding(self.model)
 
     def _packed_linears(self, routes: bool) -> contextlib.AbstractContextManager:
         """decode=compiled on CPU: the call's linears on oneDNN-packed weights (`asyncrl.rollout.packed`)."""
@@ -404,23 +423,63 @@ def _static_forward(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Te
 
 class _StaticDecode:
     """One call's preallocated KV cache (rows x `width` columns, the prompts' keys and values in
-    the first columns) and the compiled forward of one decode step over it: every step has the
-    same shapes, so a graph is compiled once per (rows, width) and weights updated in place or
-    rebound reuse it."""
+    the first columns, left-padded) and the compiled forward of one decode step over it: every
+    step has the same shapes, so a graph is compiled once per (rows, width) and weights updated
+    in place or rebound reuse it."""
 
-    def __init__(self, cache: StaticCache, prefilled: DynamicCache, n: int, width: int,
-                 model: torch.nn.Module, compiled: Callable) -> None:
-        self.cache, self.width, self.model, self.compiled = cache, width, model, compiled
-        for layer, source in zip(cache.layers, prefilled.layers, strict=True):
-            keys, values = source.keys.repeat_interleave(n, dim=0), source.values.repeat_interleave(n, dim=0)
-            layer.lazy_initialization(keys, values)
-            columns = keys.shape[2]
-            layer.keys[:, :, :columns] = keys
-            layer.values[:, :, :columns] = values
-            layer.cumulative_length.fill_(columns)
+    def __init__(self, cache: StaticCache, n: int, width: int, model: torch.nn.Module, compiled: Callable) -> None:
+        self.cache, self.n, self.width, self.model, self.compiled = cache, n, width, model, compiled
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The prompts without their padding, packed in groups of up to PACKED_PREFILL_TOKENS
+        tokens (a block-diagonal causal mask each); their keys and values go to each row's
+        columns (fanned out to `n` samples a prompt). Returns each prompt's last logits (fp32)."""
+        lengths, total = attention_mask.sum(-1), input_ids.shape[0] * self.n
+        groups = [slice(r.start, r.stop) for r in _token_groups(lengths.tolist(), PACKED_PREFILL_TOKENS)]
+        logits = [self._prefill_group(input_ids[g], attention_mask[g].bool(), lengths[g], g.start, total)
+                  for g in groups]
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(input_ids.shape[1])
+        return torch.cat(logits)
+
+    def _prefill_group(self, input_ids: torch.Tensor, real: torch.Tensor, lengths: torch.Tensor, first: int,
+                       total: int) -> torch.Tensor:
+        dev = input_ids.device
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+        ends = lengths.cumsum(0)
+        tokens = torch.arange(segment.numel(), device=dev)
+        positions = tokens - (ends - lengths)[segment]  # each token's place in its own prompt
+        causal = (segment[:, None] == segment[None, :]) & (tokens[:, None] >= tokens[None, :])
+        packed_cache = _new_cache(self.model)
+        out = self.model(input_ids=input_ids[real][None], attention_mask=causal[None, None],
+                         position_ids=positions[None], past_key_values=packed_cache, use_cache=True,
+                         logits_to_keep=ends - 1)
+        columns = real.nonzero()[:, 1]  # each token's column in its left-padded row, in packing order
+        rows = (first + segment) * self.n
+        for layer, source in zip(self.cache.layers, packed_cache.layers, strict=True):
+            if not layer.is_initialized:  # from the shapes only: every row x kv heads x dim
+                layer.lazy_initialization(*(t.expand(total, -1, -1, -1) for t in (source.keys, source.values)))
+            keys, values = source.keys[0].transpose(0, 1), source.values[0].transpose(0, 1)  # [tokens, kv heads, dim]
+            for sample in range(self.n):
+                layer.keys[rows + sample, :, columns] = keys
+                layer.values[rows + sample, :, columns] = values
+        return out.logits[0].float()
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, columns: int, positions: torch.Tensor) -> torch.Tensor:
         return self.compiled(self.model, tokens, mask, positions, self.cache)
+
+
+def _token_groups(lengths: list[int], budget: int) -> list[range]:
+    """Consecutive rows whose lengths add up to at most `budget` (a longer row alone)."""
+    groups: list[range] = []
+    start, total = 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and total + length > budget:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += length
+    groups.append(range(start, len(lengths)))
+    return groups
 
 
 class _Draws:

@@ -341,12 +341,69 @@ def test_prefill_does_not_copy_a_frozen_head_per_row():
     assert extra < 0.1, f"prefill of 32 rows raised the peak by {extra:.2f} GiB"
 
 
-def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(prompts):
-    """decode=compiled (a static KV cache, the decode step compiled once) gives eager's tokens and
-    log-probs: greedy with rows stopping at different steps, sampled with a generator per row,
-    after weights copied in place and after parameters rebound (as the hybrid engine's reshard
-    does) — without compiling again."""
+def test_decode_attention_by_matmuls_is_sdpas():
+    """The compiled CPU decode's attention (`asyncrl.rollout.attention`): one query token a row,
+    grouped KV heads, a padded boolean mask: SDPA's output within fp32 rounding; a prompt's many
+    query tokens go to SDPA itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from asyncrl.rollout.attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, columns, dim = 5, 6, 2, 11, 8
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    key, value = (torch.randn(rows, kv_heads, columns, dim, generator=g) for _ in range(2))
+    mask = torch.arange(columns) >= torch.tensor([0, 3, 5, 2, 9])[:, None]  # left padding per row
+    for q_len in (1, 4):
+        query = torch.randn(rows, heads, q_len, dim, generator=g)
+        m = mask[:, None, None, :].expand(rows, 1, q_len, columns)
+        ours, _ = decode_attention(module, query, key, value, m, scaling=0.3)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, m, scaling=0.3)
+        assert ours.shape == theirs.shape == (rows, q_len, heads, dim)
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_linears_run_on_onednn_packed_weights_and_match_plain_ones():
+    """`asyncrl.rollout.packed`: inside `active()` an installed model's linears run the packed op
+    (a packed copy per weight, repacked after an in-place change), with F.linear's results."""
+    from asyncrl.rollout import packed
+
+    if not packed.available():
+        pytest.skip("this torch has no oneDNN")
+    model = tiny_llama(seed=0).requires_grad_(False)
+    x = torch.randint(3, 32, (4, 6))
+    with torch.no_grad():
+        plain = model(x).logits
+        assert packed.install(model) > 0
+        with packed.active():
+            out = model(x).logits
+            held = {k: v[2] for k, v in packed._packed.items()}
+            model.lm_head.weight.mul_(2)  # in place: its version moves, the next call repacks it
+            doubled = model(x).logits
+            assert len(held) > 0 and any(packed._packed[k][2] is not held[k] for k in held)
+        assert not packed._packed  # dropped on leaving
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(doubled, out)
+
+
+def test_packed_prefill_groups_rows_within_the_token_budget():
+    from asyncrl.rollout.engine import _token_groups
+
+    assert _token_groups([3, 7, 1, 5], 10) == [range(0, 2), range(2, 4)]
+    assert _token_groups([12, 3], 10) == [range(0, 1), range(1, 2)]  # a longer row alone
+    assert _token_groups([3, 7, 1, 5], 100) == [range(0, 4)]
+
+
+def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(prompts, monkeypatch):
+    """decode=compiled (a static KV cache, the decode step compiled once, the prompts prefilled
+    without padding) gives eager's tokens and log-probs: greedy with rows stopping at different
+    steps, sampled with a generator per row, the prefill in several packed groups, after weights
+    copied in place and after parameters rebound (as the hybrid engine's reshard does) — without
+    compiling again."""
     from torch._dynamo.utils import counters
+
+    import asyncrl.rollout.engine as engine_module
 
     _, input_ids, attention_mask = prompts
     model, other = tiny_llama(seed=0).requires_grad_(False), tiny_llama(seed=7)  # a generation model's weights
@@ -370,6 +427,9 @@ def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(
     same(greedy)
     assert 1 < int(free["response_mask"].sum(-1).min()) and stop in free["responses"][0].tolist()
     graphs = counters["stats"]["unique_graphs"]
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "PACKED_PREFILL_TOKENS", 8)  # prompts of 3, 7, 1, 5 tokens: 3 groups
+        same(greedy)
     same(SamplingParams(temperature=1.0, max_tokens=12, n=2), generators=8)
     # one generator for the call, every row ended between two stop checks: the compiled decode ran
     # a few steps more, and gives their random numbers back (the generator goes on as after eager)
