@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,7 +215,10 @@ def test_other_node_exits_when_the_head_is_killed(tmp_path):
         text = out1.read_text()
         assert rc == 1, text
         assert "cluster.head_loss_timeout_s" in text, text
-        assert 2.5 < took < 8, (took, text)
+        # the silence counts from the node's last answer from the head, which a loaded machine can
+        # delay well before the kill (the node exited 2.2 s after it in a CI run): read it, not the kill
+        silent = re.search(r"unreachable for (\d+)s", text)
+        assert silent and int(silent.group(1)) >= 3 and took < 8, (took, text)
     finally:
         _end(head)
         _end(node)
