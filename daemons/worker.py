@@ -36,7 +36,7 @@ from daemons.errors import NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
 from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV, WARM_IMPORTS_ENV
-from daemons.proc import exit_now
+from daemons.proc import exit_now, use_allocator_settings
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose, trace
@@ -347,6 +347,7 @@ def main() -> None:
     elif env.pop(KEYS_ON_STDIN_ENV, None) == "1":  # the node daemon's pipe: keys never in the environment
         env.update(json.loads(sys.stdin.readline()))
         sys.stdin.close()
+    use_allocator_settings()  # by mallopt too: a GLIBC_TUNABLES in the environment would override ALLOCATOR_ENV
     for key in [k for k in os.environ if k.startswith("ASYNCRL_CURVE_")]:
         del os.environ[key]  # the code this worker runs, and its children, need no keys
     setup_logging("worker", env.get("RANK"))
