@@ -873,11 +873,11 @@ class RLConfig(LaunchConfig):
         _check(self.rollout.weight_sync == "full" or split, at + "rollout.weight_sync", self.rollout.weight_sync,
                "deltas travel between a training pool and a rollout pool of its own: set trainer.placement=split, "
                "or rollout.weight_sync=full")
-        _check(self.rollout.decode == "eager" or (engine.compiles_decode and not split and self.rollout.parallel.tp == 1),
+        _check(self.rollout.decode == "eager" or (engine.compiles_decode and self.rollout.parallel.tp == 1),
                at + "rollout.decode", self.rollout.decode,
-               "a compiled decode runs in the native engine's colocated calls with rollout.parallel.tp=1 (a split "
-               "pool's continuous batch and tensor-parallel generation decode eagerly): set rollout.decode=eager, "
-               "or rollout.engine=native with trainer.placement=colocated")
+               "a compiled decode runs in the native engine with rollout.parallel.tp=1 (tensor-parallel "
+               "generation decodes eagerly): set rollout.decode=eager, or rollout.engine=native with "
+               "rollout.parallel.tp=1")
         _check(not self.rollout.elastic or self.rollout.min_workers <= self.rollout.n_workers, at + "rollout.min_workers",
                self.rollout.min_workers, f"must be <= rollout.n_workers={self.rollout.n_workers} (the workers it starts with)")
         if not split:

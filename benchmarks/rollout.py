@@ -21,7 +21,11 @@ static KV cache, the decode step compiled once; its first call, compilation incl
 `compile_call_s`) and sets both against the machine's own limits measured in the same run: the
 memory bound (every decode step reads every weight once: rows x read bandwidth / weight bytes,
 the bandwidth of summing a 1 GiB array) and the matmul bound (torch's measured matmul rate at the
-decode's shape / 2 flops per parameter and token; oneDNN's packed kernels can beat it). The last line printed is one JSON object.
+decode's shape / 2 flops per parameter and token; oneDNN's packed kernels can beat it).
+
+With --continuous the same call also goes through the continuous batches a split rollout pool
+serves it from (`asyncrl.rollout.continuous`, a slot a row), eager and compiled. The last line
+printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine", choices=("native", "vllm"), default="native",
                         help="vllm: add the vLLM backend and the weight-sync timing")
     parser.add_argument("--no-hf", action="store_true", help="leave Hugging Face generate out")
+    parser.add_argument("--continuous", action="store_true",
+                        help="also the calls through a continuous batch (a split rollout pool's), eager and compiled")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
@@ -137,6 +143,9 @@ def main() -> None:
              "compiled": lambda: compiled.generate(input_ids, attention_mask, params)}
     if not args.no_hf:
         sides["hf"] = lambda: model.generate(input_ids, **hf_kwargs)
+    batchers = continuous_sides(engine, compiled, args) if args.continuous else {}
+    for name, batcher in batchers.items():
+        sides[name] = lambda b=batcher: b.generate(input_ids, attention_mask, params)
     with contextlib.ExitStack() as stack:
         vllm = None
         if args.engine == "vllm":
@@ -153,6 +162,8 @@ def main() -> None:
         extra = {} if vllm is None else vllm_results(vllm, model, engine, ours, input_ids, attention_mask,
                                                      params, times, args)
     result = {**decode_results(args, model, times, ours, theirs, compile_call_s), **extra}
+    if batchers:
+        result.update(continuous_results(args, times))
     if hf_out is not None:
         result.update(hf_results(args, times, ours, hf_out))
     print(json.dumps(result))
@@ -188,6 +199,26 @@ def decode_results(args, model, times: dict, ours: dict, compiled_out: dict, com
         "matmul_bound_tokens_per_s": round(matmul_bound, 1),
         "matmul_bound_fraction": round(generated / best / matmul_bound, 4),
     }
+
+
+def continuous_sides(engine: RolloutEngine, compiled: RolloutEngine, args: argparse.Namespace) -> dict:
+    """The continuous batches a split rollout pool runs (`continuous_batcher`), a slot a row."""
+    from asyncrl.model_server import FixedWeights
+    from asyncrl.rollout.continuous import continuous_batcher
+
+    return {"batcher": continuous_batcher(engine, args.batch, FixedWeights(0)),
+            "compiled_batcher": continuous_batcher(compiled, args.batch, FixedWeights(0))}
+
+
+def continuous_results(args: argparse.Namespace, times: dict) -> dict:
+    generated = args.batch * args.tokens
+    out = {"batcher_tokens_per_s": round(generated / times["batcher"], 1),
+           "compiled_batcher_tokens_per_s": round(generated / times["compiled_batcher"], 1),
+           "compiled_batcher_vs_batcher": round(times["batcher"] / times["compiled_batcher"], 3),
+           "compiled_batcher_vs_compiled": round(times["compiled"] / times["compiled_batcher"], 3)}
+    if "vllm" in times:
+        out["compiled_batcher_vs_vllm"] = round(times["vllm"] / times["compiled_batcher"], 3)
+    return out
 
 
 def hf_results(args, times: dict, ours: dict, theirs: torch.Tensor) -> dict:

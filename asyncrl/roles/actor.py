@@ -41,7 +41,7 @@ from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
 from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.rollout.base import BoundRollout, OwnWeightsRollout, Rollout
-from asyncrl.rollout.continuous import ContinuousBatcher
+from asyncrl.rollout.continuous import ContinuousBatcher, continuous_batcher
 from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.single_controller.batch import Batch
@@ -190,7 +190,7 @@ class ActorRolloutRefWorker(Worker):
         self.batcher: ContinuousBatcher | None = None
         if (self.rollout is not None and self.rollout.continuous_batching and self.actor is None
                 and self.cfg.trainer.placement == "split"):
-            self.batcher = ContinuousBatcher(self.rollout, decode_rows(self.cfg, self.rollout, self.gen_layout),
+            self.batcher = continuous_batcher(self.rollout, decode_rows(self.cfg, self.rollout, self.gen_layout),
                                              self.pool)
 
     def _base_model(self, one_copy: bool) -> torch.nn.Module:

@@ -19,6 +19,7 @@ response token records the version that produced it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -26,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from asyncrl.data.dataset import positions_from_mask
 from asyncrl.rollout.engine import (
+    STATIC_WIDTH_STEP,
     RolloutEngine,
     SamplingParams,
     last_positions,
@@ -195,31 +197,13 @@ class ContinuousBatcher:
         small = DynamicCache(config=getattr(self.model, "config", None))
         out = self.model(input_ids=ids, attention_mask=pmask, position_ids=positions_from_mask(pmask),
                          past_key_values=small, use_cache=True, logits_to_keep=last_positions(P, 1, ids.device))
-        L = self.mask.shape[1]
-        if self.cache is None:
-            self.cache = DynamicCache(config=getattr(self.model, "config", None))
-            for i, layer in enumerate(small.layers):
-                shape = (self.slots, layer.keys.shape[1], P, layer.keys.shape[-1])
-                self.cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), i)
-            self.mask = torch.zeros((self.slots, P), dtype=torch.long)
-            self.logits = out.logits.new_zeros((self.slots, out.logits.shape[-1])).float()
-            L = P
-        elif P > L:  # widen on the left
-            for layer in self.cache.layers:
-                extra = (self.slots, layer.keys.shape[1], P - L, layer.keys.shape[-1])
-                layer.keys = torch.cat([layer.keys.new_zeros(extra), layer.keys], dim=2)
-                layer.values = torch.cat([layer.values.new_zeros(extra), layer.values], dim=2)
-            self.mask = torch.cat([self.mask.new_zeros((self.slots, P - L)), self.mask], dim=1)
-            self.start = [s + P - L for s in self.start]
-            L = P
         slots = torch.tensor([s for _, ss in joining for s in ss])
         source = torch.tensor([j for j, (_, ss) in enumerate(joining) for _ in ss])
-        for big, layer in zip(self.cache.layers, small.layers, strict=True):
-            big.keys[slots, :, L - P:] = layer.keys[source]
-            big.values[slots, :, L - P:] = layer.values[source]
-        self.mask[slots] = 0
-        self.mask[slots, L - P:] = pmask[source]
+        longest = max(len(req.prompt) + req.params.max_tokens for req, _ in joining)
+        L = self._place(small, pmask, slots, source, longest)
         self.pos[slots] = pmask[source].sum(-1, keepdim=True)
+        if self.logits.shape[-1] != out.logits.shape[-1]:
+            self.logits = out.logits.new_zeros((self.slots, out.logits.shape[-1])).float()
         self.logits[slots] = out.logits[source, -1].float()
         for req, ss in joining:
             req.slots = list(ss)
@@ -230,14 +214,40 @@ class ContinuousBatcher:
                 self.start[s] = L - len(req.prompt)
                 self.logit_version[s] = self.weights.version
 
+    def _place(self, small: DynamicCache, pmask: torch.Tensor, slots: torch.Tensor, source: torch.Tensor,
+               longest: int) -> int:
+        """The joining rows' prompt keys and values (`small`, P left-padded columns) into `slots`
+        at the cache's right edge L (returned), widening the cache on the left when L < P.
+        (`longest`: the most columns a joining row can reach, prompt and response.)"""
+        P, L = pmask.shape[1], self.mask.shape[1]
+        if self.cache is None:
+            self.cache = DynamicCache(config=getattr(self.model, "config", None))
+            for i, layer in enumerate(small.layers):
+                shape = (self.slots, layer.keys.shape[1], P, layer.keys.shape[-1])
+                self.cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), i)
+            self.mask = torch.zeros((self.slots, P), dtype=torch.long)
+            L = P
+        elif P > L:  # widen on the left
+            for layer in self.cache.layers:
+                extra = (self.slots, layer.keys.shape[1], P - L, layer.keys.shape[-1])
+                layer.keys = torch.cat([layer.keys.new_zeros(extra), layer.keys], dim=2)
+                layer.values = torch.cat([layer.values.new_zeros(extra), layer.values], dim=2)
+            self.mask = torch.cat([self.mask.new_zeros((self.slots, P - L)), self.mask], dim=1)
+            self.start = [s + P - L for s in self.start]
+            L = P
+        _copy_rows(self.cache, small, slots, source, L - P)
+        self.mask[slots] = 0
+        self.mask[slots, L - P:L] = pmask[source]
+        return L
+
     def _step(self) -> None:
         """Sample one token for every live row, retire finished rows, run one forward."""
         S = self.slots
         tokens = torch.full((S,), self.engine.pad_token_id, dtype=torch.long)
-        for req in {id(o): o for o in self._owner if o is not None}.values():
-            rows = [s for s in req.slots if self._owner[s] is req]
-            toks, lps = sample_tokens(self.logits[rows], req.params, req.generator)
+        for params, generator, rows in self._sampling_groups():
+            toks, lps = sample_tokens(self.logits[rows], params, generator)
             for s, t, lp in zip(rows, toks.tolist(), lps.tolist(), strict=True):
+                req = self._owner[s]
                 i = self._row[s]
                 req.tokens[i].append(t)
                 req.logprobs[i].append(lp)
@@ -251,15 +261,29 @@ class ContinuousBatcher:
         live = [s for s in range(S) if self._owner[s] is not None]
         if not live:
             return
-        # every slot attends to its newest column (idle ones too: never a fully masked row)
-        self.mask = torch.cat([self.mask, self.mask.new_ones((S, 1))], dim=1)
-        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.logits = out.logits[:, -1].float()
+        self.logits = self._forward(tokens, live)
         self.logit_version = [self.weights.version] * S
         self.pos = self.pos + 1
         self.steps += 1
+
+    def _sampling_groups(self) -> list[tuple[SamplingParams, torch.Generator | None, list[int]]]:
+        """The live slots by sampling settings and generator (a call's requests share theirs: one
+        draw for all its rows, in its rows' order, as the engine alone draws)."""
+        groups: dict[tuple[int, int], tuple[SamplingParams, torch.Generator | None, list[int]]] = {}
+        for req in {id(o): o for o in self._owner if o is not None}.values():
+            rows = [s for s in req.slots if self._owner[s] is req]
+            key = (id(req.params), id(req.generator))
+            groups.setdefault(key, (req.params, req.generator, []))[2].extend(rows)
+        return list(groups.values())
+
+    def _forward(self, tokens: torch.Tensor, live: list[int]) -> torch.Tensor:
+        """One decode step over every slot: each slot's next-token logits (fp32)."""
+        # every slot attends to its newest column (idle ones too: never a fully masked row)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.slots, 1))], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self._compact(live)
+        return out.logits[:, -1].float()
 
     def _compact(self, live: list[int]) -> None:
         drop = min(self.start[s] for s in live)
@@ -270,3 +294,110 @@ class ContinuousBatcher:
             layer.values = layer.values[:, :, drop:].contiguous()
         self.mask = self.mask[:, drop:].contiguous()
         self.start = [max(0, s - drop) for s in self.start]
+
+
+
+class CompiledBatcher(ContinuousBatcher):
+    """The same continuous batch over a preallocated KV cache (`width` columns a slot) stepped by
+    the engine's compiled decode step (`rollout.decode=compiled`): every step has the same shapes,
+    so one graph serves every step, call and weight version. The columns in use are moved left in
+    place when the cache is full (those no live row reads dropped); the cache grows, and the step
+    compiles once more, only where a live row needs more columns than it has."""
+
+    def __init__(self, engine: RolloutEngine, slots: int, weights: Weights) -> None:
+        super().__init__(engine, slots, weights)
+        self._compiled = engine.compiled_step()
+        self._busy = contextlib.ExitStack()  # packed linears and matmul attention while rows are live
+        self.width = 0
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._busy.close()
+        self.cursor = 0  # the column the next step writes (every slot's)
+
+    def _join(self, joining: list[tuple[_Request, list[int]]]) -> None:
+        if self.cache is None:
+            self._busy.enter_context(self.engine.compiled_decoding())
+        super()._join(joining)
+
+    def _place(self, small: DynamicCache, pmask: torch.Tensor, slots: torch.Tensor, source: torch.Tensor,
+               longest: int) -> int:
+        P = pmask.shape[1]
+        if self.cache is None or longest > self.width:
+            self._grow(small, longest)
+        if self.cursor < P:  # every row's columns move right: the prompt ends at the cursor
+            self._shift(P - self.cursor)
+        _copy_rows(self.cache, small, slots, source, self.cursor - P)
+        self.mask[slots] = 0
+        self.mask[slots, self.cursor - P:self.cursor] = pmask[source]
+        return self.cursor
+
+    def _grow(self, small: DynamicCache, longest: int) -> None:
+        """A cache of twice `longest` columns (rounded up), the columns in use copied over."""
+        width = -(-2 * longest // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+        cache = self.engine.static_cache(width)
+        if cache is None:
+            raise RuntimeError("this model's KV cache cannot be static: build the batcher with continuous_batcher()")
+        for layer, like in zip(cache.layers, small.layers, strict=True):
+            layer.lazy_initialization(*(t[:1].expand(self.slots, -1, -1, -1) for t in (like.keys, like.values)))
+        mask = torch.zeros((self.slots, width), dtype=torch.long)
+        if self.cache is not None:
+            _copy_columns(cache, self.cache, self.cursor)
+            mask[:, :self.cursor] = self.mask[:, :self.cursor]
+        self.cache, self.mask, self.width = cache, mask, width
+        self._set_cursor(self.cursor)
+
+    def _shift(self, by: int) -> None:
+        """Move every slot's columns `by` places (right if positive), in place."""
+        c = self.cursor
+        src, dst = (slice(0, c), slice(by, c + by)) if by > 0 else (slice(-by, c), slice(0, c + by))
+        for layer in self.cache.layers:
+            layer.keys[:, :, dst] = layer.keys[:, :, src].clone()
+            layer.values[:, :, dst] = layer.values[:, :, src].clone()
+        self.mask[:, dst] = self.mask[:, src].clone()
+        if by > 0:
+            self.mask[:, :by] = 0
+        else:
+            self.mask[:, c + by:] = 0
+        self.start = [s + by for s in self.start]
+        self._set_cursor(c + by)
+
+    def _set_cursor(self, column: int) -> None:
+        self.cursor = column
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(column)
+
+    def _forward(self, tokens: torch.Tensor, live: list[int]) -> torch.Tensor:
+        if self.cursor == self.width:  # full: drop the columns no live row reads, or grow
+            drop = min(self.start[s] for s in live)
+            if drop >= self.width // 4:  # each move frees a quarter of the cache or more
+                self._shift(-drop)
+            else:
+                self._grow(self.cache, self.width)
+        self.mask[:, self.cursor] = 1  # every slot attends to its newest column (idle ones too)
+        logits = self._compiled(self.model, tokens[:, None], self.mask, self.pos, self.cache)
+        self.cursor += 1  # the step's write moved the cache's own count
+        return logits
+
+
+def continuous_batcher(engine: RolloutEngine, slots: int, weights: Weights) -> ContinuousBatcher:
+    """The engine's continuous batch: compiled where its decode is and the model's KV cache can
+    be static (sliding windows: eager, logged once)."""
+    if engine.decode == "compiled" and engine.static_cache(STATIC_WIDTH_STEP) is not None:
+        return CompiledBatcher(engine, slots, weights)
+    return ContinuousBatcher(engine, slots, weights)
+
+def _copy_rows(cache: DynamicCache | StaticCache, small: DynamicCache, slots: torch.Tensor, source: torch.Tensor,
+               at: int) -> None:
+    """`small`'s rows `source` into `cache`'s rows `slots`, from column `at` on."""
+    for big, layer in zip(cache.layers, small.layers, strict=True):
+        width = layer.keys.shape[2]
+        big.keys[slots, :, at:at + width] = layer.keys[source]
+        big.values[slots, :, at:at + width] = layer.values[source]
+
+
+def _copy_columns(cache: StaticCache, old: StaticCache, columns: int) -> None:
+    """`old`'s first `columns` columns of every row into `cache`."""
+    for big, layer in zip(cache.layers, old.layers, strict=True):
+        big.keys[:, :, :columns] = layer.keys[:, :, :columns]
+        big.values[:, :, :columns] = layer.values[:, :, :columns]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -386,17 +386,28 @@ class RolloutEngine:
         if self.decode != "compiled":
             return None
         width = -(-columns // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+        cache = self.static_cache(width)
+        return None if cache is None else _StaticDecode(cache, n, width, self.model, self.compiled_step())
+
+    def static_cache(self, width: int) -> StaticCache | None:
+        """A KV cache of `width` columns a row for the compiled step; None (and decode=eager from
+        now on, logged once) where the model has sliding-window or other non-static layers."""
         cache = StaticCache(config=self.model.config, max_cache_len=width)
-        if not all(type(layer) is StaticLayer for layer in cache.layers):
-            log.warning("rollout.decode=compiled: this model's KV cache has sliding-window or other "
-                        "non-static layers; decoding eagerly")
-            self.decode = "eager"
-            return None
-        if self._compiled_forward is None:  # a second width or row count: one dynamic graph
+        if all(type(layer) is StaticLayer for layer in cache.layers):
+            return cache
+        log.warning("rollout.decode=compiled: this model's KV cache has sliding-window or other "
+                    "non-static layers; decoding eagerly")
+        self.decode = "eager"
+        return None
+
+    def compiled_step(self) -> Callable:
+        """The compiled decode step `(model, tokens, mask, positions, static cache) -> fp32 logits`
+        every caller of this engine shares (a second width or row count: one dynamic graph)."""
+        if self._compiled_forward is None:
             # no CUDA graphs: a KV cache per call and weights rebound every step would give them new
             # static addresses each call, which torch re-records without bound (nor counts)
             self._compiled_forward = torch.compile(_static_forward)
-        return _StaticDecode(cache, n, width, self.model, self._compiled_forward)
+        return self._compiled_forward
 
     def _decode_attention(self, static: _StaticDecode | None) -> contextlib.AbstractContextManager:
         """A compiled decode on CPU: attention by matmuls (`asyncrl.rollout.attention`)."""
@@ -412,6 +423,13 @@ class RolloutEngine:
             packed.install(self.model)
             self._packable = True
         return packed.active()
+
+    @contextlib.contextmanager
+    def compiled_decoding(self) -> Iterator[None]:
+        """Where the compiled step runs on CPU: packed linears and attention by matmuls."""
+        with self._packed_linears(False), (attention.decoding(self.model) if self.device.type == "cpu"
+                                           else contextlib.nullcontext()):
+            yield
 
 
 def _static_forward(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

@@ -12,13 +12,15 @@ weights loaded in place between decode steps are seen). The packed copies live f
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 _packed: dict[tuple[int, tuple[int, ...]], tuple[Tensor, int | None, Tensor]] = {}
-_active = False  # a compiled decode is running: plain fp32 linears use the packed op
+_active = 0  # compiled decodes running (a call, a continuous batch): plain fp32 linears use the packed op
+_lock = threading.Lock()
 
 
 def available() -> bool:
@@ -80,11 +82,15 @@ def install(model: nn.Module) -> int:
 
 @contextlib.contextmanager
 def active() -> Iterator[None]:
-    """Packed linears for the decode steps inside; their packed weights are dropped after."""
+    """Packed linears for the decode steps inside (nested, or in several threads at once: until
+    the last leaves); their packed weights are dropped after."""
     global _active
-    _active = True
+    with _lock:
+        _active += 1
     try:
         yield
     finally:
-        _active = False
-        _packed.clear()
+        with _lock:
+            _active -= 1
+            if not _active:
+                _packed.clear()

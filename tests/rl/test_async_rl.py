@@ -219,7 +219,7 @@ def test_config_refuses_what_split_placement_cannot_do(tiny_model, tmp_path):
                        (["rollout.max_staleness=-1"], "rollout.max_staleness"),
                        (["rollout.weight_sync=delta"], "rollout.weight_sync"),  # colocated: nothing to send
                        (["rollout.weight_sync=xor"], "rollout.weight_sync"),
-                       (["trainer.placement=split", "rollout.decode=compiled"], "rollout.decode")):
+                       (["rollout.engine=vllm", "rollout.decode=compiled"], "rollout.decode")):
         res = _launch("grpo", tmp_path / "bad", tiny_model, extra, timeout=60)
         assert res.returncode == 2 and key in res.stderr, (extra, res.stderr[-2000:])
 

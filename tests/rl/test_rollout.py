@@ -447,3 +447,64 @@ def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(
     assert counters["stats"]["unique_graphs"] == graphs  # one graph for every call above
     with pytest.raises(ValueError, match="decode must be"):
         RolloutEngine(model, eos_token_id=EOS, pad_token_id=PAD, decode="fast")
+
+
+def test_compiled_continuous_batch_matches_eager_calls_alone_across_moves_growth_and_weight_updates():
+    """`rollout.decode=compiled` in a continuous batch (`CompiledBatcher`: a preallocated KV cache
+    stepped by the compiled step) gives each call's tokens (greedy) and log-probs (<= 1e-5) as the
+    eager engine decoding that call alone: a longer prompt joining running rows (every row's
+    columns move right), a full cache (the columns in use move left), a row needing more columns
+    than the cache has (it grows, live rows copied), and weights copied in place between calls."""
+    import threading
+
+    from asyncrl.rollout.continuous import CompiledBatcher, continuous_batcher
+
+    class Fixed:
+        version, interrupt = 0, False
+
+        def pending(self) -> bool:
+            return False
+
+    gen = torch.Generator().manual_seed(0)
+    short, longer = torch.randint(5, 30, (1, 4), generator=gen), torch.randint(5, 30, (1, 30), generator=gen)
+    ones = torch.ones_like
+
+    def greedy(tokens: int) -> SamplingParams:
+        return SamplingParams(greedy=True, max_tokens=tokens, n=2)
+
+    # 4 slots: the first call's 2 rows run, the second's 2 join them, the third waits for free slots
+    rounds = [[(short, ones(short), greedy(40)), (longer, ones(longer), greedy(40)), (short, ones(short), greedy(60))],
+              [(short, ones(short), greedy(40)), (longer, ones(longer), greedy(40)), (short, ones(short), greedy(100))]]
+    weights = [tiny_llama(seed=0).requires_grad_(False), tiny_llama(seed=7).requires_grad_(False)]
+    alone = [[RolloutEngine(w, eos_token_id=[], pad_token_id=PAD).generate(*call) for call in calls]
+             for w, calls in zip(weights, rounds, strict=True)]
+
+    model = tiny_llama(seed=0).requires_grad_(False)
+    batcher = continuous_batcher(RolloutEngine(model, eos_token_id=[], pad_token_id=PAD, decode="compiled"),
+                                 slots=4, weights=Fixed())
+    assert isinstance(batcher, CompiledBatcher)
+    moves: list[tuple[int, int]] = []
+    shift = batcher._shift
+    batcher._shift = lambda by: (moves.append((by, batcher.cursor)), shift(by))[1]
+    widths = []
+    for version, (calls, refs) in enumerate(zip(rounds, alone, strict=True)):
+        model.load_state_dict(weights[version].state_dict())  # in place, between calls
+        got: list[dict] = [{} for _ in calls]
+        threads = [threading.Thread(target=lambda out=out, call=call: out.update(batcher.generate(*call)))
+                   for out, call in zip(got, calls, strict=True)]
+        before = batcher.steps
+        threads[0].start()
+        while batcher.steps == before and threads[0].is_alive():  # the first call runs: the others join it
+            threading.Event().wait(0.001)
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for ref, out in zip(refs, got, strict=True):
+            width = ref["responses"].shape[1]
+            assert torch.equal(out["responses"][:, :width], ref["responses"]), version
+            torch.testing.assert_close(out["rollout_log_probs"][:, :width], ref["rollout_log_probs"], atol=1e-5, rtol=0)
+        widths.append(batcher.width)
+    assert any(by > 0 and cursor > 0 for by, cursor in moves), moves  # right, past live columns
+    assert any(by < 0 for by, _ in moves), moves  # left: round 1's third call ran past 96 columns
+    assert widths == [96, 224], widths  # 2 x 44 and 2 x 104 columns, rounded up to 32s
