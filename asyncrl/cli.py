@@ -332,7 +332,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         return serve(args.model, host=args.host, port=args.port, api_key=args.api_key, name=args.served_model_name,
-                     max_tokens=args.max_tokens_limit, slots=args.slots, device=args.device, dtype=args.dtype)
+                     max_tokens=args.max_tokens_limit, slots=args.slots, device=args.device, dtype=args.dtype,
+                     decode=args.decode)
     except ConfigError as e:
         _fail(str(e), USAGE_ERROR)
 
@@ -350,6 +351,8 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="the most tokens one choice may ask for")
     serve.add_argument("--slots", type=int, default=16, help="rows the continuous batcher decodes together (on a CPU)")
     serve.add_argument("--device", help="default: cuda when there is a GPU, else cpu")
+    serve.add_argument("--decode", default="eager", choices=["eager", "compiled"],
+                       help="each decode step eager, or compiled over a preallocated KV cache (as rollout.decode)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="auto: bfloat16 on a GPU, float32 on a CPU")
     serve.set_defaults(func=_serve)

@@ -166,8 +166,9 @@ class RolloutConfig:
     # prompts in waves of decode_slots / n; split: the continuous batch's slots); 0 = every row
     # of a call (split: of one batch on one rollout worker)
     decode_slots: int = 0
-    # native engine, colocated: each decode step eager, or compiled once per (rows, cache width) over a
-    # preallocated KV cache (inductor, no CUDA graphs; "all rows done?" read back every 8 steps). Compiling
+    # native engine: each decode step eager, or compiled once per (rows, cache width) over a preallocated
+    # KV cache (inductor, no CUDA graphs; colocated: "all rows done?" read back every 8 steps; split: the
+    # continuous batch's cache, twice its longest row, its columns moved left in place when full). Compiling
     # takes seconds (CPU: ~10 s tiny, ~35 s at 0.5B) and pays off on a GPU, where the eager step waits on
     # kernel launches; on CPU (oneDNN-packed linears, attention by matmuls, the prefill without padding)
     # it is ~2.1x eager at 0.5B x 32 rows (docs/results/2026-11-29-compiled-decode-cpu.md)

@@ -67,23 +67,24 @@ def served_name(model: Path) -> tuple[str, int]:
     return model.name, 0
 
 
-def load_backend(model: Path, version: int, slots: int, device: str, dtype: str) -> tuple[Any, Any, Any, int | None]:
+def load_backend(model: Path, version: int, slots: int, device: str, dtype: str,
+                 decode: str = "eager") -> tuple[Any, Any, Any, int | None]:
     """(the backend over the model, its tokenizer, its engine, its context length)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.agents.rollout import BatcherGenerator, WaveGenerator
-    from asyncrl.rollout.continuous import ContinuousBatcher
+    from asyncrl.rollout.continuous import continuous_batcher
     from asyncrl.rollout.engine import RolloutEngine, SamplingParams
     from asyncrl.train.fsdp import compute_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=compute_dtype(device, dtype))
-    engine = RolloutEngine(lm, eos_token_id=end_token_ids(tokenizer, lm), device=device,
+    engine = RolloutEngine(lm, eos_token_id=end_token_ids(tokenizer, lm), device=device, decode=decode,
                            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                            else tokenizer.eos_token_id)
     params, context = SamplingParams(temperature=1.0), getattr(lm.config, "max_position_embeddings", None)
     if engine.device.type == "cpu":
-        backend = BatcherGenerator(ContinuousBatcher(engine, slots, FixedWeights(version)), params, None)
+        backend = BatcherGenerator(continuous_batcher(engine, slots, FixedWeights(version)), params, None)
     else:
         backend = WaveGenerator(engine, params, None, version=lambda: version)
     return backend, tokenizer, engine, context
@@ -98,14 +99,14 @@ def end_token_ids(tokenizer: Any, lm: Any) -> list[int]:
 
 
 def serve(path: str, *, host: str, port: int, api_key: str | None, name: str | None, max_tokens: int,
-          slots: int, device: str | None, dtype: str) -> int:
+          slots: int, device: str | None, dtype: str, decode: str = "eager") -> int:
     """Load, then serve until SIGINT or SIGTERM; prints the URL (and a generated key)."""
     from transport.loop import run
 
     model = model_dir(path)
     default_name, version = served_name(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend, tokenizer, engine, context = load_backend(model, version, slots, device, dtype)
+    backend, tokenizer, engine, context = load_backend(model, version, slots, device, dtype, decode)
     key = api_key or os.environ.get("ASYNCRL_API_KEY") or secrets.token_urlsafe(24)
     server = OpenAIServer(backend, tokenizer, model_name=name or default_name, api_key=key, host=host, port=port,
                           limits=Limits(max_tokens=max_tokens), context_length=context,

@@ -31,12 +31,15 @@ from transformers import DynamicCache, StaticCache
 
 from asyncrl.data.dataset import positions_from_mask
 from asyncrl.rollout.engine import (
+    PACKED_PREFILL_TOKENS,
     STATIC_WIDTH_STEP,
     RolloutEngine,
     SamplingParams,
     last_positions,
+    prefill_packed,
     rollout_outputs,
     sample_tokens,
+    token_groups,
 )
 
 COMPACT_EVERY = 16  # drop fully masked leading cache columns once this many have piled up
@@ -186,25 +189,8 @@ class ContinuousBatcher:
             self._join(joining)
 
     def _join(self, joining: list[tuple[_Request, list[int]]]) -> None:
-        """One left-padded prefill of the joining prompts; their keys and values go into their
-        slots at the cache's right edge."""
-        P = max(len(req.prompt) for req, _ in joining)
-        ids = torch.full((len(joining), P), self.engine.pad_token_id, dtype=torch.long)
-        pmask = torch.zeros_like(ids)
-        for j, (req, _) in enumerate(joining):
-            ids[j, P - len(req.prompt):] = torch.tensor(req.prompt)
-            pmask[j, P - len(req.prompt):] = 1
-        small = DynamicCache(config=getattr(self.model, "config", None))
-        out = self.model(input_ids=ids, attention_mask=pmask, position_ids=positions_from_mask(pmask),
-                         past_key_values=small, use_cache=True, logits_to_keep=last_positions(P, 1, ids.device))
-        slots = torch.tensor([s for _, ss in joining for s in ss])
-        source = torch.tensor([j for j, (_, ss) in enumerate(joining) for _ in ss])
-        longest = max(len(req.prompt) + req.params.max_tokens for req, _ in joining)
-        L = self._place(small, pmask, slots, source, longest)
-        self.pos[slots] = pmask[source].sum(-1, keepdim=True)
-        if self.logits.shape[-1] != out.logits.shape[-1]:
-            self.logits = out.logits.new_zeros((self.slots, out.logits.shape[-1])).float()
-        self.logits[slots] = out.logits[source, -1].float()
+        """Prefill the joining prompts into their slots; each row starts at its prompt's columns."""
+        L = self._prefill(joining)
         for req, ss in joining:
             req.slots = list(ss)
             req.tokens, req.logprobs, req.versions = [[] for _ in ss], [[] for _ in ss], [[] for _ in ss]
@@ -214,11 +200,32 @@ class ContinuousBatcher:
                 self.start[s] = L - len(req.prompt)
                 self.logit_version[s] = self.weights.version
 
-    def _place(self, small: DynamicCache, pmask: torch.Tensor, slots: torch.Tensor, source: torch.Tensor,
-               longest: int) -> int:
+    def _prefill(self, joining: list[tuple[_Request, list[int]]]) -> int:
+        """One left-padded prefill of the joining prompts; their keys and values go into their
+        slots ending at the cache's right edge (returned), their last logits into `logits`."""
+        P = max(len(req.prompt) for req, _ in joining)
+        ids = torch.full((len(joining), P), self.engine.pad_token_id, dtype=torch.long)
+        pmask = torch.zeros_like(ids)
+        for j, (req, _) in enumerate(joining):
+            ids[j, P - len(req.prompt):] = torch.tensor(req.prompt)
+            pmask[j, P - len(req.prompt):] = 1
+        small = DynamicCache(config=getattr(self.model, "config", None))
+        out = self.model(input_ids=ids, attention_mask=pmask, position_ids=positions_from_mask(pmask),
+                         past_key_values=small, use_cache=True, logits_to_keep=last_positions(P, 1, ids.device))
+        slots, source = _slots_and_sources(joining)
+        L = self._place(small, pmask, slots, source)
+        self.pos[slots] = pmask[source].sum(-1, keepdim=True)
+        self._set_logits(slots, out.logits[source, -1].float())
+        return L
+
+    def _set_logits(self, slots: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.logits.shape[-1] != logits.shape[-1]:
+            self.logits = logits.new_zeros((self.slots, logits.shape[-1]))
+        self.logits[slots] = logits
+
+    def _place(self, small: DynamicCache, pmask: torch.Tensor, slots: torch.Tensor, source: torch.Tensor) -> int:
         """The joining rows' prompt keys and values (`small`, P left-padded columns) into `slots`
-        at the cache's right edge L (returned), widening the cache on the left when L < P.
-        (`longest`: the most columns a joining row can reach, prompt and response.)"""
+        at the cache's right edge L (returned), widening the cache on the left when L < P."""
         P, L = pmask.shape[1], self.mask.shape[1]
         if self.cache is None:
             self.cache = DynamicCache(config=getattr(self.model, "config", None))
@@ -315,22 +322,49 @@ class CompiledBatcher(ContinuousBatcher):
         self._busy.close()
         self.cursor = 0  # the column the next step writes (every slot's)
 
-    def _join(self, joining: list[tuple[_Request, list[int]]]) -> None:
+    def _prefill(self, joining: list[tuple[_Request, list[int]]]) -> int:
+        """The joining prompts without padding (`prefill_packed`, in groups of up to
+        PACKED_PREFILL_TOKENS tokens), each row's keys and values ending at the cursor."""
         if self.cache is None:
             self._busy.enter_context(self.engine.compiled_decoding())
-        super()._join(joining)
-
-    def _place(self, small: DynamicCache, pmask: torch.Tensor, slots: torch.Tensor, source: torch.Tensor,
-               longest: int) -> int:
-        P = pmask.shape[1]
-        if self.cache is None or longest > self.width:
-            self._grow(small, longest)
-        if self.cursor < P:  # every row's columns move right: the prompt ends at the cursor
-            self._shift(P - self.cursor)
-        _copy_rows(self.cache, small, slots, source, self.cursor - P)
-        self.mask[slots] = 0
-        self.mask[slots, self.cursor - P:self.cursor] = pmask[source]
+        lengths = [len(req.prompt) for req, _ in joining]
+        for group in token_groups(lengths, PACKED_PREFILL_TOKENS):
+            part = joining[group.start:group.stop]
+            tokens = torch.tensor([t for req, _ in part for t in req.prompt])
+            logits, packed = prefill_packed(self.model, tokens, torch.tensor(lengths[group.start:group.stop]))
+            if group.start == 0:
+                self._make_room(packed, max(lengths), max(n + req.params.max_tokens
+                                                          for n, (req, _) in zip(lengths, joining, strict=True)))
+            self._write(part, packed, logits)
         return self.cursor
+
+    def _make_room(self, like: DynamicCache, prompt: int, longest: int) -> None:
+        """A cache for rows of up to `longest` columns, and the cursor past `prompt` columns."""
+        if self.cache is None or longest > self.width:
+            self._grow(like, longest)
+        if self.cursor < prompt:  # every row's columns move right: the prompt ends at the cursor
+            self._shift(prompt - self.cursor)
+
+    def _write(self, part: list[tuple[_Request, list[int]]], packed: DynamicCache, logits: torch.Tensor) -> None:
+        """`part`'s prompts' keys and values (laid end to end in `packed`) into their slots'
+        columns ending at the cursor; their positions and last logits."""
+        slot_of, column, token, offset = [], [], [], 0
+        for req, ss in part:
+            n = len(req.prompt)
+            for s in ss:
+                slot_of += [s] * n
+                column += range(self.cursor - n, self.cursor)
+                token += range(offset, offset + n)
+            offset += n
+        slot_of, column, token = (torch.tensor(x) for x in (slot_of, column, token))
+        for big, layer in zip(self.cache.layers, packed.layers, strict=True):
+            big.keys[slot_of, :, column] = layer.keys[0].transpose(0, 1)[token]  # [tokens, kv heads, dim]
+            big.values[slot_of, :, column] = layer.values[0].transpose(0, 1)[token]
+        slots, source = _slots_and_sources(part)
+        self.mask[slots] = 0
+        self.mask[slot_of, column] = 1
+        self.pos[slots] = torch.tensor([len(req.prompt) for req, _ in part])[source, None]
+        self._set_logits(slots, logits[source])
 
     def _grow(self, small: DynamicCache, longest: int) -> None:
         """A cache of twice `longest` columns (rounded up), the columns in use copied over."""
@@ -386,6 +420,13 @@ def continuous_batcher(engine: RolloutEngine, slots: int, weights: Weights) -> C
     if engine.decode == "compiled" and engine.static_cache(STATIC_WIDTH_STEP) is not None:
         return CompiledBatcher(engine, slots, weights)
     return ContinuousBatcher(engine, slots, weights)
+
+def _slots_and_sources(joining: list[tuple[_Request, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every joining row's slot, and the index of its prompt in `joining`."""
+    slots = torch.tensor([s for _, ss in joining for s in ss])
+    source = torch.tensor([j for j, (_, ss) in enumerate(joining) for _ in ss])
+    return slots, source
+
 
 def _copy_rows(cache: DynamicCache | StaticCache, small: DynamicCache, slots: torch.Tensor, source: torch.Tensor,
                at: int) -> None:

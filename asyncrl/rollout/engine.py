@@ -453,7 +453,7 @@ class _StaticDecode:
         tokens (a block-diagonal causal mask each); their keys and values go to each row's
         columns (fanned out to `n` samples a prompt). Returns each prompt's last logits (fp32)."""
         lengths, total = attention_mask.sum(-1), input_ids.shape[0] * self.n
-        groups = [slice(r.start, r.stop) for r in _token_groups(lengths.tolist(), PACKED_PREFILL_TOKENS)]
+        groups = [slice(r.start, r.stop) for r in token_groups(lengths.tolist(), PACKED_PREFILL_TOKENS)]
         logits = [self._prefill_group(input_ids[g], attention_mask[g].bool(), lengths[g], g.start, total)
                   for g in groups]
         for layer in self.cache.layers:
@@ -462,17 +462,9 @@ class _StaticDecode:
 
     def _prefill_group(self, input_ids: torch.Tensor, real: torch.Tensor, lengths: torch.Tensor, first: int,
                        total: int) -> torch.Tensor:
-        dev = input_ids.device
-        segment = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
-        ends = lengths.cumsum(0)
-        tokens = torch.arange(segment.numel(), device=dev)
-        positions = tokens - (ends - lengths)[segment]  # each token's place in its own prompt
-        causal = (segment[:, None] == segment[None, :]) & (tokens[:, None] >= tokens[None, :])
-        packed_cache = _new_cache(self.model)
-        out = self.model(input_ids=input_ids[real][None], attention_mask=causal[None, None],
-                         position_ids=positions[None], past_key_values=packed_cache, use_cache=True,
-                         logits_to_keep=ends - 1)
+        logits, packed_cache = prefill_packed(self.model, input_ids[real], lengths)
         columns = real.nonzero()[:, 1]  # each token's column in its left-padded row, in packing order
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device), lengths)
         rows = (first + segment) * self.n
         for layer, source in zip(self.cache.layers, packed_cache.layers, strict=True):
             if not layer.is_initialized:  # from the shapes only: every row x kv heads x dim
@@ -481,13 +473,30 @@ class _StaticDecode:
             for sample in range(self.n):
                 layer.keys[rows + sample, :, columns] = keys
                 layer.values[rows + sample, :, columns] = values
-        return out.logits[0].float()
+        return logits
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, columns: int, positions: torch.Tensor) -> torch.Tensor:
         return self.compiled(self.model, tokens, mask, positions, self.cache)
 
 
-def _token_groups(lengths: list[int], budget: int) -> list[range]:
+def prefill_packed(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch.Tensor
+                   ) -> tuple[torch.Tensor, DynamicCache]:
+    """One forward over prompts laid end to end (`tokens`, `lengths` tokens each) with a
+    block-diagonal causal mask: each prompt's last logits (fp32) and a cache of every token's
+    keys and values in that order ([1, kv heads, tokens, dim] a layer)."""
+    dev = tokens.device
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+    ends = lengths.cumsum(0)
+    order = torch.arange(segment.numel(), device=dev)
+    positions = order - (ends - lengths)[segment]  # each token's place in its own prompt
+    causal = (segment[:, None] == segment[None, :]) & (order[:, None] >= order[None, :])
+    cache = _new_cache(model)
+    out = model(input_ids=tokens[None], attention_mask=causal[None, None], position_ids=positions[None],
+                past_key_values=cache, use_cache=True, logits_to_keep=ends - 1)
+    return out.logits[0].float(), cache
+
+
+def token_groups(lengths: list[int], budget: int) -> list[range]:
     """Consecutive rows whose lengths add up to at most `budget` (a longer row alone)."""
     groups: list[range] = []
     start, total = 0, 0

@@ -388,11 +388,11 @@ def test_packed_linears_run_on_onednn_packed_weights_and_match_plain_ones():
 
 
 def test_packed_prefill_groups_rows_within_the_token_budget():
-    from asyncrl.rollout.engine import _token_groups
+    from asyncrl.rollout.engine import token_groups
 
-    assert _token_groups([3, 7, 1, 5], 10) == [range(0, 2), range(2, 4)]
-    assert _token_groups([12, 3], 10) == [range(0, 1), range(1, 2)]  # a longer row alone
-    assert _token_groups([3, 7, 1, 5], 100) == [range(0, 4)]
+    assert token_groups([3, 7, 1, 5], 10) == [range(0, 2), range(2, 4)]
+    assert token_groups([12, 3], 10) == [range(0, 1), range(1, 2)]  # a longer row alone
+    assert token_groups([3, 7, 1, 5], 100) == [range(0, 4)]
 
 
 def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(prompts, monkeypatch):
@@ -449,14 +449,16 @@ def test_compiled_decode_matches_eager_across_stops_sampling_and_weight_updates(
         RolloutEngine(model, eos_token_id=EOS, pad_token_id=PAD, decode="fast")
 
 
-def test_compiled_continuous_batch_matches_eager_calls_alone_across_moves_growth_and_weight_updates():
+def test_compiled_continuous_batch_matches_eager_calls_alone_across_moves_growth_and_weight_updates(monkeypatch):
     """`rollout.decode=compiled` in a continuous batch (`CompiledBatcher`: a preallocated KV cache
-    stepped by the compiled step) gives each call's tokens (greedy) and log-probs (<= 1e-5) as the
-    eager engine decoding that call alone: a longer prompt joining running rows (every row's
-    columns move right), a full cache (the columns in use move left), a row needing more columns
-    than the cache has (it grows, live rows copied), and weights copied in place between calls."""
+    stepped by the compiled step, prompts prefilled without padding) gives each call's tokens
+    (greedy) and log-probs (<= 1e-5) as the eager engine decoding that call alone: a longer prompt
+    joining running rows (every row's columns move right), a full cache (the columns in use move
+    left), a row needing more columns than the cache has (it grows, live rows copied), weights
+    copied in place between calls, and two calls joining at once in two packed prefills."""
     import threading
 
+    import asyncrl.rollout.continuous as continuous_module
     from asyncrl.rollout.continuous import CompiledBatcher, continuous_batcher
 
     class Fixed:
@@ -505,6 +507,13 @@ def test_compiled_continuous_batch_matches_eager_calls_alone_across_moves_growth
             assert torch.equal(out["responses"][:, :width], ref["responses"]), version
             torch.testing.assert_close(out["rollout_log_probs"][:, :width], ref["rollout_log_probs"], atol=1e-5, rtol=0)
         widths.append(batcher.width)
+    monkeypatch.setattr(continuous_module, "PACKED_PREFILL_TOKENS", 8)  # 4 and 30 tokens: a prefill each
+    with batcher._cv:  # both queued before the loop admits either: they join in one admit
+        requests = [batcher.submit(row.tolist(), call[2]) for row, call in zip((short[0], longer[0]), rounds[1][:2], strict=True)]
+    for r, ref in zip(requests, alone[1][:2], strict=True):
+        r.future.result(timeout=300)
+        assert r.tokens == ref["responses"].tolist()
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref["rollout_log_probs"], atol=1e-5, rtol=0)
     assert any(by > 0 and cursor > 0 for by, cursor in moves), moves  # right, past live columns
     assert any(by < 0 for by, _ in moves), moves  # left: round 1's third call ran past 96 columns
     assert widths == [96, 224], widths  # 2 x 44 and 2 x 104 columns, rounded up to 32s
