@@ -46,6 +46,8 @@ from transport.checks import check_positive as _positive
 __all__ = ["ConfigError", "RLConfig", "rl_config", "to_dict", "typed"]  # and every section below
 
 ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "remax", "reinforce_pp", "safe_rlhf")
+FILL_TOKEN_BUDGET = -1  # actor.max_tokens_per_micro_batch: sized from the memory estimate by each worker
+
 # a field's choices are its type: `Annotated[str, Literal[...]]` (`schema.choices_of`), checked by `validate`
 LossAggMode = Annotated[str, Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]]
 ModelDtype = Annotated[str, Literal["auto", "bfloat16", "float32"]]
@@ -205,7 +207,9 @@ class PPOUpdateConfig:
     micro_batch_size: int = 64  # rows per forward/backward (gradient accumulation over them)
     # > 0: micro-batches by tokens instead (verl's ppo_max_token_len_per_gpu): rows sorted by
     # length and packed so that rows x the longest row (padding counted) stays within it, at most
-    # micro_batch_size rows each; the loss is weighted to equal one pass over the mini-batch
+    # micro_batch_size rows each; the loss is weighted to equal one pass over the mini-batch.
+    # -1 (the actor's): each worker sizes it from the memory estimate (asyncrl.plan.memory) to fill
+    # 85 % of its device (a GPU, or its share of a CPU node's memory), logged as it starts
     max_tokens_per_micro_batch: int = 0
     # each micro-batch's rows as one packed row, no padding computed (asyncrl.train.packing):
     # null = wherever the model has a varlen path (FSDP2 without pipeline stages), true = required
@@ -219,7 +223,9 @@ class PPOUpdateConfig:
         _positive(at + "ppo_epochs", self.ppo_epochs)
         _positive(at + "ppo_mini_batches", self.ppo_mini_batches)
         _positive(at + "micro_batch_size", self.micro_batch_size)
-        _positive(at + "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True)
+        _check(self.max_tokens_per_micro_batch >= FILL_TOKEN_BUDGET, at + "max_tokens_per_micro_batch",
+               self.max_tokens_per_micro_batch, "must be > 0 (a token budget), 0 (micro-batches by rows) or -1 "
+               "(the actor's: sized from the memory estimate)")
         _check(not self.max_tokens_per_micro_batch or self.parallel.pp == 1, at + "max_tokens_per_micro_batch",
                self.max_tokens_per_micro_batch, f"needs {at}parallel.pp=1 (pipeline stages exchange activations "
                "of one shape, so their micro-batches are rows); set it to 0")
@@ -772,8 +778,11 @@ class RLConfig(LaunchConfig):
         budgets = {"actor.max_tokens_per_micro_batch": self.actor.max_tokens_per_micro_batch,
                    "actor.log_prob_max_tokens_per_micro_batch": self.actor.log_prob_max_tokens_per_micro_batch,
                    "critic.max_tokens_per_micro_batch": self.critic.max_tokens_per_micro_batch}
+        _check(self.critic.max_tokens_per_micro_batch != FILL_TOKEN_BUDGET, at + "critic.max_tokens_per_micro_batch",
+               FILL_TOKEN_BUDGET, "-1 (a budget sized from the memory estimate) is the actor's alone; give the critic "
+               "a token budget, or 0 (micro-batches by rows)")
         for key, budget in budgets.items():
-            _check(not budget or budget >= longest, at + key, budget,
+            _check(budget in (0, FILL_TOKEN_BUDGET) or budget >= longest, at + key, budget,
                    f"a row can reach data.max_prompt_len + rollout.max_tokens = {longest} tokens and a row is "
                    f"never split across micro-batches; raise {key} to at least {longest} (or to 0: micro-batches "
                    "by rows)")

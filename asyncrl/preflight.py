@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.algorithms.registry import needs_critic, needs_teacher
-from asyncrl.config import ModelConfig, RLConfig
+from asyncrl.config import FILL_TOKEN_BUDGET, ModelConfig, RLConfig
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.models.resolve import resolve_model, tiny_settings
 from asyncrl.rundir import check_output_dir
@@ -69,17 +69,20 @@ def check_memory(cfg: RLConfig) -> None:
     nodes, refuse a run whose workers would not fit the node's memory together: the kernel would
     kill one mid-step. GPU memory is not checked here (the driver never touches CUDA):
     `asyncrl-plan` compares the same estimate with the device profile."""
-    from asyncrl.plan.memory import worker_memory
+    from asyncrl.plan.memory import fill_token_budget, worker_memory
     from asyncrl.plan.workload import model_spec
     from objectstore.memory import node_memory_bytes
 
     if cfg.trainer.placement != "colocated" or cfg.actor.parallel.pp > 1:
         return
     on_gpu = cfg.cluster.gpus_per_node > 0 or Path("/dev/nvidiactl").exists()  # no CUDA call on the driver
-    estimate = worker_memory(cfg, model_spec(cfg.model.path), on_gpu=on_gpu)
+    spec, budget = model_spec(cfg.model.path), None
+    per_node = min(cfg.trainer.n_workers, cfg.cluster.cpu_devices) if not on_gpu else 0
+    if per_node and cfg.actor.max_tokens_per_micro_batch == FILL_TOKEN_BUDGET:  # as each worker will size it
+        budget, _ = fill_token_budget(cfg, spec, False, node_memory_bytes() / per_node)
+    estimate = worker_memory(cfg, spec, on_gpu=on_gpu, token_budget=budget)
     log.info("memory per actor worker (estimate, asyncrl.plan.memory): %.2f GiB at %s",
              estimate.total / 2**30, estimate.peak_phase)
-    per_node = min(cfg.trainer.n_workers, cfg.cluster.cpu_devices) if not on_gpu else 0
     need, have = per_node * estimate.total, node_memory_bytes()
     if per_node and need > have:
         raise ConfigError(

@@ -36,8 +36,10 @@ from asyncrl.plan.workload import ModelSpec
 from asyncrl.train.export import EXPORT_SHARD_BYTES
 from asyncrl.train.logits import LOGIT_CHUNK_TOKENS
 from asyncrl.train.lora import INPUT_EMBEDDINGS
+from transport.checks import ConfigError
 
 GIB = float(1 << 30)
+FILL_FRACTION = 0.85  # of a device an auto token budget plans for: the estimate's error, the allocator's slack
 RUNTIME_BYTES = 0.75 * GIB  # a worker process with torch, transformers and asyncrl loaded (measured on CPU)
 KV = "KV cache (native engine)"  # the part the generate and evaluate phases differ in
 # bytes of saved activations per token per layer, in units of the compute dtype's width: attention
@@ -101,10 +103,13 @@ class Knobs:
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
-                    spec: ModelSpec | None = None) -> Knobs:
+                    spec: ModelSpec | None = None, token_budget: int | None = None) -> Knobs:
+        """`token_budget`: the update's, in place of actor.max_tokens_per_micro_batch (whose -1, a
+        budget sized to fill the device, prices as its most: micro-batches of micro_batch_size rows)."""
         vllm = rollout_pool_bytes(cfg, on_gpu, device_bytes)
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
-        return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, cfg.actor.max_tokens_per_micro_batch,
+        budget = max(0, cfg.actor.max_tokens_per_micro_batch) if token_budget is None else token_budget
+        return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, budget,
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
@@ -249,12 +254,14 @@ def _gathered(spec: ModelSpec, tp: int, cb: float, knobs: Knobs | None = None) -
 
 
 # one worker of the colocated actor ------------------------------------------------------------
-def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float | None = None) -> MemoryEstimate:
+def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float | None = None,
+                  token_budget: int | None = None) -> MemoryEstimate:
     """The estimate for one rank of the actor's pool of `cfg` (an RLConfig) and model `spec`
-    (`device_bytes`: a GPU's memory, which vLLM takes its `gpu_memory_utilization` share of)."""
+    (`device_bytes`: a GPU's memory, which vLLM takes its `gpu_memory_utilization` share of;
+    `token_budget`: the update's micro-batch budget in place of the config's)."""
     ac, rc, dc = cfg.actor, cfg.rollout, cfg.data
     par = ac.parallel
-    knobs = Knobs.from_config(cfg, on_gpu, device_bytes, spec)
+    knobs = Knobs.from_config(cfg, on_gpu, device_bytes, spec, token_budget)
     dp = par.dp or max(1, cfg.trainer.n_workers // (par.tp * par.pp))
     shards = dp * par.tp * par.pp
     seq = dc.max_prompt_len + rc.max_tokens
@@ -286,6 +293,30 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     if not on_gpu:  # the checkpoint's bytes are host memory: the device's own on a CPU
         phases.update(host)
     return MemoryEstimate({**resident, **gen, **eval_kv, **lp, **up}, phases, host)
+
+
+def fill_token_budget(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float) -> tuple[int, float]:
+    """actor.max_tokens_per_micro_batch=-1: the largest token budget whose update phase this
+    estimate prices within FILL_FRACTION of `device_bytes` (a GPU's memory, or this worker's share
+    of its node's) — at least the longest row (a row is never split), at most a micro-batch of
+    actor.micro_batch_size such rows — and that phase's estimated bytes."""
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    target = FILL_FRACTION * device_bytes
+
+    def update(budget: int) -> float:
+        return worker_memory(cfg, spec, on_gpu, device_bytes if on_gpu else None, budget).phases["update"]
+
+    if update(longest) > target:
+        raise ConfigError(
+            f"actor.max_tokens_per_micro_batch=-1: a micro-batch of one {longest}-token row already needs about "
+            f"{update(longest) / GIB:.1f} GiB at the update, more than {FILL_FRACTION:.0%} of the "
+            f"{device_bytes / GIB:.1f} GiB this worker has: set actor.gradient_checkpointing=true, "
+            "model.dtype=bfloat16, or more trainer.n_workers (fewer parameters a rank)")
+    low, high = longest, longest * max(1, cfg.actor.micro_batch_size)
+    while low < high:  # the update's estimate grows with the budget
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if update(mid) <= target else (low, mid - 1)
+    return low, update(low)
 
 
 def _chunk(spec: ModelSpec, tokens: float, sp: int = 1) -> float:

@@ -31,7 +31,7 @@ from asyncrl.agents.rollout import (
 from asyncrl.algorithms import core
 from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.roles import ROW_TOKENS
-from asyncrl.config import ActorConfig, RLConfig, rl_config
+from asyncrl.config import FILL_TOKEN_BUDGET, ActorConfig, RLConfig, rl_config
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import routing
@@ -119,6 +119,7 @@ class ActorRolloutRefWorker(Worker):
         replica = "rollout" in self.roles and "actor" not in self.roles
         pristine = self._rollout_replica(base, layout, sync_specs) if replica else {}
         warn_if_bf16_is_slow(self.device, cfg.model.dtype)
+        self._fill_token_budget()  # actor.max_tokens_per_micro_batch=-1
         self._build_engines(base, layout, one_copy="actor" in self.roles)
         pack_engines(self.cfg, [e for e in (self.actor, self.ref) if e is not None], layout, "actor" in self.roles)
         self._hybrid_engine(base, layout)  # the reshard from training into generation weights
@@ -127,6 +128,25 @@ class ActorRolloutRefWorker(Worker):
         self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
         self.sample_gen, self.shuffle_gen = self._generators(layout)
+
+    def _fill_token_budget(self) -> None:
+        """actor.max_tokens_per_micro_batch=-1: set it to the budget the memory estimate fits into
+        this worker's device (a GPU's memory; on a CPU its share of the node's), logged by rank 0."""
+        if "actor" not in self.roles or self.cfg.actor.max_tokens_per_micro_batch != FILL_TOKEN_BUDGET:
+            return
+        from asyncrl.plan.memory import GIB, fill_token_budget
+        from asyncrl.plan.workload import model_spec
+        from asyncrl.single_controller.memory import workers_on_node
+        from objectstore.memory import node_memory_bytes
+
+        on_gpu = torch.device(self.device).type == "cuda"
+        device_bytes = (torch.cuda.get_device_properties(self.device).total_memory if on_gpu
+                        else node_memory_bytes() / workers_on_node())
+        budget, peak = fill_token_budget(self.cfg, model_spec(self.cfg.model.path), on_gpu, device_bytes)
+        if self.rank == 0:
+            log.info("actor.max_tokens_per_micro_batch=-1: %d tokens a micro-batch (the update's estimated peak "
+                     "%.2f GiB of this worker's %.1f GiB)", budget, peak / GIB, device_bytes / GIB)
+        self.cfg.actor.max_tokens_per_micro_batch = budget
 
     def _generators(self, layout: ParallelLayout) -> tuple[torch.Generator, torch.Generator]:
         """Sampling: one stream per data shard, so the ranks of a generation TP group draw alike;

@@ -219,6 +219,36 @@ def test_the_memory_estimate_follows_the_knobs():
     assert worker_memory(cfg, spec, on_gpu=True).host["save (rank 0)"] == pytest.approx(dp4.host["save (rank 0)"] + staged)
 
 
+def test_a_filled_token_budget_is_the_largest_the_estimate_fits():
+    """actor.max_tokens_per_micro_batch=-1 (`fill_token_budget`): the largest budget whose update
+    phase the estimate prices within 85 % of the device — one token more would not fit, a smaller
+    device gets a smaller budget, a roomy one stops at micro_batch_size rows — and a device too
+    small for one row is a ConfigError naming the knobs; the critic cannot take -1."""
+    from asyncrl.config import rl_config
+    from asyncrl.plan.memory import FILL_FRACTION, GIB, fill_token_budget, worker_memory
+    from asyncrl.plan.workload import ModelSpec
+    from transport.checks import ConfigError
+
+    spec = ModelSpec("qwen0.5b-shape", 24, 896, 14, 2, 4864, 151936, tied=True)
+    cfg = rl_config({"data": {"batch_size": 64, "max_prompt_len": 256}, "rollout": {"n": 4, "max_tokens": 768},
+                     "trainer": {"n_workers": 1}, "actor": {"micro_batch_size": 256, "max_tokens_per_micro_batch": -1}})
+    longest = 1024
+    budgets = []
+    for gib in (24, 40):
+        budget, peak = fill_token_budget(cfg, spec, True, gib * GIB)
+        assert longest <= budget < 256 * longest and peak <= FILL_FRACTION * gib * GIB
+        assert worker_memory(cfg, spec, True, gib * GIB, budget + 1).phases["update"] > FILL_FRACTION * gib * GIB
+        budgets.append(budget)
+    assert budgets[0] < budgets[1]
+    assert fill_token_budget(cfg, spec, True, 10_000 * GIB)[0] == 256 * longest  # micro_batch_size rows at most
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        fill_token_budget(cfg, spec, True, 8 * GIB)
+    with pytest.raises(ConfigError, match="critic.max_tokens_per_micro_batch"):
+        rl_config({"critic": {"max_tokens_per_micro_batch": -1}})
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch"):
+        rl_config({"actor": {"max_tokens_per_micro_batch": -2}})
+
+
 def test_a_lora_critic_is_priced_by_its_adapters():
     """critic.lora: the planner prices the critic's training state by its adapters (a few percent
     of full fine-tuning's) and keeps its strategies to FSDP alone, as it does the actor's."""

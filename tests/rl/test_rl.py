@@ -71,8 +71,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("ppo", ["actor.max_tokens_per_micro_batch=40", "actor.log_prob_max_tokens_per_micro_batch=40",
              "actor.gradient_checkpointing=true", "critic.max_tokens_per_micro_batch=40",
              "critic.gradient_checkpointing=true"]),
-    # bf16 compute over fp32 master weights on CPU ranks, the reference policy stored in bf16
-    ("grpo", ["model.dtype=bfloat16", "actor.use_kl_loss=true"]),
+    # bf16 compute over fp32 master weights on CPU ranks, the reference policy stored in bf16; the
+    # update's token budget sized by each worker from the memory estimate
+    ("grpo", ["model.dtype=bfloat16", "actor.use_kl_loss=true", "actor.max_tokens_per_micro_batch=-1"]),
     # two-turn trajectories with an environment: observation tokens masked out of the loss
     ("grpo", ["rollout.multi_turn.enable=true", "rollout.multi_turn.env=tests/helpers/agent_envs.py:CountOnes",
               "rollout.multi_turn.max_turn_tokens=4", "rollout.max_tokens=16", "actor.use_kl_loss=true"]),
@@ -106,6 +107,9 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
                                             "trainer.stats_every=1", "job.entry=tests/helpers/rl_probe.py:main",
                                             *extra])
     assert res.returncode == 0, res.stderr[-3000:]
+    if "actor.max_tokens_per_micro_batch=-1" in extra:  # rank 0 logs the budget it sized
+        logs = "".join(p.read_text() for p in (out / "logs").rglob("worker-actor_rollout_ref-0-*.log"))
+        assert "actor.max_tokens_per_micro_batch=-1: " in logs and "tokens a micro-batch" in logs
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["algorithm"] == {"gspo": "grpo", "cispo": "grpo"}.get(config, config) and summary["steps"] == 2
     assert len(summary["policy_gain"]) == 2 and sum(summary["policy_gain"]) > 0, summary
