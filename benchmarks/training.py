@@ -16,7 +16,9 @@ update. Arms, in micro-batches of `--micro-rows` rows (2, the GPU benchmark's) u
 - `accumulate_unsharded`: the workers' default environment and the engine's default, which keeps
   the gathered parameters and unreduced gradients across micro-batches when memory allows
   (`asyncrl.train.fsdp.UNSHARDED_ROOM`);
-- `one_micro_batch`: all defaults, `actor.micro_batch_size`'s too (the whole batch at once).
+- `one_micro_batch`: all defaults, `actor.micro_batch_size`'s too (the whole batch at once);
+- `filled_budget`: micro-batches by the token budget `actor.max_tokens_per_micro_batch=-1` sizes
+  from the memory estimate for a worker alone on this machine (`token_budget` in its result).
 Per arm: `step_s`, `tokens_per_s`, `page_faults` (minor faults per update), and `mfu`: the model
 FLOPs (6·N per token plus causal attention, the PaLM convention) per second over the fp32 rate of
 a [1024, hidden] x [hidden, 8·hidden] matmul measured in the same process. `<arm>_speedup` is an
@@ -48,6 +50,7 @@ ARMS = {  # environment, the actor's default micro-batch size, FSDPEngine(accumu
     "asyncrl_allocator": (ALLOCATOR_ENV, False, False),
     "accumulate_unsharded": (ALLOCATOR_ENV, False, None),
     "one_micro_batch": (ALLOCATOR_ENV, True, None),
+    "filled_budget": (ALLOCATOR_ENV, "fill", None),
 }
 
 
@@ -93,7 +96,8 @@ def run_arm(args: argparse.Namespace) -> dict:
     _, one_batch, accumulate = ARMS[args.arm]
     engine = FSDPEngine(model, layout, optim=OptimConfig(lr=1e-6), device="cpu", accumulate_unsharded=accumulate)
     micro = PPOUpdateConfig().micro_batch_size if one_batch else args.micro_rows
-    cfg = PPOUpdateConfig(micro_batch_size=micro, shuffle=False)
+    budget = filled_budget(args) if one_batch == "fill" else 0
+    cfg = PPOUpdateConfig(micro_batch_size=micro, max_tokens_per_micro_batch=budget, shuffle=False)
     batch, gen = rl_rows(args.rows, args.prompt, args.response), torch.Generator().manual_seed(0)
     ppo_update(engine, batch, cfg, ppo_loss, gen)  # warm-up
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -105,10 +109,24 @@ def run_arm(args: argparse.Namespace) -> dict:
     seq = args.prompt + args.response
     rate = matmul_rate(1024, SHAPES[args.shape]["hidden_size"], "cpu", torch.float32)
     flops = model_flops(SHAPES[args.shape], params, args.rows, seq) / seconds
-    return {"micro_batch_rows": min(micro, args.rows), "step_s": round(seconds, 3),
+    return {"micro_batch_rows": min(micro, args.rows, budget // seq if budget else args.rows),
+            **({"token_budget": budget} if budget else {}), "step_s": round(seconds, 3),
             "tokens_per_s": round(args.rows * seq / seconds, 2), "page_faults": int(faults),
             "model_gflops": round(flops / 1e9, 1), "matmul_gflops": round(rate / 1e9, 1),
             "mfu": round(flops / rate, 3)}
+
+
+def filled_budget(args: argparse.Namespace) -> int:
+    """actor.max_tokens_per_micro_batch=-1 as a worker alone on this machine sizes it."""
+    from asyncrl.config import rl_config
+    from asyncrl.plan.memory import fill_token_budget
+    from asyncrl.plan.workload import model_spec
+    from objectstore.memory import node_memory_bytes
+
+    cfg = rl_config({"data": {"batch_size": max(1, args.rows // 2), "max_prompt_len": args.prompt},
+                     "rollout": {"n": 2, "max_tokens": args.response}, "trainer": {"n_workers": 1},
+                     "model": {"dtype": "float32"}, "actor": {"max_tokens_per_micro_batch": -1}})
+    return fill_token_budget(cfg, model_spec(str(args.model)), False, node_memory_bytes())[0]
 
 
 def spawn_arm(arm: str, model: Path, args: argparse.Namespace) -> dict:
