@@ -322,6 +322,12 @@ class CompiledBatcher(ContinuousBatcher):
         self._busy.close()
         self.cursor = 0  # the column the next step writes (every slot's)
 
+    def _loop(self) -> None:
+        try:
+            super()._loop()
+        finally:  # a failed step: the model's attention and linears as they were
+            self._busy.close()
+
     def _prefill(self, joining: list[tuple[_Request, list[int]]]) -> int:
         """The joining prompts without padding (`prefill_packed`, in groups of up to
         PACKED_PREFILL_TOKENS tokens), each row's keys and values ending at the cursor."""
