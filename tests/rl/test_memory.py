@@ -163,9 +163,10 @@ def test_token_budget_knobs_are_checked():
     from transport.checks import ConfigError
 
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch"):
-        rl_config({"actor": {"max_tokens_per_micro_batch": -1}})
-    with pytest.raises(ConfigError, match="parallel.pp=1"):
-        rl_config({"trainer": {"n_workers": 2}, "actor": {"max_tokens_per_micro_batch": 512, "parallel": {"pp": 2}}})
+        rl_config({"actor": {"max_tokens_per_micro_batch": -2}})  # -1: sized from the memory estimate
+    for budget in (512, -1):
+        with pytest.raises(ConfigError, match="parallel.pp=1"):
+            rl_config({"trainer": {"n_workers": 2}, "actor": {"max_tokens_per_micro_batch": budget, "parallel": {"pp": 2}}})
 
 
 def test_model_dtype_picks_the_compute_dtype_and_keeps_fp32_masters():
