@@ -9,7 +9,9 @@ calls and sampling settings share each forward.
 
 The slots share one KV cache: a row that joins at cache length L gets its prompt's keys and
 values (one prefill of that prompt) written into columns L-P .. L-1 and everything before masked
-out; columns masked for every live row are dropped now and then. Positions are per row.
+out; columns masked for every live row are dropped now and then. Positions are per row. With
+`rollout.decode=compiled` (`continuous_batcher`), `CompiledBatcher` does the same on one
+preallocated cache stepped by the engine's compiled decode step.
 
 Weights change only between decode steps (`Weights`): with interrupts allowed a new version is
 loaded at the next step (rows keep their KV cache from the old one, as in AReaL's interruptible

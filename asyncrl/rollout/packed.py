@@ -6,7 +6,8 @@ oneDNN's kernels on a weight reordered into its blocked layout ran 2.75x faster 
 and inductor's `freezing` use). Inductor's freezing folds the weights into the graph, so every
 weight update would compile again; here a custom op takes the weight as an input and packs it
 itself, once per call of `generate` and again whenever the weight changes (its version counter:
-weights loaded in place between decode steps are seen). The packed copies live for one call.
+weights loaded in place between decode steps are seen). The packed copies live for one call (in a
+continuous batch: while its rows are live).
 """
 
 from __future__ import annotations
