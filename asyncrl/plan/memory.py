@@ -306,10 +306,10 @@ def fill_token_budget(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: flo
     def update(budget: int) -> float:
         return worker_memory(cfg, spec, on_gpu, device_bytes if on_gpu else None, budget).phases["update"]
 
-    if update(longest) > target:
+    if (one_row := update(longest)) > target:
         raise ConfigError(
             f"actor.max_tokens_per_micro_batch=-1: a micro-batch of one {longest}-token row already needs about "
-            f"{update(longest) / GIB:.1f} GiB at the update, more than {FILL_FRACTION:.0%} of the "
+            f"{one_row / GIB:.1f} GiB at the update, more than {FILL_FRACTION:.0%} of the "
             f"{device_bytes / GIB:.1f} GiB this worker has: set actor.gradient_checkpointing=true, "
             "model.dtype=bfloat16, or more trainer.n_workers (fewer parameters a rank)")
     low, high = longest, longest * max(1, cfg.actor.micro_batch_size)

@@ -305,7 +305,6 @@ class ContinuousBatcher:
         self.start = [max(0, s - drop) for s in self.start]
 
 
-
 class CompiledBatcher(ContinuousBatcher):
     """The same continuous batch over a preallocated KV cache (`width` columns a slot) stepped by
     the engine's compiled decode step (`rollout.decode=compiled`): every step has the same shapes,
@@ -341,8 +340,8 @@ class CompiledBatcher(ContinuousBatcher):
             tokens = torch.tensor([t for req, _ in part for t in req.prompt])
             logits, packed = prefill_packed(self.model, tokens, torch.tensor(lengths[group.start:group.stop]))
             if group.start == 0:
-                self._make_room(packed, max(lengths), max(n + req.params.max_tokens
-                                                          for n, (req, _) in zip(lengths, joining, strict=True)))
+                self._make_room(packed, max(lengths), max(len(req.prompt) + req.params.max_tokens
+                                                          for req, _ in joining))
             self._write(part, packed, logits)
         return self.cursor
 
