@@ -12,7 +12,6 @@ would have sent it. The driver still collects every reply and plans the result a
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,27 +46,32 @@ register_type(Promised, int(Ext.PROMISED), lambda p: list(p.seqs), _promised_fro
 
 
 class CallOutputs:
-    """A worker process's recent call outputs by number, for calls sent before they ended."""
+    """A worker process's recent call outputs by number, for calls sent before they ended.
+
+    Calls may begin here out of their numbers' order (a call sent ahead begins at once, the call
+    it reads may still wait behind another), so what is no longer held is told by the numbers
+    dropped (`floor`), not by the highest begun."""
 
     def __init__(self, keep: int = KEPT_OUTPUTS) -> None:
         self.keep = keep
-        self.outputs: OrderedDict[int, asyncio.Future] = OrderedDict()
-        self.newest = -1  # the highest number begun here
+        self.outputs: dict[int, asyncio.Future] = {}
+        self.floor = -1  # the highest number dropped to keep `keep`: at or below it, nothing is held
 
     def _future(self, seq: int) -> asyncio.Future:
         fut = self.outputs.get(seq)
         if fut is None:
-            if seq <= self.newest:
+            if seq <= self.floor:
                 raise PipelineError(f"the output of call #{seq} is no longer held on this rank "
                                     f"(it keeps the last {self.keep})")
             fut = self.outputs[seq] = asyncio.get_running_loop().create_future()
             while len(self.outputs) > self.keep:
-                self.outputs.popitem(last=False)
+                oldest = min(self.outputs)
+                del self.outputs[oldest]
+                self.floor = max(self.floor, oldest)
         return fut
 
     def begin(self, seq: int) -> None:
         self._future(seq)
-        self.newest = max(self.newest, seq)
 
     def ended(self, seq: int, output: Any = None, error: BaseException | None = None) -> None:
         fut = self.outputs.get(seq)
@@ -83,8 +87,8 @@ class CallOutputs:
     async def wait_ended(self, seq: int) -> None:
         """Until call `seq` ended here; a PipelineError if it failed (what was sent behind it
         does not run: its ranks could otherwise meet in different collectives)."""
-        if seq not in self.outputs and seq <= self.newest:
-            return  # begun more than `keep` calls ago: long ended
+        if seq not in self.outputs and seq <= self.floor:
+            return  # dropped: begun more than `keep` calls ago, long ended
         try:
             await self._future(seq)
         except PipelineError as e:

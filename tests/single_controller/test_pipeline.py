@@ -12,6 +12,7 @@ from asyncrl import Batch, WorkerCallError
 from asyncrl.single_controller import group as group_module
 from asyncrl.single_controller.context import local_cluster
 from asyncrl.single_controller.group import union_all
+from asyncrl.single_controller.pipeline import CallOutputs, PipelineError
 from tests.helpers import pm_workers as W
 
 
@@ -94,3 +95,32 @@ async def test_a_call_sent_behind_a_failed_call_does_not_run_and_the_pool_goes_o
         g.behind("no_such_method")
     made, scored, total = await _run(ctx, g, 4, delay=0.0)
     assert len(await total) == 4
+
+
+async def test_a_call_sent_ahead_of_a_call_still_behind_another_waits_for_it(chain):
+    """The consumer begins on each rank while its producer still waits behind the call before
+    it: the producer then begins out of its number's order, and the consumer takes its rows."""
+    ctx, g = chain
+    first = g.span(ctx.put(Batch({"idx": torch.arange(4)})), delay=0.5)
+    made = g.behind("make", ctx.put(Batch({"idx": torch.arange(4)})))
+    scored = g.score(made)
+    assert await asyncio.wait_for(scored.source[0].sent, 5) is True  # out while `first` runs
+    assert not first.done()
+    out = await (await made).union(await scored).fetch()
+    assert torch.equal(out["score"], out["x"] + 1)
+    assert torch.equal(out["scored_by"], out["made_by"])
+
+
+async def test_call_outputs_tell_a_dropped_output_from_one_not_begun_yet():
+    outputs = CallOutputs(keep=3)
+    outputs.begin(5)  # begins before 4, which it does not read
+    waiting = asyncio.ensure_future(outputs.wait_ended(4))
+    outputs.begin(4)
+    outputs.ended(4, "four")
+    await asyncio.wait_for(waiting, 1)
+    for seq in (6, 7, 8):
+        outputs.begin(seq)
+    assert sorted(outputs.outputs) == [6, 7, 8] and outputs.floor == 5
+    with pytest.raises(PipelineError, match="call #4 is no longer held on this rank"):
+        outputs.begin(4)
+    await asyncio.wait_for(outputs.wait_ended(5), 1)  # dropped: long ended
