@@ -94,9 +94,9 @@ class ClusterConfig:
     """Workers run functions and classes from these packages (`run`, hosted Worker classes)
     besides asyncrl's own and the job entry's package; e.g. ["my_rewards"]."""
     warm_imports: list[str] = field(default_factory=list)
-    """Modules a worker imports before it has work: each node keeps one such process per CPU
-    device started ahead (re-started when idle in daemon mode), so a job's workers start without
-    paying those imports; [] = workers start cold. GPU nodes start workers cold."""
+    """Modules a CPU node's fork server imports once, as the node starts: its workers fork from
+    it (milliseconds) instead of each importing them in a fresh interpreter, and a daemon's
+    server stays for every later job; [] = workers start cold. GPU nodes start workers cold."""
 
     def check(self, at: str) -> None:
         check_positive(at + "shm_pool_bytes", self.shm_pool_bytes, allow_zero=True)
@@ -181,8 +181,7 @@ class ClusterSpec:
                           coordinator_timeout_s=self.coordinator_timeout_s or max(10.0, 2 * c.node_timeout_s),
                           shm_pool_bytes=c.shm_pool_bytes, store_memory_limit=self.store_memory_limit,
                           head_loss_timeout_s=None if c.node_rank == 0 or self.daemon else c.head_loss_timeout_s,
-                          limits=c.limits, keep_job_logs=c.keep_job_logs, warm_imports=tuple(c.warm_imports),
-                          keep_warm=self.daemon)
+                          limits=c.limits, keep_job_logs=c.keep_job_logs, warm_imports=tuple(c.warm_imports))
 
 
 # daemons ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemons import forking
 from daemons.errors import PlacementError
 from daemons.liveness import HeartbeatSender
 from daemons.messages import ChildStatus, NodeInfoReply, NodeRegistration, WorkerExit, WorkerSpec
@@ -60,9 +61,6 @@ SHM_POOL_ENV = "ASYNCRL_SHM_POOL_BYTES"
 # Each worker store's memory limit in bytes (see objectstore.memory).
 STORE_MEMORY_LIMIT_ENV = "ASYNCRL_STORE_MEMORY_LIMIT"
 KEYS_ON_STDIN_ENV = "ASYNCRL_KEYS_ON_STDIN"  # a worker reads its key pair (JSON) from stdin
-# a warm worker imports these modules (comma-separated), then reads its work from stdin (JSON:
-# its environment, keys and log file); see NodeDaemon._fill_warm
-WARM_IMPORTS_ENV = "ASYNCRL_WARM_IMPORTS"
 NODE_DEVICES_ENV = "ASYNCRL_NODE_DEVICES"  # a worker's share of the node's cores is one device's
 # Besides after each abnormal worker exit, the node sweeps /dev/shm this often: a dead worker's
 # forked children can hold its segments' lock a little longer than the worker lives.
@@ -138,14 +136,23 @@ def _remove_job_logs(folder: Path) -> None:
         folder.rmdir()
 
 
-# environment variables read as the interpreter or a native library loads (a warm worker has
-# loaded them already); PYTHONPATH is the exception: a warm worker adds its entries to sys.path
-_AT_START = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "CUDA_",
+# environment variables read as the interpreter or a native library loads (a fork server has
+# loaded them already); PYTHONPATH is the exception: a forked worker adds its entries to sys.path
+_AT_START = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "CUDA_", "HF_",
+             "TRANSFORMERS_",
              *ALLOCATOR_ENV, ALLOCATOR_CHOICE_ENV)
 
 
 def _read_at_start(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_AT_START) and k not in ("PYTHONPATH", "PYTHONUNBUFFERED")}
+
+
+def _loads_as(env: dict[str, str], ahead: dict[str, str], imports: tuple[str, ...]) -> bool:
+    """Whether a worker started with `env` would load as a process started with `ahead` that
+    imported `imports` did: the same load-time settings, the same code for those packages."""
+    if _read_at_start(env) != _read_at_start(ahead):
+        return False  # settings that the interpreter or its libraries read as they load differ
+    return all(_found(top, env) == _found(top, ahead) for top in {m.split(".")[0] for m in imports})
 
 
 def _found(package: str, env: dict[str, str]) -> str | None:
@@ -165,7 +172,7 @@ def _found(package: str, env: dict[str, str]) -> str | None:
 @dataclass
 class _Child:
     worker_id: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | forking.ForkedProcess
     log_path: str
     reported: bool = False
 
@@ -191,7 +198,6 @@ class NodeDaemon:
         limits: ServerLimits | None = None,
         keep_job_logs: int = KEEP_JOB_LOGS,
         warm_imports: tuple[str, ...] = (),
-        keep_warm: bool = False,
     ) -> None:
         self.coordinator_endpoint = coordinator
         self.keep_job_logs = keep_job_logs
@@ -208,12 +214,9 @@ class NodeDaemon:
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
-        # warm workers: CPU devices only (a GPU worker's CUDA_VISIBLE_DEVICES must be set before
-        # anything it imports could touch CUDA); `keep_warm` re-starts them whenever the node is idle
+        # the fork server's imports: CPU devices only (a GPU worker's CUDA_VISIBLE_DEVICES must be
+        # set before anything it imports could touch CUDA)
         self.warm_imports = () if any(d.startswith("cuda") for d in self.devices) else tuple(warm_imports)
-        self.keep_warm = keep_warm
-        self._warm: list[subprocess.Popen] = []
-        self._warm_env: dict[str, str] = {}
         self._handed_ports: dict[int, float] = {}  # port -> when free_port gave it out
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
                                 name=f"node-{node_rank}")
@@ -240,7 +243,9 @@ class NodeDaemon:
                        loop.create_task(self._reap(), name="node-reap")]
         for task in self._tasks:
             task.add_done_callback(_log_crash)
-        self._fill_warm()
+        if self.warm_imports:
+            # the server imports while the job starts; it stays for the next jobs of a daemon
+            forking.start(self.warm_imports, with_allocator_settings(dict(os.environ)))
         return endpoint
 
     async def wait_registered(self, timeout: float) -> None:
@@ -248,7 +253,6 @@ class NodeDaemon:
 
     async def close(self) -> None:
         t0 = time.monotonic()
-        self._drop_warm()
         stopped = await asyncio.to_thread(self.kill_all)
         if stopped:
             log.info("node %s stopped %d worker(s) in %.1fs", self.node_id, stopped, time.monotonic() - t0)
@@ -372,8 +376,9 @@ class NodeDaemon:
             full_env[KEYS_ON_STDIN_ENV] = "1"
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
-        proc = self._start_warm(full_env, keys, log_path)
+        proc, how = self._start_forked(full_env, keys, log_path), "forked from the fork server"
         if proc is None:
+            how = "cold"
             with open(log_path, "ab") as logf:
                 proc = subprocess.Popen(WORKER_CMD, env=full_env,
                                         stdout=logf, stderr=subprocess.STDOUT,
@@ -383,53 +388,23 @@ class NodeDaemon:
                 with proc.stdin:  # a few hundred bytes: the pipe buffers them until the worker reads
                     proc.stdin.write(json.dumps(keys).encode() + b"\n")
         self.children[worker_id] = _Child(worker_id, proc, log_path)
-        log.info("spawned worker %s pid %d (log %s)", worker_id, proc.pid, log_path)
+        log.info("spawned worker %s pid %d, %s (log %s)", worker_id, proc.pid, how, log_path)
         return proc.pid
 
-    def _fill_warm(self) -> None:
-        """Start warm workers up to one per device: each imports `warm_imports`, then waits on
-        its stdin for the work `spawn_worker` gives it."""
-        self._warm = [p for p in self._warm if p.poll() is None]
-        if not self.warm_imports:
-            return
-        env = self._warm_env = with_allocator_settings({k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_CURVE_")})
-        env.update({WARM_IMPORTS_ENV: ",".join(self.warm_imports), "PYTHONUNBUFFERED": "1"})
-        for _ in range(len(self.devices) - len(self._warm)):
-            self._warm.append(subprocess.Popen(WORKER_CMD, env=env, stdin=subprocess.PIPE,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                               start_new_session=True, preexec_fn=die_with_parent))
-
-    def _start_warm(self, env: dict[str, str], keys: dict[str, str], log_path: str) -> subprocess.Popen | None:
-        """Give a warm worker (the oldest alive) this worker's environment, keys and log; None when
-        there is none, and the caller starts one cold."""
-        if not self._warm:
+    def _start_forked(self, env: dict[str, str], keys: dict[str, str], log_path: str) -> forking.ForkedProcess | None:
+        """Fork this worker from the process's fork server (`daemons.forking`) where one runs and
+        the worker would load as the server did; None where not (CPU workers only)."""
+        ahead = forking.running()
+        if ahead is None or any(d.startswith("cuda") for d in self.devices):
             return None
         env = {k: v for k, v in env.items() if k != KEYS_ON_STDIN_ENV}
-        if _read_at_start(env) != _read_at_start(self._warm_env):
-            return None  # settings that the interpreter or its libraries read as they load differ
-        if not all(_found(top, env) == _found(top, self._warm_env) for top in {m.split(".")[0] for m in self.warm_imports}):
-            return None  # this worker's PYTHONPATH finds other code than the warm ones imported
-        while self._warm:
-            proc = self._warm.pop(0)
-            if proc.poll() is not None:
-                continue
-            try:
-                with proc.stdin:
-                    proc.stdin.write(json.dumps({"env": env, "keys": keys, "log": log_path}).encode() + b"\n")
-            except OSError:  # it died since: the next one, or a cold start
-                kill_group(proc, 0)
-                continue
-            return proc
-        return None
-
-    def _drop_warm(self) -> None:
-        """Kill the warm workers (they hold nothing but imports)."""
-        for proc in self._warm:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, 9)
-        for proc in self._warm:
-            proc.wait()
-        self._warm = []
+        if not _loads_as(env, ahead, forking.imports()):
+            return None
+        try:
+            return forking.spawn("daemons.worker:forked_main", ({"env": env, "keys": keys, "log": log_path}, os.getpid()))
+        except Exception as e:  # noqa: BLE001 - a server that cannot fork (one of its imports broke it): start cold
+            log.warning("the fork server could not start a worker (%s: %s); starting it cold", type(e).__name__, e)
+            return None
 
     @expose(blocking=True)  # waits for the exit: keep the loop free
     def kill_worker(self, worker_id: str, grace_s: float = 5.0) -> bool:
@@ -543,5 +518,3 @@ class NodeDaemon:
                 # reported: forget it, so a daemon serving job after job does not grow
                 if self.children.get(child.worker_id) is child:
                     del self.children[child.worker_id]
-            if self.keep_warm and not self.children and len(self._warm) < len(self.devices):
-                self._fill_warm()  # idle: the next job's workers start warm

@@ -60,6 +60,25 @@ def die_with_parent() -> None:
         pass
 
 
+def die_with(pid: int) -> None:
+    """This process gets SIGKILL when process `pid` (not its parent) ends: a thread waits on a
+    pidfd of it. Already gone: SIGKILL now."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=f"die-with-{pid}", daemon=True).start()
+
+
 def exit_now(code: int) -> None:
     """End this process with `code` once its own threads and exit handlers have run, skipping
     the interpreter's teardown of every module (about 1 s with torch loaded, measured on the

@@ -35,8 +35,8 @@ from typing import Any
 from daemons.errors import NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
-from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV, WARM_IMPORTS_ENV
-from daemons.proc import exit_now, use_allocator_settings
+from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
+from daemons.proc import die_with, exit_now, use_allocator_settings
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose, trace
@@ -314,19 +314,9 @@ async def _invoke(fn: Callable, args: list, kwargs: dict) -> Any:
     return result
 
 
-def _warm_start(modules: str) -> dict[str, str]:
-    """A warm worker: import `modules` while no job needs it yet, then take the work the node
-    daemon writes on stdin (environment, keys, log file) and become that worker."""
-    for name in filter(None, modules.split(",")):
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the job's own import of it says what is wrong, in its log
-            pass
-    line = sys.stdin.readline()
-    if not line:  # the node went without giving this process work
-        sys.exit(0)
-    work = json.loads(line)
-    sys.stdin.close()
+def _take_work(work: dict) -> dict[str, str]:
+    """Become the worker `work` describes (environment, keys, log file) in a process that has
+    imported ahead: its output goes to the log, its environment and PYTHONPATH are the work's."""
     fd = os.open(work["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -339,14 +329,24 @@ def _warm_start(modules: str) -> dict[str, str]:
     return {**work["env"], **work["keys"]}
 
 
+def forked_main(work: dict, node_pid: int) -> None:
+    """A worker forked from the node's fork server (`daemons.forking`): its own session, killed
+    when the node's process dies (as a cold worker is by its parent-death signal), then `work`'s."""
+    os.setsid()
+    die_with(node_pid)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    _serve(_take_work(work))
+
+
 def main() -> None:
     env = dict(os.environ)
-    warm = env.pop(WARM_IMPORTS_ENV, None)
-    if warm is not None:
-        env = _warm_start(warm)
-    elif env.pop(KEYS_ON_STDIN_ENV, None) == "1":  # the node daemon's pipe: keys never in the environment
+    if env.pop(KEYS_ON_STDIN_ENV, None) == "1":  # the node daemon's pipe: keys never in the environment
         env.update(json.loads(sys.stdin.readline()))
         sys.stdin.close()
+    _serve(env)
+
+
+def _serve(env: dict[str, str]) -> None:
     use_allocator_settings()  # by mallopt too: a GLIBC_TUNABLES in the environment would override ALLOCATOR_ENV
     for key in [k for k in os.environ if k.startswith("ASYNCRL_CURVE_")]:
         del os.environ[key]  # the code this worker runs, and its children, need no keys

@@ -34,6 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fork_server() -> None:
+    """The session's pre-imported fork server, started as the session starts: rank groups,
+    launches and the CPU workers of this process's node daemons fork from it."""
+    from tests.helpers import forked
+
+    forked.context()
+
+
 @pytest.fixture(autouse=True)
 def _outputs_untouched() -> Iterator[None]:
     """A test that changed the checkout's outputs/ (a job launched from the checkout with no

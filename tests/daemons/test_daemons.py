@@ -273,44 +273,66 @@ def test_rendezvous_ports_stay_out_of_the_ephemeral_range():
     assert free_port(avoid=set(ports)) not in ports
 
 
-# warm workers ----------------------------------------------------------------------------------
-async def test_warm_workers_take_their_work_keys_and_log_from_the_node(tmp_path, monkeypatch):
-    """cluster.warm_imports: the node starts one process per device that imports ahead; a spawned
-    worker is one of them, with its own environment, CurveZMQ keys (never in its environment) and
-    log file; a warm process killed before it got work is passed over (a cold start instead); the
-    node's close leaves none behind. Warm and cold workers get asyncrl's allocator settings."""
+# the fork server -------------------------------------------------------------------------------
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def test_workers_fork_from_the_fork_server_with_their_own_work_keys_and_log(tmp_path, monkeypatch):
+    """cluster.warm_imports: CPU workers fork from the process's pre-imported fork server (here
+    the test session's), each in its own process group with its own environment, CurveZMQ keys
+    (never in its environment), log file and asyncrl's allocator settings; a worker whose
+    load-time settings differ from the server's starts cold; the node's close leaves none behind."""
+    import multiprocessing.forkserver
+
     from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
     from daemons.proc import ALLOCATOR_ENV
     from transport import CurveConfig
 
-    for key in ALLOCATOR_ENV:  # the node's own defaults, not the test process's
-        monkeypatch.delenv(key, raising=False)
-
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert server is not None  # the session's (tests/conftest.py)
     secret = CurveConfig.ephemeral()
     spec = ClusterSpec(ClusterConfig(cpu_devices=3, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=0.5,
-                                     allowed_packages=["os", "posix"], warm_imports=["json", "no_such_module_x"]),
+                                     allowed_packages=["os", "posix"], warm_imports=["json"]),
                        curve=secret, state_dir=tmp_path / "st")
     async with HeadNode.start(spec) as head:
-        warm = [p.pid for p in head.node._warm]
-        assert len(warm) == 3
-        os.kill(warm[0], signal.SIGKILL)
-        while head.node._warm[0].poll() is None:
-            await asyncio.sleep(0.05)
         workers = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=2))
         pids = [w.info.pid for w in workers]
-        assert pids == warm[1:], (pids, warm)  # the dead one passed over, the other two taken
+        assert [_parent(p) for p in pids] == [server, server]
         for w in workers:
+            assert await w.run("os:getpid", timeout=10) == w.info.pid
+            assert await w.run("os:getpgid", 0, timeout=10) == w.info.pid
             assert await w.run("os:getenv", "ASYNCRL_WORKER_ID", timeout=10) == w.info.worker_id
-            assert await w.run("os:getenv", "ASYNCRL_WARM_IMPORTS", timeout=10) is None
             assert all([await w.run("os:getenv", k, timeout=10) == v for k, v in ALLOCATOR_ENV.items()])
             assert secret.secret_key not in Path(f"/proc/{w.info.pid}/environ").read_bytes()
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # read as libraries load: the server read its own
         (third,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("q", world_size=1))
-        assert third.info.pid not in warm  # none left: a cold start
-        assert await third.run("os:getpid", timeout=10) == third.info.pid
-        assert all([await third.run("os:getenv", k, timeout=10) == v for k, v in ALLOCATOR_ENV.items()])
+        assert _parent(third.info.pid) == os.getpid()  # a cold start, the node's own child
+        assert await third.run("os:getenv", "OMP_NUM_THREADS", timeout=10) == "3"
         logs = sorted((tmp_path / "logs").rglob("worker-*.log"))
         assert len(logs) == 3 and all("ready at" in p.read_text() for p in logs)
-    assert _pids_alive([*warm, *pids, third.info.pid]) == []
+    assert _pids_alive([*pids, third.info.pid]) == []
+
+
+def test_a_forked_worker_dies_with_the_process_it_watches(tmp_path):
+    """A forked worker's parent is the fork server, so the parent-death signal that ends a cold
+    worker with its node cannot: `die_with` ends it when the node's process ends, SIGKILL included."""
+    node = subprocess.Popen(["sleep", "60"])
+    child = subprocess.Popen([sys.executable, "-c", f"from daemons.proc import die_with; import time; "
+                              f"die_with({node.pid}); print('watching', flush=True); time.sleep(60)"],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "watching"
+        node.kill()
+        node.wait()
+        assert child.wait(timeout=5) == -signal.SIGKILL
+        gone = subprocess.run([sys.executable, "-c", f"from daemons.proc import die_with; import time; "
+                               f"die_with({node.pid}); time.sleep(60)"], cwd=REPO, timeout=30)
+        assert gone.returncode == -signal.SIGKILL  # already gone: at once
+    finally:
+        for p in (node, child):
+            p.kill()
+            p.wait()
 
 
 def test_warm_imports_are_checked_and_gpu_nodes_start_cold(monkeypatch):
@@ -328,27 +350,23 @@ def test_warm_imports_are_checked_and_gpu_nodes_start_cold(monkeypatch):
 
 
 def test_a_worker_whose_code_or_native_settings_differ_starts_cold(tmp_path):
-    """A warm worker has imported its modules and loaded its libraries already: one that would
-    import another copy of a package (its PYTHONPATH) or read other load-time settings (OMP_*,
-    PYTHON*, LD_*) is not given the work; the same code on another path entry is."""
+    """The fork server has imported its modules and loaded its libraries already: a worker that
+    would import another copy of a package (its PYTHONPATH) or read other load-time settings
+    (OMP_*, PYTHON*, LD_*, HF_*) is not forked from it; the same code on another path entry is."""
+    from daemons.node import _loads_as
+
     for d in ("a", "b", "c"):
         (tmp_path / d / "pkgx").mkdir(parents=True)
         (tmp_path / d / "pkgx" / "__init__.py").write_text("")
-    node = NodeDaemon("tcp://127.0.0.1:1", insecure=True, cpu_devices=1, warm_imports=("pkgx",))
     base = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path / "a")}
-    for env, warm in [({**base, "PYTHONPATH": str(tmp_path / "b")}, False),
-                      ({**base, "OMP_NUM_THREADS": "3"}, False),
-                      ({**base, "THP_MEM_ALLOC_ENABLE": "0"}, False),
-                      ({**base, "PYTHONPATH": f"{tmp_path / 'c'}{os.pathsep}{tmp_path / 'a'}"}, False),
-                      ({**base, "PYTHONPATH": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}, True),
-                      ({**base, "ASYNCRL_WORKER_ID": "w"}, True)]:
-        stand_in = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-        node._warm, node._warm_env = [stand_in], dict(base)
-        got = node._start_warm(env, {}, str(tmp_path / "log"))
-        assert (got is stand_in) == warm, env
-        if not warm:
-            stand_in.kill()
-        stand_in.wait()
+    for env, forked in [({**base, "PYTHONPATH": str(tmp_path / "b")}, False),
+                        ({**base, "OMP_NUM_THREADS": "3"}, False),
+                        ({**base, "THP_MEM_ALLOC_ENABLE": "0"}, False),
+                        ({**base, "HF_HUB_OFFLINE": "1"}, False),
+                        ({**base, "PYTHONPATH": f"{tmp_path / 'c'}{os.pathsep}{tmp_path / 'a'}"}, False),
+                        ({**base, "PYTHONPATH": f"{tmp_path / 'a'}{os.pathsep}{tmp_path / 'b'}"}, True),
+                        ({**base, "ASYNCRL_WORKER_ID": "w"}, True)]:
+        assert _loads_as(env, base, ("pkgx.sub",)) == forked, env
 
 
 def test_exit_now_keeps_what_a_normal_exit_does_before_the_teardown(tmp_path):

@@ -14,6 +14,7 @@ command instead.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -22,18 +23,30 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from daemons import forking
 from daemons.proc import end_group
 
 # what every rank group and launch imports; one list: the server reads it once, when it starts
 PRELOAD = ["torch", "torch.distributed", "transformers", "asyncrl.launch", "asyncrl.trainer",
            "asyncrl.roles.forward", "asyncrl.train.fsdp", "asyncrl.train.pipeline", "asyncrl.rollout.engine",
-           "tests.helpers.forked", "tests.helpers.gloo_ranks"]
+           "daemons.worker", "tests.helpers.forked", "tests.helpers.gloo_ranks"]
 
 
 def context() -> Any:
-    """The fork-server context, its preload list set (read when the server starts)."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    """The fork-server context, the server started with PRELOAD: the node daemons of this
+    process fork their CPU workers from it too (`daemons.forking`)."""
+    forking.start(PRELOAD)
     return multiprocessing.get_context("forkserver")
+
+
+def _adopt(address: Any, env: dict[str, str]) -> None:
+    """In a process forked from the server: fork from that server too (its node daemons' workers),
+    not start one of its own. The server's other ends (its alive pipe, the resource tracker)
+    came with the fork; its address and starting environment are what this process lacks."""
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = address
+    server.ensure_running = lambda: None  # it runs: this process did not start it, so has no pid to poll
+    forking._state.update(env=env, imports=tuple(PRELOAD))
 
 
 def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
@@ -42,7 +55,9 @@ def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout:
     started), environment and working directory; TimeoutExpired past `timeout`."""
     with tempfile.TemporaryDirectory(prefix="asyncrl-launch-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = context().Process(target=_launch_main, args=(list(argv), dict(env), str(cwd), str(out), str(err)))
+        ctx = context()
+        handoff = (multiprocessing.forkserver._forkserver._forkserver_address, forking.running())  # type: ignore[attr-defined]
+        proc = ctx.Process(target=_launch_main, args=(list(argv), dict(env), str(cwd), str(out), str(err), handoff))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
@@ -53,9 +68,10 @@ def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout:
                                            err.read_text())
 
 
-def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, handoff: tuple) -> None:
     """In the forked child: become what a fresh `asyncrl-launch` process would be, then run it."""
     os.setsid()
+    _adopt(*handoff)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
