@@ -169,6 +169,20 @@ def _found(package: str, env: dict[str, str]) -> str | None:
     return None
 
 
+def _start_cold(env: dict[str, str], keys: dict[str, str], log_path: str) -> subprocess.Popen:
+    """A worker in a fresh interpreter, in its own session, killed when the node's thread that
+    started it dies; its keys written to its stdin."""
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(WORKER_CMD, env={**env, KEYS_ON_STDIN_ENV: "1"} if keys else env,
+                                stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if keys else subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=die_with_parent)
+    if keys:
+        with proc.stdin:  # a few hundred bytes: the pipe buffers them until the worker reads
+            proc.stdin.write(json.dumps(keys).encode() + b"\n")
+    return proc
+
+
 @dataclass
 class _Child:
     worker_id: str
@@ -341,7 +355,7 @@ class NodeDaemon:
         return folder
 
     @expose
-    def spawn_worker(self, spec: WorkerSpec) -> int:
+    async def spawn_worker(self, spec: WorkerSpec) -> int:
         """Start a worker process with `spec.env` added to this daemon's environment; returns its pid."""
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spawn_worker takes a WorkerSpec, got a {type(spec).__qualname__}")
@@ -351,6 +365,22 @@ class NodeDaemon:
         folder = self._job_log_dir(check_job_id(spec.job_id)) if spec.job_id else self.log_dir
         folder.mkdir(parents=True, exist_ok=True)
         log_path = str(folder / f"worker-{worker_id}.log")
+        env, keys = self._worker_env(spec)
+        # off the loop: a fork server still importing answers once it has
+        proc, how = await asyncio.to_thread(self._start_forked, env, keys, log_path), "forked from the fork server"
+        if proc is None:
+            proc, how = _start_cold(env, keys, log_path), "cold"
+        if worker_id in self.children:  # the same id spawned meanwhile
+            kill_group(proc, 0)
+            raise ValueError(f"worker {worker_id!r} runs already on node {self.node_id}")
+        self.children[worker_id] = _Child(worker_id, proc, log_path)
+        log.info("spawned worker %s pid %d, %s (log %s)", worker_id, proc.pid, how, log_path)
+        return proc.pid
+
+    def _worker_env(self, spec: WorkerSpec) -> tuple[dict[str, str], dict[str, str]]:
+        """A worker's environment (this daemon's, the allocator settings, the spec's, the node's
+        facts) and, apart, its CurveZMQ keys."""
+        worker_id = spec.worker_id
         full_env = {**with_allocator_settings(dict(os.environ)), SHM_POOL_ENV: str(self.shm_pool_bytes),
                     STORE_MEMORY_LIMIT_ENV: str(self.store_memory_limit),
                     **{k: str(v) for k, v in spec.env.items()},
@@ -369,27 +399,12 @@ class NodeDaemon:
         for key in [k for k in full_env if k.startswith("ASYNCRL_CURVE_")]:
             if key not in spec.env:
                 del full_env[key]
-        # the worker's keys go through a pipe on its stdin, never its environment (which any
-        # process of the same user reads in /proc/PID/environ)
+        # the worker's keys go through a pipe (its stdin, or the fork server's), never its
+        # environment (which any process of the same user reads in /proc/PID/environ)
         keys = {k: full_env.pop(k) for k in [k for k in full_env if k.startswith("ASYNCRL_CURVE_")]}
-        if keys:
-            full_env[KEYS_ON_STDIN_ENV] = "1"
         if self.insecure:
             full_env["ASYNCRL_INSECURE"] = "1"
-        proc, how = self._start_forked(full_env, keys, log_path), "forked from the fork server"
-        if proc is None:
-            how = "cold"
-            with open(log_path, "ab") as logf:
-                proc = subprocess.Popen(WORKER_CMD, env=full_env,
-                                        stdout=logf, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.PIPE if keys else subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=die_with_parent)
-            if keys:
-                with proc.stdin:  # a few hundred bytes: the pipe buffers them until the worker reads
-                    proc.stdin.write(json.dumps(keys).encode() + b"\n")
-        self.children[worker_id] = _Child(worker_id, proc, log_path)
-        log.info("spawned worker %s pid %d, %s (log %s)", worker_id, proc.pid, how, log_path)
-        return proc.pid
+        return full_env, keys
 
     def _start_forked(self, env: dict[str, str], keys: dict[str, str], log_path: str) -> forking.ForkedProcess | None:
         """Fork this worker from the process's fork server (`daemons.forking`) where one runs and
@@ -397,7 +412,6 @@ class NodeDaemon:
         ahead = forking.running()
         if ahead is None or any(d.startswith("cuda") for d in self.devices):
             return None
-        env = {k: v for k, v in env.items() if k != KEYS_ON_STDIN_ENV}
         if not _loads_as(env, ahead, forking.imports()):
             return None
         try:

@@ -332,7 +332,7 @@ def test_the_node_daemon_spawns_a_gpu_worker_on_its_physical_gpu(tmp_path, monke
     async def spawn() -> int:
         node = node_mod.NodeDaemon("tcp://127.0.0.1:1", insecure=True, log_dir=tmp_path)
         try:
-            return node.spawn_worker(WorkerSpec("w-1", {"ASYNCRL_DEVICE": "cuda:1", "RANK": "1"}))
+            return await node.spawn_worker(WorkerSpec("w-1", {"ASYNCRL_DEVICE": "cuda:1", "RANK": "1"}))
         finally:
             node.children.clear()  # nothing was started
             await node.close()
