@@ -3,9 +3,11 @@
 A rank group or an `asyncrl-launch` started as a fresh interpreter imports torch, transformers
 and asyncrl first: 3-5 s of CPU a process on the 2-core CI machine, paid ~100 times a suite.
 Here they fork from multiprocessing's fork server instead, which imported `PRELOAD` once. The
-server is a fresh single-threaded process (not the test process), started on first use with
-the test process's environment and sys.path; each child takes its own environment, working
-directory and PYTHONPATH entries before it runs anything. What a library reads from the
+server is a fresh single-threaded process (not the test process), started as the session starts
+(tests/conftest.py) with the test process's environment and sys.path; each child takes its own
+environment, working directory and PYTHONPATH entries before it runs anything. The node daemons
+of the test process and of forked launches fork their CPU workers from it too (`daemons.forking`;
+a launch is handed the server's address). What a library reads from the
 environment as it is imported (HF_HOME, say) comes from the server's start: such tests, and
 tests of the command line itself (its imports, its exit, what a shell sees), start the real
 command instead.
