@@ -3,10 +3,10 @@
 A worker started cold imports torch, transformers and asyncrl first: ~5 s of CPU each on the
 2-core machine. A process that runs node daemons may start one fork server (multiprocessing's)
 that imports a module list once; a CPU worker is then forked from it in milliseconds and takes
-its own environment, keys and log before it runs anything, as a warm worker does. The server
-belongs to the process (multiprocessing keeps one per process), so its state is this module's.
-A worker whose load-time settings or code path differ from the server's starts cold (the node
-checks, as for warm workers).
+its own environment, keys and log before it runs anything (`daemons.worker.forked_main`). The
+server belongs to the process (multiprocessing keeps one per process), so its state is this
+module's. A worker whose load-time settings or code path differ from the server's starts cold
+(`daemons.node._loads_as` checks).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def start(imports: list[str] | tuple[str, ...], env: dict[str, str] | None = Non
     multiprocessing.set_forkserver_preload(list(imports))
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update(env)  # the server is started with this process's environment
+    os.environ.update(env)  # multiprocessing starts the server with this process's environment
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
