@@ -4,10 +4,17 @@ or `-m slow`).
 
 A test that changed the checkout's `outputs/` (what `make run` leaves) fails: no test writes
 there, and none reads it (tests give their jobs output directories under their tmp_path), so a
-fresh clone without one passes the same."""
+fresh clone without one passes the same.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2`): a file's tests stay on one worker
+(its module fixtures are built once), the files in `SERIAL_GROUPS` share one, and a test marked
+`alone` (it checks host-wide state: every /dev/shm segment, every process) runs while no other
+test does."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +25,31 @@ from daemons.proc import use_allocator_settings
 use_allocator_settings()  # before torch loads: this process allocates as the workers do
 
 REPO = Path(__file__).resolve().parents[1]
+# files whose jobs would collide if run at once on one host: vLLM's CPU tensor-parallel groups name
+# their /dev/shm files after the group alone ("-tp:0-[0-1]-cpushm_<rank>") until the engine is built
+SERIAL_GROUPS = {"vllm-cpu-tp": ["tests/rl/test_vllm_rollout.py", "tests/rl/test_lora.py", "tests/rl/test_moe.py",
+                                 "tests/rl/test_plan.py", "tests/rl/test_async_rl.py"]}
+_GROUP_OF = {path: group for group, paths in SERIAL_GROUPS.items() for path in paths}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """pytest-xdist's default (`-n N`, `--dist load`) becomes: each file, or group of files in
+    `SERIAL_GROUPS`, is one unit of work, the units with the most tests sent first."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return _GROUP_OF.get(path, path)
+
+    return ByFile(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -32,6 +60,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under pytest-xdist, each test (its fixtures' set-up and teardown included) holds the run's
+    room shared, and a test marked `alone` holds it exclusively; one waiting to be alone holds the
+    gate, so the others' next tests wait behind it rather than overtake it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    shared = item.config._tmp_path_factory.getbasetemp().parent  # the run's, above each worker's
+    alone = item.get_closest_marker("alone") is not None
+    with open(shared / "gate.lock", "a") as gate, open(shared / "room.lock", "a") as room:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -56,6 +56,7 @@ def _run_launch(args: list[str], tmp_path: Path, timeout: float = 90) -> subproc
 
 
 # the acceptance smoke ------------------------------------------------------------------------
+@pytest.mark.alone  # no store's segment may be left in /dev/shm
 def test_smoke_job_embedded(tmp_path):
     t0 = time.monotonic()
     res = _run_launch(["--config-name", "smoke", f"cluster.log_dir={tmp_path}/logs"], tmp_path)

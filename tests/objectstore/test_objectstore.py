@@ -111,6 +111,9 @@ class Child:
         self.proc.stdout.close()
 
 
+pytestmark = pytest.mark.alone  # every test ends checking that /dev/shm holds no store's segment
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_segments():
     yield

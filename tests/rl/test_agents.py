@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +45,9 @@ ATTACKS = {
 
 
 @pytest.fixture(scope="module")
-def attacked() -> dict:
+def attacked(tmp_path_factory) -> tuple[dict, float, Path]:
+    """The attacks' results, their wall time, and the temporary directory their sandboxes made
+    their work directories in (this test's own, so another test's sandboxes are not counted)."""
     limits = SandboxLimits(wall_s=3, cpu_s=2, memory_mb=256, output_bytes=4096)
 
     async def all_of_them():
@@ -52,12 +55,16 @@ def attacked() -> dict:
         results = await asyncio.gather(*(run_python(code, limits) for code in ATTACKS.values()))
         return dict(zip(ATTACKS, results, strict=True)), time.monotonic() - t0
 
-    return asyncio.run(all_of_them())
+    tmp, tempfile.tempdir = tempfile.tempdir, str(tmp_path_factory.mktemp("attacks"))
+    try:
+        return *asyncio.run(all_of_them()), Path(tempfile.tempdir)
+    finally:
+        tempfile.tempdir = tmp
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_an_attack_comes_back_as_an_error_and_harms_nothing(attacked, name):
-    results, seconds = attacked
+    results, seconds, tmp = attacked
     r = results[name]
     assert r.error is not None, (name, r)
     assert r.observation()  # the model is told what happened
@@ -65,7 +72,7 @@ def test_an_attack_comes_back_as_an_error_and_harms_nothing(attacked, name):
     assert seconds < 20  # in parallel, each cut off by its own limits
     assert not Path("/tmp/asyncrl-sandbox-escape.txt").exists()
     assert os.path.exists("/etc/hostname") or not os.path.exists("/etc")
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("asyncrl-sandbox-*"))  # work dirs removed
+    assert not list(tmp.glob("asyncrl-sandbox-*"))  # work dirs removed
 
 
 def test_model_code_cannot_read_the_hosts_files_or_processes(tmp_path):

@@ -102,6 +102,7 @@ def test_a_writer_left_open_does_not_capture_the_next_run(offline):
     assert run_info(run).display_name == "b" and [r["x"] for r in history(run)] == ["2"]
 
 
+@pytest.mark.alone  # no wandb-core process may be running on the host
 def test_no_wandb_process_is_left_behind(offline):
     w = MetricsWriter(offline / "run", ["jsonl", "wandb"], run={"name": "r"})
     w.write(1, {"x": 1.0})
