@@ -330,6 +330,7 @@ async def test_a_dropped_failed_call_is_one_line_not_a_traceback(tmp_path, caplo
             gc.collect()
             await asyncio.sleep(2.0)
             gc.collect()
-    lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.single_controller.group"]
+    lines = [r.getMessage() for r in caplog.records  # errors only: an earlier test may have let its info through
+             if r.name == "asyncrl.single_controller.group" and r.levelno >= logging.ERROR]
     assert len(lines) == 1 and "p.allreduce_for failed and was never awaited" in lines[0], lines
     assert "Traceback" not in lines[0]
