@@ -83,3 +83,14 @@ def test_a_test_marked_alone_runs_while_no_other_test_does(tmp_path):
         return rows[x][0] < rows[y][1] and rows[y][0] < rows[x][1]
     assert not [n for n in rows if n != "test_alone" and overlap(n, "test_alone")]
     assert any(overlap(a, b) for a in rows if a.startswith("test_x") for b in rows if b.startswith("test_y"))
+
+
+def test_the_venv_is_byte_compiled():
+    """`make`'s installs compile the venv (pip's own compile is skipped for a parallel one): with
+    PYTHONDONTWRITEBYTECODE set, a module left uncompiled is compiled again by every process."""
+    import importlib.util
+
+    import torch
+    import transformers
+    for module in (torch, transformers, torch.nn.modules.module, transformers.modeling_utils):
+        assert Path(importlib.util.cache_from_source(module.__file__)).exists(), module.__file__
