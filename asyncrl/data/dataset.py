@@ -41,6 +41,9 @@ EXPECTED_COLUMNS = ("prompt (a string or a list of {role, content} messages) and
                     "(or a flat ground_truth or answer column); data_source and extra_info are optional")
 SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 _TRUTH_KEYS = ("ground_truth", "answer")
+IMAGE_COLUMNS = ("images", "image", "videos", "video")  # verl's multimodal layout, and one image a row
+TEXT_ONLY = ("asyncrl trains text-only models (no pixel values reach its rollouts or passes), so the prompts "
+             "would be read without their images; drop the column for a text task")
 
 
 def load_rows(path: str | Path | Sequence[str | Path]) -> list[dict]:
@@ -81,6 +84,9 @@ def check_data_file(path: str | Path, prompt_key: str = "prompt", answer_key: st
     else:
         has_truth = any(k in columns for k in _TRUTH_KEYS) or (
             "reward_model" in columns and (rm is None or "ground_truth" in rm))
+    media = [c for c in IMAGE_COLUMNS if c in columns]
+    if media:
+        raise DatasetError(f"{p} has an image column {media[0]!r} (a vision-language layout): {TEXT_ONLY}")
     if prompt_key not in columns or not has_truth:
         wanted = (f"{EXPECTED_COLUMNS} (or set data.prompt_key and data.answer_key to your columns)"
                   if (prompt_key, answer_key) == ("prompt", None) else
@@ -155,10 +161,25 @@ def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
     if isinstance(prompt, (list, tuple)) and all(
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt
     ):
+        if any(_media_part(m["content"]) for m in prompt):
+            raise DatasetError(f"row field {prompt_key!r} has an image content part: {TEXT_ONLY}")
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
     raise DatasetError(
         f"row field {prompt_key!r} must be a string or a list of {{role, content}} messages"
     )
+
+
+def _media_part(content: Any) -> bool:
+    """Whether a message's content holds an image or video part (HF chat-template content parts)."""
+    return isinstance(content, (list, tuple)) and any(
+        isinstance(part, dict) and str(part.get("type", "")).split("_")[0] in ("image", "video") for part in content)
+
+
+def _check_text_only(row: dict) -> None:
+    """Refuse a row that carries images (verl's `images` column, filled): they would be dropped."""
+    media = [c for c in IMAGE_COLUMNS if row.get(c) not in (None, [], "", b"")]
+    if media:
+        raise DatasetError(f"row has an image column {media[0]!r}: {TEXT_ONLY}")
 
 
 def ground_truth_of(row: dict, answer_key: str | None = None, required: bool = True) -> Any:
@@ -231,6 +252,7 @@ class PromptDataset:
         for index, row in enumerate(rows):
             try:
                 messages = prompt_messages(row, prompt_key)
+                _check_text_only(row)
                 ground_truth = ground_truth_of(row, answer_key, required=require_answer)
             except DatasetError as e:
                 raise DatasetError(f"row {index} {str(e).removeprefix('row ')}; a prompt dataset needs "

@@ -117,17 +117,22 @@ def _data_files(tmp: Path) -> dict[str, tuple[Path, str]]:
              "columns": (tmp / "columns.parquet", "has columns answer, question"),
              "no_truth": (tmp / "no_truth.jsonl", "has columns data_source, prompt"),
              "empty": (tmp / "empty.jsonl", "holds no rows"),
-             "directory": (tmp / "dir.parquet", "is a directory")}
+             "directory": (tmp / "dir.parquet", "is a directory"),
+             "images": (tmp / "geo3k.parquet", "has an image column 'images'")}
     cases["csv"][0].write_text("prompt,answer\nx,1\n")
     cases["not_parquet"][0].write_text("hello, not parquet")
     pq.write_table(pa.table({"question": ["a"], "answer": ["1"]}), cases["columns"][0])
     cases["no_truth"][0].write_text(json.dumps({"prompt": "x", "data_source": "s"}) + "\n")
     cases["empty"][0].write_text("\n")
     cases["directory"][0].mkdir()
+    pq.write_table(pa.table({  # verl's multimodal layout (geo3k): placeholders in the prompt, image bytes beside it
+        "prompt": [[{"role": "user", "content": "<image>What is the angle at B?"}]],
+        "images": [[{"bytes": b"\x89PNG\r\n\x1a\n", "path": None}]],
+        "reward_model": [{"ground_truth": "30", "style": "rule"}]}), cases["images"][0])
     return cases
 
 
-CASES = ["missing", "csv", "not_parquet", "columns", "no_truth", "empty", "directory"]
+CASES = ["missing", "csv", "not_parquet", "columns", "no_truth", "empty", "directory", "images"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -140,6 +145,8 @@ def test_data_file_problems_exit_2_naming_the_file_and_columns(case, tiny_model,
     assert f"data.train_files={path}" in err and reason in err, err
     if case in ("columns", "no_truth", "csv"):
         assert "prompt" in err and "reward_model.ground_truth" in err, err
+    if case == "images":
+        assert "text-only" in err and "drop the column" in err, err
     assert not out.exists()
 
 
@@ -164,6 +171,25 @@ def test_a_bad_row_inside_the_file_names_file_row_and_columns(tiny_model, tmp_pa
                     + json.dumps({"question": "sort 3 1", "ground_truth": "1 3"}) + "\n")
     cfg = C.rl_config({"model": {"path": str(tiny_model)}, "data": {"train_files": str(data), "batch_size": 1}})
     with pytest.raises(ConfigError, match=rf"data.train_files={data}: row 1 has no 'prompt' field.*ground_truth"):
+        RunData(None, cfg).load()
+
+
+@pytest.mark.parametrize("row", [
+    {"prompt": "sort 3 1", "ground_truth": "1 3", "images": [{"bytes": b"\x89PNG", "path": None}]},
+    {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "sort 3 1"}]}],
+     "ground_truth": "1 3"},
+    {"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
+     "ground_truth": "1 3"}], ids=["images_column", "image_part", "image_url_part"])
+def test_a_row_with_images_is_refused_naming_it(row, tiny_model, tmp_path):
+    """A later row's images (verl's column, or a chat message's image part) would be dropped by a
+    text-only model: the run stops at start, naming the row, instead of training on the text alone."""
+    from asyncrl.run_data import RunData
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "sort 2 1", "ground_truth": "1 2"}) + "\n"
+                    + json.dumps(row, default=lambda b: b.decode("latin-1")) + "\n")
+    cfg = C.rl_config({"model": {"path": str(tiny_model)}, "data": {"train_files": str(data), "batch_size": 1}})
+    with pytest.raises(ConfigError, match=rf"data.train_files={data}: row 1 .*image.*text-only"):
         RunData(None, cfg).load()
 
 
