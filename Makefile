@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # the suite's pytest-xdist workers (tests/conftest.py: which tests share one, which run alone); 0: one process
 PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS)
 
 .PHONY: run test test-all lint bench clean vllm
 
@@ -34,12 +35,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
-	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # every test, the ones marked slow too (make test skips them and says so)
 test-all: $(STAMP)
 	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
-	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --run-slow $(PYTEST_ARGS)
+	$(PYTEST) --run-slow $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.rpc
