@@ -103,8 +103,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (1: steadier when shared)"
-    )
+        "--threads", type=int, default=None,
+        help="torch intra-op threads (default: every core, what a rollout worker alone on its node gets; "
+             "1: steadier on a shared machine)")
     parser.add_argument("--sample", action="store_true", help="temperature-1 sampling, not greedy")
     parser.add_argument("--engine", choices=("native", "vllm"), default="native",
                         help="vllm: add the vLLM backend and the weight-sync timing")
@@ -123,6 +124,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    args.threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(args.threads)
     model = build_model(args).to(device=args.device, dtype=getattr(torch, args.dtype))
     input_ids, attention_mask = (t.to(args.device) for t in left_padded_batch(args))
