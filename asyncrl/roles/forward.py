@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.data.images import has_images, model_image_kwargs
 from asyncrl.rollout.engine import last_positions
 from asyncrl.single_controller.batch import Batch
 from asyncrl.train.logits import keeps_logits as _keeps_logits
@@ -46,14 +47,21 @@ def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0
         return _scatter(lp[0], keep), (_scatter(ent[0], keep) if with_entropy else None)
     ids = mb["input_ids"]
     kwargs = {"logits_to_keep": last_positions(ids.shape[1], r + 1, ids.device)} if _keeps_logits(model) else {}
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                position_ids=mb["position_ids"], use_cache=False, **kwargs)
+    out = model(**model_inputs(mb), use_cache=False, **kwargs)
     return response_logprobs(out.logits[:, -r - 1:-1], responses, temperature, with_entropy)
 
 
+def model_inputs(mb: Batch) -> dict[str, torch.Tensor]:
+    """A padded forward's inputs: ids, mask and positions; with images (`asyncrl.data.images`)
+    their patches and grids, and every token's 3-D rope positions in place of the 1-D ones."""
+    return {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"],
+            "position_ids": mb["position_ids"], **model_image_kwargs(mb)}
+
+
 def packs(model: torch.nn.Module, mb: Batch) -> bool:
-    """Whether `mb` runs packed through `model` (set up for packing, and worth it for these rows)."""
-    return is_packing(model) and worth_packing(model, mb["attention_mask"])
+    """Whether `mb` runs packed through `model` (set up for packing, and worth it for these rows;
+    rows with images run padded)."""
+    return is_packing(model) and not has_images(mb) and worth_packing(model, mb["attention_mask"])
 
 
 def packed_view(model: torch.nn.Module, mb: Batch) -> tuple[Packed | None, Batch]:
@@ -89,8 +97,7 @@ def values_forward(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     if packs(model, mb):
         logits, keep = _response_logits(model, mb, pack(mb))
         return _scatter(logits[0, :, 0].float(), keep)
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                position_ids=mb["position_ids"], use_cache=False)
+    out = model(**model_inputs(mb), use_cache=False)
     return out.logits[:, -r - 1:-1, 0].float()
 
 

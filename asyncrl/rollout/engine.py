@@ -23,6 +23,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from asyncrl.data.dataset import positions_from_mask
+from asyncrl.data.images import IMAGE_INPUTS, ROPE, flat_images, rope_positions, vision_token_ids
 from asyncrl.rollout import attention, packed
 from asyncrl.train.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
 from transport import trace
@@ -120,11 +121,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch
 
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-    uniforms: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None, banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row from float logits [N, V]; return (tokens [N], log-probs [N]).
-    `uniforms` [N, 1], when given, are the draws instead of `generator`'s."""
+    `uniforms` [N, 1], when given, are the draws instead of `generator`'s; `banned` token ids are
+    never picked (the reported log-probs stay those of the unmodified logits)."""
     logprobs = torch.log_softmax(_scaled(logits, params.logprob_temperature), dim=-1)
+    if banned is not None:
+        logits = logits.index_fill(-1, banned, float("-inf"))
     if params.is_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -209,6 +213,10 @@ class RolloutEngine:
         self.model = model if weightless else model.to(self.device)
         self.eos_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.pad_token_id = pad_token_id
+        # a vision-language model never writes its image placeholders (a trainer's pass would take
+        # them for images to fill)
+        banned = vision_token_ids(getattr(model, "config", None))
+        self.banned = torch.tensor(banned, device=self.device) if banned else None
 
     @torch.no_grad()
     def load_weights(
@@ -239,16 +247,17 @@ class RolloutEngine:
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
         cache: DynamicCache,
+        **inputs: torch.Tensor,
     ) -> torch.Tensor:
+        """The last position's fp32 logits; `inputs`: the positions (and a prefill's images)."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=last_positions(input_ids.shape[1], 1, input_ids.device),
+            **inputs,
         )
         return out.logits[:, -1].float()
 
@@ -261,6 +270,7 @@ class RolloutEngine:
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
         before_step: Callable[[int], None] | None = None,
         record_routes: bool = False,
+        images: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Sample `params.n` responses per left-padded prompt; rows come out as B*n, interleaved.
 
@@ -275,32 +285,28 @@ class RolloutEngine:
         position_ids and rollout_log_probs (see the module docstring; 0 where masked); with
         `record_routes` (a mixture-of-experts model) also `routed_experts` [rows, prompt + response,
         layers, k]: the experts each token was sent to (-1 for padding and the last token).
+
+        `images` (a vision-language model): the prompts' image columns (`asyncrl.data.images`),
+        carried to the outputs with every token's 3-D `rope_position_ids`; decoded eagerly.
         """
         dev = self.device
         input_ids = input_ids.to(dev)
         attention_mask = attention_mask.to(dev).long()
-        if generator is None and params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=dev).manual_seed(params.seed)
         n, max_tokens = params.n, params.max_tokens
-        batch, prompt_len = input_ids.shape
-        rows = batch * n
-        noise = None
-        if generator is not None and not isinstance(generator, torch.Generator):
-            if len(generator) != rows:
-                raise ValueError(f"{len(generator)} generators for {rows} rows: pass one per output row (B*n)")
-            noise = None if params.is_greedy else row_uniforms(generator, max_tokens, dev)
-            generator = None
+        prompt_len = input_ids.shape[1]
+        generator, noise = self._randomness(params, generator, input_ids.shape[0] * n)
         stop_ids = torch.tensor(
             self.eos_token_ids + list(params.stop_token_ids), dtype=torch.long, device=dev
         )
 
         routes = _Routes(self.model, input_ids, attention_mask, n, max_tokens) if record_routes else None
+        vision = None if images is None else _ImagePrompts(self.model, input_ids, attention_mask, images)
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._packed_linears(routes is not None):
+            with self._packed_linears(routes is not None or vision is not None):
                 responses, log_probs, full_mask, steps = self._decode(input_ids, attention_mask, params, generator,
-                                                                      noise, stop_ids, before_step, routes)
+                                                                      noise, stop_ids, before_step, routes, vision)
         finally:
             self.model.train(was_training)
             if routes is not None:
@@ -312,46 +318,45 @@ class RolloutEngine:
                               responses[:, :steps].contiguous(), log_probs[:, :steps].contiguous())
         if routes is not None:
             out[ROUTES] = routes.table[:, :prompt_len + steps].contiguous()
+        if vision is not None:
+            out.update(vision.outputs(n, steps))
         return out
+
+    def _randomness(self, params: SamplingParams, generator: torch.Generator | Sequence[torch.Generator] | None,
+                    rows: int) -> tuple[torch.Generator | None, torch.Tensor | None]:
+        """The call's generator (seeded from `params` when none is given), or with one generator
+        a row, none and each row's uniforms [rows, max_tokens] drawn up front."""
+        if generator is None and params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if generator is None or isinstance(generator, torch.Generator):
+            return generator, None
+        if len(generator) != rows:
+            raise ValueError(f"{len(generator)} generators for {rows} rows: pass one per output row (B*n)")
+        return None, None if params.is_greedy else row_uniforms(generator, params.max_tokens, self.device)
 
     def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None, noise: torch.Tensor | None, stop_ids: torch.Tensor,
-                before_step: Callable[[int], None] | None, routes: _Routes | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                before_step: Callable[[int], None] | None, routes: _Routes | None,
+                vision: _ImagePrompts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Prefill, then sample a token per row per step: responses, their log-probs, the full
         attention mask (prompt + max_tokens columns or more) and the steps taken."""
         dev, n, max_tokens = self.device, params.n, params.max_tokens
         rows, prompt_len = input_ids.shape[0] * n, input_ids.shape[1]
-        position_ids = positions_from_mask(attention_mask)
-        static = self._static_decode(n, prompt_len + max_tokens) if routes is None else None
-        with trace.span("prefill", "compute", rows=input_ids.shape[0], prompt=prompt_len, packed=static is not None):
-            if static is not None:
-                logits = static.prefill(input_ids, attention_mask)
-            else:
-                cache = _new_cache(self.model)
-                logits = self._forward(input_ids, attention_mask, position_ids, cache)
-        if routes is not None:
-            routes.prefilled()
-        if static is not None:
-            forward, check_every, width = static.step, STOP_CHECK_EVERY, static.width
-        else:
-            if n > 1:  # prefill once per prompt, then fan out the cache: cheaper than n prefills
-                cache.batch_repeat_interleave(n)
-            forward, check_every, width = self._dynamic_step(cache), 1, prompt_len + max_tokens
-        logits = logits.repeat_interleave(n, dim=0) if n > 1 else logits
+        logits, static, forward, next_pos = self._prefill(input_ids, attention_mask, n, max_tokens, routes, vision)
+        check_every, width = (1, prompt_len + max_tokens) if static is None else (STOP_CHECK_EVERY, static.width)
 
         # one preallocated mask for the whole call; step t attends to its first P+t+1 columns
         full_mask = attention_mask.new_zeros((rows, width))
         full_mask[:, :prompt_len] = attention_mask.repeat_interleave(n, dim=0)
         responses = input_ids.new_full((rows, max_tokens), self.pad_token_id)
         log_probs = torch.zeros((rows, max_tokens), dtype=torch.float32, device=dev)
-        next_pos = position_ids[:, -1:].repeat_interleave(n, dim=0) + 1
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         steps, draws = 0, _Draws(generator if check_every > 1 and not params.is_greedy else None)
         with trace.span("decode", "compute", rows=rows, compiled=static is not None), self._decode_attention(static):
             for t in range(max_tokens):
                 draws.mark(t)
-                tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1])
+                tokens, token_lp = sample_tokens(logits, params, generator, None if noise is None else noise[:, t:t + 1],
+                                                 self.banned)
                 alive = ~finished
                 tokens = torch.where(alive, tokens, self.pad_token_id)
                 responses[:, t] = tokens
@@ -374,9 +379,37 @@ class RolloutEngine:
             draws.rewind(steps)
         return responses, log_probs, full_mask, steps
 
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, max_tokens: int,
+                 routes: _Routes | None, vision: _ImagePrompts | None
+                 ) -> tuple[torch.Tensor, _StaticDecode | None, Callable, torch.Tensor]:
+        """The prompts' last logits (fanned out to B*n rows), the compiled decode's state (None:
+        eager), the decode step and each row's next position [B*n, 1]."""
+        prompt_len = input_ids.shape[1]
+        position_ids = positions_from_mask(attention_mask)
+        plain = routes is None and vision is None
+        static = self._static_decode(n, prompt_len + max_tokens) if plain else None
+        with trace.span("prefill", "compute", rows=input_ids.shape[0], prompt=prompt_len, packed=static is not None):
+            if static is not None:
+                logits = static.prefill(input_ids, attention_mask)
+            else:
+                cache = _new_cache(self.model)
+                inputs = {"position_ids": position_ids} if vision is None else vision.prefill_inputs()
+                logits = self._forward(input_ids, attention_mask, cache=cache, **inputs)
+        if routes is not None:
+            routes.prefilled()
+        if static is not None:
+            forward = static.step
+        else:
+            if n > 1:  # prefill once per prompt, then fan out the cache: cheaper than n prefills
+                cache.batch_repeat_interleave(n)
+            forward = self._dynamic_step(cache)
+        logits = logits.repeat_interleave(n, dim=0) if n > 1 else logits
+        next_pos = position_ids[:, -1:] + 1 if vision is None else vision.next_positions
+        return logits, static, forward, next_pos.repeat_interleave(n, dim=0)
+
     def _dynamic_step(self, cache: DynamicCache) -> Callable:
         def forward(tokens: torch.Tensor, mask: torch.Tensor, columns: int, positions: torch.Tensor) -> torch.Tensor:
-            return self._forward(tokens, mask[:, :columns], positions, cache)
+            return self._forward(tokens, mask[:, :columns], cache, position_ids=positions)
         return forward
 
     def _static_decode(self, n: int, columns: int) -> _StaticDecode | None:
@@ -415,9 +448,10 @@ class RolloutEngine:
             return contextlib.nullcontext()
         return attention.decoding(self.model)
 
-    def _packed_linears(self, routes: bool) -> contextlib.AbstractContextManager:
-        """decode=compiled on CPU: the call's linears on oneDNN-packed weights (`asyncrl.rollout.packed`)."""
-        if self.decode != "compiled" or routes or self.device.type != "cpu" or not packed.available():
+    def _packed_linears(self, eager: bool) -> contextlib.AbstractContextManager:
+        """decode=compiled on CPU: the call's linears on oneDNN-packed weights (`asyncrl.rollout.packed`);
+        not for a call that decodes eagerly (routes recorded, image prompts)."""
+        if self.decode != "compiled" or eager or self.device.type != "cpu" or not packed.available():
             return contextlib.nullcontext()
         if not self._packable:
             packed.install(self.model)
@@ -526,6 +560,30 @@ class _Draws:
     def rewind(self, steps: int) -> None:
         if self.generator is not None and steps in self.states:
             self.generator.set_state(self.states[steps])
+
+
+class _ImagePrompts:
+    """One call's image inputs: what the prefill adds to its forward, and each prompt's 3-D rope
+    positions (the response's text tokens go on from the prompt's largest, all three alike)."""
+
+    def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 images: Mapping[str, torch.Tensor]) -> None:
+        self.columns = {name: images[name].to(input_ids.device) for name in IMAGE_INPUTS}
+        self.pixels, self.grid = flat_images(self.columns)
+        self.positions = rope_positions(model, input_ids, attention_mask, self.grid)  # [B, 3, P]
+        self.next_positions = self.positions.amax(dim=(1, 2))[:, None] + 1
+
+    def prefill_inputs(self) -> dict[str, torch.Tensor]:
+        out = {"position_ids": self.positions.permute(1, 0, 2)}
+        if len(self.grid):
+            out.update(pixel_values=self.pixels, image_grid_thw=self.grid)
+        return out
+
+    def outputs(self, n: int, steps: int) -> dict[str, torch.Tensor]:
+        """The B*n output rows' image columns and `rope_position_ids` [rows, 3, prompt + steps]."""
+        response = self.next_positions.repeat_interleave(n, dim=0) + torch.arange(steps, device=self.grid.device)
+        rope = torch.cat([self.positions.repeat_interleave(n, dim=0), response[:, None].expand(-1, 3, -1)], dim=2)
+        return {ROPE: rope, **{name: t.repeat_interleave(n, dim=0) for name, t in self.columns.items()}}
 
 
 class _Routes:

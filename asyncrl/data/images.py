@@ -1,0 +1,125 @@
+"""Images in prompts, for vision-language models (Qwen2.5-VL's layout): a row's image patches as
+batch columns, an image placeholder widened to the tokens its merged patches fill, and the 3-D
+rope positions (M-RoPE) computed once per row and carried with it.
+
+Columns (rows first, so a batch splits over data-parallel ranks like any other):
+- `pixel_values` [rows, patches, patch dim]: each row's images' patches in order, zeros after;
+- `image_grid_thw` [rows, images, 3]: each image's (frames, height, width) in patches, zero rows after;
+- `rope_position_ids` [rows, 3, sequence]: the (time, height, width) position of every token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from asyncrl.errors import AsyncRLError
+
+PIXELS, GRID, ROPE = "pixel_values", "image_grid_thw", "rope_position_ids"
+IMAGE_INPUTS = (PIXELS, GRID)
+
+
+class ImageInputError(AsyncRLError, ValueError):
+    """Image inputs that do not fit their prompt or model."""
+
+
+def vision_token_ids(config) -> list[int]:
+    """A vision-language model's image and video placeholder and delimiter tokens ([] for a text model)."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    if config is None or getattr(config, "vision_config", None) is None:
+        return []
+    return sorted({i for i in (getattr(config, name, None) for name in names) if isinstance(i, int)})
+
+
+def image_token_counts(grid: Tensor, merge: int) -> list[int]:
+    """Tokens each image fills in the language model: its patches over the merge window's area."""
+    return (grid.prod(-1) // (merge * merge)).tolist()
+
+
+def expand_image_tokens(ids: Sequence[int], image_token: int, counts: Sequence[int]) -> list[int]:
+    """`ids` with its i-th image placeholder token repeated `counts[i]` times (what HF's processor
+    does to the text, here on token ids: no video processor needed)."""
+    places = [i for i, token in enumerate(ids) if token == image_token]
+    if len(places) != len(counts):
+        raise ImageInputError(f"the prompt has {len(places)} image placeholders for {len(counts)} images: "
+                              "give each image one placeholder")
+    out: list[int] = []
+    start = 0
+    for place, count in zip(places, counts, strict=True):
+        out.extend(ids[start:place])
+        out.extend([image_token] * count)
+        start = place + 1
+    out.extend(ids[start:])
+    return out
+
+
+def process_images(processor, images: Sequence) -> tuple[Tensor, Tensor]:
+    """A row's images (PIL) through the model's image processor: patches [P, D] and grids [K, 3]
+    (empty for none)."""
+    if not images:
+        return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
+    out = processor(images=list(images), return_tensors="pt")
+    return out[PIXELS], out[GRID]
+
+
+def image_columns(rows: Sequence[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    """Each row's (patches [P, D], grid [K, 3]) as the two padded columns (a row may have none:
+    P = K = 0)."""
+    dim = max((p.shape[-1] for p, _ in rows if p.numel()), default=0)
+    most_patches = max(p.shape[0] for p, _ in rows)
+    most_images = max(g.shape[0] for _, g in rows)
+    pixels = torch.zeros(len(rows), most_patches, dim)
+    grid = torch.zeros(len(rows), most_images, 3, dtype=torch.long)
+    for i, (p, g) in enumerate(rows):
+        if int(g.prod(-1).sum()) != p.shape[0]:
+            raise ImageInputError(f"row {i}: {p.shape[0]} patches for image grids {g.tolist()}")
+        if len(g):
+            pixels[i, :p.shape[0]] = p
+            grid[i, :g.shape[0]] = g
+    return {PIXELS: pixels, GRID: grid}
+
+
+def has_images(columns: Mapping[str, Tensor] | object) -> bool:
+    """Whether a batch (or a dict of columns) carries image inputs."""
+    return GRID in columns  # type: ignore[operator]
+
+
+def flat_images(columns: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """The columns as the model takes them: every row's patches end to end [sum P, D] and every
+    image's grid [sum K, 3], in row order."""
+    pixels, grid = columns[PIXELS], columns[GRID]
+    patches = grid.prod(-1).sum(-1)  # per row
+    real_patches = torch.arange(pixels.shape[1], device=pixels.device) < patches[:, None]
+    return pixels[real_patches], grid[grid[..., 0] > 0]
+
+
+def rope_positions(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, grid: Tensor) -> Tensor:
+    """The model's 3-D rope positions [rows, 3, sequence] of left-padded rows whose images have
+    the grids `grid` [images, 3] (in row order)."""
+    base = getattr(model, "model", model)
+    if not hasattr(base, "get_rope_index"):
+        raise ImageInputError(f"{type(model).__name__} takes no images (no 3-D rope positions): "
+                              "use a vision-language model such as Qwen2.5-VL")
+    image_token = model.config.image_token_id
+    tokens = (input_ids == image_token).int()
+    if int(tokens.sum()) != sum(image_token_counts(grid, model.config.vision_config.spatial_merge_size)):
+        raise ImageInputError(f"{int(tokens.sum())} image tokens in the prompts for images of "
+                              f"{image_token_counts(grid, model.config.vision_config.spatial_merge_size)} "
+                              "tokens: expand each placeholder with `expand_image_tokens`")
+    positions, _ = base.get_rope_index(input_ids, tokens, image_grid_thw=grid if len(grid) else None,
+                                       attention_mask=attention_mask)
+    return positions.permute(1, 0, 2).contiguous()
+
+
+def model_image_kwargs(columns: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The forward's keyword arguments for a batch with images (patches, grids, 3-D positions),
+    {} for one without."""
+    if not has_images(columns):
+        return {}
+    pixels, grid = flat_images(columns)
+    out = {"position_ids": columns[ROPE].permute(1, 0, 2)}
+    if len(grid):
+        out.update(pixel_values=pixels, image_grid_thw=grid)
+    return out

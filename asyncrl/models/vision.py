@@ -1,0 +1,66 @@
+"""A tiny Qwen2.5-VL-shaped vision-language model built locally (no model hub): the tiny word-level
+tokenizer with Qwen's vision tokens, random weights, and Qwen2-VL's image processor saved beside
+them, so `AutoModelForImageTextToText`, `AutoTokenizer` and `AutoImageProcessor` load the directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncrl.models.tiny import build_tokenizer
+
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
+VISION_TOKENS = (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
+PATCH, MERGE, FRAMES = 14, 2, 2  # Qwen2.5-VL's patch side, merge window and frames a patch
+
+
+def build_vl_tokenizer(symbols: list[str]):
+    """The tiny tokenizer over `symbols` and the vision tokens (an image is `<|vision_start|>
+    <|image_pad|> <|vision_end|>` in a prompt; the placeholder widens to the image's tokens)."""
+    return build_tokenizer([*VISION_TOKENS, *symbols])
+
+
+def build_vl_config(tokenizer, *, hidden: int = 64, layers: int = 2, heads: int = 4, vision_hidden: int = 32,
+                    vision_depth: int = 2):
+    """A small `Qwen2_5_VLConfig` sized to the tokenizer: M-RoPE sections over a head of
+    hidden / heads, a vision tower of `vision_depth` blocks (the last with full attention)."""
+    from transformers import Qwen2_5_VLConfig
+
+    head = hidden // heads
+    sections = [head // 8, 3 * head // 16, 3 * head // 16]  # time, height, width: half the head's rotary pairs
+    sections[0] += head // 2 - sum(sections)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           (("vision_start_token_id", VISION_START), ("image_token_id", IMAGE_PAD),
+            ("vision_end_token_id", VISION_END), ("video_token_id", VIDEO_PAD))}
+    special = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+               "eos_token_id": tokenizer.eos_token_id}
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512, rms_norm_eps=1e-5,
+                rope_scaling={"type": "mrope", "mrope_section": sections}, tie_word_embeddings=True, **special)
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+                  out_hidden_size=hidden, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=FRAMES,
+                  fullatt_block_indexes=[vision_depth - 1], window_size=PATCH * MERGE * 2)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids, **special)
+
+
+def build_image_processor(min_pixels: int = 28 * 28, max_pixels: int = 112 * 112):
+    """Qwen2-VL's image processor for this model's patches (its PIL backend without torchvision)."""
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=PATCH,
+                                 merge_size=MERGE, temporal_patch_size=FRAMES)
+
+
+def build_tiny_vl_model(out: str | Path, symbols: list[str], *, seed: int = 0, **shape) -> Path:
+    """Write a random-weight tiny Qwen2.5-VL (fp32), its tokenizer and image processor to `out`."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out)
+    tokenizer = build_vl_tokenizer(symbols)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(build_vl_config(tokenizer, **shape))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    build_image_processor().save_pretrained(out)
+    return out
