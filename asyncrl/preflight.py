@@ -116,6 +116,7 @@ def check_files(cfg: RLConfig) -> None:
     jsonl, with the prompt and ground-truth columns) and the reward functions (importable);
     `asyncrl-launch` runs this before anything starts."""
     from asyncrl.data.dataset import DatasetError, check_data_file
+    from asyncrl.data.images import reads_images
     from asyncrl.rewards import load_reward_fn
 
     if cfg.model.build_tiny is None:
@@ -133,7 +134,8 @@ def check_files(cfg: RLConfig) -> None:
         value = getattr(cfg.data, key)
         if value:
             try:
-                check_data_file(value, cfg.data.prompt_key, cfg.data.answer_key)
+                check_data_file(value, cfg.data.prompt_key, cfg.data.answer_key,
+                                images=cfg.model.build_tiny is None and reads_images(cfg.model.path))
             except DatasetError as e:
                 raise ConfigError(f"data.{key}={value}: {e}") from None
     for key in ("fn", "cost_fn"):
@@ -269,14 +271,18 @@ def _check_moe(cfg: RLConfig, path: str | None) -> None:
                           f"experts a mixture-of-experts model routed to, and {what}: set actor.moe.router_replay=none")
 
 
-def check_round_trip(tokenizer: Any, items: list) -> bool:
+def check_round_trip(tokenizer: Any, items: list, image_token_id: int | None = None) -> bool:
     """Warn when decoding a prompt's tokens does not give its text back (a tokenizer that drops
     spaces or maps characters to <unk> trains on something else than the data); True if all match.
-    Spaces a decoder adds between tokens (word-level tokenizers) are not a difference."""
+    Spaces a decoder adds between tokens (word-level tokenizers) are not a difference, nor an image
+    placeholder widened to its image's tokens."""
     def same(text: str, back: str) -> bool:
         return "".join(text.split()) == "".join(back.split()) and len(back.split()) >= len(text.split())
 
-    decoded = [(it.raw_prompt, tokenizer.decode(it.input_ids)) for it in items]
+    def placeholders_once(ids: list[int]) -> list[int]:
+        return [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != t]
+
+    decoded = [(it.raw_prompt, tokenizer.decode(placeholders_once(it.input_ids))) for it in items]
     bad = [(text, back) for text, back in decoded if not same(text, back)]
     if bad:
         text, back = bad[0]

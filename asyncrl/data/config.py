@@ -82,10 +82,20 @@ class DataConfig:
     # the column holding the reference answer, dotted for nested ones; None = verl's
     # reward_model.ground_truth, or a flat ground_truth or answer column
     answer_key: str | None = None
+    # a vision-language model's images are resized to hold this many pixels at least / at most
+    # (None = its image processor's own); their tokens count toward max_prompt_len
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     def check(self, at: str) -> None:
         _positive(at + "batch_size", self.batch_size)
         _positive(at + "max_prompt_len", self.max_prompt_len)
+        for name in ("min_pixels", "max_pixels"):
+            if getattr(self, name) is not None:
+                _positive(at + name, getattr(self, name))
+        if self.min_pixels is not None and self.max_pixels is not None:
+            _check(self.min_pixels <= self.max_pixels, at + "min_pixels", self.min_pixels,
+                   f"must be at most {at}max_pixels={self.max_pixels}")
         for name in ("train_files", "val_files"):
             value = getattr(self, name)
             _check(value is None or bool(value.strip()), at + name, value,

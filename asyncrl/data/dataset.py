@@ -6,11 +6,13 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from asyncrl.data.images import ImageInputError, image_columns, no_images
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,10 @@ EXPECTED_COLUMNS = ("prompt (a string or a list of {role, content} messages) and
 SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
 _TRUTH_KEYS = ("ground_truth", "answer")
 IMAGE_COLUMNS = ("images", "image", "videos", "video")  # verl's multimodal layout, and one image a row
-TEXT_ONLY = ("asyncrl trains text-only models (no pixel values reach its rollouts or passes), so the prompts "
-             "would be read without their images; drop the column for a text task")
+TEXT_ONLY = ("this model is text-only (its config.json has no vision_config), so the prompts would be read "
+             "without their images; train a vision-language model (Qwen2.5-VL's layout) or drop the column for a "
+             "text task")
+NO_VIDEO = "videos are not read (images are); drop the column or give the frames as images"
 
 
 def load_rows(path: str | Path | Sequence[str | Path]) -> list[dict]:
@@ -58,10 +62,11 @@ def load_rows(path: str | Path | Sequence[str | Path]) -> list[dict]:
     return _json_rows(p)
 
 
-def check_data_file(path: str | Path, prompt_key: str = "prompt", answer_key: str | None = None) -> None:
+def check_data_file(path: str | Path, prompt_key: str = "prompt", answer_key: str | None = None,
+                    images: bool = False) -> None:
     """Refuse, before anything starts, a data file that is missing, of another format or
     without the prompt and ground-truth columns (parquet: its schema only; jsonl/json: its
-    first row)."""
+    first row); an image column unless the model reads `images`, a video column always."""
     p = _existing(path)
     if p.suffix == ".parquet":
         import pyarrow as pa
@@ -84,9 +89,10 @@ def check_data_file(path: str | Path, prompt_key: str = "prompt", answer_key: st
     else:
         has_truth = any(k in columns for k in _TRUTH_KEYS) or (
             "reward_model" in columns and (rm is None or "ground_truth" in rm))
-    media = [c for c in IMAGE_COLUMNS if c in columns]
+    media = [c for c in IMAGE_COLUMNS if c in columns and (c.startswith("video") or not images)]
     if media:
-        raise DatasetError(f"{p} has an image column {media[0]!r} (a vision-language layout): {TEXT_ONLY}")
+        raise DatasetError(f"{p} has an image column {media[0]!r} (a vision-language layout): "
+                           f"{NO_VIDEO if media[0].startswith('video') else TEXT_ONLY}")
     if prompt_key not in columns or not has_truth:
         wanted = (f"{EXPECTED_COLUMNS} (or set data.prompt_key and data.answer_key to your columns)"
                   if (prompt_key, answer_key) == ("prompt", None) else
@@ -149,8 +155,9 @@ def _json_rows(p: Path) -> list:
     return rows
 
 
-def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
-    """The row's prompt as chat messages (a plain string becomes one user message)."""
+def prompt_messages(row: dict, prompt_key: str = "prompt", images: bool = False) -> list[dict]:
+    """The row's prompt as chat messages (a plain string becomes one user message); image content
+    parts only where the model reads `images`."""
     if not isinstance(row, dict):
         raise DatasetError(f"row is a {type(row).__name__}, not an object of named fields")
     if prompt_key not in row:
@@ -161,7 +168,7 @@ def prompt_messages(row: dict, prompt_key: str = "prompt") -> list[dict]:
     if isinstance(prompt, (list, tuple)) and all(
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt
     ):
-        if any(_media_part(m["content"]) for m in prompt):
+        if not images and any(_media_part(m["content"]) for m in prompt):
             raise DatasetError(f"row field {prompt_key!r} has an image content part: {TEXT_ONLY}")
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
     raise DatasetError(
@@ -179,7 +186,18 @@ def _check_text_only(row: dict) -> None:
     """Refuse a row that carries images (verl's `images` column, filled): they would be dropped."""
     media = [c for c in IMAGE_COLUMNS if row.get(c) not in (None, [], "", b"")]
     if media:
-        raise DatasetError(f"row has an image column {media[0]!r}: {TEXT_ONLY}")
+        raise DatasetError(f"row has an image column {media[0]!r}: "
+                           f"{NO_VIDEO if media[0].startswith('video') else TEXT_ONLY}")
+
+
+def row_images(row: dict) -> list:
+    """A row's images: verl's `images` list, or a single `image`; a video column is refused."""
+    if row.get("videos") not in (None, []) or row.get("video") not in (None, "", b""):
+        raise DatasetError(f"row has a video column: {NO_VIDEO}")
+    many, one = row.get("images"), row.get("image")
+    if many not in (None, []):
+        return list(many) if isinstance(many, (list, tuple)) else [many]
+    return [] if one in (None, "", b"") else [one]
 
 
 def ground_truth_of(row: dict, answer_key: str | None = None, required: bool = True) -> Any:
@@ -226,6 +244,8 @@ class PromptItem:
     extra_info: dict
     uid: str
     messages: list[dict] | None = None  # the chat messages the prompt was rendered from (API agents send them)
+    pixel_values: torch.Tensor | None = None  # its images' patches [P, D] (asyncrl.data.images), for a model that reads them
+    image_grid_thw: torch.Tensor | None = None  # and their grids [K, 3]
 
 
 class PromptDataset:
@@ -241,6 +261,7 @@ class PromptDataset:
         answer_key: str | None = None,
         require_answer: bool = True,  # False: a learned reward model scores, null answers are fine
         tools: list[dict] | None = None,  # tool descriptions the chat template shows (multi-turn with tools)
+        images: Any = None,  # a vision-language model's `asyncrl.data.images.ImageReader`: rows may hold images
     ) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_len = max_prompt_len
@@ -248,37 +269,24 @@ class PromptDataset:
         if self.pad_token_id is None:
             raise DatasetError("the tokenizer has no pad token; set tokenizer.pad_token first")
         self.items: list[PromptItem] = []
+        self.images, self.apply_chat_template, self.tools = images, apply_chat_template, tools
         dropped = 0
         for index, row in enumerate(rows):
             try:
-                messages = prompt_messages(row, prompt_key)
-                _check_text_only(row)
+                messages = prompt_messages(row, prompt_key, images=images is not None)
+                if images is None:
+                    _check_text_only(row)
                 ground_truth = ground_truth_of(row, answer_key, required=require_answer)
+                item = self._tokenise(row, messages, index)
+            except ImageInputError as e:  # it names the row
+                raise DatasetError(str(e)) from None
             except DatasetError as e:
                 raise DatasetError(f"row {index} {str(e).removeprefix('row ')}; a prompt dataset needs "
                                    f"{EXPECTED_COLUMNS}") from None
-            if apply_chat_template:
-                text = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {})
-                )
-                ids = tokenizer.encode(text, add_special_tokens=False)
-            else:
-                text = "\n".join(m["content"] for m in messages)
-                ids = tokenizer.encode(text, add_special_tokens=True)
-            if len(ids) > max_prompt_len:
+            if len(item.input_ids) > max_prompt_len:
                 dropped += 1
                 continue
-            self.items.append(
-                PromptItem(
-                    input_ids=list(ids),
-                    raw_prompt=text,
-                    ground_truth=ground_truth,
-                    data_source=str(row.get("data_source", "unknown")),
-                    extra_info=dict(row.get("extra_info") or {}),
-                    uid=prompt_uid(text),
-                    messages=list(messages),
-                )
-            )
+            self.items.append(replace(item, ground_truth=ground_truth))
         if dropped:
             log.warning("dropped %d of %d prompts longer than max_prompt_len=%d",
                         dropped, len(rows), max_prompt_len)
@@ -287,6 +295,26 @@ class PromptDataset:
                 f"no usable prompts ({len(rows)} rows, {dropped} over max_prompt_len="
                 f"{max_prompt_len}); raise max_prompt_len or check the data"
             )
+
+    def _tokenise(self, row: dict, messages: list[dict], index: int) -> PromptItem:
+        """The row's prompt as ids (its images' patches too, for a model that reads them)."""
+        tokenizer, pixels, grid = self.tokenizer, None, None
+        pictures = row_images(row) if self.images is not None else []
+        if self.images is not None and (pictures or self.images.wants(messages)):
+            text, ids, pixels, grid = self.images.encode(tokenizer, messages, pictures, f"row {index}")
+            if (filled := ids.count(self.images.image_token_id)) > self.max_prompt_len:
+                raise ImageInputError(f"row {index}: its images fill {filled} tokens, more than data.max_prompt_len="
+                                   f"{self.max_prompt_len}; raise data.max_prompt_len or lower data.max_pixels")
+        elif self.apply_chat_template:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 **({"tools": self.tools} if self.tools else {}))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            text = "\n".join(m["content"] for m in messages)
+            ids = tokenizer.encode(text, add_special_tokens=True)
+        return PromptItem(input_ids=list(ids), raw_prompt=text, ground_truth=None,
+                          data_source=str(row.get("data_source", "unknown")), extra_info=dict(row.get("extra_info") or {}),
+                          uid=prompt_uid(text), messages=list(messages), pixel_values=pixels, image_grid_thw=grid)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -320,10 +348,15 @@ def collate_prompts(items: Sequence[PromptItem], pad_token_id: int) -> dict[str,
                        dtype=torch.long).reshape(len(items), width)
     mask = torch.tensor([[0] * (width - len(it.input_ids)) + [1] * len(it.input_ids) for it in items],
                         dtype=torch.long).reshape(len(items), width)
+    images = {}
+    if any(it.image_grid_thw is not None for it in items):
+        images = image_columns([(it.pixel_values, it.image_grid_thw) if it.image_grid_thw is not None else no_images()
+                                for it in items])
     return {
         "input_ids": ids,
         "attention_mask": mask,
         "position_ids": positions_from_mask(mask),
+        **images,
         "ground_truth": [it.ground_truth for it in items],
         "data_source": [it.data_source for it in items],
         "raw_prompt": [it.raw_prompt for it in items],

@@ -10,7 +10,9 @@ Columns (rows first, so a batch splits over data-parallel ranks like any other):
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,6 +20,7 @@ from torch import Tensor
 from asyncrl.errors import AsyncRLError
 
 PIXELS, GRID, ROPE = "pixel_values", "image_grid_thw", "rope_position_ids"
+PLACEHOLDER = "<image>"  # verl's multimodal layout: where a row's next image goes in the prompt text
 IMAGE_INPUTS = (PIXELS, GRID)
 
 
@@ -55,11 +58,124 @@ def expand_image_tokens(ids: Sequence[int], image_token: int, counts: Sequence[i
     return out
 
 
+def load_image(value: Any, where: str):
+    """A row's image as RGB: verl's `{bytes, path}` struct, raw bytes, a file path or a PIL image."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        source: Any = io.BytesIO(value)
+    elif isinstance(value, str) and value:
+        source = value
+    else:
+        raise ImageInputError(f"{where} holds no image (a {type(value).__name__}): give encoded image bytes, "
+                              "a {bytes, path} struct or a file path")
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except OSError as e:  # missing file, or bytes PIL cannot identify
+        raise ImageInputError(f"{where}: the image cannot be read ({e}); give PNG or JPEG bytes or an "
+                              "existing file") from None
+
+
+def with_image_parts(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Chat messages with verl's `<image>` placeholders in their text as HF content parts (an
+    image part where each stood); messages already in parts are kept."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and PLACEHOLDER in content:
+            pieces = content.split(PLACEHOLDER)
+            parts: list[dict] = []
+            for i, piece in enumerate(pieces):
+                if i:
+                    parts.append({"type": "image"})
+                if piece.strip():
+                    parts.append({"type": "text", "text": piece.strip()})
+            content = parts
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many image content parts the messages hold."""
+    return sum(1 for m in messages if not isinstance(m["content"], str)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") in ("image", "image_url"))
+
+
+def encode_image_prompt(tokenizer, processor, image_token_id: int, messages: Sequence[Mapping[str, Any]],
+                        images: Sequence[Any], where: str) -> tuple[str, list[int], Tensor, Tensor]:
+    """A prompt with images as the model reads it: the templated text (the tokenizer's chat
+    template writes each image part's placeholder), its ids with each placeholder widened to its
+    image's tokens, and the images' patches [P, D] and grids [K, 3]. `where` names the row."""
+    messages = with_image_parts(messages)
+    wanted = image_parts(messages)
+    if wanted != len(images):
+        raise ImageInputError(f"{where}: the prompt has {wanted} image placeholders for {len(images)} images; "
+                              "give each image one <image> (or one image content part)")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pixels, grid = process_images(processor, [load_image(v, f"{where}, image {i}") for i, v in enumerate(images)])
+    counts = image_token_counts(grid, processor.merge_size) if len(grid) else []
+    try:
+        return text, expand_image_tokens(ids, image_token_id, counts), pixels, grid
+    except ImageInputError as e:
+        raise ImageInputError(f"{where}: {e} (the chat template wrote them)") from None
+
+
+def reads_images(model_dir: str | None) -> bool:
+    """Whether the model directory holds a vision-language model (a `vision_config` in its config.json)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_dir or "") / "config.json"
+    try:
+        return isinstance(json.loads(config.read_text()).get("vision_config"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def no_images() -> tuple[Tensor, Tensor]:
+    """A row without images: no patches, no grids."""
+    return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
+
+
+class ImageReader:
+    """How a vision-language model reads a prompt's images: its image processor (min and max
+    pixels as configured) and image placeholder token."""
+
+    def __init__(self, processor: Any, image_token_id: int) -> None:
+        self.processor, self.image_token_id = processor, image_token_id
+
+    @classmethod
+    def of_model(cls, path: str, min_pixels: int | None = None, max_pixels: int | None = None) -> ImageReader | None:
+        """The reader of the model directory at `path`; None for a text-only model (no vision_config)."""
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "vision_config", None) is None:
+            return None
+        sizes = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        return cls(AutoImageProcessor.from_pretrained(path, **sizes), config.image_token_id)
+
+    def wants(self, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether the messages hold an image placeholder or part."""
+        return image_parts(with_image_parts(messages)) > 0
+
+    def encode(self, tokenizer, messages: Sequence[Mapping[str, Any]], images: Sequence[Any],
+               where: str) -> tuple[str, list[int], Tensor, Tensor]:
+        """The templated text, its ids (placeholders widened), patches and grids (`encode_image_prompt`)."""
+        return encode_image_prompt(tokenizer, self.processor, self.image_token_id, messages, images, where)
+
+
 def process_images(processor, images: Sequence) -> tuple[Tensor, Tensor]:
     """A row's images (PIL) through the model's image processor: patches [P, D] and grids [K, 3]
     (empty for none)."""
     if not images:
-        return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
+        return no_images()
     out = processor(images=list(images), return_tensors="pt")
     return out[PIXELS], out[GRID]
 

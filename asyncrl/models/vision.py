@@ -15,10 +15,28 @@ VISION_TOKENS = (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
 PATCH, MERGE, FRAMES = 14, 2, 2  # Qwen2.5-VL's patch side, merge window and frames a patch
 
 
+# the tiny chat template (asyncrl.models.tiny) with HF content parts: an image part is Qwen's
+# `<|vision_start|> <|image_pad|> <|vision_end|>`, whose placeholder widens to the image's tokens
+VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|> ' }}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ('image', 'image_url') %}{{ '<|vision_start|> <|image_pad|> <|vision_end|> ' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] + ' ' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + ' ' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
 def build_vl_tokenizer(symbols: list[str]):
-    """The tiny tokenizer over `symbols` and the vision tokens (an image is `<|vision_start|>
-    <|image_pad|> <|vision_end|>` in a prompt; the placeholder widens to the image's tokens)."""
-    return build_tokenizer([*VISION_TOKENS, *symbols])
+    """The tiny tokenizer over `symbols` and the vision tokens, its chat template taking image parts."""
+    tokenizer = build_tokenizer([*VISION_TOKENS, *symbols])
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_vl_config(tokenizer, *, hidden: int = 64, layers: int = 2, heads: int = 4, vision_hidden: int = 32,

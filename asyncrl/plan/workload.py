@@ -30,6 +30,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_ffn: int = 0  # each routed expert's width
     shared_ffn: int = 0  # a shared expert's width (Qwen2-MoE), 0 for none
+    vision_params: int = 0  # a vision-language model's vision tower (Qwen2.5-VL's), counted in `params`
 
     @property
     def kv_dim(self) -> int:
@@ -62,7 +63,7 @@ class ModelSpec:
 
     def _total(self, layer: int) -> int:
         head = self.hidden if self.value_head else (0 if self.tied else self.vocab * self.hidden)
-        return self.vocab * self.hidden + self.layers * layer + head + self.hidden
+        return self.vocab * self.hidden + self.layers * layer + head + self.hidden + self.vision_params
 
     @property
     def params(self) -> int:
@@ -83,6 +84,9 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, name: str, cfg: dict[str, Any]) -> ModelSpec:
+        if isinstance(cfg.get("text_config"), dict):  # a vision-language model: its language model, and the tower
+            text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
+            return replace(cls.from_hf_config(name, text), vision_params=vision_tower_params(cfg.get("vision_config")))
         try:
             heads = int(cfg["num_attention_heads"])
             experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -97,6 +101,20 @@ class ModelSpec:
         except KeyError as e:
             raise ConfigError(f"model {name}: its config.json lacks {e}, which the planner needs "
                               "(a Llama/Qwen/Mistral-style decoder)") from None
+
+
+def vision_tower_params(vc: dict[str, Any] | None) -> int:
+    """A Qwen2.5-VL-style vision tower's parameters from its config: the patch embedding, `depth`
+    blocks (attention with biases, a gated MLP, two norms) and the patch merger's MLP."""
+    if not vc:
+        return 0
+    h = int(vc.get("hidden_size") or vc.get("embed_dim") or 0)
+    ffn = int(vc.get("intermediate_size") or 4 * h)
+    patch = int(vc.get("patch_size", 14)) ** 2 * int(vc.get("temporal_patch_size", 2)) * int(vc.get("in_channels", 3))
+    merged = h * int(vc.get("spatial_merge_size", 2)) ** 2
+    out = int(vc.get("out_hidden_size") or h)
+    block = 4 * h * h + 4 * h + 3 * h * ffn + 2 * ffn + h + 2 * h
+    return patch * h + int(vc.get("depth", 0)) * block + h + merged * merged + merged + merged * out + out
 
 
 # Shapes of well-known checkpoints, so a plan for a model this machine does not hold needs no download

@@ -32,6 +32,7 @@ from asyncrl.algorithms import core
 from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import FILL_TOKEN_BUDGET, ActorConfig, RLConfig, rl_config
+from asyncrl.data.images import IMAGE_INPUTS, ROPE, has_images
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import routing
@@ -375,7 +376,8 @@ class ActorRolloutRefWorker(Worker):
         elif self.batcher is not None:
             out = self.batcher.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
         else:
-            out, waves = self._generate_waves(prompts["input_ids"], prompts["attention_mask"], params, gen)
+            images = {k: prompts[k] for k in IMAGE_INPUTS} if has_images(prompts) else None
+            out, waves = self._generate_waves(prompts["input_ids"], prompts["attention_mask"], params, gen, images)
         out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
         out[ROW_TOKENS] = out["attention_mask"].sum(-1)  # what balance_tokens reads on the driver
         rest = prompts.select(*prompts.non_tensors, meta=True)
@@ -384,12 +386,15 @@ class ActorRolloutRefWorker(Worker):
         return Batch(out, rest.non_tensors, {**prompts.meta, "n": params.n, "gen_waves": waves, **timing})
 
     def _generate_waves(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                        gen: torch.Generator) -> tuple[dict[str, torch.Tensor], int]:
+                        gen: torch.Generator, images: dict[str, torch.Tensor] | None = None
+                        ) -> tuple[dict[str, torch.Tensor], int]:
         """The native engine decodes at most `decode_rows` rows at once (the KV cache and
-        prefill it may hold): the prompts in waves, the outputs joined (and how many waves)."""
+        prefill it may hold): the prompts (and their images) in waves, the outputs joined (and
+        how many waves)."""
         slots = decode_rows(self.cfg, self.rollout, self.gen_layout)
         per_wave = max(1, slots // params.n) if slots else len(ids)
-        outs = [self._generate_wave(ids[i:i + per_wave], mask[i:i + per_wave], params, gen)
+        outs = [self._generate_wave(ids[i:i + per_wave], mask[i:i + per_wave], params, gen,
+                                    None if images is None else {k: v[i:i + per_wave] for k, v in images.items()})
                 for i in range(0, len(ids), per_wave)]
         if len(outs) == 1:
             return outs[0], 1
@@ -397,7 +402,7 @@ class ActorRolloutRefWorker(Worker):
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}, len(outs)
 
     def _generate_wave(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,
-                       gen: torch.Generator) -> dict[str, torch.Tensor]:
+                       gen: torch.Generator, images: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         versions = [self.pool.policy_version()]  # of token 0; one more per decode step
 
         def before_step(step: int) -> None:
@@ -408,6 +413,8 @@ class ActorRolloutRefWorker(Worker):
         hook = {"before_step": before_step} if self.rollout.step_hooks else {}
         if self.cfg.actor.moe.router_replay == "rollout":  # the experts each token went to (R3)
             hook["record_routes"] = True
+        if images is not None:
+            hook["images"] = images
         out = self.rollout.generate(ids, mask, params, generator=gen, **hook)
         out["behav_versions"] = _token_versions(versions, out["responses"].shape, out["responses"].device)
         return out
@@ -811,4 +818,7 @@ def _pad_responses(out: dict[str, torch.Tensor], width: int, pad_id: int) -> dic
     last = out["position_ids"][:, -extra - 1:-extra]
     steps = torch.arange(1, extra + 1, dtype=last.dtype, device=last.device)
     out["position_ids"][:, -extra:] = last + steps  # keep positions increasing
+    if ROPE in out:  # 3-D positions of image prompts: text goes on alike in all three
+        rope = out[ROPE]
+        out[ROPE] = torch.cat([rope, rope[:, :, -1:] + steps], dim=2)
     return out

@@ -56,9 +56,11 @@ def same_init_on_every_rank(cfg: RLConfig) -> None:
 
 
 def load_causal_lm(path: str, dtype: str = "float32") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from asyncrl.train.load import lm_class
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory; build the tiny model with "
                                 "`python -m asyncrl.models.tiny DIR` or set model.path to a local HF model")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return lm_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=getattr(torch, dtype))

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from asyncrl.config import PPOUpdateConfig
+from asyncrl.data.images import IMAGE_INPUTS, ROPE
 from asyncrl.metrics import mean_metrics
 from asyncrl.single_controller.balance import karmarkar_karp
 from asyncrl.single_controller.batch import Batch
@@ -163,7 +164,9 @@ def trim_padding(mb: Batch) -> Batch:
     for name, t in mb.tensors.items():
         if name in SEQUENCE_COLUMNS and t.dim() >= 2:
             t = t[:, first:prompt + keep]
-        elif name != "prompts" and t.dim() >= 2 and t.shape[1] == width:
+        elif name == ROPE:  # [rows, 3, sequence]
+            t = t[:, :, first:prompt + keep]
+        elif name != "prompts" and name not in IMAGE_INPUTS and t.dim() >= 2 and t.shape[1] == width:
             t = t[:, :keep]
         tensors[name] = t
     return Batch._make(tensors, mb.non_tensors, mb.meta)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from asyncrl.train.fsdp import find_blocks
+from asyncrl.train.load import lm_class
 from asyncrl.train.tp import COLWISE, ROWWISE, check_tp, shards_vocab
 
 
@@ -26,10 +27,8 @@ class GenerationModel:
     """A weightless copy of `config`'s architecture, tensor parallel over `group` (None: tg=1)."""
 
     def __init__(self, config, buffers_from: nn.Module | torch.device, group: dist.ProcessGroup | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(config)
+            self.model = lm_class(config).from_config(config)
         self.model.requires_grad_(False)
         self.model.eval()
         self.group = group

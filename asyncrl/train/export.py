@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,18 @@ def write_hf_files(model: nn.Module, out_dir: Path, tokenizer: Any, dtype: torch
         generation_config.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    copy_processor_files(Path(getattr(config, "_name_or_path", "") or ""), out_dir)
+
+
+# what a vision-language model's image processor (and processor) load from, beside the tokenizer
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(source: Path, out_dir: Path) -> None:
+    """The source model directory's image processor files, so the export reads images as it did."""
+    for name in PROCESSOR_FILES:
+        if str(source) and (source / name).is_file() and (source / name).resolve() != (out_dir / name).resolve():
+            shutil.copyfile(source / name, out_dir / name)
 
 
 class ShardWriter:

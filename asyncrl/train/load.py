@@ -46,18 +46,31 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
+def lm_class(config: Any) -> Any:
+    """The transformers auto class of `config`'s language model: a vision-language model's
+    (`vision_config`: Qwen2.5-VL and the like) is an image-text-to-text model, not a causal LM."""
+    if getattr(config, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
 def skeleton(path: str, dtype: torch.dtype, value_head: bool = False) -> nn.Module:
     """The causal LM of `path`'s config.json with parameters on the meta device, in `dtype`
     (`value_head`: the body with a one-output token head instead, the critic's layout)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     if value_head:  # no dropout: training-mode values match the eval-mode ones they are clipped against
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
     else:
         config = AutoConfig.from_pretrained(path)
+    kind = AutoModelForTokenClassification if value_head else lm_class(config)
     with parameters_on_meta():  # rotary tables stay fp32 whatever `dtype` is, as from_pretrained keeps them
-        return (AutoModelForTokenClassification if value_head else AutoModelForCausalLM).from_config(config, dtype=dtype)
+        return kind.from_config(config, dtype=dtype)
 
 
 def copy_shards(src: nn.Module, dst: nn.Module) -> None:
@@ -198,6 +211,20 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names for names in by_param.values()}
 
 
+# vision-language checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL on the Hub, and transformers' own
+# save_pretrained) name the language model and the vision tower as before transformers 4.52 did
+LEGACY_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def rename_legacy(sd: dict[str, Tensor], wanted: set[str]) -> None:
+    """Give each wanted name the checkpoint stores under its older layout's name (in place)."""
+    for name in wanted - set(sd):
+        for new, old in LEGACY_PREFIXES:
+            if name.startswith(new) and (legacy := old + name.removeprefix(new)) in sd:
+                sd[name] = sd.pop(legacy)
+                break
+
+
 def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype,
                     missing_ok: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
     """The checkpoint's tensors by the model's parameter names in `dtype`, safetensors files read
@@ -214,6 +241,7 @@ def read_checkpoint(path: str, aliases: dict[str, list[str]], dtype: torch.dtype
         sd.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
     wanted = {n for names in aliases.values() for n in names}
     fuse_experts(sd, wanted, expert_names_at(path))
+    rename_legacy(sd, wanted)
     for names in aliases.values():
         present = next((n for n in names if n in sd), None)
         for n in names:

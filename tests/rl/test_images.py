@@ -12,6 +12,7 @@ from asyncrl.data.images import (
     PIXELS,
     ROPE,
     ImageInputError,
+    encode_image_prompt,
     expand_image_tokens,
     flat_images,
     image_columns,
@@ -98,3 +99,120 @@ def test_image_inputs_that_do_not_fit_are_refused(vl):
     with pytest.raises(ImageInputError, match="expand each placeholder"):
         engine.generate(torch.cat([unexpanded, torch.tensor([tokenizer.convert_tokens_to_ids(IMAGE_PAD)])])[None],
                         torch.ones(1, len(unexpanded) + 1, dtype=torch.long), SamplingParams(), images=columns)
+
+
+def png(image: Image.Image) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_verl_layout_row_becomes_the_engines_image_prompt(vl, tmp_path):
+    """verl's layout (`<image>` in the text, `{bytes, path}` structs) and HF image parts give the
+    same ids and patches as building the prompt by hand; the rollout runs on them."""
+    model, tokenizer, processor = vl
+    first, second = squares(2), squares(3, (112, 56))
+    path = tmp_path / "second.png"
+    second.save(path)
+    verl = [{"role": "user", "content": "<image> how many <image> red squares ?"}]
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many"},
+                                          {"type": "image"}, {"type": "text", "text": "red squares ?"}]}]
+    image_id = model.config.image_token_id
+    _, ids, pixels, grid = encode_image_prompt(tokenizer, processor, image_id, verl,
+                                            [{"bytes": png(first), "path": None}, {"bytes": None, "path": str(path)}],
+                                            "row 0")
+    again = encode_image_prompt(tokenizer, processor, image_id, parts, [png(first), str(path)], "row 0")[1:]
+    assert ids == again[0] and torch.equal(pixels, again[1]) and torch.equal(grid, again[2])
+    assert ids.count(image_id) == sum(image_token_counts(grid, MERGE)) == 6 + 8
+    columns = image_columns([(pixels, grid)])
+    out = RolloutEngine(model, eos_token_id=[], pad_token_id=tokenizer.pad_token_id).generate(
+        torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), SamplingParams(max_tokens=4, seed=0),
+        images=columns)
+    assert out["responses"].shape == (1, 4)
+
+
+@pytest.mark.parametrize("images, match", [
+    ([], "2 image placeholders for 0 images"),
+    ([b"not an image", b""], "row 3, image 0: the image cannot be read"),
+    (["/nonexistent/a.png", None], "row 3, image 0: the image cannot be read"),
+    ([{"bytes": None, "path": None}, None], "row 3, image 0 holds no image"),
+])
+def test_image_rows_that_cannot_be_read_name_the_row(vl, images, match):
+    model, tokenizer, processor = vl
+    messages = [{"role": "user", "content": "<image> and <image> ?"}]
+    with pytest.raises(ImageInputError, match=match):
+        encode_image_prompt(tokenizer, processor, model.config.image_token_id, messages, images, "row 3")
+
+
+def squares_parquet(path, rows: int, mismatch_row: int | None = None) -> None:
+    """verl's multimodal layout: `<image>` in the prompt, PNG bytes in `images`, the count as the answer."""
+    import random
+
+    import pandas as pd
+
+    rng = random.Random(0)
+    table = []
+    for i in range(rows):
+        count, colour = rng.randint(1, 6), rng.choice(["red", "blue"])
+        text = "<image> <image> how many ?" if i == mismatch_row else f"<image> how many {colour} squares ?"
+        table.append({"prompt": [{"role": "user", "content": text}],
+                      "images": [{"bytes": png(squares(count, (56, 56), colour)), "path": None}],
+                      "reward_model": {"style": "rule", "ground_truth": str(count)}, "data_source": "squares"})
+    pd.DataFrame(table).to_parquet(path)
+
+
+def launch(tmp_path, *overrides: str):
+    """`asyncrl-launch --config-name grpo` forked from the session's pre-imported server, run in `tmp_path`."""
+    import os
+
+    from tests.helpers import forked
+
+    env = {**os.environ, "ASYNCRL_STATE_DIR": str(tmp_path / "state")}
+    return forked.launch(["--config-name", "grpo", *overrides], env=env, cwd=tmp_path, timeout=300)
+
+
+def test_grpo_trains_on_a_verl_image_parquet_and_exports_a_model_that_reads_images(tmp_path):
+    """A user's parquet in verl's layout with a saved Qwen2.5-VL-shaped directory runs through
+    `--config-name grpo` on two ranks: the trainer's log-probs of the sampled tokens are the
+    rollout's (fp32), and the HF export loads whole in transformers with the image processor."""
+    import json
+
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model_dir = build_tiny_vl_model(tmp_path / "model", WORDS)
+    squares_parquet(tmp_path / "train.parquet", 16)
+    r = launch(tmp_path, f"model.path={model_dir}", f"data.train_files={tmp_path / 'train.parquet'}",
+               "data.batch_size=4", "trainer.total_steps=2", "data.max_prompt_len=64", "rollout.max_tokens=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "does not round-trip" not in r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    steps = [m for m in map(json.loads, open(tmp_path / summary["metrics"])) if "rollout/logprob_diff_max" in m]
+    assert len(steps) == 2 and max(s["rollout/logprob_diff_max"] for s in steps) < 1e-5
+    export = tmp_path / summary["checkpoint"]
+    model, info = AutoModelForImageTextToText.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    pixels = AutoImageProcessor.from_pretrained(export)(images=[squares(3)], return_tensors="pt")["pixel_values"]
+    assert torch.equal(pixels, AutoImageProcessor.from_pretrained(model_dir)(images=[squares(3)],
+                                                                            return_tensors="pt")["pixel_values"])
+
+
+@pytest.mark.parametrize("case", ["placeholders", "text model", "vllm"])
+def test_an_image_run_that_cannot_work_exits_2_naming_what_to_fix(tmp_path, case):
+    model_dir = build_tiny_vl_model(tmp_path / "model", WORDS)
+    squares_parquet(tmp_path / "train.parquet", 8, mismatch_row=5 if case == "placeholders" else None)
+    overrides = [f"data.train_files={tmp_path / 'train.parquet'}", "data.batch_size=4", "trainer.total_steps=1",
+                 "data.max_prompt_len=64"]
+    if case == "text model":
+        from asyncrl.models.tiny import ensure_tiny_model
+
+        model_dir = ensure_tiny_model(tmp_path / "text", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
+    if case == "vllm":
+        overrides.append("rollout.engine=vllm")
+    r = launch(tmp_path, f"model.path={model_dir}", *overrides)
+    assert r.returncode == 2, r.stderr[-3000:]
+    expected = {"placeholders": "row 5: the prompt has 2 image placeholders for 1 images",
+                "text model": "has an image column 'images'",
+                "vllm": "rollout.engine=vllm: "}[case]
+    assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
