@@ -30,6 +30,7 @@ class SyntheticTask:
     # words only this task uses, kept out of the shared vocabulary (a tiny model built for another
     # task keeps the vocabulary, and so the random init, it had before the task was added)
     own_words: tuple[str, ...] = ()
+    images: bool = False  # `make` also draws the prompt's image (PNG bytes): a vision-language task
 
     @property
     def data_source(self) -> str:
@@ -89,6 +90,32 @@ def _lookup(rng: random.Random) -> tuple[str, str]:
     return f"lookup {key}", lookup_value(key)
 
 
+SQUARE_WORDS = ("<image>", "how", "many", "squares", "?")
+
+
+def _squares(rng: random.Random) -> tuple[str, str, bytes]:
+    """A 56x56 picture (a 4x4 grid of 14-pixel cells, Qwen2.5-VL's patches) with 1-4 red squares
+    in random cells: how many?"""
+    count = rng.randint(1, 4)
+    return "<image> how many squares ?", str(count), squares_png(rng.sample(range(16), count))
+
+
+def squares_png(cells: list[int], colour: tuple[int, int, int] = (220, 40, 40)) -> bytes:
+    """PNG bytes of a white 56x56 image with a 10-pixel square in each of `cells` (of a 4x4 grid)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (56, 56), "white")
+    draw = ImageDraw.Draw(image)
+    for cell in cells:
+        x, y = 14 * (cell % 4) + 2, 14 * (cell // 4) + 2
+        draw.rectangle([x, y, x + 9, y + 9], fill=colour)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 TASKS: dict[str, SyntheticTask] = {
     t.name: t
     for t in (
@@ -99,6 +126,7 @@ TASKS: dict[str, SyntheticTask] = {
         SyntheticTask("reverse", (*LETTERS, "reverse"), _reverse, 4, LETTERS),
         SyntheticTask("copy_tail", (*LETTERS, "copy"), _copy_tail, 16, LETTERS),
         SyntheticTask("lookup", (*LETTERS, *DIGITS), _lookup, 1, DIGITS, own_words=("lookup", "call")),
+        SyntheticTask("squares", DIGITS, _squares, 1, ("1", "2", "3", "4"), own_words=SQUARE_WORDS, images=True),
     )
 }
 
@@ -131,8 +159,9 @@ def score_answer(solution: str, ground_truth: str) -> float:
     return hits / max(len(pred), len(gold))
 
 
-def make_examples(task: str, n: int, seed: int) -> list[tuple[str, str]]:
-    """`n` (prompt, answer) pairs, a pure function of (task, n, seed)."""
+def make_examples(task: str, n: int, seed: int) -> list[tuple]:
+    """`n` (prompt, answer) pairs (and an image's PNG bytes for a task with images), a pure
+    function of (task, n, seed)."""
     spec = get_task(task)
     rng = random.Random(f"{spec.name}:{seed}")
     return [spec.make(rng) for _ in range(n)]
@@ -145,23 +174,29 @@ def make_rows(task: str, n: int, seed: int, split: str = "train") -> list[dict]:
         {
             "data_source": spec.data_source,
             "prompt": [{"role": "user", "content": prompt}],
+            **({"images": [{"bytes": picture[0], "path": None}]} if picture else {}),
             "ability": "synthetic",
             "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": split, "index": i, "answer": answer},
         }
-        for i, (prompt, answer) in enumerate(make_examples(task, n, seed))
+        for i, (prompt, answer, *picture) in enumerate(make_examples(task, n, seed))
     ]
+
+
+def row_key(row: dict) -> tuple:
+    """What makes a row's prompt the same as another's: its text and its images' bytes."""
+    return row["prompt"][0]["content"], tuple(image["bytes"] for image in row.get("images", ()))
 
 
 def disjoint_splits(task: str, n_train: int, n_val: int, seed: int) -> tuple[list, list]:
     """Train and validation rows with no prompt in both (val is drawn first, from its own seed)."""
     val = make_rows(task, n_val, seed + 1_000_003, "test")
-    held = {r["prompt"][0]["content"] for r in val}
+    held = {row_key(r) for r in val}
     train: list[dict] = []
     rng_seed = seed
     while len(train) < n_train:
         batch = make_rows(task, 2 * (n_train - len(train)) + 16, rng_seed, "train")
-        train.extend(r for r in batch if r["prompt"][0]["content"] not in held)
+        train.extend(r for r in batch if row_key(r) not in held)
         rng_seed += 7919
     train = train[:n_train]
     for i, row in enumerate(train):

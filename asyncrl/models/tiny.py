@@ -10,6 +10,7 @@ the warm start its training rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import logging
@@ -24,47 +25,22 @@ import torch
 from asyncrl.data.dataset import positions_from_mask
 from asyncrl.data.reasoning_gym import GYM_TASK
 from asyncrl.data.synthetic import all_symbols, get_task, make_examples
+from asyncrl.models.vision import (
+    VL_CHAT_TEMPLATE,
+    build_image_processor,
+    build_vl_config,
+    build_vl_tokenizer,
+    vl_warm_start,
+)
+from asyncrl.models.words import (
+    CHAT_TEMPLATE,
+    build_tokenizer,
+)
 from transport.checks import ConfigError
 
 log = logging.getLogger(__name__)
 
-PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
-ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
-SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
 MARKER = "asyncrl_tiny.json"
-
-# One turn is "<|role|> content <eos>"; the generation prompt is "<|assistant|>". Whitespace
-# around tokens is irrelevant: the pre-tokenizer splits on it.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|> ' + message['content'] + ' ' + eos_token + ' ' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
-
-
-def build_tokenizer(symbols: list[str] | None = None):
-    """A word-level `PreTrainedTokenizerFast` over `symbols` (default: every synthetic symbol)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = [*SPECIAL_TOKENS, *(s for s in (symbols or all_symbols()) if s not in SPECIAL_TOKENS)]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    core.add_special_tokens(list(SPECIAL_TOKENS))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        padding_side="left",
-        model_max_length=256,
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
 
 
 def build_config(tokenizer, *, hidden: int, layers: int, heads: int, experts: int = 0, experts_per_token: int = 2):
@@ -228,33 +204,33 @@ def build_tiny_model(
     reasoning_gym: dict | None = None,
 ) -> Path:
     """Write tokenizer + (optionally SFT-warmed) random-init Llama (with `experts`: a Qwen3-MoE of
-    `experts` experts, top-`experts_per_token`) to `out_dir`; return the path.
+    `experts` experts, top-`experts_per_token`; for a task with images, `squares`: a Qwen2.5-VL and
+    its image processor) to `out_dir`; return the path.
     task="reasoning_gym" builds for `reasoning_gym` ({"source": data.source, **data.reasoning_gym}):
     the vocabulary is every word of its rows, the warm start its training rows."""
-    from transformers import AutoModelForCausalLM
-
     if sft_targets not in ("task", "format"):
         raise ValueError(f"sft_targets must be 'task' or 'format', not {sft_targets!r}")
     examples, words = gym_examples(reasoning_gym) if task == GYM_TASK else (None, all_symbols(task))
+    visual = task != GYM_TASK and get_task(task).images
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer(words)
+    tokenizer = (build_vl_tokenizer if visual else build_tokenizer)(words)
     loss = None
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(build_config(tokenizer, hidden=hidden, layers=layers, heads=heads,
-                                                              experts=experts, experts_per_token=experts_per_token))
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model = _fresh_model(tokenizer, visual, hidden=hidden, layers=layers, heads=heads, experts=experts,
+                             experts_per_token=experts_per_token)
         if sft_steps > 0:
-            loss = sft_warm_start(
-                model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size,
-                seed=seed, targets=sft_targets, examples=examples,
-            )
+            warm = vl_warm_start if visual else functools.partial(sft_warm_start, examples=examples)
+            loss = warm(model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size, seed=seed,
+                        targets=sft_targets)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _make_tokenizer_config_portable(out)
+    _make_tokenizer_config_portable(out, VL_CHAT_TEMPLATE if visual else CHAT_TEMPLATE)
+    if visual:
+        build_image_processor().save_pretrained(out)
     info = {"task": task, "hidden": hidden, "layers": layers, "heads": heads, "experts": experts,
             "experts_per_token": experts_per_token, "seed": seed, "sft_steps": sft_steps, "sft_lr": sft_lr,
             "sft_batch_size": sft_batch_size, "sft_targets": sft_targets, "reasoning_gym": reasoning_gym,
@@ -277,13 +253,26 @@ def gym_examples(spec: dict | None) -> tuple[list[tuple[list[dict], str]], list[
     return [(r["prompt"], r["reward_model"]["ground_truth"]) for r in train], row_words(train + val)
 
 
-def _make_tokenizer_config_portable(out: Path) -> None:
+def _fresh_model(tokenizer, visual: bool, *, hidden: int, layers: int, heads: int, experts: int,
+                 experts_per_token: int):
+    """A random-init Llama (or Qwen3-MoE with `experts`), or with `visual` a Qwen2.5-VL, for `tokenizer`."""
+    from asyncrl.train.load import lm_class
+
+    config = (build_vl_config(tokenizer, hidden=hidden, layers=layers, heads=heads) if visual else
+              build_config(tokenizer, hidden=hidden, layers=layers, heads=heads, experts=experts,
+                           experts_per_token=experts_per_token))
+    model = lm_class(config).from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _make_tokenizer_config_portable(out: Path, template: str) -> None:
     # transformers 5 writes its own class name and a separate .jinja file; older loaders (e.g. the
     # transformers 4.x a vLLM install may pin) need the classic class name and an inline template.
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = template
     path.write_text(json.dumps(config, indent=2))
 
 

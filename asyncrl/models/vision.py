@@ -4,11 +4,14 @@ them, so `AutoModelForImageTextToText`, `AutoTokenizer` and `AutoImageProcessor`
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
 
-from asyncrl.models.tiny import build_tokenizer
+from asyncrl.data.images import encode_image_prompt, flat_images, image_columns, rope_positions
+from asyncrl.data.synthetic import get_task, make_examples
+from asyncrl.models.words import build_tokenizer
 
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD)
@@ -82,3 +85,41 @@ def build_tiny_vl_model(out: str | Path, symbols: list[str], *, seed: int = 0, *
     tokenizer.save_pretrained(out)
     build_image_processor().save_pretrained(out)
     return out
+
+
+def vl_warm_start(model, tokenizer, task: str, *, steps: int, lr: float, batch_size: int = 64, seed: int = 0,
+                  targets: str = "format") -> float:
+    """`sft_warm_start` (asyncrl.models.tiny) for a task with images: `steps` AdamW steps on its
+    templated image prompts, loss on the answer (random answer symbols with targets="format")."""
+    spec, processor = get_task(task), build_image_processor()
+    rng = random.Random(f"sft-format:{task}:{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = float("nan")
+    for step in range(steps):
+        rows = []
+        for prompt, answer, png in make_examples(task, batch_size, seed=10_000 * (seed + 1) + step):
+            if targets == "format":
+                answer = " ".join(rng.choice(spec.answer_symbols) for _ in answer.split())
+            _, ids, pixels, grid = encode_image_prompt(tokenizer, processor, model.config.image_token_id,
+                                                       [{"role": "user", "content": prompt}], [png], "warm start")
+            tail = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            rows.append((ids + tail, [-100] * len(ids) + tail, pixels, grid))
+        out = model(**_padded_image_batch(model, tokenizer.pad_token_id, rows))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        loss = float(out.loss.detach())
+    model.eval()
+    return loss
+
+
+def _padded_image_batch(model, pad: int, rows: list) -> dict[str, torch.Tensor]:
+    """Left-padded (ids, labels, patches, grid) rows as a forward's keyword arguments."""
+    width = max(len(ids) for ids, *_ in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r, *_ in rows])
+    labels = torch.tensor([[-100] * (width - len(r)) + r for _, r, *_ in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r, *_ in rows])
+    pixels, grid = flat_images(image_columns([(p, g) for *_, p, g in rows]))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels, "image_grid_thw": grid,
+            "position_ids": rope_positions(model, ids, mask, grid).permute(1, 0, 2)}
