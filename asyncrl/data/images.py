@@ -76,7 +76,7 @@ def load_image(value: Any, where: str):
     try:
         with Image.open(source) as image:
             return image.convert("RGB")
-    except OSError as e:  # missing file, or bytes PIL cannot identify
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # missing, unidentifiable, truncated, huge
         raise ImageInputError(f"{where}: the image cannot be read ({e}); give PNG or JPEG bytes or an "
                               "existing file") from None
 

@@ -95,7 +95,22 @@ def vl_warm_start(model, tokenizer, task: str, *, steps: int, lr: float, batch_s
     rng = random.Random(f"sft-format:{task}:{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
+    threads = torch.get_num_threads()
+    # one thread: as fast for a model this size, and a build beside other work (a launch's workers,
+    # a test suite) does not fight it for the cores (two such builds at once took 20x longer)
+    torch.set_num_threads(1)
+    try:
+        loss = _warm_steps(model, tokenizer, processor, spec, rng, opt, steps, batch_size, seed, targets)
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return loss
+
+
+def _warm_steps(model, tokenizer, processor, spec, rng: random.Random, opt, steps: int, batch_size: int, seed: int,
+                targets: str) -> float:
     loss = float("nan")
+    task = spec.name
     for step in range(steps):
         rows = []
         for prompt, answer, png in make_examples(task, batch_size, seed=10_000 * (seed + 1) + step):
@@ -110,7 +125,6 @@ def vl_warm_start(model, tokenizer, task: str, *, steps: int, lr: float, batch_s
         out.loss.backward()
         opt.step()
         loss = float(out.loss.detach())
-    model.eval()
     return loss
 
 
