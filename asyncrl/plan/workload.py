@@ -136,6 +136,13 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
                   experts_per_token=8, expert_ffn=768),
         ModelSpec("mistralai/Mixtral-8x7B-v0.1", 32, 4096, 32, 8, 14336, 32000, experts=8, experts_per_token=2,
                   expert_ffn=14336),
+        # vision-language: Qwen2.5-VL's tower (32 blocks of 1280, MLP 3420) before its language model
+        ModelSpec("Qwen/Qwen2.5-VL-3B", 36, 2048, 16, 2, 11008, 151936, tied=True,
+                  vision_params=vision_tower_params({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                                                     "out_hidden_size": 2048})),
+        ModelSpec("Qwen/Qwen2.5-VL-7B", 28, 3584, 28, 4, 18944, 152064,
+                  vision_params=vision_tower_params({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                                                     "out_hidden_size": 3584})),
     )
 }
 # instruction-tuned checkpoints have their base model's shape

@@ -156,6 +156,21 @@ def test_an_image_too_large_to_decode_is_refused_naming_it(vl, monkeypatch):
                             [{"role": "user", "content": "<image> how many ?"}], [png(squares(2))], "row 7")
 
 
+def test_the_planner_prices_the_vision_tower(vl, tmp_path):
+    """The planner's shape of a vision-language model counts its tower's parameters: exactly for the
+    tiny one, and Qwen2.5-VL-3B / 7B at their published sizes (3.75 B, 8.29 B)."""
+    import json
+
+    from asyncrl.plan.workload import KNOWN_MODELS, ModelSpec
+
+    model, *_ = vl
+    path = build_tiny_vl_model(tmp_path / "model", WORDS)
+    spec = ModelSpec.from_hf_config("tiny", json.loads((path / "config.json").read_text()))
+    assert spec.vision_params == sum(p.numel() for p in model.model.visual.parameters())
+    assert round(KNOWN_MODELS["Qwen/Qwen2.5-VL-3B-Instruct"].params / 1e9, 2) == 3.75
+    assert round(KNOWN_MODELS["Qwen/Qwen2.5-VL-7B-Instruct"].params / 1e9, 2) == 8.29
+
+
 def squares_parquet(path, rows: int, mismatch_row: int | None = None) -> None:
     """verl's multimodal layout: `<image>` in the prompt, PNG bytes in `images`, the count as the answer."""
     import random
