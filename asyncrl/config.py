@@ -436,6 +436,7 @@ class ActorConfig(PPOUpdateConfig):
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters instead of full fine-tuning (rank > 0)
     moe: MoEConfig = field(default_factory=MoEConfig)  # routing replay and router losses (MoE models)
+    freeze_vision: bool = False  # a vision-language model's vision tower (and its merger) stays as loaded
     # fsdp2: FSDP2 x DTensor TP (x pipeline stages); megatron: megatron-core's GPTModel, TP x DP with
     # its distributed optimizer (docs/megatron.md); the reference policy runs on the same backend
     backend: str = "fsdp2"

@@ -119,8 +119,10 @@ def check_files(cfg: RLConfig) -> None:
     from asyncrl.data.images import reads_images
     from asyncrl.rewards import load_reward_fn
 
+    path = None
     if cfg.model.build_tiny is None:
-        _check_moe(cfg, resolve_model(cfg.model))
+        path = resolve_model(cfg.model)
+        _check_moe(cfg, path)
     else:  # built by the job; a reasoning-gym build needs data.source's tasks
         tiny_settings(cfg.model.build_tiny, cfg.data)
         _check_moe(cfg, None)
@@ -130,12 +132,15 @@ def check_files(cfg: RLConfig) -> None:
         resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")
     if cfg.reward.model_path:
         cfg.reward.model_path = resolve_model(ModelConfig(path=cfg.reward.model_path), key="reward.model_path")
+    if cfg.actor.freeze_vision and path is not None and not reads_images(path):
+        raise ConfigError(f"actor.freeze_vision=true: {cfg.model.path} has no vision tower (its config.json has no "
+                          "vision_config); unset it for a text model")
     for key in ("train_files", "val_files"):
         value = getattr(cfg.data, key)
         if value:
             try:
                 check_data_file(value, cfg.data.prompt_key, cfg.data.answer_key,
-                                images=cfg.model.build_tiny is None and reads_images(cfg.model.path))
+                                images=path is not None and reads_images(path))
             except DatasetError as e:
                 raise ConfigError(f"data.{key}={value}: {e}") from None
     for key in ("fn", "cost_fn"):

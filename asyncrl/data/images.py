@@ -229,6 +229,24 @@ def rope_positions(model: torch.nn.Module, input_ids: Tensor, attention_mask: Te
     return positions.permute(1, 0, 2).contiguous()
 
 
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A vision-language model's vision tower with its patch merger (Qwen2.5-VL's `model.visual`);
+    None for a text model."""
+    base = getattr(model, "model", model)
+    tower = getattr(base, "visual", None) or getattr(model, "visual", None)
+    return tower if isinstance(tower, torch.nn.Module) else None
+
+
+def freeze_vision(model: torch.nn.Module, path: str) -> int:
+    """Stop `model`'s vision tower training (`actor.freeze_vision`); returns its parameters."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ImageInputError(f"actor.freeze_vision=true: {path} has no vision tower (its config.json has no "
+                              "vision_config); unset it for a text model")
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
 def model_image_kwargs(columns: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The forward's keyword arguments for a batch with images (patches, grids, 3-D positions),
     {} for one without."""

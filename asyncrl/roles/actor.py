@@ -32,7 +32,7 @@ from asyncrl.algorithms import core
 from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import FILL_TOKEN_BUDGET, ActorConfig, RLConfig, rl_config
-from asyncrl.data.images import IMAGE_INPUTS, ROPE, has_images
+from asyncrl.data.images import IMAGE_INPUTS, ROPE, freeze_vision, has_images
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import routing
@@ -667,6 +667,8 @@ def fsdp_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layout: P
         if cfg.actor.moe.freeze_router:
             for router in routers(base):
                 router.weight.requires_grad_(False)
+        if cfg.actor.freeze_vision:  # a text model is refused before any worker starts (asyncrl.preflight)
+            freeze_vision(base, cfg.model.path)
         if cfg.actor.gradient_checkpointing:  # the reference policy only runs forward
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = parallelize(base, layout, mp)

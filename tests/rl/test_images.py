@@ -223,23 +223,53 @@ def test_grpo_trains_on_a_verl_image_parquet_and_exports_a_model_that_reads_imag
                                                                             return_tensors="pt")["pixel_values"])
 
 
-@pytest.mark.parametrize("case", ["placeholders", "text model", "vllm"])
+def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(tmp_path):
+    """`actor.freeze_vision=true`: after two GRPO steps the export's vision tower (and merger) is the
+    loaded one, tensor for tensor, and the language model moved."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model_dir = build_tiny_vl_model(tmp_path / "model", WORDS)
+    squares_parquet(tmp_path / "train.parquet", 8)
+    # a reward that differs between a prompt's samples (their lengths): every step has advantages to follow
+    (tmp_path / "lengths.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n"
+                                         "    return float(len(solution_str.split()))\n")
+    r = launch(tmp_path, f"model.path={model_dir}", f"data.train_files={tmp_path / 'train.parquet'}",
+               "data.batch_size=4", "trainer.total_steps=2", "data.max_prompt_len=64", "rollout.max_tokens=4",
+               "actor.freeze_vision=true", f"reward.fn={tmp_path / 'lengths.py'}:score")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    before = load_file(model_dir / "model.safetensors")
+    after = load_file(tmp_path / summary["checkpoint"] / "model.safetensors")
+    tower = [k for k in before if k.startswith("visual.")]
+    renamed = {k: "model." + k for k in tower if k not in after}  # the export names them as the model does
+    assert tower and all(torch.equal(before[k], after[renamed.get(k, k)]) for k in tower)
+    language = [k for k in after if "layers.0.mlp.down_proj" in k]
+    assert language and not all(torch.equal(after[k], before[k.replace("model.language_model.", "model.")])
+                                for k in language)
+
+
+@pytest.mark.parametrize("case", ["placeholders", "text model", "vllm", "freeze a text model"])
 def test_an_image_run_that_cannot_work_exits_2_naming_what_to_fix(tmp_path, case):
     model_dir = build_tiny_vl_model(tmp_path / "model", WORDS)
     squares_parquet(tmp_path / "train.parquet", 8, mismatch_row=5 if case == "placeholders" else None)
     overrides = [f"data.train_files={tmp_path / 'train.parquet'}", "data.batch_size=4", "trainer.total_steps=1",
                  "data.max_prompt_len=64"]
-    if case == "text model":
+    if case in ("text model", "freeze a text model"):
         from asyncrl.models.tiny import ensure_tiny_model
 
         model_dir = ensure_tiny_model(tmp_path / "text", task="sort", hidden=32, layers=1, heads=2, sft_steps=0)
     if case == "vllm":
         overrides.append("rollout.engine=vllm")
+    if case == "freeze a text model":
+        overrides = ["actor.freeze_vision=true", "trainer.total_steps=1"]
     r = launch(tmp_path, f"model.path={model_dir}", *overrides)
     assert r.returncode == 2, r.stderr[-3000:]
     expected = {"placeholders": "row 5: the prompt has 2 image placeholders for 1 images",
                 "text model": "has an image column 'images'",
-                "vllm": "rollout.engine=vllm: "}[case]
+                "vllm": "rollout.engine=vllm: ",
+                "freeze a text model": "actor.freeze_vision=true: "}[case]
     assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
