@@ -111,6 +111,40 @@ def _check_context_fits_model(cfg: RLConfig) -> None:
     log.warning("%s (rollout.engine=%s runs, past the positions the model was trained on)", msg, cfg.rollout.engine)
 
 
+def check_image_run(cfg: RLConfig) -> None:
+    """A vision-language model's run on what reads images so far: a rollout engine and training
+    backend that take them (`images` in `asyncrl.engines`: the native engine's waves, FSDP2), not
+    a split pool's continuous batches or multi-turn agents, no pipeline stages or Ulysses, no
+    critic, no dynamic sampling's refills."""
+    unsupported = [(k, v) for k, v, ok in (
+        ("rollout.engine", cfg.rollout.engine, rollout_engine(cfg.rollout.engine).images),
+        ("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, not cfg.rollout.multi_turn.enable),
+        ("trainer.placement", cfg.trainer.placement, cfg.trainer.placement == "colocated"),
+        ("actor.backend", cfg.actor.backend, backend(cfg.actor.backend).images),
+        ("actor.parallel.pp", cfg.actor.parallel.pp, cfg.actor.parallel.pp == 1),
+        ("actor.parallel.sp", cfg.actor.parallel.sp, cfg.actor.parallel.sp == 1),
+        ("algorithm.name", cfg.algorithm.name, not needs_critic(cfg.algorithm.name)),
+        ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable, not cfg.algorithm.filter_groups.enable),
+    ) if not ok]
+    if unsupported:
+        key, value = unsupported[0]
+        raise ConfigError(f"{key}={value}: {cfg.model.path} is a vision-language model, and image prompts run "
+                          "so far on the native engine in colocated placement, FSDP2 without pipeline stages or "
+                          "Ulysses, algorithms without a critic and no dynamic sampling; change the setting")
+
+
+def _reads_images(cfg: RLConfig, path: str | None) -> bool:
+    """Whether the run's model is a vision-language one (its directory's config, or a tiny build's task)."""
+    from asyncrl.data.images import reads_images
+    from asyncrl.data.reasoning_gym import GYM_TASK
+    from asyncrl.data.synthetic import get_task
+
+    tiny = cfg.model.build_tiny
+    if tiny is not None:
+        return tiny.task != GYM_TASK and get_task(tiny.task).images
+    return reads_images(path)
+
+
 def check_files(cfg: RLConfig) -> None:
     """The model directory (unless the run builds it), the data files (present, parquet or
     jsonl, with the prompt and ground-truth columns) and the reward functions (importable);
@@ -132,6 +166,8 @@ def check_files(cfg: RLConfig) -> None:
         resolve_model(ModelConfig(path=cfg.cost_model.path), key="cost_model.path")
     if cfg.reward.model_path:
         cfg.reward.model_path = resolve_model(ModelConfig(path=cfg.reward.model_path), key="reward.model_path")
+    if _reads_images(cfg, path):
+        check_image_run(cfg)
     if cfg.actor.freeze_vision and path is not None and not reads_images(path):
         raise ConfigError(f"actor.freeze_vision=true: {cfg.model.path} has no vision tower (its config.json has no "
                           "vision_config); unset it for a text model")

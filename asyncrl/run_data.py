@@ -11,11 +11,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.algorithms.registry import needs_critic
 from asyncrl.config import RLConfig
 from asyncrl.data.config import DataConfig
 from asyncrl.data.dataset import positions_from_mask
-from asyncrl.engines import backend, rollout_engine
 from asyncrl.preflight import check_round_trip
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.distbatch import DistBatch
@@ -48,9 +46,7 @@ class RunData:
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.path)
         dc = self.cfg.data
         tools = environment_tools(self.cfg.rollout.multi_turn)
-        images = ImageReader.of_model(self.cfg.model.path, dc.min_pixels, dc.max_pixels)
-        if images is not None:
-            check_image_run(self.cfg)
+        images = ImageReader.of_model(self.cfg.model.path, dc.min_pixels, dc.max_pixels)  # settings: asyncrl.preflight
 
         def tokenised(where: str, load: Callable[[], list[dict]]) -> PromptDataset | None:
             """The prompts of `load()`'s rows (None for no rows); a bad file or row is a ConfigError."""
@@ -124,28 +120,6 @@ class RunData:
             mask[i, p - len(it.input_ids):p + len(a)] = 1
         return self.put({"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask),
                           "responses": ids[:, p:], "response_mask": mask[:, p:]}, {})
-
-
-def check_image_run(cfg: RLConfig) -> None:
-    """A vision-language model's run on what reads images so far: a rollout engine and training
-    backend that take them (`images` in `asyncrl.engines`: the native engine's waves, FSDP2), not
-    a split pool's continuous batches or multi-turn agents, no pipeline stages or Ulysses, no
-    critic, no dynamic sampling's refills."""
-    unsupported = [(k, v) for k, v, ok in (
-        ("rollout.engine", cfg.rollout.engine, rollout_engine(cfg.rollout.engine).images),
-        ("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, not cfg.rollout.multi_turn.enable),
-        ("trainer.placement", cfg.trainer.placement, cfg.trainer.placement == "colocated"),
-        ("actor.backend", cfg.actor.backend, backend(cfg.actor.backend).images),
-        ("actor.parallel.pp", cfg.actor.parallel.pp, cfg.actor.parallel.pp == 1),
-        ("actor.parallel.sp", cfg.actor.parallel.sp, cfg.actor.parallel.sp == 1),
-        ("algorithm.name", cfg.algorithm.name, not needs_critic(cfg.algorithm.name)),
-        ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable, not cfg.algorithm.filter_groups.enable),
-    ) if not ok]
-    if unsupported:
-        key, value = unsupported[0]
-        raise ConfigError(f"{key}={value}: {cfg.model.path} is a vision-language model, and image prompts run "
-                          "so far on the native engine in colocated placement, FSDP2 without pipeline stages or "
-                          "Ulysses, algorithms without a critic and no dynamic sampling; change the setting")
 
 
 def generated_rows(dc: DataConfig) -> tuple[str, tuple[list[dict], list[dict]]]:
