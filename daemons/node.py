@@ -150,9 +150,19 @@ def _read_at_start(env: dict[str, str]) -> dict[str, str]:
 def _loads_as(env: dict[str, str], ahead: dict[str, str], imports: tuple[str, ...]) -> bool:
     """Whether a worker started with `env` would load as a process started with `ahead` that
     imported `imports` did: the same load-time settings, the same code for those packages."""
-    if _read_at_start(env) != _read_at_start(ahead):
-        return False  # settings that the interpreter or its libraries read as they load differ
-    return all(_found(top, env) == _found(top, ahead) for top in {m.split(".")[0] for m in imports})
+    return _load_difference(env, ahead, imports) is None
+
+
+def _load_difference(env: dict[str, str], ahead: dict[str, str], imports: tuple[str, ...]) -> str | None:
+    """What makes a worker started with `env` load otherwise than the fork server did (None: nothing)."""
+    mine, its = _read_at_start(env), _read_at_start(ahead)
+    if mine != its:  # settings that the interpreter or its libraries read as they load differ
+        keys = sorted(k for k in mine.keys() | its.keys() if mine.get(k) != its.get(k))
+        return f"{', '.join(keys)} differ from the fork server's"
+    for top in sorted({m.split(".")[0] for m in imports}):
+        if _found(top, env) != _found(top, ahead):
+            return f"{top} would be imported from {_found(top, env)}, not {_found(top, ahead)}"
+    return None
 
 
 def _found(package: str, env: dict[str, str]) -> str | None:
@@ -412,7 +422,8 @@ class NodeDaemon:
         ahead = forking.running()
         if ahead is None or any(d.startswith("cuda") for d in self.devices):
             return None
-        if not _loads_as(env, ahead, forking.imports()):
+        if (why := _load_difference(env, ahead, forking.imports())) is not None:
+            log.info("starting a worker cold: %s", why)
             return None
         try:
             return forking.spawn("daemons.worker:forked_main", ({"env": env, "keys": keys, "log": log_path}, os.getpid()))

@@ -81,13 +81,33 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             fcntl.flock(room, fcntl.LOCK_UN)
 
 
+_SESSION_LOAD_ENV: dict[str, str] = {}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _fork_server() -> None:
     """The session's pre-imported fork server, started as the session starts: rank groups,
     launches and the CPU workers of this process's node daemons fork from it."""
+    from daemons.node import _read_at_start
     from tests.helpers import forked
 
+    _SESSION_LOAD_ENV.update(_read_at_start(dict(os.environ)))
     forked.context()
+
+
+@pytest.fixture(autouse=True)
+def _load_time_environment_as_the_session_started() -> Iterator[None]:
+    """After each test, the settings a process reads as it loads (`daemons.node._read_at_start`:
+    LD_*, OMP_*, TORCH_*, ...) are the session's again: importing vLLM adds to LD_LIBRARY_PATH
+    (cv2's libraries), after which every later launch of this worker would start its workers cold
+    instead of from the fork server (slower, and starved past the heartbeat beside other tests)."""
+    from daemons.node import _read_at_start
+
+    yield
+    now = _read_at_start(dict(os.environ))
+    for key in now.keys() - _SESSION_LOAD_ENV.keys():
+        del os.environ[key]
+    os.environ.update({k: v for k, v in _SESSION_LOAD_ENV.items() if now.get(k) != v})
 
 
 @pytest.fixture(autouse=True)
