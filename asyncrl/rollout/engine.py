@@ -23,7 +23,14 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from asyncrl.data.dataset import positions_from_mask
-from asyncrl.data.images import IMAGE_INPUTS, ROPE, flat_images, rope_positions, vision_token_ids
+from asyncrl.data.images import (
+    IMAGE_INPUTS,
+    ROPE,
+    flat_images,
+    model_image_kwargs,
+    rope_positions,
+    vision_token_ids,
+)
 from asyncrl.rollout import attention, packed
 from asyncrl.train.moe import NOT_RECORDED, ROUTES, RoutingError, route_dtype, tap_of
 from transport import trace
@@ -569,15 +576,12 @@ class _ImagePrompts:
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  images: Mapping[str, torch.Tensor]) -> None:
         self.columns = {name: images[name].to(input_ids.device) for name in IMAGE_INPUTS}
-        self.pixels, self.grid = flat_images(self.columns)
+        self.grid = flat_images(self.columns)[1]
         self.positions = rope_positions(model, input_ids, attention_mask, self.grid)  # [B, 3, P]
         self.next_positions = self.positions.amax(dim=(1, 2))[:, None] + 1
 
     def prefill_inputs(self) -> dict[str, torch.Tensor]:
-        out = {"position_ids": self.positions.permute(1, 0, 2)}
-        if len(self.grid):
-            out.update(pixel_values=self.pixels, image_grid_thw=self.grid)
-        return out
+        return model_image_kwargs({**self.columns, ROPE: self.positions})
 
     def outputs(self, n: int, steps: int) -> dict[str, torch.Tensor]:
         """The B*n output rows' image columns and `rope_position_ids` [rows, 3, prompt + steps]."""
