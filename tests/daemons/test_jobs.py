@@ -386,7 +386,10 @@ def test_the_readme_commands_run_as_written(tmp_path):
 
     text = (UNITS / "README.md").read_text()
     keys, state = tmp_path / "keys", tmp_path / "state"
-    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=2)
+    # wide enough that a step takes ~1.4 s here: the remote job's 200 default steps outlast the
+    # status calls before its stop (at hidden 64 they took ~45 s, and a loaded CI machine's CLI
+    # calls outlasted them: the job had ended when `stop --job` ran)
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=256, layers=4, heads=4)
     subst = {"/opt/asyncrl/.venv/bin/asyncrl": "asyncrl", "/etc/asyncrl/keys": str(keys), "/path/to/keys": str(keys),
              "/var/lib/asyncrl/state": str(state), "/models/qwen": str(model)}
 
@@ -465,7 +468,8 @@ def test_the_readme_commands_run_as_written(tmp_path):
                 if "--job ID" in line:
                     assert run(line, 60).returncode == 0
             stop = run(stopper, 60)
-            assert stop.returncode == 0 and "nightly-1" in stop.stdout, stop.stderr
+            assert stop.returncode == 0 and "nightly-1" in stop.stdout, (
+                f"{stop.stderr}\n--- the job's submit:\n{job.out[-6000:]}\n--- the daemon:\n{daemon.out[-6000:]}")
             assert job.finish(60) == 1 and "stopped" in job.out, job.out
 
         # the Python example, with a user identity of its own
