@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.data.images import has_images, model_image_kwargs
+from asyncrl.data.images import model_image_kwargs
 from asyncrl.rollout.engine import last_positions
 from asyncrl.single_controller.batch import Batch
 from asyncrl.train.logits import keeps_logits as _keeps_logits
@@ -59,9 +59,20 @@ def model_inputs(mb: Batch) -> dict[str, torch.Tensor]:
 
 
 def packs(model: torch.nn.Module, mb: Batch) -> bool:
-    """Whether `mb` runs packed through `model` (set up for packing, and worth it for these rows;
-    rows with images run padded)."""
-    return is_packing(model) and not has_images(mb) and worth_packing(model, mb["attention_mask"])
+    """Whether `mb` runs packed through `model` (set up for packing, and worth it for these rows)."""
+    return is_packing(model) and worth_packing(model, mb["attention_mask"])
+
+
+def packed_inputs(pk: Packed, mb: Batch) -> dict[str, torch.Tensor]:
+    """The packed row's inputs (`Packed.model_kwargs`); with images their patches and grids, and
+    every packed token's 3-D rope positions [3, 1, tokens] (each row's own, as padded)."""
+    kwargs = pk.model_kwargs(mb)
+    images = model_image_kwargs(mb)
+    if images:
+        rope = images.pop("position_ids")  # [3, rows, columns]
+        kwargs["position_ids"] = pk.pack(rope.permute(1, 2, 0)).permute(2, 0, 1)
+        kwargs.update(images)
+    return kwargs
 
 
 def packed_view(model: torch.nn.Module, mb: Batch) -> tuple[Packed | None, Batch]:
@@ -79,8 +90,8 @@ def _response_logits(model: torch.nn.Module, mb: Batch, pk: Packed) -> tuple[tor
     slots = predicting_slots(pk, mb["responses"].shape[1])
     keep = slots >= 0
     if _keeps_logits(model):
-        return model(**pk.model_kwargs(mb), use_cache=False, logits_to_keep=slots[keep]).logits, keep
-    return model(**pk.model_kwargs(mb), use_cache=False).logits[:, slots[keep]], keep  # a token head: narrow
+        return model(**packed_inputs(pk, mb), use_cache=False, logits_to_keep=slots[keep]).logits, keep
+    return model(**packed_inputs(pk, mb), use_cache=False).logits[:, slots[keep]], keep  # a token head: narrow
 
 
 def _scatter(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -113,7 +124,7 @@ def sequence_scores(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     columns = torch.arange(ids.shape[1], device=ids.device)
     last = (columns * kept).argmax(-1)
     slots = pk.slots()[torch.arange(len(ids), device=ids.device), last]
-    hidden = getattr(model, model.base_model_prefix)(**pk.model_kwargs(mb), use_cache=False).last_hidden_state
+    hidden = getattr(model, model.base_model_prefix)(**packed_inputs(pk, mb), use_cache=False).last_hidden_state
     return model.score(hidden[0, slots.clamp(min=0)])
 
 

@@ -81,6 +81,7 @@ def worth_packing(model: nn.Module, attention_mask: torch.Tensor) -> bool:
     return grid > 0 and 1.0 - float(attention_mask.sum()) / grid > PACK_WHEN_PADDED
 
 
+_ROW_BOUNDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 AUTO_ATTR = "_asyncrl_pack_auto"  # set on a model whose packing was left to asyncrl (pack_sequences=null)
 # the padded share of a micro-batch's grid above which `null` packs it (the quickstart's rows: ~0.2,
 # padded 1.14x faster on CPU; long-tailed responses: 0.5-0.9)
@@ -118,7 +119,10 @@ def packed_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
+    if cu is None or kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        # unpacked, or a bidirectional attention inside the packed forward (a vision tower's,
+        # over its own patches): the language model's row bounds are not its own
+        kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_BOUNDS}
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if query.shape[0] != 1:

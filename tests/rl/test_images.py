@@ -88,6 +88,30 @@ def test_rollout_log_probs_equal_the_trainers_for_image_prompts(vl):
     assert ((hf - out["rollout_log_probs"]) * out["response_mask"]).abs().max() < 1e-5
 
 
+def test_packed_image_rows_give_the_padded_log_probs(vl):
+    """Packing with images: each row's 3-D positions packed with its tokens, the vision tower
+    still attending over its own patches only (not the language model's row bounds)."""
+    from transformers import AutoModelForImageTextToText
+
+    from asyncrl.roles.forward import packs
+    from asyncrl.train.packing import enable_packing
+
+    model, tokenizer, processor = vl
+    rows = [([squares(2), squares(4, (84, 56))], "how many red squares ?"), ([], "how many ?"),
+            ([squares(1, colour="blue")], "how many blue squares ?")]
+    input_ids, mask, columns = prompts(tokenizer, processor, rows)
+    engine = RolloutEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = Batch(engine.generate(input_ids, mask, SamplingParams(n=2, max_tokens=6, seed=1), images=columns))
+    padded, _ = response_forward(model, out, temperature=1.0)
+
+    packing = AutoModelForImageTextToText.from_pretrained(model.name_or_path).eval()
+    enable_packing(packing)
+    assert packs(packing, out)
+    packed, _ = response_forward(packing, out, temperature=1.0)
+    assert ((packed - padded) * out["response_mask"]).abs().max() < 1e-5
+    assert ((packed - out["rollout_log_probs"]) * out["response_mask"]).abs().max() < 1e-5
+
+
 def test_image_inputs_that_do_not_fit_are_refused(vl):
     model, tokenizer, processor = vl
     _, grid = process_images(processor, [squares(1)])
@@ -275,14 +299,15 @@ def test_an_image_run_that_cannot_work_exits_2_naming_what_to_fix(tmp_path, case
 
 def test_the_vlm_quickstart_builds_its_model_and_trains(tmp_path):
     """`--config-name vlm_quickstart` for a few steps: it builds the tiny Qwen2.5-VL (a warm start
-    on image prompts, the image processor saved), generates from the pictures and updates, and the
-    trainer's log-probs are the rollout's. (Its learning is measured in
+    on image prompts, the image processor saved), generates from the pictures and updates packed,
+    and the trainer's log-probs are the rollout's. (Its learning is measured in
     docs/results/2026-11-29-vlm-quickstart.md, not here: when the counting sets in varies by seed.)"""
     import json
 
     # a 10-step warm start, not its 60: the build's code path at a sixth of its CPU time
+    # packed (the verl-parquet test runs padded): the 3-D positions packed with their rows
     r = launch(tmp_path, "trainer.total_steps=3", "trainer.eval_every=3", "trainer.loggers=[console,jsonl]",
-               "model.build_tiny.sft_steps=10", config="vlm_quickstart")
+               "model.build_tiny.sft_steps=10", "actor.pack_sequences=true", config="vlm_quickstart")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert (tmp_path / "outputs/tiny-vlm/preprocessor_config.json").is_file()

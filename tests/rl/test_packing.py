@@ -230,6 +230,23 @@ def test_pack_keeps_each_rows_tokens_in_order():
     assert torch.equal(pk.unpack(pk.pack(mb["input_ids"])), mb["input_ids"])
 
 
+def test_a_bidirectional_attention_in_a_packed_forward_ignores_the_rows_bounds():
+    """A vision tower's attention (is_causal False) inside a packed language-model forward runs
+    over all of its own tokens, whatever row bounds the forward carries."""
+    from torch import nn
+
+    from asyncrl.train.packing import packed_attention
+
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    tower = nn.Module()
+    tower.is_causal = False
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out, _ = packed_attention(tower, q, k, v, None, is_causal=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=3, max_length_k=3)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    assert torch.allclose(out, full, atol=1e-6)
+
+
 def _sp_ranks(rank: int, world: int, out_dir):
     """Each rank its own rows (one long); sp=1 (plain data parallel) against sp=2 (Ulysses)."""
     import torch.distributed as dist
