@@ -16,7 +16,13 @@ from torch import Tensor, nn
 
 from asyncrl.train.common import full_tensor
 from asyncrl.train.experts import expert_names, per_expert
-from asyncrl.train.lora import adapter_scales, is_lora_param, merged_weight, save_peft_adapter
+from asyncrl.train.lora import (
+    adapter_scales,
+    is_lora_param,
+    merged_weight,
+    save_peft_adapter,
+    vision_prefixes,
+)
 
 log = logging.getLogger(__name__)
 EXPORT_SHARD_BYTES = 2 << 30  # the HF export's safetensors files: rank 0 holds one (asyncrl.plan.memory counts it)
@@ -58,7 +64,7 @@ def export_streamed(model: nn.Module, out_dir: Path, tied: set[str], tokenizer: 
         if adapter and lora is not None and lora["base_model"] is not None:  # the adapter alone, as PEFT loads it
             heads = [n.removesuffix(".weight") for n in tied]  # a head sharing the embedding's matrix
             save_peft_adapter(out_dir.parent / "adapter", adapter, base_model=lora["base_model"],
-                              tied_head=heads[0] if heads else None,
+                              tied_head=heads[0] if heads else None, vision=bool(vision_prefixes(model)),
                               **{k: v for k, v in lora.items() if k != "base_model"})
 
 

@@ -29,6 +29,9 @@ from torch import Tensor, nn
 
 LORA_PARAMS = ("lora_A", "lora_B")
 INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")  # leaf names LoRA adapts as an embedding
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")  # a vision-language model's image encoder: not adapted
+# the same as PEFT's `exclude_modules` (a module name it fullmatches)
+VISION_EXCLUDE = rf"(.*\.)?({'|'.join(VISION_TOWERS)})(\..*)?"
 
 
 def is_lora_param(name: str) -> bool:
@@ -37,13 +40,20 @@ def is_lora_param(name: str) -> bool:
 
 
 
+def vision_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of a vision-language model's image encoder (`model.visual.`); () for a text model."""
+    return tuple(f"{name}." for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in VISION_TOWERS)
+
+
 def target_linears(model: nn.Module, targets: list[str], skip: tuple[str, ...] = ()) -> dict[str, nn.Module]:
     """The modules `targets` names: leaf names (`q_proj`, `v_proj`, ...), `all-linear` (every
     linear layer but the output head, as PEFT means it), and the input embedding by its leaf name
-    (`embed_tokens`); none whose name starts with `skip`. The output head only by name and only
+    (`embed_tokens`); none whose name starts with `skip`, and none in a vision-language model's
+    image encoder (LoRA adapts its language model). The output head only by name and only
     when it is not tied to the input embedding (a tied matrix is adapted as `embed_tokens`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and _tied_head(model) is not None
+    skip = (*skip, *vision_prefixes(model))
     out = {}
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -177,12 +187,14 @@ def adapter_scales(model: nn.Module) -> dict[str, float]:
 
 
 def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int, alpha: float, dropout: float,
-                      targets: list[str], base_model: str, tied_head: str | None = None) -> Path:
+                      targets: list[str], base_model: str, tied_head: str | None = None,
+                      vision: bool = False) -> Path:
     """Write `adapter` ({module.lora_A|lora_B: full tensor}) as a PEFT LoRA directory:
     adapter_config.json and adapter_model.safetensors with PEFT's tensor names. An embedding's
     adapter is written as PEFT's `lora_embedding_A` = B^T and `lora_embedding_B` = A^T (the same
     delta); `tied_head` (the head sharing an adapted embedding's matrix) gets that adapter too,
-    as a linear one, so PEFT computes what the trainer did."""
+    as a linear one, so PEFT computes what the trainer did. `vision`: the base model has an image
+    encoder, which PEFT is told to leave alone (its layers share leaf names with the adapted ones)."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -206,6 +218,8 @@ def save_peft_adapter(out: str | Path, adapter: dict[str, Tensor], *, rank: int,
               "lora_dropout": dropout, "target_modules": sorted(leaves),
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "use_rslora": False, "base_model_name_or_path": base_model}
+    if vision:
+        config["exclude_modules"] = VISION_EXCLUDE
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 

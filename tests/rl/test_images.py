@@ -112,6 +112,43 @@ def test_packed_image_rows_give_the_padded_log_probs(vl):
     assert ((packed - out["rollout_log_probs"]) * out["response_mask"]).abs().max() < 1e-5
 
 
+def test_lora_adapts_the_language_model_and_peft_loads_it_beside_the_vision_tower(vl, tmp_path):
+    """`all-linear` on a vision-language model adapts its language model's layers only (the vision
+    tower's share their leaf names); the PEFT export, loaded on the base model, reads the images
+    and gives the adapted model's log-probs."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from asyncrl.train.lora import apply_lora, is_lora_param, save_peft_adapter
+
+    model, tokenizer, processor = vl
+    base = model.name_or_path
+    adapted = AutoModelForImageTextToText.from_pretrained(base).eval()
+    names = apply_lora(adapted, rank=4, alpha=8.0, targets=["all-linear"])
+    assert names and not any("visual" in n for n in names)
+    assert {n.rsplit(".", 1)[-1] for n in names} >= {"q_proj", "gate_proj", "down_proj"}
+    assert not any(p.requires_grad for p in adapted.model.visual.parameters())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in adapted.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.normal_(0, 0.1)
+    input_ids, mask, columns = prompts(tokenizer, processor, [([squares(2)], "how many red squares ?"),
+                                                              ([squares(1), squares(3)], "how many ?")])
+    engine = RolloutEngine(adapted, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = Batch(engine.generate(input_ids, mask, SamplingParams(n=1, max_tokens=5, seed=0), images=columns))
+    want, _ = response_forward(adapted, out)
+    assert ((want - out["rollout_log_probs"]) * out["response_mask"]).abs().max() < 1e-5
+
+    adapter = {n: p for n, p in adapted.named_parameters() if is_lora_param(n)}
+    saved = save_peft_adapter(tmp_path / "adapter", adapter, rank=4, alpha=8.0, dropout=0.0,
+                              targets=["all-linear"], base_model=base, vision=True)
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), saved).eval()
+    assert not any("visual" in n for n, _ in peft_model.named_parameters() if "lora_" in n)
+    got, _ = response_forward(peft_model.base_model.model, out)
+    assert ((got - want) * out["response_mask"]).abs().max() < 1e-5
+
+
 def test_image_inputs_that_do_not_fit_are_refused(vl):
     model, tokenizer, processor = vl
     _, grid = process_images(processor, [squares(1)])
