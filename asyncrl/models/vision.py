@@ -42,12 +42,14 @@ def build_vl_tokenizer(symbols: list[str]):
     return tokenizer
 
 
-def build_vl_config(tokenizer, *, hidden: int = 64, layers: int = 2, heads: int = 4, vision_hidden: int = 32,
-                    vision_depth: int = 2):
-    """A small `Qwen2_5_VLConfig` sized to the tokenizer: M-RoPE sections over a head of
-    hidden / heads, a vision tower of `vision_depth` blocks (the last with full attention)."""
-    from transformers import Qwen2_5_VLConfig
+PATCHES = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # each family's patch side
 
+
+def build_vl_config(tokenizer, *, hidden: int = 64, layers: int = 2, heads: int = 4, vision_hidden: int = 32,
+                    vision_depth: int = 2, family: str = "qwen2_5_vl"):
+    """A small Qwen2.5-VL (or, `family="qwen3_vl"`, Qwen3-VL) config sized to the tokenizer: M-RoPE
+    sections over a head of hidden / heads, a vision tower of `vision_depth` blocks (Qwen2.5-VL:
+    the last with full attention; Qwen3-VL: the first feeding its deepstack)."""
     head = hidden // heads
     sections = [head // 8, 3 * head // 16, 3 * head // 16]  # time, height, width: half the head's rotary pairs
     sections[0] += head // 2 - sum(sections)
@@ -58,32 +60,45 @@ def build_vl_config(tokenizer, *, hidden: int = 64, layers: int = 2, heads: int 
                "eos_token_id": tokenizer.eos_token_id}
     text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512, rms_norm_eps=1e-5,
-                rope_scaling={"type": "mrope", "mrope_section": sections}, tie_word_embeddings=True, **special)
+                tie_word_embeddings=True, **special)
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
-                  out_hidden_size=hidden, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=FRAMES,
-                  fullatt_block_indexes=[vision_depth - 1], window_size=PATCH * MERGE * 2)
+                  out_hidden_size=hidden, patch_size=PATCHES[family], spatial_merge_size=MERGE,
+                  temporal_patch_size=FRAMES)
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        text.update(head_dim=head, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "mrope_section": sections, "mrope_interleaved": True})
+        vision.update(deepstack_visual_indexes=[0], num_position_embeddings=64)
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    from transformers import Qwen2_5_VLConfig
+
+    text.update(rope_scaling={"type": "mrope", "mrope_section": sections})
+    vision.update(fullatt_block_indexes=[vision_depth - 1], window_size=PATCH * MERGE * 2)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids, **special)
 
 
-def build_image_processor(min_pixels: int = 28 * 28, max_pixels: int = 112 * 112):
+def build_image_processor(min_pixels: int = 28 * 28, max_pixels: int = 112 * 112, patch: int = PATCH):
     """Qwen2-VL's image processor for this model's patches (its PIL backend without torchvision)."""
     from transformers import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=PATCH,
+    return Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch,
                                  merge_size=MERGE, temporal_patch_size=FRAMES)
 
 
-def build_tiny_vl_model(out: str | Path, symbols: list[str], *, seed: int = 0, **shape) -> Path:
-    """Write a random-weight tiny Qwen2.5-VL (fp32), its tokenizer and image processor to `out`."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def build_tiny_vl_model(out: str | Path, symbols: list[str], *, seed: int = 0, family: str = "qwen2_5_vl",
+                        **shape) -> Path:
+    """Write a random-weight tiny Qwen2.5-VL or Qwen3-VL (fp32), its tokenizer and image processor to `out`."""
+    from transformers import AutoModelForImageTextToText
 
     out = Path(out)
     tokenizer = build_vl_tokenizer(symbols)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(build_vl_config(tokenizer, **shape))
+    model = AutoModelForImageTextToText.from_config(build_vl_config(tokenizer, family=family, **shape))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    build_image_processor().save_pretrained(out)
+    patch = PATCHES[family]
+    build_image_processor(min_pixels=(2 * patch) ** 2, max_pixels=(8 * patch) ** 2, patch=patch).save_pretrained(out)
     return out
 
 

@@ -104,8 +104,10 @@ class ModelSpec:
 
 
 def vision_tower_params(vc: dict[str, Any] | None) -> int:
-    """A Qwen2.5-VL-style vision tower's parameters from its config: the patch embedding, `depth`
-    blocks (attention with biases, a gated MLP, two norms) and the patch merger's MLP."""
+    """A Qwen-VL vision tower's parameters from its config: the patch embedding, `depth` blocks
+    (attention with biases, an MLP, two norms) and the patch merger's MLP. Qwen2.5-VL: a gated MLP
+    and RMS norms; Qwen3-VL (`deepstack_visual_indexes`): a plain MLP, layer norms, learned
+    position embeddings and one more merger per deepstack layer."""
     if not vc:
         return 0
     h = int(vc.get("hidden_size") or vc.get("embed_dim") or 0)
@@ -113,8 +115,15 @@ def vision_tower_params(vc: dict[str, Any] | None) -> int:
     patch = int(vc.get("patch_size", 14)) ** 2 * int(vc.get("temporal_patch_size", 2)) * int(vc.get("in_channels", 3))
     merged = h * int(vc.get("spatial_merge_size", 2)) ** 2
     out = int(vc.get("out_hidden_size") or h)
+    merger_mlp = merged * merged + merged + merged * out + out
+    depth = int(vc.get("depth", 0))
+    if "deepstack_visual_indexes" in vc:
+        block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
+        deepstack = len(vc["deepstack_visual_indexes"]) * (2 * merged + merger_mlp)
+        return (patch * h + h + int(vc.get("num_position_embeddings", 0)) * h + depth * block + 2 * h + merger_mlp
+                + deepstack)
     block = 4 * h * h + 4 * h + 3 * h * ffn + 2 * ffn + h + 2 * h
-    return patch * h + int(vc.get("depth", 0)) * block + h + merged * merged + merged + merged * out + out
+    return patch * h + depth * block + h + merger_mlp
 
 
 # Shapes of well-known checkpoints, so a plan for a model this machine does not hold needs no download
@@ -143,6 +152,12 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("Qwen/Qwen2.5-VL-7B", 28, 3584, 28, 4, 18944, 152064,
                   vision_params=vision_tower_params({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
                                                      "out_hidden_size": 3584})),
+        # Qwen3-VL: a 27-block tower of 1152 with three deepstack mergers before Qwen3-8B's shape
+        ModelSpec("Qwen/Qwen3-VL-8B", 36, 4096, 32, 8, 12288, 151936, head_dim=128,
+                  vision_params=vision_tower_params({"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                                                     "out_hidden_size": 4096, "patch_size": 16,
+                                                     "num_position_embeddings": 2304,
+                                                     "deepstack_visual_indexes": [8, 16, 24]})),
     )
 }
 # instruction-tuned checkpoints have their base model's shape
