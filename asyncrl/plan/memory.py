@@ -100,6 +100,7 @@ class Knobs:
     megatron: bool = False  # actor.backend=megatron: whole TP x PP shards per rank, optimizer state over DP
     ep: int = 1  # actor.moe.ep (megatron): each rank holds experts / ep of the experts
     sp: int = 1  # actor.parallel.sp (Ulysses): a micro-batch's tokens split over sp ranks
+    vision_trains: bool = True  # a vision-language model's tower trains (not actor.freeze_vision, not LoRA)
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -113,7 +114,8 @@ class Knobs:
                    vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
-                   megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp)
+                   megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp,
+                   vision_trains=not (cfg.actor.freeze_vision or cfg.actor.lora.enabled))
 
 
 def rollout_pool_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -203,12 +205,28 @@ def update_pass(spec: ModelSpec, rows: float, seq: float, width: float, tp: int,
     gathered = _gathered(spec, tp, cb, knobs)
     scored = rows * width / knobs.sp
     return {"update activations": kept * in_flight,
+            **({"vision tower activations": vision_activations(spec, rows * (seq - width), knobs)}
+               if spec.vision is not None else {}),
             **({"Ulysses all-to-all buffers": ulysses_buffers(spec, tokens, tp, knobs)} if knobs.sp > 1 else {}),
             "update logits and their gradient": 2 * scored * _outputs(spec) / tp * cb
             + 3 * _chunk(spec, scored, knobs.sp),
             **gathered,  # LoRA: the embedding is frozen, no gradient
             "embedding gradient (unsharded)": 0.0 if knobs.lora_params or knobs.megatron else
             (cb + 4) / cb * gathered["gathered embedding (FSDP root)"]}
+
+
+def vision_activations(spec: ModelSpec, prompt_tokens: float, knobs: Knobs) -> float:
+    """What a training vision tower keeps for the backward of a micro-batch whose prompts hold
+    `prompt_tokens` tokens, all of them image tokens at most (each merge x merge patches); nothing
+    when the tower is frozen (no graph through it)."""
+    tower = spec.vision
+    if tower is None or not knobs.vision_trains:
+        return 0.0
+    patches = prompt_tokens * tower.merge ** 2
+    per_layer = patches * (ACTIVATION_HIDDENS * tower.hidden + ACTIVATION_FFNS * tower.ffn) * knobs.compute_bytes
+    if knobs.gradient_checkpointing:
+        return patches * tower.hidden * knobs.compute_bytes * tower.depth + per_layer
+    return per_layer * tower.depth
 
 
 def ulysses_buffers(spec: ModelSpec, tokens: float, tp: int, knobs: Knobs) -> float:

@@ -30,7 +30,11 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_ffn: int = 0  # each routed expert's width
     shared_ffn: int = 0  # a shared expert's width (Qwen2-MoE), 0 for none
-    vision_params: int = 0  # a vision-language model's vision tower (Qwen2.5-VL's), counted in `params`
+    vision: VisionTower | None = None  # a vision-language model's image encoder, counted in `params`
+
+    @property
+    def vision_params(self) -> int:
+        return self.vision.params if self.vision is not None else 0
 
     @property
     def kv_dim(self) -> int:
@@ -86,7 +90,7 @@ class ModelSpec:
     def from_hf_config(cls, name: str, cfg: dict[str, Any]) -> ModelSpec:
         if isinstance(cfg.get("text_config"), dict):  # a vision-language model: its language model, and the tower
             text = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
-            return replace(cls.from_hf_config(name, text), vision_params=vision_tower_params(cfg.get("vision_config")))
+            return replace(cls.from_hf_config(name, text), vision=vision_tower(cfg.get("vision_config")))
         try:
             heads = int(cfg["num_attention_heads"])
             experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -103,27 +107,40 @@ class ModelSpec:
                               "(a Llama/Qwen/Mistral-style decoder)") from None
 
 
-def vision_tower_params(vc: dict[str, Any] | None) -> int:
-    """A Qwen-VL vision tower's parameters from its config: the patch embedding, `depth` blocks
-    (attention with biases, an MLP, two norms) and the patch merger's MLP. Qwen2.5-VL: a gated MLP
-    and RMS norms; Qwen3-VL (`deepstack_visual_indexes`): a plain MLP, layer norms, learned
-    position embeddings and one more merger per deepstack layer."""
+@dataclass(frozen=True)
+class VisionTower:
+    """A vision-language model's image encoder, as the planner prices it."""
+
+    params: int
+    hidden: int
+    depth: int
+    ffn: int
+    merge: int  # an image token merges merge x merge patches
+
+
+def vision_tower(vc: dict[str, Any] | None) -> VisionTower | None:
+    """A Qwen-VL vision tower from its config: the patch embedding, `depth` blocks (attention with
+    biases, an MLP, two norms) and the patch merger's MLP. Qwen2.5-VL: a gated MLP and RMS norms;
+    Qwen3-VL (`deepstack_visual_indexes`): a plain MLP, layer norms, learned position embeddings
+    and one more merger per deepstack layer."""
     if not vc:
-        return 0
+        return None
     h = int(vc.get("hidden_size") or vc.get("embed_dim") or 0)
     ffn = int(vc.get("intermediate_size") or 4 * h)
     patch = int(vc.get("patch_size", 14)) ** 2 * int(vc.get("temporal_patch_size", 2)) * int(vc.get("in_channels", 3))
-    merged = h * int(vc.get("spatial_merge_size", 2)) ** 2
-    out = int(vc.get("out_hidden_size") or h)
+    merge = int(vc.get("spatial_merge_size", 2))
+    merged, out = h * merge ** 2, int(vc.get("out_hidden_size") or h)
     merger_mlp = merged * merged + merged + merged * out + out
     depth = int(vc.get("depth", 0))
     if "deepstack_visual_indexes" in vc:
         block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
         deepstack = len(vc["deepstack_visual_indexes"]) * (2 * merged + merger_mlp)
-        return (patch * h + h + int(vc.get("num_position_embeddings", 0)) * h + depth * block + 2 * h + merger_mlp
-                + deepstack)
-    block = 4 * h * h + 4 * h + 3 * h * ffn + 2 * ffn + h + 2 * h
-    return patch * h + depth * block + h + merger_mlp
+        params = (patch * h + h + int(vc.get("num_position_embeddings", 0)) * h + depth * block + 2 * h + merger_mlp
+                  + deepstack)
+    else:
+        block = 4 * h * h + 4 * h + 3 * h * ffn + 2 * ffn + h + 2 * h
+        params = patch * h + depth * block + h + merger_mlp
+    return VisionTower(params, h, depth, ffn, merge)
 
 
 # Shapes of well-known checkpoints, so a plan for a model this machine does not hold needs no download
@@ -147,14 +164,14 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
                   expert_ffn=14336),
         # vision-language: Qwen2.5-VL's tower (32 blocks of 1280, MLP 3420) before its language model
         ModelSpec("Qwen/Qwen2.5-VL-3B", 36, 2048, 16, 2, 11008, 151936, tied=True,
-                  vision_params=vision_tower_params({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                  vision=vision_tower({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
                                                      "out_hidden_size": 2048})),
         ModelSpec("Qwen/Qwen2.5-VL-7B", 28, 3584, 28, 4, 18944, 152064,
-                  vision_params=vision_tower_params({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                  vision=vision_tower({"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
                                                      "out_hidden_size": 3584})),
         # Qwen3-VL: a 27-block tower of 1152 with three deepstack mergers before Qwen3-8B's shape
         ModelSpec("Qwen/Qwen3-VL-8B", 36, 4096, 32, 8, 12288, 151936, head_dim=128,
-                  vision_params=vision_tower_params({"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                  vision=vision_tower({"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
                                                      "out_hidden_size": 4096, "patch_size": 16,
                                                      "num_position_embeddings": 2304,
                                                      "deepstack_visual_indexes": [8, 16, 24]})),

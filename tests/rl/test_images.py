@@ -264,6 +264,25 @@ def test_the_planner_prices_the_vision_tower(vl, tmp_path):
     assert round(KNOWN_MODELS["Qwen/Qwen3-VL-8B-Instruct"].params / 1e9, 2) == 8.77  # its model card's 8.77 B
 
 
+def test_the_update_prices_a_training_towers_activations_and_nothing_for_a_frozen_one():
+    """The tower's saved activations scale with the micro-batch's prompt tokens (each up to
+    merge^2 patches), shrink to one block's plus the blocks' inputs with checkpointing, and are
+    none when the tower does not train (freeze_vision, LoRA)."""
+    from asyncrl.plan.memory import Knobs, update_pass
+    from asyncrl.plan.workload import KNOWN_MODELS
+
+    spec = KNOWN_MODELS["Qwen/Qwen2.5-VL-7B-Instruct"]
+    tower = "vision tower activations"
+    full = update_pass(spec, 4, 1024 + 512, 512, 1, Knobs())[tower]
+    assert update_pass(spec, 8, 2048 + 512, 512, 1, Knobs())[tower] == 4 * full
+    patches = 4 * 1024 * 4
+    assert full == patches * (18 * 1280 + 3 * 3420) * 2 * 32
+    assert update_pass(spec, 4, 1536, 512, 1, Knobs(gradient_checkpointing=True))[tower] < full / 10
+    for frozen in (Knobs(vision_trains=False), Knobs(lora_params=1, vision_trains=False)):
+        assert update_pass(spec, 4, 1536, 512, 1, frozen)[tower] == 0
+    assert tower not in update_pass(KNOWN_MODELS["Qwen/Qwen2.5-7B"], 4, 1536, 512, 1, Knobs())
+
+
 def squares_parquet(path, rows: int, mismatch_row: int | None = None) -> None:
     """verl's multimodal layout: `<image>` in the prompt, PNG bytes in `images`, the count as the answer."""
     import random
