@@ -114,11 +114,15 @@ def _check_context_fits_model(cfg: RLConfig) -> None:
 def check_image_run(cfg: RLConfig) -> None:
     """A vision-language model's run on what reads images so far: a rollout engine and training
     backend that take them (`images` in `asyncrl.engines`: the native engine's waves, FSDP2), not
-    a split pool's continuous batches or multi-turn agents, no pipeline stages or Ulysses, no
-    critic, no dynamic sampling's refills."""
+    a split pool's continuous batches or API-driven agents (the built-in multi-turn loop, whose
+    observations may bring images, is fine), no pipeline stages or Ulysses, no critic, no dynamic
+    sampling's refills."""
+    from asyncrl.agents.api import is_api_agent
+
+    mt = cfg.rollout.multi_turn
     unsupported = [(k, v) for k, v, ok in (
         ("rollout.engine", cfg.rollout.engine, rollout_engine(cfg.rollout.engine).images),
-        ("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, not cfg.rollout.multi_turn.enable),
+        ("rollout.multi_turn.env", mt.env, not mt.enable or not is_api_agent(mt.env)),
         ("trainer.placement", cfg.trainer.placement, cfg.trainer.placement == "colocated"),
         ("actor.backend", cfg.actor.backend, backend(cfg.actor.backend).images),
         ("actor.parallel.pp", cfg.actor.parallel.pp, cfg.actor.parallel.pp == 1),
@@ -129,8 +133,9 @@ def check_image_run(cfg: RLConfig) -> None:
     if unsupported:
         key, value = unsupported[0]
         raise ConfigError(f"{key}={value}: {cfg.model.path} is a vision-language model, and image prompts run "
-                          "so far on the native engine in colocated placement, FSDP2 without pipeline stages or "
-                          "Ulysses, algorithms without a critic and no dynamic sampling; change the setting")
+                          "so far on the native engine in colocated placement (multi-turn: the built-in "
+                          "Environment loop, not API agents), FSDP2 without pipeline stages or Ulysses, "
+                          "algorithms without a critic and no dynamic sampling; change the setting")
 
 
 def _reads_images(cfg: RLConfig, path: str | None) -> bool:

@@ -16,6 +16,7 @@ rollout's event loop. One environment object serves one trajectory (a new one pe
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,14 +34,17 @@ class StepResult:
     """The environment's answer to a turn.
 
     `observation` is the text of the message that comes back (rendered by the chat template as
-    a message of `role`), or "" for none; `reward` adds to the trajectory's environment reward;
-    `done` ends the trajectory; `info` counts go into the rollout's metrics (numbers only)."""
+    a message of `role`), or "" for none; `images` (a vision-language policy: PIL images, encoded
+    bytes or paths) come with it, as image parts before its text; `reward` adds to the
+    trajectory's environment reward; `done` ends the trajectory; `info` counts go into the
+    rollout's metrics (numbers only)."""
 
     observation: str = ""
     reward: float | None = None
     done: bool = False
     role: str = "tool"
     info: dict[str, float] = field(default_factory=dict)
+    images: Sequence[Any] = ()
 
 
 class Environment:

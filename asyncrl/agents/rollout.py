@@ -20,6 +20,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -30,6 +31,16 @@ from asyncrl.agents.config import MultiTurnConfig
 from asyncrl.agents.env import Action, Environment, StepResult, call
 from asyncrl.agents.tools import load_environment
 from asyncrl.data.dataset import positions_from_mask
+from asyncrl.data.images import (
+    ImageInputError,
+    ImageReader,
+    expand_image_tokens,
+    image_columns,
+    image_token_counts,
+    load_image,
+    no_images,
+    process_images,
+)
 from asyncrl.rollout.engine import SamplingParams
 from asyncrl.serve.backend import Sampling
 
@@ -56,6 +67,15 @@ class Trajectory:
     env_reward: float = math.nan  # nan: the environment gave none (the reward function scores)
     error: str | None = None  # what the environment raised, if it did
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRAJECTORY_METRICS[:-1], 0.0))
+    images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (patches, grids), in order
+
+    def image_inputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every image so far (the prompt's, then the observations'): patches [P, D] and grids
+        [K, 3]; None without images."""
+        kept = [(p, g) for p, g in self.images if len(g)]
+        if not kept:
+            return None
+        return torch.cat([p for p, _ in kept]), torch.cat([g for _, g in kept])
 
     def add(self, ids: list[int], model: bool, logprobs: list[float] | None = None,
             versions: list[int] | None = None) -> None:
@@ -75,8 +95,9 @@ class TurnGenerator(Protocol):
     many trajectories are live (`begin` as each starts, `retire` as it ends). `sampling` (the
     OpenAI endpoint's per-request settings, `asyncrl.serve`) overrides the generator's own."""
 
-    async def __call__(self, ids: list[int], max_tokens: int,
-                       sampling: Sampling | None = None) -> tuple[list[int], list[float], list[int]]: ...
+    async def __call__(self, ids: list[int], max_tokens: int, sampling: Sampling | None = None,
+                       images: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[list[int], list[float], list[int]]: ...
 
     def begin(self, trajectories: int) -> None: ...
 
@@ -102,7 +123,7 @@ class WaveGenerator:
         self.engine, self.params, self.generator, self.version = engine, params, generator, version
         # max_rows > 0: the most rows one decode takes (lock-step decodes a whole turn at once)
         self.lockstep, self.max_rows = lockstep, 0 if lockstep else max_rows
-        self.waiting: list[tuple[list[int], int, Sampling | None, asyncio.Future]] = []
+        self.waiting: list[tuple[list[int], int, Sampling | None, Any, asyncio.Future]] = []
         self.runner: asyncio.Task | None = None
         self.waves = self.live = 0
 
@@ -113,10 +134,11 @@ class WaveGenerator:
         self.live -= 1
         self._kick()
 
-    async def __call__(self, ids: list[int], max_tokens: int,
-                       sampling: Sampling | None = None) -> tuple[list[int], list[float], list[int]]:
+    async def __call__(self, ids: list[int], max_tokens: int, sampling: Sampling | None = None,
+                       images: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[list[int], list[float], list[int]]:
         future = asyncio.get_running_loop().create_future()
-        self.waiting.append((ids, max_tokens, sampling, future))
+        self.waiting.append((ids, max_tokens, sampling, images, future))
         self._kick()
         return await future
 
@@ -145,7 +167,7 @@ class WaveGenerator:
             taken = {id(w) for w in wave}
             self.waiting = [w for w in self.waiting if id(w) not in taken]
             try:
-                outs = await asyncio.to_thread(self._decode, [(ids, m, s) for ids, m, s, _ in wave], shared)
+                outs = await asyncio.to_thread(self._decode, [(ids, m, s, im) for ids, m, s, im, _ in wave], shared)
             except BaseException as e:  # every waiting trajectory gets the engine's error
                 for *_, f in wave:
                     if not f.done():
@@ -155,19 +177,23 @@ class WaveGenerator:
                 if not f.done():
                     f.set_result(out)
 
-    def _decode(self, requests: list[tuple[list[int], int, Sampling | None]],
+    def _decode(self, requests: list[tuple[list[int], int, Sampling | None, Any]],
                 shared: Sampling | None = None) -> list[tuple[list[int], list[float], list[int]]]:
         self.waves += 1
-        width = max(len(ids) for ids, _, _ in requests)
+        width = max(len(ids) for ids, *_ in requests)
         pad = self.engine.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _, _ in requests])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in requests])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, *_ in requests])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, *_ in requests])
         version = self.version()
         params = replace(self.params if shared is None else shared.apply(self.params),
-                         n=1, max_tokens=max(m for _, m, _ in requests))
-        out = self.engine.generate(input_ids, mask, params, generator=self._generators([s for *_, s in requests]))
+                         n=1, max_tokens=max(m for _, m, *_ in requests))
+        seen = [im for *_, im in requests]
+        images = ({} if all(im is None for im in seen) else
+                  {"images": image_columns([no_images() if im is None else im for im in seen])})
+        out = self.engine.generate(input_ids, mask, params, generator=self._generators([s for _, _, s, _ in requests]),
+                                   **images)
         results = []
-        for row, (_, budget, _) in enumerate(requests):
+        for row, (_, budget, *_) in enumerate(requests):
             k = min(budget, int(out["response_mask"][row].sum()))
             results.append((out["responses"][row, :k].tolist(), out["rollout_log_probs"][row, :k].tolist(),
                             [version] * k))
@@ -205,8 +231,11 @@ class BatcherGenerator:
     def retire(self) -> None:
         pass
 
-    async def __call__(self, ids: list[int], max_tokens: int,
-                       sampling: Sampling | None = None) -> tuple[list[int], list[float], list[int]]:
+    async def __call__(self, ids: list[int], max_tokens: int, sampling: Sampling | None = None,
+                       images: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[list[int], list[float], list[int]]:
+        if images is not None:  # asyncrl.preflight refuses image runs on a split pool before they start
+            raise ValueError("a split rollout pool's continuous batcher takes no images")
         params, generator = self.params, self.generator
         if sampling is not None:
             params = sampling.apply(params)
@@ -222,8 +251,8 @@ class ObservationRenderer:
     """The ids of an observation message plus the next generation prompt, as the chat template
     renders them after an assistant turn that ended with the tokenizer's end-of-turn token."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int) -> None:
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+    def __init__(self, tokenizer: Any, max_tokens: int, reader: ImageReader | None = None) -> None:
+        self.tokenizer, self.max_tokens, self.reader = tokenizer, max_tokens, reader
         self.base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
         before = tokenizer.apply_chat_template(self.base, tokenize=False)
         end = before.rfind(tokenizer.eos_token) if tokenizer.eos_token else -1
@@ -231,15 +260,36 @@ class ObservationRenderer:
         self.prefix = before[:self.cut]
 
     def __call__(self, text: str, role: str = "tool") -> list[int]:
+        return self.tokenizer.encode(self._delta(self._cut(text), role), add_special_tokens=False)
+
+    def with_images(self, text: str, role: str, images: Sequence[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """An observation with images: its ids (each image part's placeholder widened to the
+        image's tokens), the images' patches [P, D] and grids [K, 3]. ImageInputError for a text
+        model or an image that cannot be read."""
+        if self.reader is None:
+            raise ImageInputError(f"the environment returned {len(images)} image(s) with an observation, and the "
+                                  "policy reads no images (no vision_config): return text, or train a "
+                                  "vision-language model")
+        parts = [*({"type": "image"} for _ in images), {"type": "text", "text": self._cut(text)}]
+        ids = self.tokenizer.encode(self._delta(parts, role), add_special_tokens=False)
+        pixels, grid = process_images(self.reader.processor, [load_image(v, f"observation image {i}")
+                                                              for i, v in enumerate(images)])
+        counts = image_token_counts(grid, self.reader.processor.merge_size)
+        return expand_image_tokens(ids, self.reader.image_token_id, counts), pixels, grid
+
+    def _cut(self, text: str) -> str:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) > self.max_tokens:  # the observation's own ids, cut; never the model's
-            text = self.tokenizer.decode(ids[:self.max_tokens]) + " ...[truncated]"
-        full = self.tokenizer.apply_chat_template([*self.base, {"role": role, "content": text}],
+            return self.tokenizer.decode(ids[:self.max_tokens]) + " ...[truncated]"
+        return text
+
+    def _delta(self, content: Any, role: str) -> str:
+        full = self.tokenizer.apply_chat_template([*self.base, {"role": role, "content": content}],
                                                   tokenize=False, add_generation_prompt=True)
         if not full.startswith(self.prefix):
             raise ValueError("the chat template renders the conversation differently once an observation "
                              "follows; multi-turn rollouts need a template that appends messages")
-        return self.tokenizer.encode(full[self.cut:], add_special_tokens=False)
+        return full[self.cut:]
 
 
 def substream(seed: int, index: int) -> int:
@@ -249,10 +299,12 @@ def substream(seed: int, index: int) -> int:
 
 async def run_trajectory(env: Environment, row: dict[str, Any], prompt: list[int], generate: TurnGenerator,
                          render: ObservationRenderer, cfg: MultiTurnConfig, budget: int, pool: Any,
-                         seed: int | None = None) -> Trajectory:
+                         seed: int | None = None, images: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> Trajectory:
     """Model turns and environment steps until done, `max_turns`, or the token budget; with a
-    `seed`, turn t samples from its own generator (`substream(seed, t)`), whatever shares its decode."""
-    traj = Trajectory(list(prompt))
+    `seed`, turn t samples from its own generator (`substream(seed, t)`), whatever shares its decode.
+    `images`: the prompt's (patches, grids); observations may add more."""
+    traj = Trajectory(list(prompt), images=[images] if images is not None else [])
     await call(pool, env.reset, row)
     for turn in range(cfg.max_turns):
         room = budget - len(traj.tokens)
@@ -260,7 +312,7 @@ async def run_trajectory(env: Environment, row: dict[str, Any], prompt: list[int
             break
         sampling = None if seed is None else Sampling(seed=substream(seed, turn))
         tokens, logprobs, versions = await generate(traj.prompt + traj.tokens, min(room, cfg.max_turn_tokens or room),
-                                                    sampling)
+                                                    sampling, traj.image_inputs())
         traj.add(tokens, True, logprobs, versions)
         traj.counts["num_turns"] += 1
         text = render.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -268,11 +320,32 @@ async def run_trajectory(env: Environment, row: dict[str, Any], prompt: list[int
         traj.reward(result.reward)
         if result.done or turn == cfg.max_turns - 1 or not result.observation:
             break
-        obs = render(result.observation, result.role)
+        seen = _observe(render, result, traj)
+        if seen is None:
+            break
+        obs, images = seen
         if len(traj.tokens) + len(obs) >= budget:  # no room to answer after it: stop here
             break
         traj.add(obs, False)
+        if images is not None:
+            traj.images.append(images)
     return traj
+
+
+def _observe(render: ObservationRenderer, result: StepResult, traj: Trajectory
+             ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """The observation's ids (and its images' patches and grids); None, the trajectory ending
+    as an environment error, when its images cannot be read."""
+    if not result.images:
+        return render(result.observation, result.role), None
+    try:
+        ids, pixels, grid = render.with_images(result.observation, result.role, result.images)
+    except ImageInputError as e:
+        log.warning("an observation's images: %s (the trajectory ends there; counted in agent/env_errors_mean)", e)
+        traj.error = f"ImageInputError: {e}"
+        traj.counts["env_errors"] += 1.0
+        return None
+    return ids, (pixels, grid)
 
 
 async def _step(env: Environment, action: Action, cfg: MultiTurnConfig, pool: Any, traj: Trajectory) -> StepResult:
@@ -298,36 +371,39 @@ async def _step(env: Environment, action: Action, cfg: MultiTurnConfig, pool: An
 class MultiTurnRollout:
     """Rolls out `n` trajectories per prompt row of a batch, each with a new environment."""
 
-    def __init__(self, cfg: MultiTurnConfig, tokenizer: Any) -> None:
+    def __init__(self, cfg: MultiTurnConfig, tokenizer: Any, reader: ImageReader | None = None) -> None:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.factory = load_environment(cfg.env)
-        self.render = ObservationRenderer(tokenizer, cfg.max_observation_tokens)
+        self.render = ObservationRenderer(tokenizer, cfg.max_observation_tokens, reader)
         self.pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="env")
 
     def rollout(self, prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
-                generate: TurnGenerator, budget: int, seed: int | None = None) -> list[Trajectory]:
+                generate: TurnGenerator, budget: int, seed: int | None = None,
+                images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[Trajectory]:
         """Every trajectory (B*n, interleaved like single-turn samples) within `budget` tokens
         after its prompt, run on an event loop of its own (the worker method runs on a thread).
         With a `seed`, trajectory i samples from `substream(seed, i)`: the same tokens however
-        the environments' timing groups the turns into decodes."""
-        return asyncio.run(self._all(prompts, rows, n, generate, budget, seed))
+        the environments' timing groups the turns into decodes. `images`: each prompt's
+        (patches, grids), or None."""
+        return asyncio.run(self._all(prompts, rows, n, generate, budget, seed, images or [None] * len(prompts)))
 
     async def _all(self, prompts: list[list[int]], rows: list[dict[str, Any]], n: int,
-                   generate: TurnGenerator, budget: int, seed: int | None) -> list[Trajectory]:
+                   generate: TurnGenerator, budget: int, seed: int | None,
+                   images: list[tuple[torch.Tensor, torch.Tensor] | None]) -> list[Trajectory]:
         gate = asyncio.Semaphore(self.cfg.concurrency)
 
-        async def one(i: int, prompt: list[int], row: dict[str, Any]) -> Trajectory:
+        async def one(i: int, prompt: list[int], row: dict[str, Any], seen: Any) -> Trajectory:
             async with gate:
                 generate.begin(1)
                 try:
                     env = self.factory(**self.cfg.env_kwargs)
                     return await run_trajectory(env, row, prompt, generate, self.render, self.cfg, budget, self.pool,
-                                                None if seed is None else substream(seed, i))
+                                                None if seed is None else substream(seed, i), seen)
                 finally:
                     generate.retire()
 
-        pairs = [(p, r) for p, r in zip(prompts, rows, strict=True) for _ in range(n)]
-        trajs = await asyncio.gather(*(one(i, p, r) for i, (p, r) in enumerate(pairs)))
+        triples = [t for t in zip(prompts, rows, images, strict=True) for _ in range(n)]
+        trajs = await asyncio.gather(*(one(i, *t) for i, t in enumerate(triples)))
         if trajs and all(t.error for t in trajs):  # not the model's doing: the environment itself is broken
             raise EnvironmentStepError(f"{self.cfg.env}: every trajectory's step raised (first: {trajs[0].error}); "
                                        "fix the environment (a model's odd output may end one trajectory, not all)")
@@ -361,6 +437,8 @@ def trajectories_to_tensors(trajs: list[Trajectory], prompts: torch.Tensor | Non
     out = {"prompts": prompts, "responses": responses, "response_mask": resp_mask,
            "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": mask,
            "position_ids": positions_from_mask(mask), "rollout_log_probs": logps, "behav_versions": versions}
+    if any(t.images for t in trajs):  # each row's images, the prompt's and the observations'
+        out.update(image_columns([t.image_inputs() or no_images() for t in trajs]))
     own = sorted({k for t in trajs for k in t.counts} - set(TRAJECTORY_METRICS))  # an environment's info keys
     for name in [*TRAJECTORY_METRICS, *own]:
         column = name if name in TRAJECTORY_METRICS or name in API_METRICS else AGENT_INFO + name

@@ -32,7 +32,17 @@ from asyncrl.algorithms import core
 from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import FILL_TOKEN_BUDGET, ActorConfig, RLConfig, rl_config
-from asyncrl.data.images import IMAGE_INPUTS, ROPE, freeze_vision, has_images
+from asyncrl.data.images import (
+    GRID,
+    IMAGE_INPUTS,
+    PIXELS,
+    ROPE,
+    ImageReader,
+    flat_images,
+    freeze_vision,
+    has_images,
+    rope_positions,
+)
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import routing
@@ -431,10 +441,17 @@ class ActorRolloutRefWorker(Worker):
         own = isinstance(self.agent, ApiRollout)  # an API agent's prompt is what its first call sent
         # each trajectory's turns sample from streams of its own, seeded from `gen` (one draw a call)
         seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}
+        if has_images(prompts):  # each prompt's own (patches, grids), as the data read them
+            seeded["images"] = [(p[:int(g.prod(-1).sum())], g[g[:, 0] > 0])
+                                for p, g in zip(prompts[PIXELS].cpu(), prompts[GRID].cpu(), strict=True)]
         trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens, **seeded)
         out = trajectories_to_tensors(trajs, None if own else ids.cpu(), None if own else mask.cpu(),
                                       params.max_tokens, self.tokenizer.pad_token_id, prompt_width=ids.shape[1])
-        return {k: v.to(ids.device) for k, v in out.items()}
+        out = {k: v.to(ids.device) for k, v in out.items()}
+        if has_images(out):  # every token's 3-D positions over the whole trajectory, as each turn had them
+            out[ROPE] = rope_positions(self.rollout.model, out["input_ids"], out["attention_mask"],
+                                       flat_images(out)[1])
+        return out
 
     # log-probs -------------------------------------------------------------------------------------
     def _log_probs(self, engine: TrainEngine, batch: Batch, with_entropy: bool, replay: str | None = None,
@@ -732,8 +749,9 @@ def _agent_rollout(cfg: Any, tokenizer: Any, model_config: Any) -> MultiTurnRoll
     """`rollout.multi_turn`'s driver: the built-in loop over an `Environment`, or an agent that
     calls the policy over the OpenAI API (`agent:` / `verifiers:` specs)."""
     mt = cfg.rollout.multi_turn
-    if not is_api_agent(mt.env):
-        return MultiTurnRollout(mt, tokenizer)
+    if not is_api_agent(mt.env):  # a vision-language policy reads the images observations bring
+        return MultiTurnRollout(mt, tokenizer, ImageReader.of_model(cfg.model.path, cfg.data.min_pixels,
+                                                                    cfg.data.max_pixels))
     positions = getattr(model_config, "max_position_embeddings", None)
     return ApiRollout(mt.env, mt.env_kwargs, tokenizer, model_name=Path(cfg.model.path).name or "policy",
                       concurrency=mt.concurrency, timeout_s=mt.step_timeout_s * mt.max_turns, context_length=positions)

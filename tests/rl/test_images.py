@@ -136,6 +136,88 @@ def test_a_qwen3_vl_generates_from_images_and_its_passes_agree_padded_and_packed
         assert ((got - out["rollout_log_probs"]) * out["response_mask"]).abs().max() < 1e-5
 
 
+SHOW_SQUARES = """
+from PIL import Image, ImageDraw
+
+from asyncrl.agents import Environment, StepResult
+
+
+class ShowSquares(Environment):
+    # answers the first turn with a picture of `count` squares, ends the second rewarding the count
+
+    def __init__(self, count: int = 3):
+        self.count, self.broken, self.turn = count, False, 0
+
+    def reset(self, row):
+        self.turn, self.broken = 0, row.get("broken", False)
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn > 1:
+            return StepResult(reward=float(action.text.strip() == str(self.count)), done=True)
+        image = Image.new("RGB", (56, 56), "white")
+        for i in range(self.count):
+            ImageDraw.Draw(image).rectangle([4 + 12 * i, 4, 12 + 12 * i, 12], fill="red")
+        return StepResult("how many now ?", role="user", images=[b"not a png" if self.broken else image])
+"""
+
+
+def test_an_environment_shows_images_and_the_trainer_reads_the_whole_trajectory(vl, tmp_path):
+    """Multi-turn with image observations: a prompt with an image, a turn, an observation with
+    another; each turn's request is the trajectory's ids so far (token in, token out) with all its
+    images, and the trainer's log-probs of the model's tokens over the whole trajectory (3-D
+    positions across both images) are the rollout's, padded and packed. An image the policy
+    cannot read ends that trajectory as an environment error."""
+    from transformers import AutoModelForImageTextToText
+
+    from asyncrl.agents.config import MultiTurnConfig
+    from asyncrl.agents.rollout import MultiTurnRollout, WaveGenerator, trajectories_to_tensors
+    from asyncrl.data.images import ImageReader, rope_positions
+    from asyncrl.train.packing import enable_packing
+
+    model, tokenizer, processor = vl
+    (tmp_path / "show.py").write_text(SHOW_SQUARES)
+    input_ids, mask, columns = prompts(tokenizer, processor, [([squares(2)], "how many red squares ?"),
+                                                              ([], "how many ?")])
+    plain = [r[m.bool()].tolist() for r, m in zip(input_ids, mask, strict=True)]
+    first = [(columns[PIXELS][0, :int(columns[GRID][0].prod(-1).sum())], columns[GRID][0, :1]), None]
+    engine = RolloutEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    requests = []
+    real = engine.generate
+
+    def spy(ids, mask, params, generator=None, **kw):
+        requests.append((ids, mask, kw.get("images")))
+        return real(ids, mask, params, generator=generator, **kw)
+
+    engine.generate = spy
+    reader = ImageReader(processor, model.config.image_token_id)
+    cfg = MultiTurnConfig(enable=True, env=f"{tmp_path / 'show.py'}:ShowSquares", max_turns=2, max_turn_tokens=4)
+    agent = MultiTurnRollout(cfg, tokenizer, reader)
+    wave = WaveGenerator(engine, SamplingParams(max_tokens=24), torch.Generator().manual_seed(0))
+    trajs = agent.rollout(plain, [{}, {}], 2, wave, 24, seed=0, images=first)
+    agent.close()
+
+    assert [len(t.images) for t in trajs] == [2, 2, 1, 1]  # the prompt's image (if any) and the observation's
+    assert all(t.counts["num_turns"] == 2 and t.mask.count(0) > 9 for t in trajs)  # the observation: image tokens
+    # a second turn's request: the first row's ids so far with both its images
+    assert any(int((im[GRID][..., 0] > 0).sum(-1).max()) == 2 for *_, im in requests if im is not None)
+    out = Batch(trajectories_to_tensors(trajs, input_ids, mask, 24, tokenizer.pad_token_id))
+    out.tensors[ROPE] = rope_positions(model, out["input_ids"], out["attention_mask"], flat_images(out)[1])
+    padded, _ = response_forward(model, out)
+    packing = AutoModelForImageTextToText.from_pretrained(model.name_or_path).eval()
+    enable_packing(packing)
+    packed, _ = response_forward(packing, out)
+    for got in (padded, packed):
+        assert ((got - out["rollout_log_probs"]) * out["response_mask"]).abs().max() < 1e-5
+
+    agent = MultiTurnRollout(cfg, tokenizer, reader)
+    wave = WaveGenerator(engine, SamplingParams(max_tokens=24), None)
+    bad, good = agent.rollout(plain[1:] * 2, [{"broken": True}, {}], 1, wave, 24, seed=0)
+    agent.close()
+    assert bad.error.startswith("ImageInputError") and bad.counts["env_errors"] == 1 and len(bad.images) == 0
+    assert good.error is None and len(good.images) == 1
+
+
 def test_lora_adapts_the_language_model_and_peft_loads_it_beside_the_vision_tower(vl, tmp_path):
     """`all-linear` on a vision-language model adapts its language model's layers only (the vision
     tower's share their leaf names); the PEFT export, loaded on the base model, reads the images
@@ -333,6 +415,26 @@ def test_grpo_trains_on_a_verl_image_parquet_and_exports_a_model_that_reads_imag
     pixels = AutoImageProcessor.from_pretrained(export)(images=[squares(3)], return_tensors="pt")["pixel_values"]
     assert torch.equal(pixels, AutoImageProcessor.from_pretrained(model_dir)(images=[squares(3)],
                                                                             return_tensors="pt")["pixel_values"])
+
+
+def test_grpo_trains_multi_turn_with_image_observations(tmp_path):
+    """`rollout.multi_turn` on a vision-language policy: image prompts from verl's parquet, an
+    environment that answers with a picture; two GRPO steps on two ranks, the trainer's log-probs
+    of the model's tokens across both images the rollout's."""
+    import json
+
+    model_dir = build_tiny_vl_model(tmp_path / "model", WORDS)
+    squares_parquet(tmp_path / "train.parquet", 8)
+    (tmp_path / "show.py").write_text(SHOW_SQUARES)
+    r = launch(tmp_path, f"model.path={model_dir}", f"data.train_files={tmp_path / 'train.parquet'}",
+               "data.batch_size=4", "trainer.total_steps=2", "data.max_prompt_len=64", "rollout.max_tokens=24",
+               "rollout.multi_turn.enable=true", f"rollout.multi_turn.env={tmp_path / 'show.py'}:ShowSquares",
+               "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_turn_tokens=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    steps = [m for m in map(json.loads, open(tmp_path / summary["metrics"])) if "rollout/logprob_diff_max" in m]
+    assert len(steps) == 2 and max(s["rollout/logprob_diff_max"] for s in steps) < 1e-5
+    assert all(s["agent/num_turns_mean"] == 2 for s in steps), steps
 
 
 def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(tmp_path):
