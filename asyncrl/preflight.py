@@ -115,11 +115,12 @@ def check_image_run(cfg: RLConfig) -> None:
     """A vision-language model's run on what reads images so far: a rollout engine and training
     backend that take them (`images` in `asyncrl.engines`: the native engine's waves, FSDP2), not
     a split pool's continuous batches or API-driven agents (the built-in multi-turn loop, whose
-    observations may bring images, is fine), no pipeline stages or Ulysses, no critic, no dynamic
-    sampling's refills."""
+    observations may bring images, is fine), no pipeline stages or Ulysses, a critic that reads
+    images too, no dynamic sampling's refills."""
     from asyncrl.agents.api import is_api_agent
+    from asyncrl.data.images import reads_images
 
-    mt = cfg.rollout.multi_turn
+    mt, critic = cfg.rollout.multi_turn, needs_critic(cfg.algorithm.name)
     unsupported = [(k, v) for k, v, ok in (
         ("rollout.engine", cfg.rollout.engine, rollout_engine(cfg.rollout.engine).images),
         ("rollout.multi_turn.env", mt.env, not mt.enable or not is_api_agent(mt.env)),
@@ -127,15 +128,19 @@ def check_image_run(cfg: RLConfig) -> None:
         ("actor.backend", cfg.actor.backend, backend(cfg.actor.backend).images),
         ("actor.parallel.pp", cfg.actor.parallel.pp, cfg.actor.parallel.pp == 1),
         ("actor.parallel.sp", cfg.actor.parallel.sp, cfg.actor.parallel.sp == 1),
-        ("algorithm.name", cfg.algorithm.name, not needs_critic(cfg.algorithm.name)),
+        ("critic.backend", cfg.critic.backend, not critic or backend(cfg.critic.backend).images),
+        ("critic.model_path", cfg.critic.model_path, not critic or not cfg.critic.model_path
+         or reads_images(cfg.critic.model_path)),
+        ("critic.parallel.pp", cfg.critic.parallel.pp, not critic or cfg.critic.parallel.pp == 1),
+        ("critic.parallel.sp", cfg.critic.parallel.sp, not critic or cfg.critic.parallel.sp == 1),
         ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable, not cfg.algorithm.filter_groups.enable),
     ) if not ok]
     if unsupported:
         key, value = unsupported[0]
         raise ConfigError(f"{key}={value}: {cfg.model.path} is a vision-language model, and image prompts run "
                           "so far on the native engine in colocated placement (multi-turn: the built-in "
-                          "Environment loop, not API agents), FSDP2 without pipeline stages or Ulysses, "
-                          "algorithms without a critic and no dynamic sampling; change the setting")
+                          "Environment loop, not API agents), FSDP2 without pipeline stages or Ulysses (a "
+                          "critic too, from a vision-language model) and no dynamic sampling; change the setting")
 
 
 def _reads_images(cfg: RLConfig, path: str | None) -> bool:

@@ -116,7 +116,7 @@ def fsdp_critic(worker: CriticWorker, path: str, layout: ParallelLayout) -> Trai
     if cfg.critic.parallel.sp > 1:
         setattr(model, AUTO_ATTR, False)  # Ulysses splits packed rows: every micro-batch packs
         sequence_parallel(layout, cfg.critic.parallel.sp, [model], "critic.")
-    head = new_head(VALUE_HEAD, model.config.initializer_range)
+    head = new_head(VALUE_HEAD, model.config.get_text_config().initializer_range)
     if lora.enabled:  # checkpoints hold the adapters and the head (the body is the model's files)
         # no PEFT export: the critic's export is the merged value model (the head is no adapter)
         critic.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,

@@ -68,8 +68,12 @@ def skeleton(path: str, dtype: torch.dtype, value_head: bool = False) -> nn.Modu
         config.classifier_dropout = 0.0
     else:
         config = AutoConfig.from_pretrained(path)
-    kind = AutoModelForTokenClassification if value_head else lm_class(config)
     with parameters_on_meta():  # rotary tables stay fp32 whatever `dtype` is, as from_pretrained keeps them
+        if value_head and getattr(config, "vision_config", None) is not None:  # no token classifier in transformers
+            from asyncrl.train.value_model import vision_value_model
+
+            return vision_value_model(config, dtype)
+        kind = AutoModelForTokenClassification if value_head else lm_class(config)
         return kind.from_config(config, dtype=dtype)
 
 

@@ -218,6 +218,42 @@ def test_an_environment_shows_images_and_the_trainer_reads_the_whole_trajectory(
     assert good.error is None and len(good.images) == 1
 
 
+def test_a_vision_language_critic_reads_the_images_padded_and_packed(vl):
+    """critic.backend=fsdp2 on a vision-language model: the body (as the checkpoint names it)
+    with a fresh one-output head; its values depend on the pixels and are the same packed."""
+    from asyncrl.roles.forward import values_forward
+    from asyncrl.train.load import materialize, read_checkpoint, skeleton, tied_aliases
+    from asyncrl.train.packing import enable_packing
+
+    model, tokenizer, processor = vl
+    input_ids, mask, columns = prompts(tokenizer, processor, [([squares(2)], "how many red squares ?"),
+                                                              ([], "how many ?"), ([squares(1), squares(4)], "?")])
+    engine = RolloutEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = Batch(engine.generate(input_ids, mask, SamplingParams(n=1, max_tokens=4, seed=0), images=columns))
+
+    def critic():
+        value = skeleton(model.name_or_path, torch.float32, value_head=True)
+        materialize(value, "cpu")
+        state = read_checkpoint(model.name_or_path, tied_aliases(value), torch.float32,
+                                missing_ok=lambda n: n.startswith("score."))
+        assert set(state) == {n for n, _ in value.named_parameters()} - {"score.weight", "score.bias"}
+        value.load_state_dict(state, strict=False)
+        torch.manual_seed(0)
+        torch.nn.init.normal_(value.score.weight, std=0.5)
+        torch.nn.init.zeros_(value.score.bias)
+        return value.eval()
+
+    value = critic()
+    padded = values_forward(value, out)
+    packing = critic()
+    enable_packing(packing)
+    torch.testing.assert_close(values_forward(packing, out) * out["response_mask"], padded * out["response_mask"],
+                               atol=1e-5, rtol=1e-5)
+    other = Batch({**out.tensors, PIXELS: out[PIXELS].flip(-1)})  # other pictures, the same tokens
+    assert (values_forward(value, other) - padded)[0].abs().max() > 1e-4  # the row with an image
+    torch.testing.assert_close(values_forward(value, other)[1], padded[1])  # the row without
+
+
 def test_lora_adapts_the_language_model_and_peft_loads_it_beside_the_vision_tower(vl, tmp_path):
     """`all-linear` on a vision-language model adapts its language model's layers only (the vision
     tower's share their leaf names); the PEFT export, loaded on the base model, reads the images
@@ -417,10 +453,11 @@ def test_grpo_trains_on_a_verl_image_parquet_and_exports_a_model_that_reads_imag
                                                                             return_tensors="pt")["pixel_values"])
 
 
-def test_grpo_trains_multi_turn_with_image_observations(tmp_path):
+def test_ppo_trains_multi_turn_with_image_observations(tmp_path):
     """`rollout.multi_turn` on a vision-language policy: image prompts from verl's parquet, an
-    environment that answers with a picture; two GRPO steps on two ranks, the trainer's log-probs
-    of the model's tokens across both images the rollout's."""
+    environment that answers with a picture; two PPO steps on two ranks (the critic a
+    vision-language value model), the trainer's log-probs of the model's tokens across both
+    images the rollout's."""
     import json
 
     model_dir = build_tiny_vl_model(tmp_path / "model", WORDS)
@@ -429,12 +466,13 @@ def test_grpo_trains_multi_turn_with_image_observations(tmp_path):
     r = launch(tmp_path, f"model.path={model_dir}", f"data.train_files={tmp_path / 'train.parquet'}",
                "data.batch_size=4", "trainer.total_steps=2", "data.max_prompt_len=64", "rollout.max_tokens=24",
                "rollout.multi_turn.enable=true", f"rollout.multi_turn.env={tmp_path / 'show.py'}:ShowSquares",
-               "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_turn_tokens=4")
+               "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_turn_tokens=4", config="ppo")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     steps = [m for m in map(json.loads, open(tmp_path / summary["metrics"])) if "rollout/logprob_diff_max" in m]
     assert len(steps) == 2 and max(s["rollout/logprob_diff_max"] for s in steps) < 1e-5
-    assert all(s["agent/num_turns_mean"] == 2 for s in steps), steps
+    assert all(s["agent/num_turns_mean"] == 2 and s["critic/vf_loss"] > 0 for s in steps), steps
+    assert (tmp_path / summary["checkpoint"]).parent.parent.joinpath("critic", "dcp").is_dir()
 
 
 def test_a_frozen_vision_tower_stays_as_loaded_while_the_language_model_trains(tmp_path):
