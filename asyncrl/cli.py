@@ -358,6 +358,25 @@ def _add_serve(sub: Any) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _add_replay(sub: Any) -> None:
+    p = sub.add_parser("replay", help="re-run a training step from the run's replay bundles and compare, bit for "
+                       "bit (docs/replay.md)")
+    p.add_argument("run_dir", help="a run directory whose run kept replay bundles (trainer.replay.window > 0)")
+    p.add_argument("--step", type=int, required=True, help="the training step to re-run (1-based)")
+    p.add_argument("--log-probs", action="store_true", help="also recompute the step's old log-probs and compare")
+    p.add_argument("--nonfinite", action="store_true",
+                   help="name the first non-finite activation of the step's update (its module and micro-batch)")
+    p.add_argument("--plant-nan", default="", metavar="MODULE@MICRO_BATCH",
+                   help="write a NaN into that module's output on the replay (implies --nonfinite; tests the finder)")
+    p.set_defaults(func=_replay)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from asyncrl.replay import command
+
+    return command(args)
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", help="HOST:PORT (default: the coordinator on this machine)")
     p.add_argument("--key-dir", help="cluster key directory for --coordinator")
@@ -404,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(submit)
     submit.set_defaults(func=_submit)
     _add_serve(sub)
+    _add_replay(sub)
     return ap
 
 

@@ -662,7 +662,7 @@ class PlanConfig:
         _positive(at + "runners_up", self.runners_up, allow_zero=True)
 
 
-TrainerMode = Annotated[str, Literal["train", "eval"]]
+TrainerMode = Annotated[str, Literal["train", "eval", "replay"]]
 TRAINER_MODES = choices_of(TrainerMode)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -679,6 +679,36 @@ class EvaluationConfig:
     def check(self, at: str) -> None:
         for k in self.ks:
             _check(isinstance(k, int) and k >= 1, at + "ks", self.ks, "must be positive integers")
+
+
+@dataclass
+class ReplayConfig:
+    """Replay bundles: each training step's update as it ran (the actor's rows, the random
+    states, the result), so `asyncrl replay RUN_DIR --step N` re-runs it and says whether the loss,
+    gradient norm and weights come out bit for bit the same."""
+
+    window: int = 0  # keep the last this many steps' bundles (0: off, nothing is recorded)
+    max_mb: int = 1024  # the bundles' disk budget on each training rank (the oldest step goes first)
+    # trainer.mode=replay (`asyncrl replay` sets these): the step to re-run, its log-prob pass
+    # recomputed and compared too, the first non-finite activation named (its layer and micro-batch)
+    step: int = 0
+    log_probs: bool = False
+    nonfinite: bool = False
+    plant_nan: str = ""  # MODULE@MICRO_BATCH: NaN into that module's output on the replay (tests the finder)
+
+    def check(self, at: str) -> None:
+        _positive(at + "window", self.window, allow_zero=True)
+        _positive(at + "max_mb", self.max_mb)
+        _positive(at + "step", self.step, allow_zero=True)
+        _check(not self.plant_nan or "@" in self.plant_nan, at + "plant_nan", self.plant_nan,
+               "names MODULE@MICRO_BATCH, e.g. model.layers.1.mlp@0")
+
+    def check_mode(self, at: str, mode: str) -> None:
+        """The step and checks belong to a replay (`asyncrl replay`), which names a step."""
+        asked = self.step or self.log_probs or self.nonfinite or self.plant_nan
+        _check(mode == "replay" or not asked, at + "step", self.step,
+               "is for trainer.mode=replay (`asyncrl replay RUN_DIR --step N` sets it)")
+        _check(mode != "replay" or self.step >= 1, at + "step", self.step, "trainer.mode=replay re-runs a step >= 1")
 
 
 @dataclass
@@ -716,8 +746,10 @@ class TrainerConfig:
     # the step's bookkeeping every this many steps (1 = every step): the workers' peak memory and
     # bytes pulled across ranks (perf/peak_rss_gib, perf/*_cross_rank_mb), and on the first step
     stats_every: int = 10
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     def check(self, at: str) -> None:
+        self.replay.check_mode(at + "replay.", self.mode)
         for step in self.trace:
             _check(isinstance(step, int) and 1 <= step, at + "trace", self.trace,
                    "lists steps to trace, each an int from 1 (the first step)")
@@ -799,7 +831,7 @@ class RLConfig(LaunchConfig):
         self._check_router_replay(at)
         self._check_token_budgets(at)
         self._check_teacher(at)
-        training = self.trainer.mode == "train"  # an evaluation samples and scores only: n=1 and any batch do
+        training = self.trainer.mode != "eval"  # an evaluation samples and scores only: n=1 and any batch do
         if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
                               "each prompt's samples with each other, so one sample per prompt gives zero "

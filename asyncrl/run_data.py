@@ -101,7 +101,7 @@ class RunData:
             digest = hashlib.blake2b(f"{self.cfg.seed}:{step}:{refill}".encode(), digest_size=4).digest()
             seed = int.from_bytes(digest, "little") >> 1
             d["uid"] = [f"{u}@{refill}" for u in d["uid"]]  # the same prompt again is another group
-        return self.put(d, {"seed": seed})
+        return self.put(d, {"seed": seed, "step": step + 1})  # the training step its rows are for (replay bundles)
 
     def pretrain_batch(self, step: int) -> DistBatch:
         """Prompt + ground-truth answer sequences for the Safe-RLHF pretrain (SFT) loss term."""

@@ -537,6 +537,14 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
     # model building and file checks block: keep them off the event loop (heartbeats)
     cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model, data=cfg.data)
     await asyncio.to_thread(check_inputs, cfg)
+    if cfg.trainer.mode == "replay":  # the run's directory is read, not claimed: it may still be training
+        from asyncrl.replay import replay_run, replay_start
+
+        # before any worker starts: what the run kept must reach the step (the actor's ranks: n_workers)
+        replay_start(Path(cfg.trainer.output_dir), cfg.trainer.replay.step, cfg.trainer.n_workers)
+        trainer = Trainer(ctx, cfg)
+        await trainer.setup()
+        return await replay_run(trainer)
     if cfg.trainer.mode == "eval":  # no run directory to claim: nothing trains, nothing resumes
         trainer = Trainer(ctx, cfg)
         await trainer.setup()

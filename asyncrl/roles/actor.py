@@ -45,7 +45,7 @@ from asyncrl.data.images import (
 )
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
-from asyncrl.roles import routing
+from asyncrl.roles import replay, routing
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
 from asyncrl.roles.pools import PoolWeights, adapter_settings
 from asyncrl.roles.process import load_causal_lm, setup_process
@@ -526,55 +526,48 @@ class ActorRolloutRefWorker(Worker):
     @register(THREE_D_PROTO)
     @timed("update_actor")
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates."""
-        self.pool.wait_pushed()
-        ac = self.cfg.actor
-        temp = sampling_temperature(batch, self.cfg.rollout.temperature)
-        norm_len = self.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
-        use_kl_loss = ac.use_kl_loss and "ref_log_prob" in batch
-        _check_behaviour_columns(ac, batch)
-
-        replay = routing.REPLAYED.get(ac.moe.router_replay)
-
-        def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
-            pk, view = packed_view(model, mb)
-            tap = routing.start(model, view, ac.moe, replay=replay, losses=True)  # in force through the backward
-            logp, ent = response_forward(model, mb, temp, with_entropy=True, packed=pk)  # logged for every algorithm
-            mask = mb["response_mask"].float()
-            # without recomputed old log-probs the update is on-policy (one epoch, one
-            # mini-batch): the ratio is 1 and the gradient that of the clipped objective
-            old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
-            loss, m, rollout_m = policy_loss(ac, old, logp, mb, mask, norm_len, self.shuffle_gen)
-            metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()},
-                       **{f"rollout/{k}": v for k, v in rollout_m.items()}}
-            if ent is not None:
-                if ac.entropy_coeff == 0:
-                    ent = ent.detach()  # a metric only: no graph kept for it
-                e = core.agg_loss(ent, mask, ac.loss_agg_mode)
-                if ac.entropy_coeff != 0:
-                    loss = loss - ac.entropy_coeff * e
-                metrics["actor/entropy"] = e.detach()
-            if use_kl_loss:
-                kl = core.kl_loss(logp, mb["ref_log_prob"], mask, ac.kl_loss_type, ac.loss_agg_mode)
-                loss = loss + ac.kl_loss_coef * kl
-                metrics["actor/kl_loss"] = kl.detach()
-            if tap is not None:
-                router_loss, moe_metrics = routing.router_terms(tap, view, ac.moe)
-                loss = loss + router_loss
-                metrics.update(moe_metrics)
-            return loss, metrics
-
-        self._release_generation_weights()
-        try:
-            out = ppo_update(self.actor, batch, ac, loss_fn, self.shuffle_gen)
-        finally:
-            if (tap := routing.tap_for(self.actor.model)) is not None:
-                tap.stop()
-        release_host_memory()  # the update's transient pages back to the OS before generation
-        self.update_steps += 1
-        out["actor/lr"] = out.pop("lr", 0.0)
-        out["actor/grad_norm"] = out.pop("grad_norm", 0.0)
+        """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates.
+        With trainer.replay.window > 0 the update's rows, random states and result are kept
+        (asyncrl.roles.replay)."""
+        rp = self.cfg.trainer.replay
+        if not rp.window or self.cfg.trainer.mode != "train":
+            return policy_update(self, batch)
+        t0 = time.perf_counter()
+        bundle = replay.capture(batch, int(batch.meta.get("step", self.update_steps + 1)), rng_state(),
+                                self.shuffle_gen.get_state(), self.update_steps)
+        t1 = time.perf_counter()
+        out = policy_update(self, batch)
+        t2 = time.perf_counter()
+        bundle["result"] = {"metrics": dict(out), "weights": replay.weights_digest(self.actor.model)}
+        replay.write(self.cfg.trainer.output_dir, bundle, self.rank, rp.window, rp.max_mb)
+        out["perf/replay_bundle_s"] = time.perf_counter() - t2 + t1 - t0  # what keeping the step cost here
         return out
+
+    @register(ONE_TO_ALL)
+    def replay_update(self, step: int, last: bool) -> dict[str, Any]:
+        """Re-run step `step`'s update from this rank's bundle (trainer.mode=replay): its metrics and
+        weights digest beside the run's; on the `last` step the checks trainer.replay asks for
+        (old log-probs recomputed, the first non-finite activation)."""
+        rp = self.cfg.trainer.replay
+        bundle = replay.read(self.cfg.trainer.output_dir, step, self.rank)
+        batch = replay.batch_of(bundle, self.device)
+        set_rng_state(bundle["rng"])
+        self.shuffle_gen.set_state(bundle["shuffle_gen"])
+        self.update_steps = bundle["update_steps"]
+        found: dict[str, Any] = {}
+        if last and rp.log_probs:  # None: the run computed none (one on-policy update uses its own pass)
+            old = self._log_probs(self.actor, batch, with_entropy=False)[0] if "old_log_probs" in batch else None
+            found["old_log_probs_equal"] = None if old is None else bool(torch.equal(old, batch["old_log_probs"]))
+        watch = replay.NonFiniteWatch(self.actor.model, rp.plant_nan) if last and rp.nonfinite else None
+        try:
+            out = policy_update(self, batch, watch)
+        finally:
+            if watch is not None:
+                watch.close()
+        if watch is not None:
+            found["nonfinite"] = None if watch.first is None else vars(watch.first)
+        return {"metrics": out, "weights": replay.weights_digest(self.actor.model), "recorded": bundle["result"],
+                **found}
 
     @register(THREE_D_PROTO)
     @timed("update_pretrain")
@@ -642,6 +635,61 @@ class ActorRolloutRefWorker(Worker):
             self.sample_gen.set_state(extra["sample_gen"])
         self.update_steps = int(extra.get("update_steps", 0))
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
+
+
+def policy_update(worker: ActorRolloutRefWorker, batch: Batch, watch: replay.NonFiniteWatch | None = None
+                  ) -> dict[str, float]:
+    """The actor worker's PPO-clip update of `batch` (`update_actor`, a replay's re-run with `watch`)."""
+    worker.pool.wait_pushed()
+    ac = worker.cfg.actor
+    temp = sampling_temperature(batch, worker.cfg.rollout.temperature)
+    norm_len = worker.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
+    use_kl_loss = ac.use_kl_loss and "ref_log_prob" in batch
+    _check_behaviour_columns(ac, batch)
+
+    replayed = routing.REPLAYED.get(ac.moe.router_replay)
+
+    def loss_fn(model: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, dict]:
+        if watch is not None:
+            watch.next_micro_batch()
+        pk, view = packed_view(model, mb)
+        tap = routing.start(model, view, ac.moe, replay=replayed, losses=True)  # in force through the backward
+        logp, ent = response_forward(model, mb, temp, with_entropy=True, packed=pk)  # logged for every algorithm
+        mask = mb["response_mask"].float()
+        # without recomputed old log-probs the update is on-policy (one epoch, one
+        # mini-batch): the ratio is 1 and the gradient that of the clipped objective
+        old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
+        loss, m, rollout_m = policy_loss(ac, old, logp, mb, mask, norm_len, worker.shuffle_gen)
+        metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()},
+                   **{f"rollout/{k}": v for k, v in rollout_m.items()}}
+        if ent is not None:
+            if ac.entropy_coeff == 0:
+                ent = ent.detach()  # a metric only: no graph kept for it
+            e = core.agg_loss(ent, mask, ac.loss_agg_mode)
+            if ac.entropy_coeff != 0:
+                loss = loss - ac.entropy_coeff * e
+            metrics["actor/entropy"] = e.detach()
+        if use_kl_loss:
+            kl = core.kl_loss(logp, mb["ref_log_prob"], mask, ac.kl_loss_type, ac.loss_agg_mode)
+            loss = loss + ac.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        if tap is not None:
+            router_loss, moe_metrics = routing.router_terms(tap, view, ac.moe)
+            loss = loss + router_loss
+            metrics.update(moe_metrics)
+        return loss, metrics
+
+    worker._release_generation_weights()
+    try:
+        out = ppo_update(worker.actor, batch, ac, loss_fn, worker.shuffle_gen)
+    finally:
+        if (tap := routing.tap_for(worker.actor.model)) is not None:
+            tap.stop()
+    release_host_memory()  # the update's transient pages back to the OS before generation
+    worker.update_steps += 1
+    out["actor/lr"] = out.pop("lr", 0.0)
+    out["actor/grad_norm"] = out.pop("grad_norm", 0.0)
+    return out
 
 
 def native_rollout(worker: ActorRolloutRefWorker, model: torch.nn.Module, colocated: bool) -> RolloutEngine:

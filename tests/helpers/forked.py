@@ -51,26 +51,29 @@ def _adopt(address: Any, env: dict[str, str]) -> None:
     forking._state.update(env=env, imports=tuple(PRELOAD))
 
 
-def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
-    """`asyncrl-launch *argv` as `subprocess.run(..., capture_output=True, text=True)` would run
-    it, forked from the fork server: its own session (a timeout kills it and every process it
-    started), environment and working directory; TimeoutExpired past `timeout`."""
+def launch(argv: list[str], *, env: Mapping[str, str], cwd: Path | str, timeout: float,
+           command: str = "asyncrl-launch") -> subprocess.CompletedProcess:
+    """`asyncrl-launch *argv` (or `command="asyncrl"`: the `asyncrl` command, e.g. `asyncrl replay`)
+    as `subprocess.run(..., capture_output=True, text=True)` would run it, forked from the fork
+    server: its own session (a timeout kills it and every process it started), environment and
+    working directory; TimeoutExpired past `timeout`."""
     with tempfile.TemporaryDirectory(prefix="asyncrl-launch-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         ctx = context()
         handoff = (multiprocessing.forkserver._forkserver._forkserver_address, forking.running())  # type: ignore[attr-defined]
-        proc = ctx.Process(target=_launch_main, args=(list(argv), dict(env), str(cwd), str(out), str(err), handoff))
+        proc = ctx.Process(target=_launch_main, args=(list(argv), dict(env), str(cwd), str(out), str(err), handoff,
+                                                      command))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
         end_group(proc.pid, proc.is_alive, proc.join)  # the launch if it still runs, and all it left behind
         if timed_out:
-            raise subprocess.TimeoutExpired(["asyncrl-launch", *argv], timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(["asyncrl-launch", *argv], proc.exitcode, out.read_text(),
-                                           err.read_text())
+            raise subprocess.TimeoutExpired([command, *argv], timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess([command, *argv], proc.exitcode, out.read_text(), err.read_text())
 
 
-def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, handoff: tuple) -> None:
+def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, handoff: tuple,
+                 command: str = "asyncrl-launch") -> None:
     """In the forked child: become what a fresh `asyncrl-launch` process would be, then run it."""
     os.setsid()
     _adopt(*handoff)
@@ -86,10 +89,13 @@ def _launch_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: 
     os.dup2(null, 0)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-    sys.argv = ["asyncrl-launch", *argv]
-    from asyncrl.launch import main
+    sys.argv = [command, *argv]
     from daemons.proc import exit_now
 
+    if command == "asyncrl":
+        from asyncrl.cli import main
+    else:
+        from asyncrl.launch import main
     exit_now(main(argv))
 
 
