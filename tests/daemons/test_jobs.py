@@ -376,11 +376,15 @@ def _readme_commands(block: str) -> list[str]:
     return [ln.split(" #")[0].strip() for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
+def _outputs(res: subprocess.CompletedProcess, job: _Proc, daemon: _Proc) -> str:
+    return f"{res.stderr}\n--- the job's submit:\n{job.out[-6000:]}\n--- the daemon:\n{daemon.out[-8000:]}"
+
+
 def test_the_readme_commands_run_as_written(tmp_path):
     """daemons/systemd/README.md's commands, as written, against the coordinator unit's command
     line: the `keys generate` lines, every line of "With the CLI" (local and remote submits of a
     smoke job and of `--config-name grpo` RL jobs, status, stop, shutdown) and the Python example.
-    Only the paths, the address and `ID` are replaced."""
+    Only the paths, the address and the job ids (`ID`, `nightly-1`) are replaced."""
     from asyncrl.jobs.nodes import SHUTDOWN_EXIT
     from asyncrl.models.tiny import ensure_tiny_model
 
@@ -421,9 +425,20 @@ def test_the_readme_commands_run_as_written(tmp_path):
     def run(line: str, timeout: float = 180) -> subprocess.CompletedProcess:
         return subprocess.run(argv(line), env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
+    def listed(job: str) -> list[dict]:
+        return [j for j in _status(env, "--job", head.job_id)["jobs"] if j["job_id"] == job]
+
     def running(job: str) -> None:
         deadline = time.monotonic() + 90
-        while not [j for j in _status(env, "--job", head.job_id)["jobs"] if j["job_id"] == job and j["workers"]]:
+        while not [j for j in listed(job) if j["workers"]]:
+            assert time.monotonic() < deadline, daemon.out
+            time.sleep(0.3)
+
+    def gone(job: str) -> None:
+        """Until the daemon lists `job` no more: a stopped job's record outlives its submit by its
+        teardown, and the next job of that id must not be taken for it."""
+        deadline = time.monotonic() + 60
+        while listed(job):
             assert time.monotonic() < deadline, daemon.out
             time.sleep(0.3)
 
@@ -454,23 +469,27 @@ def test_the_readme_commands_run_as_written(tmp_path):
             if "--job ID" not in line:
                 assert run(line, 60).returncode == 0
 
-        # a remote RL job, twice: stopped from this node by id, then remotely
+        # a remote RL job, twice: stopped from this node by id, then remotely; each its own id and
+        # working directory (its outputs/grpo there), so nothing of the first is the second's
         (remote,) = by_kind["submit remote rl"]
-        subst["ID"] = "nightly-1"
-        for stopper in (*[ln for ln in by_kind["stop"] if "--job ID" in ln], *by_kind["stop remote"]):
-            job = _Proc(argv(remote), env, cwd=tmp_path)  # its outputs/grpo under tmp_path
+        stoppers = (*[ln for ln in by_kind["stop"] if "--job ID" in ln], *by_kind["stop remote"])
+        for i, stopper in enumerate(stoppers, start=1):
+            subst["ID"] = subst["nightly-1"] = job_id = f"nightly-{i}"  # the README's example id, too
+            (tmp_path / job_id).mkdir()
+            job = _Proc(argv(remote), env, cwd=tmp_path / job_id)
             procs.append(job)
-            running("nightly-1")
+            running(job_id)
             (remote_status,) = by_kind["status remote"]
             shown = run(remote_status, 60)
-            assert shown.returncode == 0 and "nightly-1" in shown.stdout, shown.stderr
+            assert shown.returncode == 0 and job_id in shown.stdout, _outputs(shown, job, daemon)
             for line in by_kind["status"]:
                 if "--job ID" in line:
-                    assert run(line, 60).returncode == 0
+                    status = run(line, 60)
+                    assert status.returncode == 0, _outputs(status, job, daemon)
             stop = run(stopper, 60)
-            assert stop.returncode == 0 and "nightly-1" in stop.stdout, (
-                f"{stop.stderr}\n--- the job's submit:\n{job.out[-6000:]}\n--- the daemon:\n{daemon.out[-6000:]}")
+            assert stop.returncode == 0 and job_id in stop.stdout, _outputs(stop, job, daemon)
             assert job.finish(60) == 1 and "stopped" in job.out, job.out
+            gone(job_id)
 
         # the Python example, with a user identity of its own
         code = _readme_block(text, "The same from Python", "python")

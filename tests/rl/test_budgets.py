@@ -118,11 +118,14 @@ def test_every_rank_makes_its_budgeted_collectives(budget_run):
 
 def test_no_thread_or_process_is_started_per_step(budget_run):
     steps = [budget_run["steps"][n] for n in range(2, STEPS + 1)]
-    for key in ("worker_threads", "worker_children", "driver_children"):
+    for key in ("worker_children", "driver_children"):
         assert len({json.dumps(s[key]) for s in steps}) == 1, (key, [s[key] for s in steps])
     assert all(c == 0 for c in steps[0]["worker_children"])
-    # the driver's threads may vary by the executor's idle workers, never grow step after step
+    # threads may vary by an executor's idle workers (a loaded machine overlapped two of a worker's
+    # calls once: [21, 19] then [21, 20]), never grow step after step
     assert steps[-1]["driver_threads"] <= steps[0]["driver_threads"] + 2
+    for rank in range(2):
+        assert steps[-1]["worker_threads"][rank] <= steps[0]["worker_threads"][rank] + 2, [s["worker_threads"] for s in steps]
 
 
 def test_a_traced_step_loads_as_a_trace_with_every_rank_nested_and_ordered(budget_run):
