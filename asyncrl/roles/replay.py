@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,8 +74,10 @@ def _prune(root: Path, rank: int, window: int, budget: int) -> None:
         used += f.stat().st_size
         if i >= window or (used > budget and i > 0):
             f.unlink(missing_ok=True)
-            if not any(f.parent.iterdir()):
-                shutil.rmtree(f.parent, ignore_errors=True)
+            try:  # the step's folder goes with its last rank's file; the other ranks prune at once too
+                f.parent.rmdir()
+            except OSError:  # another rank's file is still there, or that rank removed the folder
+                pass
 
 
 def read(run_dir: str | Path, step: int, rank: int) -> dict[str, Any]:
@@ -136,8 +137,7 @@ class NonFiniteWatch:
         def watch(module: nn.Module, args: Any, out: Any) -> None:
             if self.first is not None:
                 return
-            t = out if isinstance(out, torch.Tensor) else next((o for o in out if isinstance(o, torch.Tensor)), None) \
-                if isinstance(out, (tuple, list)) else getattr(out, "logits", None)
+            t = _first_tensor(out)
             if t is None or not t.is_floating_point():
                 return
             bad = ~torch.isfinite(t.detach())
@@ -149,3 +149,12 @@ class NonFiniteWatch:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    """A module's output tensor: itself, the first of a tuple, or a model output's logits."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, torch.Tensor)), None)
+    return getattr(out, "logits", None)
