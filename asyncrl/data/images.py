@@ -211,6 +211,11 @@ def flat_images(columns: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
     return pixels[real_patches], grid[grid[..., 0] > 0]
 
 
+def row_images(columns: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """The columns back as each row's (patches [P, D], grids [K, 3]), padding dropped."""
+    return [(p[:int(g.prod(-1).sum())], g[g[:, 0] > 0]) for p, g in zip(columns[PIXELS], columns[GRID], strict=True)]
+
+
 def rope_positions(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, grid: Tensor) -> Tensor:
     """The model's 3-D rope positions [rows, 3, sequence] of left-padded rows whose images have
     the grids `grid` [images, 3] (in row order)."""

@@ -33,15 +33,14 @@ from asyncrl.algorithms.losses import is_behaviour_loss, policy_losses
 from asyncrl.algorithms.roles import ROW_TOKENS
 from asyncrl.config import FILL_TOKEN_BUDGET, ActorConfig, RLConfig, rl_config
 from asyncrl.data.images import (
-    GRID,
     IMAGE_INPUTS,
-    PIXELS,
     ROPE,
     ImageReader,
     flat_images,
     freeze_vision,
     has_images,
     rope_positions,
+    row_images,
 )
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
@@ -442,8 +441,7 @@ class ActorRolloutRefWorker(Worker):
         # each trajectory's turns sample from streams of its own, seeded from `gen` (one draw a call)
         seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}
         if has_images(prompts):  # each prompt's own (patches, grids), as the data read them
-            seeded["images"] = [(p[:int(g.prod(-1).sum())], g[g[:, 0] > 0])
-                                for p, g in zip(prompts[PIXELS].cpu(), prompts[GRID].cpu(), strict=True)]
+            seeded["images"] = row_images({k: prompts[k].cpu() for k in IMAGE_INPUTS})
         trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens, **seeded)
         out = trajectories_to_tensors(trajs, None if own else ids.cpu(), None if own else mask.cpu(),
                                       params.max_tokens, self.tokenizer.pad_token_id, prompt_width=ids.shape[1])
