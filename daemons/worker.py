@@ -115,6 +115,15 @@ def resolve_allowed(path: str, allowed: AllowList) -> Any:
     return obj
 
 
+async def resolve_off_loop(path: str, allowed: AllowList) -> Any:
+    """`resolve_allowed`, importing a module not loaded yet in a thread: a role's first import
+    (torch, transformers: seconds, over 10 s on a loaded machine) must not stall heartbeats."""
+    module = sys.modules.get(split_path(path)[0])
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return resolve_allowed(path, allowed)
+    return await asyncio.to_thread(resolve_allowed, path, allowed)
+
+
 def resolve(path: str) -> Any:
     """Import `package.module:attr` (or `package.module.attr`). Trusted callers only (the
     launcher resolving its own job entry); a path from the network goes through `resolve_allowed`."""
@@ -247,7 +256,7 @@ class WorkerProcess:
     @expose
     async def run(self, fn_path: str, args: list, kwargs: dict) -> Any:
         """Run the importable function `fn_path` ("module:name") of an allowed package."""
-        fn = resolve_allowed(fn_path, self.allowed)
+        fn = await resolve_off_loop(fn_path, self.allowed)
         if wants_runtime(fn):
             kwargs = {**kwargs, "runtime": self.runtime}
         return await _invoke(fn, args, kwargs)
@@ -281,7 +290,7 @@ class WorkerProcess:
 
     @expose
     async def create_instance(self, name: str, cls_path: str, args: list, kwargs: dict) -> str:
-        cls = resolve_allowed(cls_path, self.allowed)
+        cls = await resolve_off_loop(cls_path, self.allowed)
         create = getattr(cls, "create_hosted", None)
         if create is not None:  # the class takes this process's runtime
             instance = await asyncio.to_thread(create, self.runtime, *args, **kwargs)

@@ -165,6 +165,22 @@ async def test_raw_worker_calls_get_the_call_deadline_by_default(tmp_path):
         assert await handle.run("asyncrl.jobs.faults:pid", timeout=30) > 0
 
 
+async def test_a_worker_answers_while_a_module_it_was_sent_imports(tmp_path):
+    """A call naming a module the worker has not imported yet imports it off the loop: another
+    call answers meanwhile (an import on the loop stalled heartbeats past their 10 s timeout on a
+    loaded CI machine, and the job failed with "worker ... stopped answering")."""
+    async with local_cluster(cpu_devices=1, log_dir=tmp_path / "logs", insecure=True,
+                             allowed_packages=("tests",)) as ctx:
+        (handle,) = await ctx.spawn_workers(ctx.create_pool("raw", world_size=1))
+        assert await handle.run("asyncrl.jobs.faults:pid", timeout=30) > 0
+        slow = asyncio.ensure_future(handle.run("tests.helpers.slow_import:loaded", timeout=60))
+        await asyncio.sleep(0.5)  # the import has begun
+        t0 = time.monotonic()
+        assert await handle.run("asyncrl.jobs.faults:pid", timeout=30) > 0
+        assert time.monotonic() - t0 < 1.5 and not slow.done()  # answered while the import sleeps 3 s
+        assert await slow is True
+
+
 async def test_hung_collective_ends_at_the_process_group_timeout(tmp_path):
     cfg = OmegaConf.create({"worker": {"collective_timeout_s": 2}})
     async with local_cluster(cpu_devices=2, log_dir=tmp_path / "logs", insecure=True, cfg=cfg) as ctx:
