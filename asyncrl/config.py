@@ -712,6 +712,20 @@ class ReplayConfig:
 
 
 @dataclass
+class FailoverConfig:
+    """A training rank lost mid-run without restarting the job: each step's start is kept twice
+    (every rank's own state, and a copy in its ring neighbour's memory); when a rank dies, a
+    replacement starts, every rank rebuilds its engines on a new process group, takes the kept
+    state back, and the step runs again (asyncrl.train.failover, docs/cluster.md)."""
+
+    enable: bool = False
+    max_failovers: int = 3  # in one launch; beyond, the run fails (or trainer.max_restarts restarts it)
+
+    def check(self, at: str) -> None:
+        _positive(at + "max_failovers", self.max_failovers)
+
+
+@dataclass
 class TrainerConfig:
     n_workers: int = 2  # worker processes (devices) for the colocated actor/rollout/ref/critic/reward
     total_steps: int = 200  # training steps of the run
@@ -747,6 +761,7 @@ class TrainerConfig:
     # bytes pulled across ranks (perf/peak_rss_gib, perf/*_cross_rank_mb), and on the first step
     stats_every: int = 10
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
 
     def check(self, at: str) -> None:
         self.replay.check_mode(at + "replay.", self.mode)
@@ -831,6 +846,7 @@ class RLConfig(LaunchConfig):
         self._check_router_replay(at)
         self._check_token_budgets(at)
         self._check_teacher(at)
+        self._check_failover(at)
         training = self.trainer.mode != "eval"  # an evaluation samples and scores only: n=1 and any batch do
         if training and self.rollout.n < 2 and (self.algorithm.name in ("grpo", "rloo")):
             raise ConfigError(f"bad configuration: {at}rollout.n={self.rollout.n}: {self.algorithm.name} compares "
@@ -856,6 +872,34 @@ class RLConfig(LaunchConfig):
             raise ConfigError(f"bad configuration: {at}cost_model.enable=true and {at}reward.cost_fn="
                               f"{self.reward.cost_fn!r} both produce the cost; set reward.cost_fn=null to use the "
                               "cost model (or cost_model.enable=false for the rule)")
+
+    def _check_failover(self, at: str) -> None:
+        """Failover rebuilds one colocated FSDP2 pool of data-parallel ranks whose only state is the
+        actor's (and the reference policy's): what else a rank holds has no kept copy yet."""
+        if not self.trainer.failover.enable:
+            return
+        a, key = self.actor.parallel, at + "trainer.failover.enable"
+        why = {"trainer.placement=split (a rollout pool's ranks are another group: rollout.elastic survives them)":
+               self.trainer.placement != "colocated",
+               f"actor.backend={self.actor.backend} ({_those('actor.backend', 'failover')} only)":
+               not backend(self.actor.backend).failover,
+               f"actor.parallel tp={a.tp} pp={a.pp} sp={a.sp} (data parallel only: the mesh is rebuilt on one group)":
+               (a.tp, a.pp, a.sp) != (1, 1, 1),
+               f"rollout.engine={self.rollout.engine} (an engine that generates from the actor's weights only: "
+               f"{' or '.join(f'rollout.engine={n}' for n, k in rollout_engines().items() if k.failover)})":
+               not rollout_engine(self.rollout.engine).failover,
+               f"rollout.max_staleness={self.rollout.max_staleness} (generation ahead of the step is not redone)":
+               self.rollout.max_staleness > 0,
+               "rollout.launch_next_early (the next step's generation would start before its state is kept)":
+               self.rollout.launch_next_early,
+               f"algorithm.name={self.algorithm.name}, which trains a critic (its state has no kept copy)":
+               needs_critic(self.algorithm.name),
+               "cost_model.enable (its worker's state has no kept copy)": self.cost_model.enable,
+               "a teacher on the training pool": needs_teacher(self.algorithm.name) and not self.teacher.n_workers,
+               "algorithm.filter_groups.enable (refill batches are drawn inside the step)":
+               self.algorithm.filter_groups.enable}
+        refused = [k for k, bad in why.items() if bad]
+        _check(not refused, key, True, "does not cover " + "; ".join(refused) + "; set it to false, or change those")
 
     def _check_backends(self, at: str) -> None:
         """megatron-core keeps one parallel state per process, and the critic's workers share the

@@ -42,6 +42,7 @@ class TrainBackend:
     moe_pipeline: bool = False  # pipeline stages of a mixture-of-experts model
     whole_tp_pp_shards: bool = False  # memory: DP ranks hold whole TP x PP shards, optimizer state over DP
     images: bool = False  # trains vision-language models on image prompts (`asyncrl.data.images`)
+    failover: bool = False  # its engines rebuild on a re-formed process group from kept states (trainer.failover)
     requires: str | None = None  # "module:function" raising ConfigError when its library is missing
     model_check: str | None = None  # "module:function": (role, section, model path, cfg) -> None, before workers start
 
@@ -78,6 +79,7 @@ class RolloutEngineKind:
     merges_adapters_on_split_pool: bool = True  # a split pool can merge LoRA adapters into its base
     hard_context_limit: bool = False  # refuses prompt + response past max_position_embeddings
     images: bool = False  # generates from image prompts (`generate(..., images=...)`)
+    failover: bool = False  # generates from the actor's weights only: rebuilt with it (trainer.failover)
     device_bytes: str | None = None  # "module:function": (cfg, device bytes) -> bytes it takes on a GPU
 
     def build_engine(self, worker: Any, model: Any, colocated: bool) -> Any:
@@ -95,7 +97,8 @@ def _vllm_device_bytes(cfg: Any, device_bytes: float) -> float:
 BACKENDS: dict[str, TrainBackend] = {
     "fsdp2": TrainBackend("asyncrl.roles.actor:fsdp_engines", "asyncrl.roles.critic:fsdp_critic",
                           teacher_engine="asyncrl.roles.teacher:fsdp_teacher", lora=True,
-                          sequence_parallel=True, packing=True, hf_routers=True, feeds_split_pool=True, images=True),
+                          sequence_parallel=True, packing=True, hf_routers=True, feeds_split_pool=True, images=True,
+                          failover=True),
     "megatron": TrainBackend("asyncrl.roles.actor:megatron_engines", "asyncrl.roles.critic:megatron_critic",
                              expert_parallel=True, one_layout_per_process=True, moe_tensor_parallel=True,
                              moe_pipeline=True, whole_tp_pp_shards=True,
@@ -105,7 +108,7 @@ BACKENDS: dict[str, TrainBackend] = {
 
 ROLLOUT_ENGINES: dict[str, RolloutEngineKind] = {
     "native": RolloutEngineKind("asyncrl.roles.actor:native_rollout", records_routes=True, continuous_batching=True,
-                                compiles_decode=True, images=True),
+                                compiles_decode=True, images=True, failover=True),
     "vllm": RolloutEngineKind("asyncrl.roles.actor:vllm_rollout", reads_own_weights=True, any_generation_tp=False,
                               merges_embedding_adapters_on_split_pool=False, merges_adapters_on_split_pool=False,
                               hard_context_limit=True, device_bytes="asyncrl.engines:_vllm_device_bytes"),

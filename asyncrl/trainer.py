@@ -34,6 +34,7 @@ from asyncrl.config import RLConfig, rl_config, to_dict
 from asyncrl.engines import rollout_engine
 from asyncrl.errors import TrainingError
 from asyncrl.evaluation import Evaluator
+from asyncrl.failover import StepGuard
 from asyncrl.models.resolve import resolve_model
 from asyncrl.preflight import check_inputs
 from asyncrl.rewards import NonFiniteRewardError
@@ -137,8 +138,9 @@ class Trainer:
             # (each took ~200 ms on the quickstart's driver, about one per 55 steps)
             gc.collect()
             gc.freeze()
+            guard = StepGuard(self) if tc.failover.enable else None  # a step a rank died in runs again
             while self.step < tc.total_steps:
-                metrics = await self.train_step()
+                metrics = await (guard.run_step() if guard else self.train_step())
                 if self.step % tc.eval_every == 0 or self.step == tc.total_steps:
                     metrics.update(await self._evaluate(writer))
                 self._record(writer, metrics)
@@ -146,7 +148,7 @@ class Trainer:
                 await self.complete_save(only_if_written=True)
                 if self.step % tc.save_every == 0 and self.step < tc.total_steps:
                     await self.save(wait=False)
-            return await self._finish(writer, t_start)
+            return {**await self._finish(writer, t_start), **({"failovers": guard.events} if guard else {})}
         finally:
             if bar is not None:
                 bar.close()

@@ -93,6 +93,7 @@ class WorkerInfo:
     log_tail: str = ""
     ready: asyncio.Future | None = None
     job: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # what it was started with (a replacement's base)
 
 
 @dataclass
@@ -295,25 +296,66 @@ class Coordinator:
         per_node = {n: sum(1 for m, _ in pool.placements if m == n) for n, _ in pool.placements}
         infos = []
         for rank, (node_id, device) in enumerate(pool.placements):
-            node = self.nodes[node_id]
             local_rank = local_counts.get(node_id, 0)
             local_counts[node_id] = local_rank + 1
-            worker_id = f"{group}-{rank}-{next(self._ids)}"
-            info = WorkerInfo(worker_id, node_id, rank, group, device,
-                              ready=asyncio.get_running_loop().create_future(), job=pool.job)
-            self.workers[worker_id] = info
             worker_env = {
                 "RANK": str(rank), "WORLD_SIZE": str(pool.world_size), "LOCAL_RANK": str(local_rank),
                 "MASTER_ADDR": master_node.host, "MASTER_PORT": str(master_port),
                 "LOCAL_WORLD_SIZE": str(per_node[node_id]), "ASYNCRL_DEVICE": device, "ASYNCRL_GROUP": group, **(env or {}),
             }
-            allowed = [*self.allowed_packages, *(env or {}).get(ALLOWED_ENV, "").split(",")]
-            worker_env[ALLOWED_ENV] = ",".join(p for p in dict.fromkeys(allowed) if p)
-            worker_env.update(self.worker_env())
-            # a GPU's physical id is known only to its node: the node daemon pins the worker to it
-            info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env, pool.job),
-                                              timeout=30)
-            infos.append(info)
+            infos.append(await self._spawn_one(pool, group, rank, node_id, device, worker_env))
+        return await self._handles(infos)
+
+    async def respawn_worker(self, pool: ResourcePool, rank: int) -> tuple[WorkerHandle, str, int]:
+        """A new process for rank `rank` of `pool`, whose worker died: on its device if its node
+        lives, else on a free device of a live node. Returns its handle and the rendezvous (host,
+        port) it joins, which the pool's other ranks join too: the process group is formed anew."""
+        dead = [i for i in self.workers.values() if i.job == pool.job and i.group == pool.name and i.rank == rank]
+        if not dead or dead[-1].state is not WorkerState.DEAD:
+            raise PlacementError(f"rank {rank} of pool {pool.name!r} has no dead worker to replace")
+        old = dead[-1]
+        node_id, device = self._replacement_device(pool, rank)
+        master = self.nodes[pool.placements[0][0]]
+        port = await master.client.call("free_port", timeout=10)
+        here = sum(1 for n, _ in pool.placements if n == node_id)
+        worker_env = {**old.env, "MASTER_ADDR": master.host, "MASTER_PORT": str(port), "ASYNCRL_DEVICE": device}
+        if node_id != old.node_id:
+            worker_env.update({"LOCAL_RANK": str(here - 1), "LOCAL_WORLD_SIZE": str(here)})
+        info = await self._spawn_one(pool, old.group, rank, node_id, device, worker_env)
+        (handle,) = await self._handles([info])
+        log.warning("rank %d of pool %s: worker %s replaces %s (%s) on node %s", rank, pool.name,
+                    info.worker_id, old.worker_id, old.exit_reason, node_id)
+        return handle, master.host, port
+
+    def _replacement_device(self, pool: ResourcePool, rank: int) -> tuple[str, str]:
+        """Where a dead rank's replacement runs: its own place while its node lives, else the first
+        free device of a live node (`pool.placements` then names it)."""
+        node_id, device = pool.placements[rank]
+        if node_id in self.nodes and self.nodes[node_id].alive:
+            return node_id, device
+        taken = {p for other in self.pools.values() for p in other.placements}
+        free = [(n.node_id, d) for n in self.live_nodes() for d in n.devices if (n.node_id, d) not in taken]
+        if not free:
+            raise PlacementError(f"rank {rank} of pool {pool.name!r} lost its node {node_id} and no live node "
+                                 "has a free device; add a node (asyncrl-launch --join) or restart the job")
+        pool.placements[rank] = free[0]
+        return free[0]
+
+    async def _spawn_one(self, pool: ResourcePool, group: str, rank: int, node_id: str, device: str,
+                         worker_env: dict[str, str]) -> WorkerInfo:
+        node = self.nodes[node_id]
+        worker_id = f"{group}-{rank}-{next(self._ids)}"
+        info = WorkerInfo(worker_id, node_id, rank, group, device,
+                          ready=asyncio.get_running_loop().create_future(), job=pool.job, env=dict(worker_env))
+        self.workers[worker_id] = info
+        allowed = [*self.allowed_packages, *worker_env.get(ALLOWED_ENV, "").split(",")]
+        worker_env = {**worker_env, ALLOWED_ENV: ",".join(p for p in dict.fromkeys(allowed) if p), **self.worker_env()}
+        # a GPU's physical id is known only to its node: the node daemon pins the worker to it
+        info.pid = await node.client.call("spawn_worker", WorkerSpec(worker_id, worker_env, pool.job), timeout=30)
+        return info
+
+    async def _handles(self, infos: list[WorkerInfo]) -> list[WorkerHandle]:
+        """Wait until the workers report ready; their handles, in order."""
         try:
             await asyncio.wait_for(asyncio.gather(*[i.ready for i in infos]), self.spawn_timeout)
         except TimeoutError:

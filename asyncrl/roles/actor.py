@@ -45,6 +45,7 @@ from asyncrl.data.images import (
 from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import replay, routing
+from asyncrl.roles.failover import Failover, rebuilding
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
 from asyncrl.roles.pools import PoolWeights, adapter_settings
 from asyncrl.roles.process import load_causal_lm, setup_process
@@ -106,7 +107,8 @@ SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "greedy")
 class ActorRolloutRefWorker(Worker):
     """`roles` picks what this process hosts: any of "actor", "rollout", "ref"."""
 
-    parts = {"pool": PoolWeights}  # the weights between pools: its registered methods are this worker's
+    # the weights between pools, the kept states of trainer.failover: their registered methods are this worker's
+    parts = {"pool": PoolWeights, "failover": Failover}
 
     def __init__(self, config: RLConfig | dict[str, Any], roles: tuple[str, ...] = ("actor", "rollout", "ref")) -> None:
         super().__init__()
@@ -134,10 +136,10 @@ class ActorRolloutRefWorker(Worker):
         pack_engines(self.cfg, [e for e in (self.actor, self.ref) if e is not None], layout, "actor" in self.roles)
         self._hybrid_engine(base, layout)  # the reshard from training into generation weights
         self._pool_state(sync_dtype, sync_specs, pristine)  # split placement: versions from the training pool
-        # rollout.multi_turn: trajectories of turns with an environment (asyncrl.agents)
-        self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)
+        self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)  # rollout.multi_turn (asyncrl.agents)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
         self.sample_gen, self.shuffle_gen = self._generators(layout)
+        self.failover = Failover(self)  # trainer.failover: each step's start kept
 
     def _fill_token_budget(self) -> None:
         """actor.max_tokens_per_micro_batch=-1: set it to the budget the memory estimate fits into
@@ -741,7 +743,9 @@ def fsdp_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layout: P
         if lora.enabled:
             actor.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                           "targets": lora.target_modules, "base_model": cfg.model.path}
-        if one_copy:  # pipeline stages: each rank holds its stage only, so tensors stream from rank 0
+        # pipeline stages: each rank holds its stage only, so tensors stream from rank 0; a pool
+        # re-formed after a rank died reads nothing: the kept states fill it (asyncrl.roles.failover)
+        if one_copy and not rebuilding(worker):
             if layout.size("pp") > 1:
                 load_streamed(actor, cfg.model.path)
             else:  # the adapters are new: drawn on rank 0 (B = 0: the model starts as the base)

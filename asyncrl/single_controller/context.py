@@ -148,6 +148,31 @@ class JobContext:
         self.groups.update(groups)
         return Groups(groups)
 
+    async def replace_rank(self, pool_name: str, rank: int, rebuild: tuple[str, ...] = (),
+                           before_rebuild: str = "") -> WorkerHandle:
+        """A new process for rank `rank` of pool `pool_name`, whose worker died, with every role
+        of the pool built on it; the roles in `rebuild` are built again on the other ranks too
+        (after `before_rebuild`, a function "module:name" run on every rank with the new rendezvous
+        host and port), so that all ranks form their process group anew. The pool's calls go on."""
+        procs = self.process_sets[pool_name]
+        for f in procs.unsettled:  # the failed call's other ranks: ended by the rebuild, awaited by no one
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        procs.unsettled.clear()
+        procs.tail = None
+        handle, host, port = await self.coordinator.respawn_worker(procs.pool, rank)
+        handle.default_timeout_s = self.worker_cfg.call_timeout_s
+        procs.handles[rank] = handle
+        if before_rebuild:
+            await asyncio.gather(*(h.run(before_rebuild, host, port) for h in procs.handles))
+        roles = [g for g in self.groups.values() if g.procs is procs]
+        for group in roles:
+            path, args, kwargs = group.created_with
+            targets = procs.handles if group.role in rebuild else [handle]
+            await asyncio.gather(*(h.call("create_instance", group.role, path, args, kwargs) for h in targets))
+            for h in targets:
+                group._update_layouts(h.rank, await h.call("call_instance", group.role, "asyncrl_layouts", [], {}))
+        return handle
+
     async def spawn_group(self, pool: ResourcePool, cls: type, *args: Any, role: str | None = None,
                           **kwargs: Any) -> WorkerGroup:
         """One Worker class on `pool` (see `spawn` for colocating several)."""

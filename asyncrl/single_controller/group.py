@@ -211,6 +211,7 @@ class WorkerGroup:
         # once each: run right after the named method's next call is issued (e.g. the trainer
         # sends the next step's generation behind the step's last update)
         self.after_issue: dict[str, Callable[[], Any]] = {}
+        self.created_with: tuple[str, list, dict] | None = None  # the class path and arguments each rank got
 
     @property
     def layouts(self) -> dict[str, ParallelLayout]:
@@ -592,6 +593,7 @@ async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple,
             raise DaemonError(f"constructing {cls.__qualname__} for role {role!r} failed: "
                               f"{e.remote_type}: {e.remote_message}\n{e.remote_traceback}") from None
         group = WorkerGroup(role, cls, procs, tracker)
+        group.created_with = (path, a, k)  # what a rank's replacement is built from (JobContext.replace_rank)
         layouts = await asyncio.gather(*(h.call("call_instance", role, "asyncrl_layouts", [], {})
                                          for h in procs.handles))
         for rank, wire in enumerate(layouts):

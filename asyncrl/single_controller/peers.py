@@ -111,6 +111,12 @@ def open_group() -> None:
         _GROUP = dist.new_group(backend="gloo")
 
 
+def reset_group() -> None:
+    """Forget the group (its process group was destroyed: a pool re-formed after a rank died)."""
+    global _GROUP
+    _GROUP = None
+
+
 def _group() -> Any:
     if not dist.is_initialized():
         raise RuntimeError("batch-wide sums over several ranks need the workers' process group; "

@@ -1,13 +1,15 @@
-"""A training rank's state kept twice: its own shards and a copy in its ring neighbour's memory.
+"""A training rank's state kept twice: by itself and in its ring neighbour's memory.
 
-The building block of failover without a restart (issue 61): after each optimizer step every
-rank of an FSDP2 engine sends its training state — its parameter shards, AdamW's moments and
-step counts, the lr schedule's position — to rank (r + 1) % world, which keeps it in host memory
-(`ShardMirror.update`). A replacement for a lost rank r (an engine of the same layout, its
-parameters anything) takes rank r's state back from that neighbour (`ShardMirror.restore`) and
-continues where the lost rank was, bit for bit. The price: one more copy of a rank's training
-state (16 bytes a parameter over the world, with fp32 masters and AdamW) per rank, and sending it
-once a step (`nbytes`).
+The building block of failover without a restart (trainer.failover): at the start of each step
+every rank of an FSDP2 engine keeps a copy of its training state — its parameter shards, AdamW's
+moments and step counts, any frozen shards (a reference policy, LoRA's base), and small extras
+(random streams, the lr schedule) — and sends the same to rank (r + 1) % world, which keeps it in
+host memory (`ShardMirror.update`). When a rank dies mid-step, every rank builds its engine anew
+on a new process group, the survivors load their own copies back and the replacement for rank r
+takes r's from that neighbour (`ShardMirror.restore`): the pool is where it was at the step's
+start, bit for bit, and the step runs again. The price: two more copies of a rank's training
+state (16 bytes a parameter over the world, with fp32 masters and AdamW) per rank, and sending
+one a step (`nbytes`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from asyncrl.errors import AsyncRLError
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class FailoverError(AsyncRLError):
+    """The ranks' kept states do not line up: the pool cannot be restored in place."""
 
 
 def _local(t: Tensor) -> Tensor:
@@ -29,11 +37,19 @@ def state_tensors(engine: Any) -> list[Tensor]:
     """This rank's training state as local tensors, in a fixed order: each trainable parameter's
     shard, then its AdamW step count and moments (created by the first step)."""
     out = []
-    for p in engine.optimizer.param_groups[0]["params"]:
+    for p in (p for group in engine.optimizer.param_groups for p in group["params"]):
         state = engine.optimizer.state.get(p, {})
         out.append(_local(p.data))
         out += [_local(state[k]) for k in ("step", *MOMENTS) if k in state]
     return out
+
+
+def frozen_tensors(engine: Any, *others: torch.nn.Module | None) -> list[Tensor]:
+    """The local shards of the parameters `engine`'s optimizer does not update (LoRA's base) and
+    of `others` (a reference policy): sent once, kept as long as the job runs."""
+    trained = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    return [_local(p.data) for m in (engine.model, *others) if m is not None for p in m.parameters()
+            if id(p) not in trained]
 
 
 def _flat(tensors: list[Tensor]) -> Tensor:
@@ -42,52 +58,91 @@ def _flat(tensors: list[Tensor]) -> Tensor:
 
 
 class ShardMirror:
-    """Rank r's training state held by rank (r + 1) % world, refreshed by `update` after each step."""
+    """This rank's state as of a step's start (`own`), and rank (r - 1) % world's (`copy`)."""
 
-    def __init__(self, engine: Any, group: dist.ProcessGroup | None = None) -> None:
-        if engine.optimizer is None:
-            raise ValueError("a mirror keeps training state: this engine has no optimizer")
-        self.engine, self.group = engine, group
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.copy: Tensor | None = None  # the previous rank's state, flat
-        self.scheduler: dict[str, Any] | None = None
-        self.nbytes = 0  # what one update sent (and what the copy holds)
+        self.step: int | None = None  # the step whose start the kept states are
+        self.own = self.copy = self.own_frozen = self.copy_frozen = torch.zeros(0)
+        self.own_extras: dict[str, Any] = {}
+        self.copy_extras: dict[str, Any] = {}
+        self.nbytes = 0  # what the last update sent
+
+    @property
+    def held_bytes(self) -> int:
+        """The memory the two kept states take on this rank."""
+        return sum(t.numel() * t.element_size() for t in (self.own, self.copy, self.own_frozen, self.copy_frozen))
 
     def _peers(self) -> tuple[int, int]:
         return (self.rank + 1) % self.world, (self.rank - 1) % self.world
 
-    def update(self) -> None:
-        """Send this rank's state to the next rank and keep the previous rank's."""
-        mine = _flat(state_tensors(self.engine))
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.group)
+    def update(self, step: int, state: list[Tensor], frozen: list[Tensor], extras: dict[str, Any]) -> None:
+        """Keep this rank's `state` (and `frozen` tensors, the first time) as step `step`'s
+        start, send them to the next rank and keep the previous rank's. Nothing is kept unless
+        every transfer completed (a rank dying meanwhile leaves the last kept step)."""
+        mine = _flat(state)
+        send_frozen = self.copy_frozen.numel() == 0 and bool(frozen)
+        mine_frozen = _flat(frozen) if send_frozen else self.own_frozen
+        table: list[Any] = [None] * self.world
+        dist.all_gather_object(table, (step, mine.numel(), mine_frozen.numel() if send_frozen else 0, extras),
+                               group=self.group)
         nxt, prev = self._peers()
-        theirs = torch.empty(int(sizes[prev]), dtype=mine.dtype)
+        theirs = self._swap(mine, table[prev][1], nxt, prev)
+        theirs_frozen = self._swap(mine_frozen, table[prev][2], nxt, prev) if send_frozen else self.copy_frozen
+        self.step, self.own, self.copy = step, mine, theirs
+        self.own_frozen, self.copy_frozen = mine_frozen, theirs_frozen
+        self.own_extras, self.copy_extras = extras, table[prev][3]
+        self.nbytes = (mine.numel() + (mine_frozen.numel() if send_frozen else 0)) * mine.element_size()
+
+    def _swap(self, mine: Tensor, their_numel: int, nxt: int, prev: int) -> Tensor:
+        theirs = torch.empty(their_numel, dtype=mine.dtype)
         ops = [dist.P2POp(dist.isend, mine, nxt, self.group), dist.P2POp(dist.irecv, theirs, prev, self.group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        self.copy, self.nbytes = theirs, mine.numel() * mine.element_size()
-        self.scheduler = self.engine.scheduler.state_dict() if self.engine.scheduler is not None else None
+        return theirs
 
-    def restore(self, lost: int) -> None:
-        """Rank `lost`'s state from the rank that holds it, into `lost`'s engine (every rank calls
-        this; the others only send or wait). `lost`'s engine must have taken one optimizer step's
-        shape of state (`prime`) so that its tensors line up."""
+    def restore(self, lost: int, state: list[Tensor], frozen: list[Tensor]) -> tuple[int, dict[str, Any]]:
+        """Every rank's `state` and `frozen` tensors (a rebuilt engine's, `prime`d) back to the
+        kept step's start: the survivors' from their own copies, rank `lost`'s from the rank that
+        holds its copy. Every rank calls this; returns the step and this rank's extras."""
+        table: list[Any] = [None] * self.world
+        dist.all_gather_object(table, self.step if self.rank != lost else None, group=self.group)
+        steps = {s for r, s in enumerate(table) if r != lost}
+        if len(steps) != 1 or None in steps:
+            raise FailoverError(f"the surviving ranks kept different steps ({table}); the pool cannot be "
+                                "restored in place: restart the job from its last checkpoint")
+        step = steps.pop()
         holder = (lost + 1) % self.world
         if self.rank == holder:
+            dist.broadcast_object_list([(self.copy.numel(), self.copy_frozen.numel(), self.copy.dtype, self.copy_extras)],
+                                       src=holder, group=self.group)
             dist.send(self.copy, lost, group=self.group)
-            dist.broadcast_object_list([self.scheduler], src=holder, group=self.group)
-        elif self.rank == lost:
-            target = state_tensors(self.engine)
-            flat = torch.empty(sum(t.numel() for t in target), dtype=_flat(target[:1]).dtype)
-            dist.recv(flat, holder, group=self.group)
+            if self.copy_frozen.numel():
+                dist.send(self.copy_frozen, lost, group=self.group)
+        else:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=holder, group=self.group)
-            _unflatten_into(flat, target)
-            if box[0] is not None and self.engine.scheduler is not None:
-                self.engine.scheduler.load_state_dict(box[0])
-        else:
-            dist.broadcast_object_list([None], src=holder, group=self.group)
+            if self.rank == lost:
+                self._receive(holder, box[0], state, frozen)
+        if self.rank != lost:
+            _unflatten_into(self.own, state)
+            _unflatten_into(self.own_frozen, frozen)
+        return step, self.own_extras
+
+    def _receive(self, holder: int, head: tuple, state: list[Tensor], frozen: list[Tensor]) -> None:
+        numel, frozen_numel, dtype, extras = head
+        want = (sum(t.numel() for t in state), sum(t.numel() for t in frozen))
+        if want != (numel, frozen_numel):
+            raise FailoverError(f"rank {self.rank}'s rebuilt engine holds {want} state and frozen values; the copy "
+                                f"rank {holder} kept has {(numel, frozen_numel)}: the engines were built differently")
+        self.own, self.own_frozen = torch.empty(numel, dtype=dtype), torch.empty(frozen_numel)
+        dist.recv(self.own, holder, group=self.group)
+        if frozen_numel:
+            dist.recv(self.own_frozen, holder, group=self.group)
+        self.own_extras = extras
+        _unflatten_into(self.own, state)
+        _unflatten_into(self.own_frozen, frozen)
 
 
 def _unflatten_into(flat: Tensor, targets: list[Tensor]) -> None:
@@ -101,9 +156,9 @@ def _unflatten_into(flat: Tensor, targets: list[Tensor]) -> None:
 
 def prime(engine: Any) -> None:
     """Give a fresh engine's AdamW the state tensors one step creates (zeros, step 0), so a
-    mirrored state can be copied into them."""
+    kept state can be copied into them."""
     opt = engine.optimizer
-    for p in opt.param_groups[0]["params"]:
+    for p in (p for group in opt.param_groups for p in group["params"]):
         if p not in opt.state or not opt.state[p]:
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=_local(p.data).device),
                             **{k: torch.zeros_like(p.data) for k in MOMENTS}}

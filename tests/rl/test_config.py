@@ -375,3 +375,24 @@ def test_group_baselines_need_two_samples_per_prompt():
     with pytest.raises(ConfigError, match=r"rollout.n=1: grpo compares each prompt's samples"):
         C.rl_config({"rollout": {"n": 1}})
     assert C.rl_config({"rollout": {"n": 1}, "algorithm": {"name": "remax"}}).rollout.n == 1
+
+
+def test_failover_refuses_what_it_does_not_cover_naming_each_key():
+    """trainer.failover.enable: the defaults' early launch of the next step's generation is named
+    with the fix; so is every other setting a re-formed pool would not restore."""
+    ok = {"trainer": {"failover": {"enable": True}}, "rollout": {"launch_next_early": False}}
+    assert C.rl_config(ok).trainer.failover.enable
+    with pytest.raises(ConfigError, match=r"trainer.failover.enable=True: does not cover rollout.launch_next_early"):
+        C.rl_config({"trainer": {"failover": {"enable": True}}})
+    for extra, named in ((("rollout", "engine", "vllm"), "rollout.engine=vllm"),
+                         (("algorithm", "name", "ppo"), "trains a critic"),
+                         (("trainer", "placement", "split"), "trainer.placement=split"),
+                         (("rollout", "max_staleness", 1), "rollout.max_staleness=1")):
+        section, key, value = extra
+        bad = {**ok, section: {**ok.get(section, {}), key: value}}
+        if section == "trainer":
+            bad["trainer"] = {"failover": {"enable": True}, key: value}
+        with pytest.raises(ConfigError, match=named):
+            C.rl_config(bad)
+    with pytest.raises(ConfigError, match="actor.parallel tp=2"):
+        C.rl_config({**ok, "actor": {"parallel": {"tp": 2}}, "trainer": {"failover": {"enable": True}, "n_workers": 2}})

@@ -57,3 +57,36 @@ def test_a_killed_training_rank_fails_over_to_the_last_checkpoint(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 9)), [r["step"] for r in rows]  # each step once
     restarted = [r["step"] for r in rows if r["trainer/restarts"] == 1]
     assert restarted and restarted == list(range(restarted[0], 9)) and restarted[0] <= 5, restarted
+
+
+FAILOVER = ["trainer.failover.enable=true", "rollout.launch_next_early=false", "trainer.total_steps=4",
+            "trainer.eval_every=4", "trainer.save_every=4", "trainer.loggers=[jsonl]", "actor.optim.warmup_steps=2",
+            "actor.optim.total_steps=8",
+            "job.entry=tests/helpers/failover_probe.py:main", "cluster.allowed_packages=[tests]"]
+
+
+def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_path):
+    """trainer.failover: rank 1 SIGKILLed halfway through step 3's update; its replacement alone
+    starts, every rank takes step 3's start back (rank 1's from rank 0's copy) and step 3 runs
+    again. The run ends with the weights of an uninterrupted run, bit for bit, each step once."""
+    from asyncrl.models.tiny import ensure_tiny_model
+    from tests.helpers.failover_probe import KILL_ENV
+    from tests.rl.test_rl import _launch
+
+    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
+    runs = {}
+    for name, env in (("plain", {}), ("killed", {KILL_ENV: "3:1"})):
+        res = _launch("grpo", tmp_path / name, model, FAILOVER, env=env)
+        assert res.returncode == 0, res.stderr[-4000:]
+        runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    plain, killed = runs["plain"], runs["killed"]
+    assert killed["killed"]["worker"].startswith("actor_rollout_ref-1-"), killed["killed"]
+    (event,) = killed["failovers"]
+    assert event["rank"] == 1 and event["worker"] == killed["killed"]["worker"] and event["step"] <= 3, event
+    assert plain["failovers"] == [] and killed["steps"] == plain["steps"] == 4
+    assert killed["weights_digest"] == plain["weights_digest"]  # the same weights, bit for bit
+    rows = _steps(tmp_path / "killed" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["trainer/failovers"] for r in rows] == [0, 0, 1, 1]
+    assert 0 < rows[2]["trainer/failover_resume_s"] < 60
+    assert all(r["trainer/restarts"] == 0 for r in rows)
