@@ -368,6 +368,9 @@ def _add_replay(sub: Any) -> None:
                    help="name the first non-finite activation of the step's update (its module and micro-batch)")
     p.add_argument("--plant-nan", default="", metavar="MODULE@MICRO_BATCH",
                    help="write a NaN into that module's output on the replay (implies --nonfinite; tests the finder)")
+    p.add_argument("--cluster", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="where to replay, over the run's recorded cluster section (a multi-node run's ranks on one "
+                        "machine: --cluster host=127.0.0.1 nnodes=1 cpu_devices=4)")
     p.set_defaults(func=_replay)
 
 

@@ -36,6 +36,8 @@ class StepGuard:
             try:
                 marked = await t.roles.actor.failover_mark(t.step)
                 started = time.monotonic()
+                if self.noticed is not None:
+                    self.events[-1]["resumed_at"] = time.time()  # wall clock: beside a kill's own stamp
                 metrics = await t.train_step()
             except WorkerDiedError as e:
                 await self.recover(e, time.monotonic())
@@ -46,6 +48,7 @@ class StepGuard:
             metrics["trainer/failovers"] = float(len(self.events))
             metrics["perf/failover_mark_s"] = max(m["seconds"] for m in marked)
             metrics["perf/failover_held_gib"] = max(m["held_bytes"] for m in marked) / 2**30
+            metrics["perf/failover_state_gib"] = max(m["state_bytes"] for m in marked) / 2**30
             return metrics
 
     async def recover(self, err: WorkerDiedError, noticed: float) -> None:

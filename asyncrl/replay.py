@@ -101,6 +101,11 @@ def command(args: argparse.Namespace) -> int:
 
     run = Path(args.run_dir).resolve()
     recorded = run / CONFIG_FILE
+    bad = [o for o in args.cluster if "=" not in o or o.startswith(("+", "~"))]
+    if bad:
+        print(f"asyncrl replay: --cluster {bad[0]!r}: give KEY=VALUE of the cluster section (e.g. host=127.0.0.1); "
+              "what the step ran with is the run's recorded configuration", file=sys.stderr)
+        return 2
     if not recorded.is_file():
         print(f"asyncrl replay: {run} is not a run directory (no {CONFIG_FILE}); give the trainer.output_dir of a "
               "run that kept replay bundles", file=sys.stderr)
@@ -116,4 +121,4 @@ def command(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="asyncrl-replay-") as tmp:
         (Path(tmp) / "replay.yaml").write_text(yaml.safe_dump({"defaults": ["rl_defaults", "_self_"], **cfg},
                                                                sort_keys=False))
-        return launch(["--config-dir", tmp, "--config-name", "replay"])
+        return launch(["--config-dir", tmp, "--config-name", "replay", *(f"cluster.{o}" for o in args.cluster)])

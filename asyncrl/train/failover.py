@@ -14,6 +14,7 @@ one a step (`nbytes`).
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -80,24 +81,35 @@ class ShardMirror:
     def update(self, step: int, state: list[Tensor], frozen: list[Tensor], extras: dict[str, Any]) -> None:
         """Keep this rank's `state` (and `frozen` tensors, the first time) as step `step`'s
         start, send them to the next rank and keep the previous rank's. Nothing is kept unless
-        every transfer completed (a rank dying meanwhile leaves the last kept step)."""
+        every transfer completed (a rank dying meanwhile leaves the last kept step). Two
+        exchanges with the neighbours, no collective: the sizes, then the values."""
         mine = _flat(state)
         send_frozen = self.copy_frozen.numel() == 0 and bool(frozen)
         mine_frozen = _flat(frozen) if send_frozen else self.own_frozen
-        table: list[Any] = [None] * self.world
-        dist.all_gather_object(table, (step, mine.numel(), mine_frozen.numel() if send_frozen else 0, extras),
-                               group=self.group)
-        nxt, prev = self._peers()
-        theirs = self._swap(mine, table[prev][1], nxt, prev)
-        theirs_frozen = self._swap(mine_frozen, table[prev][2], nxt, prev) if send_frozen else self.copy_frozen
+        wire = torch.frombuffer(bytearray(pickle.dumps((step, extras), protocol=pickle.HIGHEST_PROTOCOL)),
+                                dtype=torch.uint8)
+        head = torch.tensor([mine.numel(), mine_frozen.numel() if send_frozen else 0, wire.numel()])
+        (their_head,) = self._swap([head], [torch.empty_like(head)])
+        n, n_frozen, n_wire = (int(x) for x in their_head)
+        payload = [mine, wire, *([mine_frozen] if send_frozen else [])]
+        theirs, their_wire, *their_frozen = self._swap(payload, [torch.empty(n, dtype=mine.dtype),
+                                                                 torch.empty(n_wire, dtype=torch.uint8),
+                                                                 *([torch.empty(n_frozen)] if n_frozen else [])])
+        their_step, their_extras = pickle.loads(their_wire.numpy().tobytes())  # noqa: S301 - the job's own ranks
+        if their_step != step:
+            raise FailoverError(f"rank {(self.rank - 1) % self.world} kept step {their_step}, this rank {step}: "
+                                "the ranks' marks are out of order")
         self.step, self.own, self.copy = step, mine, theirs
-        self.own_frozen, self.copy_frozen = mine_frozen, theirs_frozen
-        self.own_extras, self.copy_extras = extras, table[prev][3]
-        self.nbytes = (mine.numel() + (mine_frozen.numel() if send_frozen else 0)) * mine.element_size()
+        if send_frozen or n_frozen:
+            self.own_frozen, self.copy_frozen = mine_frozen, (their_frozen or [self.copy_frozen])[0]
+        self.own_extras, self.copy_extras = extras, their_extras
+        self.nbytes = sum(t.numel() * t.element_size() for t in payload if t is not wire)  # the extras: ~10 KB
 
-    def _swap(self, mine: Tensor, their_numel: int, nxt: int, prev: int) -> Tensor:
-        theirs = torch.empty(their_numel, dtype=mine.dtype)
-        ops = [dist.P2POp(dist.isend, mine, nxt, self.group), dist.P2POp(dist.irecv, theirs, prev, self.group)]
+    def _swap(self, mine: list[Tensor], theirs: list[Tensor]) -> list[Tensor]:
+        """Send `mine` to the next rank while receiving `theirs` from the previous one."""
+        nxt, prev = self._peers()
+        ops = [dist.P2POp(dist.isend, t, nxt, self.group) for t in mine]
+        ops += [dist.P2POp(dist.irecv, t, prev, self.group) for t in theirs]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return theirs

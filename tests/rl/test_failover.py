@@ -62,7 +62,7 @@ def test_a_killed_training_rank_fails_over_to_the_last_checkpoint(tmp_path):
 FAILOVER = ["trainer.failover.enable=true", "rollout.launch_next_early=false", "trainer.total_steps=4",
             "trainer.eval_every=4", "trainer.save_every=4", "trainer.loggers=[jsonl]", "actor.optim.warmup_steps=2",
             "actor.optim.total_steps=8",
-            "job.entry=tests/helpers/failover_probe.py:main", "cluster.allowed_packages=[tests]"]
+            "job.entry=benchmarks.failover:job", "cluster.allowed_packages=[benchmarks,tests]"]
 
 
 def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_path):
@@ -70,7 +70,7 @@ def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_p
     starts, every rank takes step 3's start back (rank 1's from rank 0's copy) and step 3 runs
     again. The run ends with the weights of an uninterrupted run, bit for bit, each step once."""
     from asyncrl.models.tiny import ensure_tiny_model
-    from tests.helpers.failover_probe import KILL_ENV
+    from benchmarks.failover import KILL_ENV
     from tests.rl.test_rl import _launch
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
@@ -81,6 +81,8 @@ def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_p
         runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
     plain, killed = runs["plain"], runs["killed"]
     assert killed["killed"]["worker"].startswith("actor_rollout_ref-1-"), killed["killed"]
+    assert [s for s, _ in killed["draws"]] == [1, 2, 3, 3, 4]  # step 3's prompts drawn again: the same ones
+    assert killed["draws"][2] == killed["draws"][3] and killed["draws"][3:] == plain["draws"][2:]
     (event,) = killed["failovers"]
     assert event["rank"] == 1 and event["worker"] == killed["killed"]["worker"] and event["step"] <= 3, event
     assert plain["failovers"] == [] and killed["steps"] == plain["steps"] == 4
