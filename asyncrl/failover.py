@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from daemons.errors import WorkerDiedError
+from daemons.errors import PlacementError, WorkerDiedError
 from daemons.messages import WorkerState
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,12 @@ class StepGuard:
         log.warning("step %d: rank %d (worker %s on node %s) died (%s); failover %d of %d: replacing it and "
                     "running the step again", t.step + 1, info.rank, info.worker_id, info.node_id, info.exit_reason,
                     len(self.events) + 1, self.limit)
-        new = await t.ctx.replace_rank(procs.pool.name, info.rank, rebuild=(t.roles.actor.role,), before_rebuild=PREPARE)
+        try:
+            new = await t.ctx.replace_rank(procs.pool.name, info.rank, rebuild=(t.roles.actor.role,),
+                                           before_rebuild=PREPARE)
+        except PlacementError as e:  # nowhere to run it: trainer.max_restarts may still restart the job
+            log.error("no failover: %s", e)
+            raise err from None
         step = (await t.roles.actor.failover_restore(info.rank))[0]
         if step not in self.kept:
             raise RuntimeError(f"failover: the workers kept step {step}'s start, the driver steps {sorted(self.kept)}")
