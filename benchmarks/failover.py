@@ -42,7 +42,7 @@ from daemons.proc import kill_group
 from objectstore import remove_stale_segments
 
 REPO = Path(__file__).resolve().parent.parent
-KILL_ENV = "ASYNCRL_BENCH_KILL"  # STEP:RANK[:NETNS] for `job`: kill that rank (or every process of NETNS)
+KILL_ENV = "ASYNCRL_BENCH_KILL"  # STEP:RANK[:NETNS][,...] for `job`: kill that rank (or every process of NETNS)
 PORT = 29460
 
 
@@ -53,13 +53,20 @@ def _pids_in(netns: str) -> list[int]:
 
 
 def _arm(t: Any, plan: str, killed: dict[str, Any]) -> None:
-    """Wrap the actor group's update_actor: at the plan's step, kill its rank (or host) midway."""
-    step, rank, *netns = plan.split(":")
+    """Wrap the actor group's update_actor: at the plan's step, kill its rank (or host) midway
+    (`killed` says what and when; a plan of several kills, comma-separated, fills `killed["more"]`)."""
+    first, *rest = plan.split(",")
+    if rest:
+        killed["more"] = []
+        for later in rest:
+            _arm(t, later, box := {})
+            killed["more"].append(box)
+    step, rank, *netns = first.split(":")
     group, send = t.roles.actor, t.roles.actor.update_actor
 
     def update_actor(*args: Any, **kwargs: Any) -> Any:
         fut = send(*args, **kwargs)
-        if t.step + 1 == int(step) and not killed:
+        if t.step + 1 == int(step) and "worker" not in killed:
             last = t.history[-1].get("timing/update_actor_s", 0.2) if t.history else 0.2
             info = group.handles[int(rank)].info
             killed.update(worker=info.worker_id, node=info.node_id, delay_s=round(last / 2, 4))

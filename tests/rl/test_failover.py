@@ -68,27 +68,33 @@ FAILOVER = ["trainer.failover.enable=true", "rollout.launch_next_early=false", "
 def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_path):
     """trainer.failover: rank 1 SIGKILLed halfway through step 3's update; its replacement alone
     starts, every rank takes step 3's start back (rank 1's from rank 0's copy) and step 3 runs
-    again. The run ends with the weights of an uninterrupted run, bit for bit, each step once."""
+    again. The run ends with the weights of an uninterrupted run, bit for bit, each step once.
+    Then rank 0 (the rendezvous' host) and rank 1 again, in one run: two failovers, the same end."""
     from asyncrl.models.tiny import ensure_tiny_model
-    from benchmarks.failover import KILL_ENV
+    from benchmarks.failover import KILL_ENV, _trained
     from tests.rl.test_rl import _launch
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
     runs = {}
-    for name, env in (("plain", {}), ("killed", {KILL_ENV: "3:1"})):
+    for name, env in (("plain", {}), ("killed", {KILL_ENV: "3:1"}), ("twice", {KILL_ENV: "2:0,4:1"})):
         res = _launch("grpo", tmp_path / name, model, FAILOVER, env=env)
         assert res.returncode == 0, res.stderr[-4000:]
         runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
-    plain, killed = runs["plain"], runs["killed"]
+    plain, killed, twice = runs["plain"], runs["killed"], runs["twice"]
     assert killed["killed"]["worker"].startswith("actor_rollout_ref-1-"), killed["killed"]
-    assert [s for s, _ in killed["draws"]] == [1, 2, 3, 3, 4]  # step 3's prompts drawn again: the same ones
-    assert killed["draws"][2] == killed["draws"][3] and killed["draws"][3:] == plain["draws"][2:]
     (event,) = killed["failovers"]
-    assert event["rank"] == 1 and event["worker"] == killed["killed"]["worker"] and event["step"] <= 3, event
-    assert plain["failovers"] == [] and killed["steps"] == plain["steps"] == 4
-    assert killed["weights_digest"] == plain["weights_digest"]  # the same weights, bit for bit
+    assert event["rank"] == 1 and event["worker"] == killed["killed"]["worker"], event
+    # the redone step's prompts drawn again: the same ones; every step trained the uninterrupted run's
+    steps = [s for s, _ in killed["draws"]]
+    assert steps == sorted(steps) and len(steps) == 5 and steps.count(event["step"]) == 2, killed["draws"]
+    assert _trained(killed["draws"]) == _trained(plain["draws"]) == _trained(twice["draws"])
+    assert plain["failovers"] == [] and killed["steps"] == plain["steps"] == twice["steps"] == 4
+    # the same weights, bit for bit
+    assert killed["weights_digest"] == plain["weights_digest"] == twice["weights_digest"]
     rows = _steps(tmp_path / "killed" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["trainer/failovers"] for r in rows] == [0, 0, 1, 1]
-    assert 0 < rows[2]["trainer/failover_resume_s"] < 60
+    assert [r["trainer/failovers"] for r in rows] == [float(r["step"] >= event["step"]) for r in rows]
+    assert 0 < rows[event["step"] - 1]["trainer/failover_resume_s"] < 60
     assert all(r["trainer/restarts"] == 0 for r in rows)
+    assert [e["rank"] for e in twice["failovers"]] == [0, 1], twice["failovers"]
+    assert [r["step"] for r in _steps(tmp_path / "twice" / "metrics.jsonl")] == [1, 2, 3, 4]
