@@ -713,7 +713,7 @@ class ReplayConfig:
 
 @dataclass
 class FailoverConfig:
-    """A training rank lost mid-run without restarting the job: each step's start is kept twice
+    """A training rank lost mid-run without restarting the job: each step's end is kept twice
     (every rank's own state, and a copy in its ring neighbour's memory); when a rank dies, a
     replacement starts, every rank rebuilds its engines on a new process group, takes the kept
     state back, and the step runs again (asyncrl.train.failover, docs/cluster.md)."""
@@ -754,6 +754,9 @@ class TrainerConfig:
     overlap_weight_sync: bool = True  # split, rollout.max_staleness >= 1: the broadcast runs beside the next step
     mode: TrainerMode = "train"  # eval: no training, sample the held-out prompts, pass@k per data_source
     log_samples: int = 3  # held-out prompts whose completions each evaluation shows and saves (samples.jsonl)
+    # training rollouts kept per step for reading later, each data source in turn, written as parquet by the
+    # ranks that hold them every 10 steps and at each checkpoint (<output_dir>/rollouts); -1 = every row, 0 = none
+    keep_rollouts: int = 32
     # steps (1-based) whose spans on the controller and every worker go to trace/step_N.json, a
     # Chrome trace-event file (ui.perfetto.dev, chrome://tracing): e.g. trainer.trace=[5,6]
     trace: list[int] = field(default_factory=list)
@@ -778,6 +781,8 @@ class TrainerConfig:
             raise ConfigError(f"bad configuration: {at}loggers names wandb but wandb is not installed here: "
                               f"pip install wandb (or drop it from {at}loggers)")
         _positive(at + "log_samples", self.log_samples, allow_zero=True)
+        _check(self.keep_rollouts >= -1, at + "keep_rollouts", self.keep_rollouts,
+               "is rows kept per step: 0 (none), N, or -1 (every row)")
         _positive(at + "n_workers", self.n_workers)
         _positive(at + "total_steps", self.total_steps)
         _positive(at + "eval_every", self.eval_every)
@@ -890,7 +895,7 @@ class RLConfig(LaunchConfig):
                not rollout_engine(self.rollout.engine).failover,
                f"rollout.max_staleness={self.rollout.max_staleness} (generation ahead of the step is not redone)":
                self.rollout.max_staleness > 0,
-               "rollout.launch_next_early (the next step's generation would start before its state is kept)":
+               "rollout.launch_next_early (the next step's generation would start before the step's end is kept)":
                self.rollout.launch_next_early,
                f"algorithm.name={self.algorithm.name}, which trains a critic (its state has no kept copy)":
                needs_critic(self.algorithm.name),

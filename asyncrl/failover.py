@@ -1,8 +1,8 @@
-"""Failover without a restart (trainer.failover), the driver's side: each step's start is kept
-on the workers (`failover_mark`, asyncrl.roles.failover), and a step in which a training rank
-died runs again on the pool re-formed around that rank's replacement: no other worker restarts,
-no step is lost, and the step's prompts are trained once (its first try never reached the update's
-end on every rank, so nothing of it was kept)."""
+"""Failover without a restart (trainer.failover), the driver's side: the end of each step is
+kept on the workers (`failover_mark`, asyncrl.roles.failover), and a step in which a training
+rank died runs again on the pool re-formed around that rank's replacement: no other worker
+restarts, no recorded step is lost, and the step's prompts are trained once (its first try never
+ended on every rank, so nothing of it was kept)."""
 
 from __future__ import annotations
 
@@ -19,26 +19,38 @@ PREPARE = "asyncrl.roles.failover:prepare"
 
 
 class StepGuard:
-    """Runs the trainer's steps; a step a rank of the actor's pool died in runs again."""
+    """Runs the trainer's steps; a step a rank of the actor's pool died in runs again.
+
+    The workers keep their state at the end of each step (`failover_mark`, before the step's
+    metrics are recorded), the driver its data loader, controllers and counters beside it: a rank
+    lost during a step, or while its end is being kept, takes every rank back to the last kept
+    end and that step runs again, recorded once."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.limit = trainer.cfg.trainer.failover.max_failovers
         self.events: list[dict[str, Any]] = []  # per failover: step, rank, node, worker, seconds
-        self.kept: dict[int, tuple[dict, dict]] = {}  # the driver's side of the last kept steps' starts
+        self.kept: dict[int, tuple] = {}  # the driver's side of the last kept steps
         self.noticed: float | None = None  # when the driver learnt of the last death (monotonic)
+
+    async def _mark(self) -> list[dict[str, float]]:
+        t = self.trainer
+        marked = await t.roles.actor.failover_mark(t.step)
+        self.kept = {s: v for s, v in self.kept.items() if s >= t.step - 1}
+        self.kept[t.step] = (t.data.loader.state_dict(), t.ctl.state_dict(), t.tokens, t.step_time)
+        return marked
 
     async def run_step(self) -> dict[str, float]:
         t = self.trainer
         while True:
-            self.kept = {s: v for s, v in self.kept.items() if s >= t.step - 1}
-            self.kept[t.step] = (t.data.loader.state_dict(), t.ctl.state_dict())
             try:
-                marked = await t.roles.actor.failover_mark(t.step)
+                if t.step not in self.kept:  # the run's first step: its start
+                    await self._mark()
                 started = time.monotonic()
                 if self.noticed is not None:
                     self.events[-1]["resumed_at"] = time.time()  # wall clock: beside a kill's own stamp
                 metrics = await t.train_step()
+                marked = await self._mark()
             except WorkerDiedError as e:
                 await self.recover(e, time.monotonic())
                 continue
@@ -76,7 +88,7 @@ class StepGuard:
         step = (await t.roles.actor.failover_restore(info.rank))[0]
         if step not in self.kept:
             raise RuntimeError(f"failover: the workers kept step {step}'s start, the driver steps {sorted(self.kept)}")
-        loader, ctl = self.kept[step]
+        loader, ctl, t.tokens, t.step_time = self.kept[step]
         t.step = step
         t.data.loader.load_state_dict(loader)
         t.ctl.load_state_dict(ctl)

@@ -27,7 +27,7 @@ DONE_MARKER = "COMPLETE"
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
 OURS = (CONFIG_FILE, "metrics.jsonl", "samples.jsonl", "tensorboard", "wandb", "reward_curve.png", "checkpoints", "logs",
-        "trace", ".hydra", LOCK_FILE, "replay")
+        "trace", ".hydra", LOCK_FILE, "replay", "rollouts", "ledger.jsonl")
 EVAL_FILE = re.compile(r"eval-\d{8}-\d{6}(-\d+)?\.jsonl")  # trainer.mode=eval's samples, one file per evaluation
 KEPT_IN_PLACE = ("logs", ".hydra", LOCK_FILE)  # this run's own, written before the trainer starts
 # keys whose change between a run and its resume does not change what is being trained (the
@@ -35,7 +35,8 @@ KEPT_IN_PLACE = ("logs", ".hydra", LOCK_FILE)  # this run's own, written before 
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.eval_every", "trainer.save_every", "trainer.resume",
                      "trainer.keep_checkpoints", "trainer.loggers", "trainer.project", "trainer.output_dir", "cluster.",
                      "actor.parallel.", "critic.parallel.", "rollout.parallel.", "trainer.torch_threads",
-                     "trainer.trace", "trainer.stats_every", "trainer.replay.")
+                     "trainer.trace", "trainer.stats_every", "trainer.replay.", "trainer.keep_rollouts",
+                     "trainer.failover.")
 UNREMARKABLE_CHANGES = ("trainer.resume", "trainer.output_dir", "cluster.log_dir")
 
 

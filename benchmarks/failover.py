@@ -1,12 +1,13 @@
 """A training rank lost mid-update, the run going on without a restart (trainer.failover).
 
 The job is GRPO on the quickstart's task and model as users run it (`--config-name quickstart`),
-on 4 CPU training ranks, `trainer.failover.enable=true`, 10 steps, a checkpoint at step 5 and
-`trainer.replay.window=5`. It runs twice in one sitting: uninterrupted, then with rank 1 SIGKILLed
+on 4 CPU training ranks, `trainer.failover.enable=true`, 10 steps, checkpoints at steps 4 and 8 (none beside the
+kill: a death during a save or an evaluation is trainer.max_restarts' to handle) and
+`trainer.replay.window=6`. It runs twice in one sitting: uninterrupted, then with rank 1 SIGKILLed
 halfway through step 5's update (half the previous update's time after the driver sent it; with
 `--node`, every process of rank 1's host: four network namespaces on a bridge play four hosts,
 one device each, and a fifth, spare host takes the replacement). Then `asyncrl replay RUN --step 7`
-on the interrupted run.
+on the interrupted run (from checkpoint 4: steps 5, the one redone, 6 and 7).
 
 Reported: `restarted_workers` (worker processes started beyond the uninterrupted run's: the
 replacement alone is 1) and their names, `steps_lost` (steps completed before the death that ran
@@ -135,7 +136,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 def _overrides(tmp: Path, out: Path, steps: int, workers: int) -> list[str]:
     return [f"trainer.output_dir={out}", f"model.path={tmp / 'model'}", f"trainer.total_steps={steps}",
             f"trainer.n_workers={workers}", "trainer.failover.enable=true", "rollout.launch_next_early=false",
-            "trainer.save_every=5", f"trainer.eval_every={steps}", "trainer.replay.window=5",
+            "trainer.save_every=4", "trainer.keep_checkpoints=3", f"trainer.eval_every={steps}", "trainer.replay.window=6",
             "trainer.loggers=[jsonl]", "job.entry=benchmarks.failover:job", "cluster.allowed_packages=[benchmarks,tests]"]
 
 

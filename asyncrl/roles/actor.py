@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -47,6 +48,7 @@ from asyncrl.metrics import timed
 from asyncrl.roles import replay, routing
 from asyncrl.roles.failover import Failover, rebuilding
 from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
+from asyncrl.roles.kept_rollouts import RolloutKeeper
 from asyncrl.roles.pools import PoolWeights, adapter_settings
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
@@ -58,7 +60,7 @@ from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.memory import phase as memory_phase
 from asyncrl.single_controller.memory import release_host_memory
-from asyncrl.single_controller.parallel import ParallelLayout, generation_layout, pure_dp
+from asyncrl.single_controller.parallel import DATA_DIMS, ParallelLayout, generation_layout, pure_dp
 from asyncrl.single_controller.protocols import (
     DP_PROTO,
     ONE_TO_ALL,
@@ -138,8 +140,7 @@ class ActorRolloutRefWorker(Worker):
         self._pool_state(sync_dtype, sync_specs, pristine)  # split placement: versions from the training pool
         self.agent = (_agent_rollout(cfg, self.tokenizer, base.config)  # rollout.multi_turn (asyncrl.agents)
                       if cfg.rollout.multi_turn.enable and self.rollout is not None else None)
-        self.sample_gen, self.shuffle_gen = self._generators(layout)
-        self.failover = Failover(self)  # trainer.failover: each step's start kept
+        self._per_step_state(layout)
 
     def _fill_token_budget(self) -> None:
         """actor.max_tokens_per_micro_batch=-1: set it to the budget the memory estimate fits into
@@ -160,12 +161,18 @@ class ActorRolloutRefWorker(Worker):
                      "%.2f GiB of this worker's %.1f GiB)", budget, peak / GIB, device_bytes / GIB)
         self.cfg.actor.max_tokens_per_micro_batch = budget
 
-    def _generators(self, layout: ParallelLayout) -> tuple[torch.Generator, torch.Generator]:
-        """Sampling: one stream per data shard, so the ranks of a generation TP group draw alike;
-        shuffling: one per dp rank, so the ranks of one TP group shuffle their (shared) rows alike."""
-        seed = self.cfg.seed
-        return (torch.Generator(device=self.device).manual_seed(seed * 1000 + self.gen_layout.data_index(self.rank)),
-                torch.Generator().manual_seed(seed + layout.dp_rank(self.rank)))
+    def _per_step_state(self, layout: ParallelLayout) -> None:
+        """The random streams (sampling: one per data shard, so the ranks of a generation TP group
+        draw alike; shuffling: one per dp rank, so the ranks of one TP group shuffle their shared
+        rows alike), each step's start kept (trainer.failover), the kept rollouts (trainer.keep_rollouts)."""
+        seed, tc = self.cfg.seed, self.cfg.trainer
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.gen_layout.data_index(self.rank))
+        self.shuffle_gen = torch.Generator().manual_seed(seed + layout.dp_rank(self.rank))
+        self.failover = Failover(self)
+        shards = math.prod(layout.size(d) for d in DATA_DIMS)  # one rank of each data shard keeps its rows
+        first = all(c == 0 for d, c in layout.coords(self.rank).items() if d not in DATA_DIMS)
+        self.kept = (RolloutKeeper(tc.output_dir, self.rank, shards, tc.keep_rollouts, self.tokenizer)
+                     if tc.keep_rollouts and tc.mode == "train" and self.actor is not None and first else None)
 
     def _sync_specs(self, base: torch.nn.Module) -> tuple[torch.dtype, list[TensorSpec]]:
         """What a weight sync between pools carries, in order, in the generation copy's dtype
@@ -529,11 +536,15 @@ class ActorRolloutRefWorker(Worker):
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates.
         With trainer.replay.window > 0 the update's rows, random states and result are kept
         (asyncrl.roles.replay)."""
-        rp = self.cfg.trainer.replay
+        rp, t0 = self.cfg.trainer.replay, time.perf_counter()
+        step = int(batch.meta.get("step", self.update_steps + 1))
+        if self.kept is not None:  # trainer.keep_rollouts (asyncrl.roles.kept_rollouts)
+            self.kept.add(batch, step, self.update_steps)
+        kept_s = time.perf_counter() - t0
         if not rp.window or self.cfg.trainer.mode != "train":
-            return policy_update(self, batch)
+            return {**policy_update(self, batch), **({"perf/keep_rollouts_s": kept_s} if self.kept else {})}
         t0 = time.perf_counter()
-        bundle = replay.capture(batch, int(batch.meta.get("step", self.update_steps + 1)), rng_state(),
+        bundle = replay.capture(batch, step, rng_state(),
                                 self.shuffle_gen.get_state(), self.update_steps)
         t1 = time.perf_counter()
         out = policy_update(self, batch)
@@ -541,7 +552,7 @@ class ActorRolloutRefWorker(Worker):
         bundle["result"] = {"metrics": dict(out), "weights": replay.weights_digest(self.actor.model)}
         replay.write(self.cfg.trainer.output_dir, bundle, self.rank, rp.window, rp.max_mb)
         out["perf/replay_bundle_s"] = time.perf_counter() - t2 + t1 - t0  # what keeping the step cost here
-        return out
+        return {**out, **({"perf/keep_rollouts_s": kept_s} if self.kept else {})}
 
     @register(ONE_TO_ALL)
     def replay_update(self, step: int, last: bool) -> dict[str, Any]:
@@ -603,6 +614,8 @@ class ActorRolloutRefWorker(Worker):
     # checkpoints -----------------------------------------------------------------------------------
     @register(ONE_TO_ALL)
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        if self.kept is not None:  # the kept rollouts so far: on disk with the checkpoint
+            self.kept.flush()
         extra = {**(extra or {}), "rng": rng_state(), "update_steps": self.update_steps,
                  "shuffle_gen": self.shuffle_gen.get_state(), "sample_gen": self.sample_gen.get_state()}
         self._release_generation_weights()  # the generation copy is not saved: its memory goes first

@@ -1,11 +1,11 @@
 """A colocated actor pool that loses a rank and goes on (trainer.failover): the worker's part.
 
-At each step's start the driver calls `failover_mark`: every rank keeps its training state and
+At each step's end the driver calls `failover_mark`: every rank keeps its training state and
 sends a copy to its ring neighbour (`asyncrl.train.failover.ShardMirror`, held in the process, so
 it outlives the worker instance). When a rank dies, the driver starts a replacement and runs
 `prepare` on every rank (the old process group and actor instance dropped, the new rendezvous
 set), builds the actor on every rank again — on the new group, nothing read from disk — and
-calls `failover_restore`: the pool is back at the step's start and the driver runs the step again.
+calls `failover_restore`: the pool is back at the last kept step's end and the driver runs the next step again.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def rebuilding(worker: Any) -> bool:
 
 
 class Failover:
-    """The actor worker's kept states: marked at each step's start, restored after a rank died."""
+    """The actor worker's kept states: marked at each step's end, restored after a rank died."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -93,7 +93,7 @@ class Failover:
 
     @register(ONE_TO_ALL)
     def failover_mark(self, step: int) -> dict[str, float]:
-        """Keep this rank's state as step `step`'s start, and a copy of the previous rank's."""
+        """Keep this rank's state after `step` steps, and a copy of the previous rank's."""
         t0, mirror = time.perf_counter(), self._mirror()
         state, frozen = self._tensors()
         mirror.update(step, state, frozen, self._extras())
@@ -102,7 +102,7 @@ class Failover:
 
     @register(ONE_TO_ALL)
     def failover_restore(self, lost: int) -> int:
-        """Back to the kept step's start on every rank of a rebuilt pool (rank `lost` from its
+        """Back to the kept step on every rank of a rebuilt pool (rank `lost` from its
         neighbour's copy), the copies kept again; returns that step."""
         mirror = self._mirror()
         state, frozen = self._tensors()

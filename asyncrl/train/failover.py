@@ -1,13 +1,13 @@
 """A training rank's state kept twice: by itself and in its ring neighbour's memory.
 
-The building block of failover without a restart (trainer.failover): at the start of each step
+The building block of failover without a restart (trainer.failover): at the end of each step
 every rank of an FSDP2 engine keeps a copy of its training state — its parameter shards, AdamW's
 moments and step counts, any frozen shards (a reference policy, LoRA's base), and small extras
 (random streams, the lr schedule) — and sends the same to rank (r + 1) % world, which keeps it in
 host memory (`ShardMirror.update`). When a rank dies mid-step, every rank builds its engine anew
 on a new process group, the survivors load their own copies back and the replacement for rank r
-takes r's from that neighbour (`ShardMirror.restore`): the pool is where it was at the step's
-start, bit for bit, and the step runs again. The price: two more copies of a rank's training
+takes r's from that neighbour (`ShardMirror.restore`): the pool is where it was at the kept step,
+bit for bit, and the next step runs again. The price: two more copies of a rank's training
 state (16 bytes a parameter over the world, with fp32 masters and AdamW) per rank, and sending
 one a step (`nbytes`).
 """
@@ -59,12 +59,12 @@ def _flat(tensors: list[Tensor]) -> Tensor:
 
 
 class ShardMirror:
-    """This rank's state as of a step's start (`own`), and rank (r - 1) % world's (`copy`)."""
+    """This rank's state as of the kept step (`own`), and rank (r - 1) % world's (`copy`)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.step: int | None = None  # the step whose start the kept states are
+        self.step: int | None = None  # the steps done when the states were kept
         self.own = self.copy = self.own_frozen = self.copy_frozen = torch.zeros(0)
         self.own_extras: dict[str, Any] = {}
         self.copy_extras: dict[str, Any] = {}
@@ -79,8 +79,8 @@ class ShardMirror:
         return (self.rank + 1) % self.world, (self.rank - 1) % self.world
 
     def update(self, step: int, state: list[Tensor], frozen: list[Tensor], extras: dict[str, Any]) -> None:
-        """Keep this rank's `state` (and `frozen` tensors, the first time) as step `step`'s
-        start, send them to the next rank and keep the previous rank's. Nothing is kept unless
+        """Keep this rank's `state` (and `frozen` tensors, the first time) as it is after `step`
+        steps, send them to the next rank and keep the previous rank's. Nothing is kept unless
         every transfer completed (a rank dying meanwhile leaves the last kept step). Two
         exchanges with the neighbours, no collective: the sizes, then the values."""
         mine = _flat(state)
@@ -116,7 +116,7 @@ class ShardMirror:
 
     def restore(self, lost: int, state: list[Tensor], frozen: list[Tensor]) -> tuple[int, dict[str, Any]]:
         """Every rank's `state` and `frozen` tensors (a rebuilt engine's, `prime`d) back to the
-        kept step's start: the survivors' from their own copies, rank `lost`'s from the rank that
+        kept step: the survivors' from their own copies, rank `lost`'s from the rank that
         holds its copy. Every rank calls this; returns the step and this rank's extras."""
         table: list[Any] = [None] * self.world
         dist.all_gather_object(table, self.step if self.rank != lost else None, group=self.group)

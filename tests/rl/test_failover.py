@@ -60,7 +60,7 @@ def test_a_killed_training_rank_fails_over_to_the_last_checkpoint(tmp_path):
 
 
 FAILOVER = ["trainer.failover.enable=true", "rollout.launch_next_early=false", "trainer.total_steps=4",
-            "trainer.eval_every=4", "trainer.save_every=4", "trainer.loggers=[jsonl]", "actor.optim.warmup_steps=2",
+            "trainer.eval_every=2", "trainer.save_every=4", "trainer.loggers=[jsonl]", "actor.optim.warmup_steps=2",
             "actor.optim.total_steps=8",
             "job.entry=benchmarks.failover:job", "cluster.allowed_packages=[benchmarks,tests]"]
 
@@ -68,15 +68,17 @@ FAILOVER = ["trainer.failover.enable=true", "rollout.launch_next_early=false", "
 def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_path):
     """trainer.failover: rank 1 SIGKILLed halfway through step 3's update; its replacement alone
     starts, every rank takes step 3's start back (rank 1's from rank 0's copy) and step 3 runs
-    again. The run ends with the weights of an uninterrupted run, bit for bit, each step once.
-    Then rank 0 (the rendezvous' host) and rank 1 again, in one run: two failovers, the same end."""
+    again. The run ends with the weights of an uninterrupted run, bit for bit, each step once
+    (step 2's end was kept before its evaluation, which changes nothing the next step draws from).
+    Then rank 0 (the rendezvous' host) and rank 1 again, in one run: two failovers, the same end.
+    The kills are at steps no evaluation follows: a death during one is trainer.max_restarts' to handle."""
     from asyncrl.models.tiny import ensure_tiny_model
     from benchmarks.failover import KILL_ENV, _trained
     from tests.rl.test_rl import _launch
 
     model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=64, layers=2, heads=4, sft_steps=0)
     runs = {}
-    for name, env in (("plain", {}), ("killed", {KILL_ENV: "3:1"}), ("twice", {KILL_ENV: "2:0,4:1"})):
+    for name, env in (("plain", {}), ("killed", {KILL_ENV: "3:1"}), ("twice", {KILL_ENV: "1:0,3:1"})):
         res = _launch("grpo", tmp_path / name, model, FAILOVER, env=env)
         assert res.returncode == 0, res.stderr[-4000:]
         runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -98,3 +100,10 @@ def test_a_rank_killed_mid_update_is_replaced_and_the_run_ends_bit_for_bit(tmp_p
     assert all(r["trainer/restarts"] == 0 for r in rows)
     assert [e["rank"] for e in twice["failovers"]] == [0, 1], twice["failovers"]
     assert [r["step"] for r in _steps(tmp_path / "twice" / "metrics.jsonl")] == [1, 2, 3, 4]
+    # what the run kept of its rollouts (trainer.keep_rollouts=32: every one of 8 rows a step here)
+    import pyarrow.parquet as pq
+
+    kept = [r for f in sorted((tmp_path / "plain" / "rollouts").glob("rank*/*.parquet"))
+            for r in pq.read_table(f).to_pylist()]
+    assert sorted({r["rank"] for r in kept}) == [0, 1] and [sum(r["step"] == s for r in kept) for s in range(1, 5)] == [8] * 4
+    assert all(r["prompt"].startswith("<bos>") and len(r["rollout_log_probs"]) == len(r["response_ids"]) for r in kept)
