@@ -58,6 +58,10 @@ _COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Watchdog caught col
                                  re.IGNORECASE)
 
 
+class NotSentError(AsyncRLError):
+    """A call failed before its requests went out (its inputs' call failed: that error is the one to read)."""
+
+
 class WorkerCallError(AsyncRLError):
     """A rank raised inside a worker method; carries the group, method, rank and traceback."""
 
@@ -142,9 +146,10 @@ def _retrieved(task: asyncio.Task) -> None:
 
 def _report_unawaited(task: asyncio.Task, label: str) -> None:
     """One line for a call that failed and was dropped unawaited. A worker's death is not
-    repeated: the call that met it first reports it (and the coordinator logs it)."""
+    repeated (the call that met it first reports it, and the coordinator logs it), nor is a call
+    that never went out because the call making its inputs failed."""
     err = None if task.cancelled() else task.exception()
-    if err is not None and not isinstance(err, WorkerDiedError):
+    if err is not None and not isinstance(err, (WorkerDiedError, NotSentError)):
         log.error("%s failed and was never awaited: %s: %s", label, type(err).__name__,
                   str(err).splitlines()[0] if str(err) else "")
 
@@ -304,7 +309,7 @@ class WorkerGroup:
                 return await ordered()
             finally:
                 if out is not None and not out.sent.done():  # failed before its requests went out
-                    out.sent.set_exception(AsyncRLError(f"{self.role}.{label} failed before it was sent"))
+                    out.sent.set_exception(NotSentError(f"{self.role}.{label} failed before it was sent"))
                     out.sent.exception()  # retrieved: the call's own error is what its caller sees
 
         task = loop.create_task(run(), name=f"{self.role}.{label}")
