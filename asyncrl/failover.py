@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from asyncrl.single_controller.group import WorkerCallError
 from daemons.errors import PlacementError, WorkerDiedError
 from daemons.messages import WorkerState
 
@@ -85,7 +86,11 @@ class StepGuard:
         except PlacementError as e:  # nowhere to run it: trainer.max_restarts may still restart the job
             log.error("no failover: %s", e)
             raise err from None
-        step = (await t.roles.actor.failover_restore(info.rank))[0]
+        try:
+            step = (await t.roles.actor.failover_restore(info.rank))[0]
+        except WorkerCallError as e:  # the kept states do not line up (FailoverError): a restart may still help
+            log.error("no failover: restoring the kept states failed: %s", e.remote_message)
+            raise err from None
         if step not in self.kept:
             raise RuntimeError(f"failover: the workers kept step {step}'s start, the driver steps {sorted(self.kept)}")
         loader, ctl, t.tokens, t.step_time = self.kept[step]

@@ -82,7 +82,7 @@ class ShardMirror:
         """Keep this rank's `state` (and `frozen` tensors, the first time) as it is after `step`
         steps, send them to the next rank and keep the previous rank's. Nothing is kept unless
         every transfer completed (a rank dying meanwhile leaves the last kept step). Two
-        exchanges with the neighbours, no collective: the sizes, then the values."""
+        exchanges with the neighbours (the sizes, then the values) and a one-number all-reduce."""
         mine = _flat(state)
         send_frozen = self.copy_frozen.numel() == 0 and bool(frozen)
         mine_frozen = _flat(frozen) if send_frozen else self.own_frozen
@@ -99,6 +99,9 @@ class ShardMirror:
         if their_step != step:
             raise FailoverError(f"rank {(self.rank - 1) % self.world} kept step {their_step}, this rank {step}: "
                                 "the ranks' marks are out of order")
+        # every rank's exchanges done before any keeps the new state: a rank lost meanwhile fails this
+        # on all the others (its share is missing), so they all keep the step before
+        dist.all_reduce(torch.ones(1), group=self.group)
         self.step, self.own, self.copy = step, mine, theirs
         if send_frozen or n_frozen:
             self.own_frozen, self.copy_frozen = mine_frozen, (their_frozen or [self.copy_frozen])[0]
