@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from asyncrl.rewards.rules import REWARD_EXTRA
+
 FLUSH_STEPS = 10  # steps a rank's kept rows wait in memory before they are written
 TRAJECTORY = ("num_turns", "tool_calls", "tool_errors", "env_errors")  # multi-turn columns kept when present
-REWARD_EXTRA = "reward_extra_"  # asyncrl.rewards.rules.REWARD_EXTRA (dict rewards' parts)
 
 
 def schema() -> Any:
@@ -101,8 +102,8 @@ class RolloutKeeper:
         # the step's rows over the ranks: each keeps its share (all: -1)
         self.want = rows_per_step if rows_per_step < 0 else -(-rows_per_step // world_size)
         self.columns: dict[str, list[Any]] = {}  # the kept rows since the last flush, by column
+        self.steps: set[int] = set()  # and their steps
         _warm_up()  # parquet's first write (~0.3 s: imports, the codec) at setup, not in a step
-        self.steps: list[int] = []
 
     def add(self, batch: Any, step: int, version: int) -> None:
         """Keep this step's sample of `batch` (the update's rows on this rank), column by column."""
@@ -141,8 +142,8 @@ class RolloutKeeper:
         cols["staleness"] = [version - v for v in cols["weights_version"]]
         for k, v in cols.items():
             self.columns.setdefault(k, []).extend(v if v is not None else [None] * len(rows))
-        self.steps.append(step)
-        if len(set(self.steps)) >= FLUSH_STEPS:
+        self.steps.add(step)
+        if len(self.steps) >= FLUSH_STEPS:
             self.flush()
 
     def flush(self) -> Path | None:
@@ -157,5 +158,5 @@ class RolloutKeeper:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         pq.write_table(pa.Table.from_pydict(self.columns, schema=schema()), tmp, compression="zstd")
         tmp.replace(path)
-        self.columns, self.steps = {}, []
+        self.columns, self.steps = {}, set()
         return path

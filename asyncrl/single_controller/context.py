@@ -19,7 +19,13 @@ from typing import Any
 from asyncrl.single_controller.batch import Batch
 from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV, WorkerConfig
 from asyncrl.single_controller.distbatch import DistBatch, RefTracker
-from asyncrl.single_controller.group import ProcessSet, WorkerGroup, create_groups, spec_of
+from asyncrl.single_controller.group import (
+    ProcessSet,
+    WorkerGroup,
+    create_groups,
+    instantiate,
+    spec_of,
+)
 from asyncrl.single_controller.transfer import publish
 from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
 from daemons.coordinator import Coordinator, JobRecord, ResourcePool
@@ -164,13 +170,8 @@ class JobContext:
         procs.handles[rank] = handle
         if before_rebuild:
             await asyncio.gather(*(h.run(before_rebuild, host, port) for h in procs.handles))
-        roles = [g for g in self.groups.values() if g.procs is procs]
-        for group in roles:
-            path, args, kwargs = group.created_with
-            targets = procs.handles if group.role in rebuild else [handle]
-            await asyncio.gather(*(h.call("create_instance", group.role, path, args, kwargs) for h in targets))
-            for h in targets:
-                group._update_layouts(h.rank, await h.call("call_instance", group.role, "asyncrl_layouts", [], {}))
+        for group in [g for g in self.groups.values() if g.procs is procs]:
+            await instantiate(group, procs.handles if group.role in rebuild else [handle])
         return handle
 
     async def spawn_group(self, pool: ResourcePool, cls: type, *args: Any, role: str | None = None,

@@ -592,21 +592,27 @@ async def create_groups(procs: ProcessSet, classes: dict[str, tuple[type, tuple,
         a = [_plain(v) for v in args]
         k = {n: _plain(v) for n, v in kwargs.items()}
         t0 = time.monotonic()
-        try:
-            await asyncio.gather(*(h.call("create_instance", role, path, a, k) for h in procs.handles))
-        except RemoteError as e:
-            raise DaemonError(f"constructing {cls.__qualname__} for role {role!r} failed: "
-                              f"{e.remote_type}: {e.remote_message}\n{e.remote_traceback}") from None
         group = WorkerGroup(role, cls, procs, tracker)
         group.created_with = (path, a, k)  # what a rank's replacement is built from (JobContext.replace_rank)
-        layouts = await asyncio.gather(*(h.call("call_instance", role, "asyncrl_layouts", [], {})
-                                         for h in procs.handles))
-        for rank, wire in enumerate(layouts):
-            group._update_layouts(rank, wire)
+        await instantiate(group, procs.handles)
         log.info("%s: %s on %d ranks of pool %s (%.1fs)", role, cls.__qualname__, procs.world_size,
                  procs.pool.name, time.monotonic() - t0)
         groups[role] = group
     return groups
+
+
+async def instantiate(group: WorkerGroup, handles: list[WorkerHandle]) -> None:
+    """Build `group`'s class (`group.created_with`) in each of `handles`' processes and take in
+    the layouts each registered."""
+    path, a, k = group.created_with
+    try:
+        await asyncio.gather(*(h.call("create_instance", group.role, path, a, k) for h in handles))
+    except RemoteError as e:
+        raise DaemonError(f"constructing {group.cls.__qualname__} for role {group.role!r} failed: "
+                          f"{e.remote_type}: {e.remote_message}\n{e.remote_traceback}") from None
+    layouts = await asyncio.gather(*(h.call("call_instance", group.role, "asyncrl_layouts", [], {}) for h in handles))
+    for h, wire in zip(handles, layouts, strict=True):
+        group._update_layouts(h.rank, wire)
 
 
 def spec_of(value: Any) -> tuple[type, tuple, dict]:
@@ -626,4 +632,4 @@ async def gather(*futures: DataFuture | Awaitable) -> list[Any]:
 
 
 __all__ = ["CallOutput", "DataFuture", "ProcessSet", "WorkerCallError", "WorkerGroup",
-           "create_groups", "gather", "resolve_futures", "union_all"]
+           "create_groups", "gather", "instantiate", "resolve_futures", "union_all"]
