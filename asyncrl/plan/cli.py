@@ -22,7 +22,7 @@ from typing import Any
 
 from asyncrl.config import ConfigError
 from asyncrl.plan.hardware import DeviceProfile, load_profile
-from asyncrl.plan.memory import Knobs
+from asyncrl.plan.memory import Knobs, actor_trained, training_state
 from asyncrl.plan.search import (
     ROLLOUT,
     Plan,
@@ -176,12 +176,13 @@ def plan_main(args: argparse.Namespace) -> int:
     space = SearchSpace(w, profile, nnodes, per_node, deployable=True, knobs=knobs)
     result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
     if result.best is None:
-        floor = 16 * spec.params / (nnodes * per_node) / 2**30  # fp32 master, gradients, Adam: fully sharded
+        floor = sum(training_state(spec, nnodes * per_node, actor_trained(spec, knobs)).values()) / 2**30
         print(f"asyncrl-plan: no plan fits {nnodes}x{per_node} {profile.name} devices for {spec.name} "
               f"({spec.params / 1e9:.2f}B parameters): its training state alone is {floor:.1f} GiB per device "
-              f"when sharded over all {nnodes * per_node} (16 bytes per parameter), of a {profile.name}'s "
-              f"{profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, activations and the KV cache; "
-              "add devices (cluster.nnodes) or lower data.batch_size, rollout.n or the sequence lengths",
+              f"when sharded over all {nnodes * per_node} (fp32 weights, and gradients and Adam moments of what "
+              f"trains), of a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, "
+              "activations and the KV cache; add devices (cluster.nnodes), train LoRA adapters (actor.lora.rank) "
+              "or lower data.batch_size, rollout.n or the sequence lengths",
               file=sys.stderr)
         return 1
     launch = overrides(result.best, space, profile)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import (
     Knobs,
+    actor_trained,
     forward_only_weights,
     forward_pass,
     generation,
@@ -97,8 +98,8 @@ def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, u
     if knobs.lora_params and unit == "ref":
         return 0.0
     if trained:
-        lora = {"actor": knobs.lora_params, "critic": knobs.critic_lora_params}.get(unit, 0)
-        return sum(training_state(model, shards, lora or None).values())
+        trains = actor_trained(model, knobs) if unit == "actor" else (unit == "critic" and knobs.critic_lora_params) or None
+        return sum(training_state(model, shards, trains).values())
     return forward_only_weights(model, shards, knobs)
 
 

@@ -160,6 +160,13 @@ def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -
             "Adam moments (fp32 shard)": 8 * grads}
 
 
+def actor_trained(spec: ModelSpec, knobs: Knobs) -> float | None:
+    """The actor's parameters that train when not all do: LoRA's adapters, or all but a frozen vision tower."""
+    if knobs.lora_params:
+        return knobs.lora_params
+    return None if knobs.vision_trains else spec.params - spec.vision_params
+
+
 def megatron_held(spec: ModelSpec, model_shards: int, ep: int = 1) -> float:
     """Parameters a megatron rank holds: its TP x PP shard, of the experts only its EP rank's."""
     return (spec.params - spec.expert_params + spec.expert_params / ep) / model_shards
@@ -295,7 +302,7 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
                     "reference policy (shard)": knobs.compute_bytes * megatron_held(spec, par.tp * par.pp, knobs.ep),
                     "process (python, torch)": RUNTIME_BYTES}
     else:
-        resident = {**training_state(spec, shards, lora or None),
+        resident = {**training_state(spec, shards, actor_trained(spec, knobs)),
                     "reference policy (shard)": 0.0 if lora else forward_only_weights(spec, shards, knobs),
                     "process (python, torch)": RUNTIME_BYTES}
     gen = generation(spec, gen_rows, seq, rc.parallel.tp, knobs)

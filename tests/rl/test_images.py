@@ -401,6 +401,35 @@ def test_the_update_prices_a_training_towers_activations_and_nothing_for_a_froze
     assert tower not in update_pass(KNOWN_MODELS["Qwen/Qwen2.5-7B"], 4, 1536, 512, 1, Knobs())
 
 
+def test_a_frozen_towers_parameters_carry_no_gradients_or_adam_moments_in_the_estimate():
+    """actor.freeze_vision: the tower keeps its fp32 weights but no gradients or Adam moments (its
+    parameters leave the optimizer), so Qwen2.5-VL-3B's full update fits one H100 with it and not without."""
+    from asyncrl.plan.memory import Knobs, actor_trained, training_state
+    from asyncrl.plan.workload import KNOWN_MODELS
+
+    spec = KNOWN_MODELS["Qwen/Qwen2.5-VL-3B-Instruct"]
+    frozen = training_state(spec, 1, actor_trained(spec, Knobs(vision_trains=False)))
+    trained = training_state(spec, 1, actor_trained(spec, Knobs()))
+    assert frozen["weights (fp32 master shard)"] == trained["weights (fp32 master shard)"] == 4 * spec.params
+    assert trained["Adam moments (fp32 shard)"] - frozen["Adam moments (fp32 shard)"] == 8 * spec.vision_params
+    assert actor_trained(spec, Knobs(lora_params=7, vision_trains=False)) == 7
+    args = ["--config-name", "grpo", "cluster.nnodes=1", "cluster.gpus_per_node=1",
+            "model.path=Qwen/Qwen2.5-VL-3B-Instruct"]
+    assert plan(args) == 1
+    assert plan([*args, "actor.freeze_vision=true"]) == 0
+
+
+def plan(args: list[str]) -> int:
+    """`asyncrl-plan ARGS`'s exit status, its output swallowed."""
+    import contextlib
+    import io
+
+    from asyncrl.plan.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(args)
+
+
 def squares_parquet(path, rows: int, mismatch_row: int | None = None) -> None:
     """verl's multimodal layout: `<image>` in the prompt, PNG bytes in `images`, the count as the answer."""
     import random
