@@ -536,23 +536,25 @@ class ActorRolloutRefWorker(Worker):
         """PPO-clip update over `ppo_epochs` × mini-batches; returns metrics averaged over updates.
         With trainer.replay.window > 0 the update's rows, random states and result are kept
         (asyncrl.roles.replay)."""
-        rp, t0 = self.cfg.trainer.replay, time.perf_counter()
-        step = int(batch.meta.get("step", self.update_steps + 1))
-        if self.kept is not None:  # trainer.keep_rollouts (asyncrl.roles.kept_rollouts)
-            self.kept.add(batch, step, self.update_steps)
-        kept_s = time.perf_counter() - t0
+        rp, version = self.cfg.trainer.replay, self.update_steps
+        step = int(batch.meta.get("step", version + 1))
+        seen = None if self.kept is None or "old_log_probs" in batch else []  # on-policy: the update's own pass
         if not rp.window or self.cfg.trainer.mode != "train":
-            return {**policy_update(self, batch), **({"perf/keep_rollouts_s": kept_s} if self.kept else {})}
-        t0 = time.perf_counter()
-        bundle = replay.capture(batch, step, rng_state(),
-                                self.shuffle_gen.get_state(), self.update_steps)
-        t1 = time.perf_counter()
-        out = policy_update(self, batch)
-        t2 = time.perf_counter()
-        bundle["result"] = {"metrics": dict(out), "weights": replay.weights_digest(self.actor.model)}
-        replay.write(self.cfg.trainer.output_dir, bundle, self.rank, rp.window, rp.max_mb)
-        out["perf/replay_bundle_s"] = time.perf_counter() - t2 + t1 - t0  # what keeping the step cost here
-        return {**out, **({"perf/keep_rollouts_s": kept_s} if self.kept else {})}
+            out = policy_update(self, batch, seen=seen)
+        else:
+            t0 = time.perf_counter()
+            bundle = replay.capture(batch, step, rng_state(), self.shuffle_gen.get_state(), version)
+            t1 = time.perf_counter()
+            out = policy_update(self, batch, seen=seen)
+            t2 = time.perf_counter()
+            bundle["result"] = {"metrics": dict(out), "weights": replay.weights_digest(self.actor.model)}
+            replay.write(self.cfg.trainer.output_dir, bundle, self.rank, rp.window, rp.max_mb)
+            out["perf/replay_bundle_s"] = time.perf_counter() - t2 + t1 - t0  # what keeping the step cost here
+        if self.kept is not None:  # trainer.keep_rollouts (asyncrl.roles.kept_rollouts)
+            t0 = time.perf_counter()
+            self.kept.add(batch, step, version, trainer_log_probs=seen_log_probs(seen, batch))
+            out["perf/keep_rollouts_s"] = time.perf_counter() - t0
+        return out
 
     @register(ONE_TO_ALL)
     def replay_update(self, step: int, last: bool) -> dict[str, Any]:
@@ -650,10 +652,16 @@ class ActorRolloutRefWorker(Worker):
         return {k: v for k, v in extra.items() if k not in ("rng", "shuffle_gen", "sample_gen")}
 
 
-def policy_update(worker: ActorRolloutRefWorker, batch: Batch, watch: replay.NonFiniteWatch | None = None
-                  ) -> dict[str, float]:
-    """The actor worker's PPO-clip update of `batch` (`update_actor`, a replay's re-run with `watch`)."""
+SEEN_ROW = "kept_rollouts_row"  # an on-policy update's row numbers, for the kept rollouts' trainer log-probs
+
+
+def policy_update(worker: ActorRolloutRefWorker, batch: Batch, watch: replay.NonFiniteWatch | None = None,
+                  seen: list | None = None) -> dict[str, float]:
+    """The actor worker's PPO-clip update of `batch` (`update_actor`, a replay's re-run with `watch`);
+    an on-policy update appends each micro-batch's rows and log-probs to `seen` (the kept rollouts')."""
     worker.pool.wait_pushed()
+    if seen is not None:
+        batch = batch.union(Batch({SEEN_ROW: torch.arange(len(batch))}))
     ac = worker.cfg.actor
     temp = sampling_temperature(batch, worker.cfg.rollout.temperature)
     norm_len = worker.cfg.rollout.max_tokens  # Dr.GRPO's length normaliser must be a constant
@@ -672,6 +680,8 @@ def policy_update(worker: ActorRolloutRefWorker, batch: Batch, watch: replay.Non
         # without recomputed old log-probs the update is on-policy (one epoch, one
         # mini-batch): the ratio is 1 and the gradient that of the clipped objective
         old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
+        if seen is not None and logp.shape[0] == len(mb):  # the policy that sampled: no step taken yet
+            seen.append((mb[SEEN_ROW], old))
         loss, m, rollout_m = policy_loss(ac, old, logp, mb, mask, norm_len, worker.shuffle_gen)
         metrics = {"actor/pg_loss": loss.detach(), **{f"actor/{k}": v for k, v in m.items()},
                    **{f"rollout/{k}": v for k, v in rollout_m.items()}}
@@ -702,6 +712,16 @@ def policy_update(worker: ActorRolloutRefWorker, batch: Batch, watch: replay.Non
     worker.update_steps += 1
     out["actor/lr"] = out.pop("lr", 0.0)
     out["actor/grad_norm"] = out.pop("grad_norm", 0.0)
+    return out
+
+
+def seen_log_probs(seen: list | None, batch: Batch) -> torch.Tensor | None:
+    """The on-policy update's log-probs of `batch`'s responses, row by row (NaN where none was seen)."""
+    if not seen:
+        return None
+    out = torch.full(batch["responses"].shape, float("nan"))
+    for rows, logp in seen:
+        out[rows, :logp.shape[1]] = logp.float().cpu()
     return out
 
 

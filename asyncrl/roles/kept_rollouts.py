@@ -86,6 +86,15 @@ def _parts(batch: Any, rows: list[int]) -> list[str]:
     return [json.dumps(dict(zip(names, v, strict=True))) for v in zip(*values, strict=True)] if names else ["{}"] * len(rows)
 
 
+def _trainer(batch: Any, rows: list[int], ends: list[int], seen: torch.Tensor | None) -> list[Any] | None:
+    """The trainer's log-probs of the kept rows: recomputed ones, else the update's (a row it did not see: null)."""
+    if "old_log_probs" in batch:
+        return _ragged(batch["old_log_probs"][rows], ends)
+    if seen is None:
+        return None
+    return [None if r and r[0] != r[0] else r for r in _ragged(seen[rows], ends)]  # NaN: not seen
+
+
 def _column(batch: Any, name: str, rows: list[int]) -> Any:
     if name not in batch:
         return None
@@ -105,8 +114,9 @@ class RolloutKeeper:
         self.steps: set[int] = set()  # and their steps
         _warm_up()  # parquet's first write (~0.3 s: imports, the codec) at setup, not in a step
 
-    def add(self, batch: Any, step: int, version: int) -> None:
-        """Keep this step's sample of `batch` (the update's rows on this rank), column by column."""
+    def add(self, batch: Any, step: int, version: int, trainer_log_probs: torch.Tensor | None = None) -> None:
+        """Keep this step's sample of `batch` (the update's rows on this rank), column by column; the
+        trainer's log-probs are the batch's `old_log_probs`, else `trainer_log_probs` (the update's own)."""
         n = len(batch)
         sources = [str(s) for s in batch["data_source"]] if "data_source" in batch else ["unknown"] * n
         rows = chosen_rows(sources, self.want, step, self.rank)
@@ -136,7 +146,7 @@ class RolloutKeeper:
                                 if versions is not None else [version] * len(rows)),
             **{k: _floats(_column(batch, k, rows)) for k in TRAJECTORY},
             "rollout_log_probs": _ragged(_column(batch, "rollout_log_probs", rows), ends),
-            "trainer_log_probs": _ragged(_column(batch, "old_log_probs", rows), ends),
+            "trainer_log_probs": _trainer(batch, rows, ends, trainer_log_probs),
             "advantages": _ragged(adv, ends),
         }
         cols["staleness"] = [version - v for v in cols["weights_version"]]

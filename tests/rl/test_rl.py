@@ -126,6 +126,7 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     assert all(r["rollout/logprob_diff_max"] >= r["rollout/logprob_diff_mean"] >= 0
                and r["rollout/k3_kl"] <= math.expm1(r["rollout/logprob_diff_max"]) - r["rollout/logprob_diff_max"] + 1e-7
                for r in steps), steps
+    _kept_rollouts_agree_with_the_engine(out, steps, pipelined=any("pp=2" in e for e in extra))
     if any("rollout_correction" in e for e in extra):  # fp32, an agreeing engine: nothing capped or masked
         assert all(r["rollout/logprob_diff_max"] < 1e-3 and r["rollout/correction_masked_token_frac"] == 0
                    for r in steps), steps
@@ -145,6 +146,25 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
         before = {k: v.to(torch.bfloat16) for k, v in before.items()}
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > len(before) // 2, f"only {changed} changed"
+
+
+def _kept_rollouts_agree_with_the_engine(out: Path, steps: list[dict], pipelined: bool) -> None:
+    """The kept rollouts (trainer.keep_rollouts) hold the trainer's log-probs of every row — the
+    recomputed ones, or an on-policy update's own pass — within the step's logged mismatch of the
+    engine's (a pipeline's first stage computes none: its rows may have none)."""
+    import pyarrow.parquet as pq
+
+    rows = [r for f in sorted(out.glob("rollouts/rank*/*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert {r["step"] for r in rows} == {1, 2}, sorted(out.rglob("*.parquet"))
+    worst = {r["step"]: r["rollout/logprob_diff_max"] for r in steps}
+    for r in rows:
+        if r["trainer_log_probs"] is None:
+            assert pipelined, r
+            continue
+        pairs = [(a, b) for a, b, m in zip(r["trainer_log_probs"], r["rollout_log_probs"], r["model_token"],
+                                           strict=True) if m]
+        assert pairs and max(abs(a - b) for a, b in pairs) <= worst[r["step"]] + 1e-5, (r, worst)
+    assert pipelined or all(r["trainer_log_probs"] is not None for r in rows)
 
 
 @pytest.mark.parametrize("replay", ["rollout", "old_policy"])
