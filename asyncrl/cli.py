@@ -9,6 +9,7 @@ Every job and daemon on this machine has a state file (see `daemons.state`), so
     asyncrl submit ENTRY           # run a job on the daemon here
     asyncrl submit --config-name grpo key=value ...  # an RL job, composed as asyncrl-launch does
     asyncrl serve DIR              # a model or a run's checkpoint behind an OpenAI-compatible endpoint
+    asyncrl inspect RUN_DIR...     # runs' metrics, kept rollouts and evaluations in the browser
 
 `--coordinator HOST:PORT --key-dir DIR` talks to a coordinator elsewhere instead. Without an
 id, a command picks the only candidate; with several it lists them and exits 2.
@@ -374,6 +375,35 @@ def _add_replay(sub: Any) -> None:
     p.set_defaults(func=_replay)
 
 
+def _add_inspect(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="runs' metrics, kept rollouts and evaluations in the browser, live while "
+                       "they train (docs/inspect.md)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.output_dir), overlaid")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only; "
+                   "any other gets a token)")
+    p.add_argument("--port", type=int, default=8765, help="0: any free port (the URL is printed)")
+    p.add_argument("--token", help="the token a browser must bring (default: $ASYNCRL_INSPECT_TOKEN; generated and "
+                   "printed when --host is not this machine's loopback)")
+    p.set_defaults(func=_inspect)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        from asyncrl.inspector.app import serve
+    except ImportError as e:
+        _fail(f"inspect needs its web stack ({e.name} is missing): pip install 'asyncrl[inspect]'", USAGE_ERROR)
+    try:
+        return serve(args.run_dirs, host=args.host, port=args.port,
+                     token=args.token or os.environ.get("ASYNCRL_INSPECT_TOKEN") or None)
+    except OSError as e:
+        _fail(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pass --port 0 for any free port",
+              USAGE_ERROR)
+    except KeyboardInterrupt:
+        return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from asyncrl.replay import command
 
@@ -427,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=_submit)
     _add_serve(sub)
     _add_replay(sub)
+    _add_inspect(sub)
     return ap
 
 
