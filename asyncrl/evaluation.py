@@ -41,7 +41,8 @@ class Evaluator:
         if self.data.val_prompts is None:
             return float("nan")
         rows = await self.generate_scored(n=1, greedy=True)
-        self.details = source_means(rows)
+        passed = pass_at_ks(rows, [1], self.cfg.evaluation.correct_at)  # greedy: one sample a prompt
+        self.details = {**source_means(rows), **{k: v for k, v in passed.items() if "/pass@" in k}}
         self.samples = self._decoded(sample_rows(rows, self.cfg.trainer.log_samples))
         if self.samples:
             log.info("%s", format_samples(step, self.samples))

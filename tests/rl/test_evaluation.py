@@ -106,6 +106,10 @@ def test_own_parquet_and_dict_reward_train_with_completions_shown(tmp_path, tiny
     assert all(0 <= row["response/clip_ratio"] <= 1 and row["actor/entropy"] > 0 for row in trained)
     samples = [json.loads(ln) for ln in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 2} and all(s["prompt"] and "score" in s for s in samples)
+    # each evaluation's greedy pass@1 per source (a prompt passes when its score reaches evaluation.correct_at)
+    evaluated = [row for row in rows if "val/reward" in row and row["step"] > 0]
+    assert evaluated and all(0 <= row["eval/asyncrl/sort/pass@1"] == row["eval/all/pass@1"] <= row["val/reward"] + 1e-9
+                             for row in evaluated), evaluated
 
 
 def test_eval_mode_reports_pass_at_k_per_data_source(tmp_path, tiny_model):  # noqa: F811
