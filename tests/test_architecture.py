@@ -97,7 +97,7 @@ ASYNCRL_LAYERS = [
     {"plan"},
     {"preflight"},
     {"run_data", "roles", "model_server"},
-    {"evaluation", "replay", "failover"},
+    {"evaluation", "replay", "failover", "inspector"},
     {"trainer", "cli", "config_reference"},
 ]
 

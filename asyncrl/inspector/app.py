@@ -77,73 +77,80 @@ def query_from(request: Request) -> Query:
                  per_page=_int(request, "per_page") or Query.per_page)
 
 
-def build_app(runs: list[Run], token: str | None = None) -> Starlette:
-    """The app over `runs`; with `token`, every request must carry it (once in ?token=, then a cookie)."""
-    state = Runs(runs)
+def html(body: str, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(body, status_code=status)
 
-    def html(body: str, status: int = 200) -> HTMLResponse:
-        return HTMLResponse(body, status_code=status)
 
-    def index(request: Request) -> Response:
-        return html(pages.overview(state.all(), state.keys()))
+class Views:
+    """The app's pages and JSON answers over `runs` (each a Starlette endpoint)."""
 
-    def rollouts(request: Request) -> Response:
+    def __init__(self, runs: list[Run]) -> None:
+        self.state = Runs(runs)
+
+    def index(self, request: Request) -> Response:
+        return html(pages.overview(self.state.all(), self.state.keys()))
+
+    def _readable(self, request: Request) -> tuple[int, Run]:
         i = int(request.path_params["run"])
-        run = state.get(i)
+        run = self.state.get(i)
         if run.problem:
             raise RunError(run.problem)
+        return i, run
+
+    def rollouts(self, request: Request) -> Response:
+        i, run = self._readable(request)
         q = query_from(request)
         with run.lock:
             table = run.rollouts.table(q)
             sources = run.rollouts.sources()
-        return html(pages.rollout_table(state.runs, i, q, table, sources))
+        return html(pages.rollout_table(self.state.runs, i, q, table, sources))
 
-    def rollout(request: Request) -> Response:
-        i, p = int(request.path_params["run"]), request.path_params
-        run = state.get(i)
-        with run.lock:
-            row = run.rollouts.row(int(p["step"]), int(p["rank"]), int(p["row"]))
+    def rollout(self, request: Request) -> Response:
+        (i, run), p = self._readable(request), request.path_params
         color = request.query_params.get("color", "diff")
         if color not in ("diff", "advantage"):
             raise RunError(f"color={color!r}: diff or advantage")
-        return html(pages.rollout_detail(state.runs, i, row, run.tokens.pieces(row["response_ids"] or []), color))
+        with run.lock:
+            row = run.rollouts.row(int(p["step"]), int(p["rank"]), int(p["row"]))
+        pieces = run.tokens.pieces(row["response_ids"] or [])
+        return html(pages.rollout_detail(self.state.runs, i, row, pieces, color))
 
-    def evals(request: Request) -> Response:
-        i = int(request.path_params["run"])
-        run = state.get(i)
-        if run.problem:
-            raise RunError(run.problem)
-        return html(pages.evaluations(state.runs, i, sorted(run.metrics.series), _int(request, "step")))
+    def evals(self, request: Request) -> Response:
+        i, run = self._readable(request)
+        return html(pages.evaluations(self.state.runs, i, sorted(run.metrics.series), _int(request, "step")))
 
-    def series(request: Request) -> Response:
-        key = request.query_params.get("key", "")
+    def series(self, request: Request) -> Response:
         picked = request.query_params.get("runs")
-        chosen = range(len(state.runs)) if not picked else [int(x) for x in picked.split(",") if x.isdigit()]
-        out = []
+        chosen = range(len(self.state.runs)) if not picked else [int(x) for x in picked.split(",") if x.isdigit()]
+        key, out = request.query_params.get("key", ""), []
         for i in chosen:
-            run = state.get(i)
+            run = self.state.get(i)
             steps, values = run.metrics.points(key)
             out.append({"run": i, "name": run.name, "steps": steps, "values": values})
         return JSONResponse({"key": key, "runs": out})
 
-    def status(request: Request) -> Response:
-        return JSONResponse({"runs": [r.status() for r in state.all()]})
+    def status(self, request: Request) -> Response:
+        return JSONResponse({"runs": [r.status() for r in self.state.all()]})
 
-    async def failed(request: Request, exc: Exception) -> Response:
+    async def failed(self, request: Request, exc: Exception) -> Response:
+        """What went wrong, as a page (or JSON under /api/); the server goes on serving."""
         code = exc.status if isinstance(exc, RunError) else 500
         message = str(exc) if isinstance(exc, RunError) else f"{type(exc).__name__}: {exc} (the server keeps serving)"
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": message}, status_code=code)
-        return html(pages.problem_page(message, state.runs), code)
+        return html(pages.problem_page(message, self.state.runs), code)
 
-    routes = [Route("/", index), Route("/runs/{run:int}/rollouts", rollouts),
-              Route("/runs/{run:int}/rollouts/{step:int}/{rank:int}/{row:int}", rollout),
-              Route("/runs/{run:int}/evals", evals), Route("/api/series", series), Route("/api/status", status),
+
+def build_app(runs: list[Run], token: str | None = None) -> Starlette:
+    """The app over `runs`; with `token`, every request must carry it (once in ?token=, then a cookie)."""
+    v = Views(runs)
+    routes = [Route("/", v.index), Route("/runs/{run:int}/rollouts", v.rollouts),
+              Route("/runs/{run:int}/rollouts/{step:int}/{rank:int}/{row:int}", v.rollout),
+              Route("/runs/{run:int}/evals", v.evals), Route("/api/series", v.series), Route("/api/status", v.status),
               Route("/favicon.ico", lambda request: Response(status_code=204)),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
     middleware = [Middleware(TokenCheck, token=token)] if token else []
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={RunError: failed, Exception: failed})
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={RunError: v.failed, Exception: v.failed})
 
 
 class TokenCheck(BaseHTTPMiddleware):

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.errors import AsyncRLError
+
 ROLLOUT_FILE = re.compile(r"steps_(\d+)-(\d+)\.parquet")
 SCALARS = ("step", "rank", "row", "data_source", "reward", "advantage", "response_length", "finish_reason",
            "weights_version", "staleness", "num_turns", "tool_calls", "tool_errors")
@@ -31,7 +33,7 @@ PER_PAGE = 50
 MAX_POINTS = 2000  # a curve's points sent to the browser at most (bucket means beyond)
 
 
-class RunError(Exception):
+class RunError(AsyncRLError):
     """A directory (or file in it) the inspector cannot read, or a request it cannot answer; the
     message says what is wrong."""
 

@@ -165,6 +165,25 @@ def _kept_rollouts_agree_with_the_engine(out: Path, steps: list[dict], pipelined
                                            strict=True) if m]
         assert pairs and max(abs(a - b) for a, b in pairs) <= worst[r["step"]] + 1e-5, (r, worst)
     assert pipelined or all(r["trainer_log_probs"] is not None for r in rows)
+    _the_inspector_shows_them(out, rows)
+
+
+def _the_inspector_shows_them(out: Path, rows: list[dict]) -> None:
+    """`asyncrl inspect`'s pages over the run: every kept row in its table, one of them token by
+    token in the run's own tokenizer's words, a multi-turn one as a conversation."""
+    from starlette.testclient import TestClient
+
+    from asyncrl.inspector.app import build_app
+    from asyncrl.inspector.runs import open_runs
+
+    web = TestClient(build_app(open_runs([str(out)])), raise_server_exceptions=False)
+    table = web.get("/runs/0/rollouts?per_page=500")
+    assert table.status_code == 200 and table.text.count('class="row"') == len(rows), table.text[-2000:]
+    row = max(rows, key=lambda r: (r["num_turns"] or 0, r["step"]))
+    page = web.get(f"/runs/0/rollouts/{row['step']}/{row['rank']}/{row['row']}")
+    assert page.status_code == 200 and page.text.count('<span class="tok') == len(row["response_ids"]), page.text[-2000:]
+    assert "[" + str(row["response_ids"][0]) + "]" not in page.text  # decoded, not shown as ids
+    assert ('id="conversation"' in page.text) == bool(row["num_turns"] and row["num_turns"] > 1)
 
 
 @pytest.mark.parametrize("replay", ["rollout", "old_policy"])
