@@ -16,6 +16,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -141,15 +142,18 @@ class Views:
         return html(pages.problem_page(message, self.state.runs), code)
 
 
-def build_app(runs: list[Run], token: str | None = None) -> Starlette:
-    """The app over `runs`; with `token`, every request must carry it (once in ?token=, then a cookie)."""
+def build_app(runs: list[Run], token: str | None = None, hosts: list[str] | None = None) -> Starlette:
+    """The app over `runs`; with `token`, every request must carry it (once in ?token=, then a cookie);
+    with `hosts`, only requests naming one of them in their Host header are answered (a page of
+    another site whose name resolves to this machine gets nothing: DNS rebinding)."""
     v = Views(runs)
     routes = [Route("/", v.index), Route("/runs/{run:int}/rollouts", v.rollouts),
               Route("/runs/{run:int}/rollouts/{step:int}/{rank:int}/{row:int}", v.rollout),
               Route("/runs/{run:int}/evals", v.evals), Route("/api/series", v.series), Route("/api/status", v.status),
               Route("/favicon.ico", lambda request: Response(status_code=204)),
               Mount("/static", StaticFiles(directory=STATIC), name="static")]
-    middleware = [Middleware(TokenCheck, token=token)] if token else []
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=hosts)] if hosts else []
+    middleware += [Middleware(TokenCheck, token=token)] if token else []
     return Starlette(routes=routes, middleware=middleware, exception_handlers={RunError: v.failed, Exception: v.failed})
 
 
@@ -201,7 +205,8 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 8765, token: st
         r.refresh()
         if r.problem:
             print(f"asyncrl inspect: {r.problem} (its page says so; the others are served)", flush=True)
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+    loopback = host in ("127.0.0.1", "localhost")
+    if token is None and not loopback:
         token = secrets.token_urlsafe(24)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -211,6 +216,7 @@ def serve(paths: list[str], host: str = "127.0.0.1", port: int = 8765, token: st
     url = f"http://{shown}:{sock.getsockname()[1]}/" + (f"?token={token}" if token else "")
     print(f"asyncrl inspect: {len(runs)} run(s) at {url} (Ctrl-C stops it)", flush=True)
     warm(runs)
-    server = uvicorn.Server(uvicorn.Config(build_app(runs, token), log_level="warning", access_log=False))
+    app = build_app(runs, token, ["127.0.0.1", "localhost"] if loopback else None)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.run(sockets=[sock])
     return 0

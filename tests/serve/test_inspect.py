@@ -160,3 +160,21 @@ def test_a_port_in_use_is_an_error_that_says_what_to_do(run_dir):
         res = subprocess.run([sys.executable, "-m", "asyncrl.cli", "inspect", str(run_dir), "--port", str(port)],
                              capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "pass --port 0 for any free port" in res.stderr, res.stderr
+
+
+def test_on_loopback_only_requests_for_this_machine_are_answered(run_dir):
+    """A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) reads nothing."""
+    import urllib.error
+    import urllib.request
+
+    from benchmarks.inspect import start_inspector, stop_inspector
+
+    proc, url = start_inspector([run_dir])
+    try:
+        assert urllib.request.urlopen(url + "api/status", timeout=30).status == 200
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url + "api/status", headers={"Host": "evil.example"}),
+                                   timeout=30)
+        assert refused.value.code == 400
+    finally:
+        stop_inspector(proc)
