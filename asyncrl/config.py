@@ -440,10 +440,17 @@ class ActorConfig(PPOUpdateConfig):
     # fsdp2: FSDP2 x DTensor TP (x pipeline stages); megatron: megatron-core's GPTModel, TP x DP with
     # its distributed optimizer (docs/megatron.md); the reference policy runs on the same backend
     backend: str = "fsdp2"
+    # optimizer: AdamW's moments in host memory except while the optimizer steps or a checkpoint
+    # reads them (asyncrl.train.offload): the forward, backward and generation run without them
+    offload: Annotated[str, Literal["none", "optimizer"]] = "none"
 
     def check(self, at: str) -> None:
         super().check(at)
         self.lora.check(at + "lora.")
+        _one_of(at + "offload", self.offload, ("none", "optimizer"))
+        _check(self.offload == "none" or backend(self.backend).offload, at + "offload", self.offload,
+               f"the optimizer's state does not move to host memory on {at}backend={self.backend} yet; set "
+               f"{at}offload=none or {_those(at + 'backend', 'offload')}")
         self.moe.check(at + "moe.")
         _check_lora_layout(self, at)
         _check_backend(self, at)
@@ -902,7 +909,9 @@ class RLConfig(LaunchConfig):
                "cost_model.enable (its worker's state has no kept copy)": self.cost_model.enable,
                "a teacher on the training pool": needs_teacher(self.algorithm.name) and not self.teacher.n_workers,
                "algorithm.filter_groups.enable (refill batches are drawn inside the step)":
-               self.algorithm.filter_groups.enable}
+               self.algorithm.filter_groups.enable,
+               "actor.offload=optimizer (the kept state reads the optimizer's moments on the device)":
+               self.actor.offload != "none"}
         refused = [k for k, bad in why.items() if bad]
         _check(not refused, key, True, "does not cover " + "; ".join(refused) + "; set it to false, or change those")
 

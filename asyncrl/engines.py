@@ -43,6 +43,7 @@ class TrainBackend:
     whole_tp_pp_shards: bool = False  # memory: DP ranks hold whole TP x PP shards, optimizer state over DP
     images: bool = False  # trains vision-language models on image prompts (`asyncrl.data.images`)
     failover: bool = False  # its engines rebuild on a re-formed process group from kept states (trainer.failover)
+    offload: bool = False  # keeps the optimizer's state in host memory between its steps (`actor.offload`)
     requires: str | None = None  # "module:function" raising ConfigError when its library is missing
     model_check: str | None = None  # "module:function": (role, section, model path, cfg) -> None, before workers start
 
@@ -98,7 +99,7 @@ BACKENDS: dict[str, TrainBackend] = {
     "fsdp2": TrainBackend("asyncrl.roles.actor:fsdp_engines", "asyncrl.roles.critic:fsdp_critic",
                           teacher_engine="asyncrl.roles.teacher:fsdp_teacher", lora=True,
                           sequence_parallel=True, packing=True, hf_routers=True, feeds_split_pool=True, images=True,
-                          failover=True),
+                          failover=True, offload=True),
     "megatron": TrainBackend("asyncrl.roles.actor:megatron_engines", "asyncrl.roles.critic:megatron_critic",
                              expert_parallel=True, one_layout_per_process=True, moe_tensor_parallel=True,
                              moe_pipeline=True, whole_tp_pp_shards=True,

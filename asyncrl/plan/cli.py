@@ -107,6 +107,7 @@ def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile) -> list[st
     a = s["actor"]
     out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}"]
     out += [f"actor.parallel.sp={a.sp}"] if a.sp > 1 else []
+    out += ["actor.offload=optimizer"] if a.offload else []
     out += [f"actor.micro_batch_size={a.micro_batch}", f"actor.log_prob_micro_batch_size={a.micro_batch}",
             f"rollout.parallel.tp={s[ROLLOUT].gen_tp if plan.split else a.gen_tp}"]
     if "critic" in s:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import (
+    ADAM,
     Knobs,
     actor_trained,
     forward_only_weights,
@@ -41,6 +42,7 @@ class Strategy:
     micro_batch: int = 1
     gen_tp: int = 1
     sp: int = 1  # Ulysses: groups of sp dp ranks share each micro-batch's tokens
+    offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
 
     @property
     def devices(self) -> int:
@@ -48,7 +50,7 @@ class Strategy:
 
     def label(self) -> str:
         text = f"dp{self.dp}·tp{self.tp}·pp{self.pp}" + (f"·sp{self.sp}" if self.sp > 1 else "") + f" mb{self.micro_batch}"
-        return text + (f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else "")
+        return text + (f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else "") + (" offload" if self.offload else "")
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,14 @@ def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, u
         return 0.0
     if trained:
         trains = actor_trained(model, knobs) if unit == "actor" else (unit == "critic" and knobs.critic_lora_params) or None
-        return sum(training_state(model, shards, trains).values())
+        state = training_state(model, shards, trains)
+        return sum(state.values()) - (state[ADAM] if s.offload else 0.0)
     return forward_only_weights(model, shards, knobs)
+
+
+def offloaded_bytes(model: ModelSpec, s: Strategy, knobs: Knobs) -> float:
+    """The actor's optimizer state a device holds only while it steps (Strategy.offload)."""
+    return training_state(model, s.tp * s.pp * s.dp, actor_trained(model, knobs))[ADAM] if s.offload else 0.0
 
 
 def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mesh: Mesh,
@@ -138,8 +146,10 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
         stage = max(stage, kinds * (s.dp - 1) / s.dp * shard / bw)
         stage += kinds * (model.layers / s.pp + 1) * latency * (s.dp - 1)
     per_step = (micro + s.pp - 1) * stage  # 1F1B: the pipeline fills and drains once per step
-    if train:  # the optimizer reads and writes the state shard
+    if train:  # the optimizer reads and writes the state shard (an offloaded one: to the device and back first)
         per_step += 2 * model.params * TRAIN_STATE_BYTES / (s.tp * s.pp * s.dp) / (profile.mem_bw * profile.mem_bw_efficiency)
+        moved = offloaded_bytes(model, s, knobs or Knobs())
+        per_step += 2 * moved / (profile.host_bw or profile.mem_bw * profile.mem_bw_efficiency)
     time_s = steps * per_step + profile.call_overhead_s
     knobs = replace(knobs or Knobs(compute_bytes=profile.bytes_per_param), sp=s.sp)
     width = w.response_len + 1  # the scored positions
@@ -148,7 +158,8 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
                             in_flight=min(s.pp, micro))
     else:
         parts = forward_pass(model, rows, width, s.tp, knobs)
-    return CallCost(time_s, sum(parts.values()))
+    # an offloaded optimizer's state comes back for its step, once the activations are freed
+    return CallCost(time_s, max(sum(parts.values()), offloaded_bytes(model, s, knobs) if train else 0.0))
 
 
 def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: DeviceProfile,

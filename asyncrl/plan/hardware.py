@@ -47,6 +47,9 @@ class DeviceProfile:
     tp_latency_s: float = 0.0  # per tensor-parallel all-reduce inside a layer (0 = intra_latency_s)
     usable_memory_fraction: float = 0.9
     bytes_per_param: int = 2  # weights as the device computes with them (bf16 on GPU, fp32 on CPU)
+    # pinned host <-> device copies per device, each way, with a node's devices copying at once
+    # (actor.offload); 0: the device's memory is the host's (a CPU: a copy at mem_bw)
+    host_bw: float = 0.0
 
     def bandwidth(self, across_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency) of a collective inside one node or across nodes."""

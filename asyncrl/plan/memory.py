@@ -101,6 +101,7 @@ class Knobs:
     ep: int = 1  # actor.moe.ep (megatron): each rank holds experts / ep of the experts
     sp: int = 1  # actor.parallel.sp (Ulysses): a micro-batch's tokens split over sp ranks
     vision_trains: bool = True  # a vision-language model's tower trains (not actor.freeze_vision, not LoRA)
+    offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -115,7 +116,8 @@ class Knobs:
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
                    megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp,
-                   vision_trains=not (cfg.actor.freeze_vision or cfg.actor.lora.enabled))
+                   vision_trains=not (cfg.actor.freeze_vision or cfg.actor.lora.enabled),
+                   offload=cfg.actor.offload == "optimizer")
 
 
 def rollout_pool_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -151,13 +153,16 @@ def _moe_extra(spec: ModelSpec) -> float:
 
 
 # the terms: each a few named parts, bytes per device ------------------------------------------
+ADAM = "Adam moments (fp32 shard)"
+OFFLOADED = "Adam moments (host; on device to step)"
+
+
 def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -> dict[str, float]:
     """A trained model's FSDP shard: fp32 master weights, fp32 gradients, Adam's two moments
     (`trained`: the parameters that train, when not all do: LoRA's adapters)."""
     shard = spec.params / shards
     grads = (spec.params if trained is None else trained) / shards
-    return {"weights (fp32 master shard)": 4 * shard, "gradients (fp32 shard)": 4 * grads,
-            "Adam moments (fp32 shard)": 8 * grads}
+    return {"weights (fp32 master shard)": 4 * shard, "gradients (fp32 shard)": 4 * grads, ADAM: 8 * grads}
 
 
 def actor_trained(spec: ModelSpec, knobs: Knobs) -> float | None:
@@ -310,14 +315,18 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     eval_kv = {"KV cache (evaluation waves)": held_out[KV]} if KV in held_out and eval_rows != gen_rows else {}
     lp = forward_pass(spec, min(ac.log_prob_micro_batch_size, rows), width, par.tp, knobs)
     up = update_pass(spec, min(ac.micro_batch_size, rows / ac.ppo_mini_batches), seq, width, par.tp, knobs)
+    # on a GPU: its bytes leave the device between steps (a CPU's host memory is its device memory)
+    moved = {OFFLOADED: resident.pop(ADAM)} if knobs.offload and not knobs.megatron and on_gpu else {}
     base = sum(resident.values())
     phases = {"generate": base + sum(gen.values()), "evaluate": base + sum(held_out.values()),
               "log-probs": base + sum(lp.values()),
               "update": base + sum(up.values())}
-    host = checkpoint_phases(spec, shards, knobs, base)
+    if moved:  # the state comes back for the optimizer's step, after the backward's activations are freed
+        phases["optimizer step"] = base + moved[OFFLOADED]
+    host = {**checkpoint_phases(spec, shards, knobs, base), **({"steps (offloaded optimizer, each rank)": moved[OFFLOADED]} if moved else {})}
     if not on_gpu:  # the checkpoint's bytes are host memory: the device's own on a CPU
         phases.update(host)
-    return MemoryEstimate({**resident, **gen, **eval_kv, **lp, **up}, phases, host)
+    return MemoryEstimate({**resident, **moved, **gen, **eval_kv, **lp, **up}, phases, host)
 
 
 def fill_token_budget(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float) -> tuple[int, float]:

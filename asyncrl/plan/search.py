@@ -169,9 +169,18 @@ class SearchSpace:
                 sps = [1]
                 if self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic"):
                     sps = [k for k in _powers_of_two(min(dp, self.per_node)) if (model.heads // tp) % k == 0]
+                offloads = self._offloads() if unit == "actor" else [False]
                 for mb in mbs:
-                    out.extend(Strategy(dp, tp, pp, mb, g, sp) for g in gens for sp in sps)
+                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off) for g in gens for sp in sps for off in offloads)
         return tuple(out)
+
+    def _offloads(self) -> list[bool]:
+        """Whether the actor's optimizer state lives in host memory between steps: as configured
+        (actor.offload=optimizer), else both tried on a GPU where the backend moves it (FSDP2)."""
+        if self.knobs.offload:
+            return [True]
+        tried = self.profile.kind == "gpu" and self.deployable and not self.knobs.megatron and not self.knobs.lora_params
+        return [False, True] if tried else [False]
 
     # pricing ----------------------------------------------------------------------------------
     def _call_cost(self, index: int, s: Strategy, devices: int) -> CallCost:

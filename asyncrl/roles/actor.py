@@ -772,7 +772,7 @@ def fsdp_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layout: P
         model = parallelize(base, layout, mp)
         if one_copy:
             materialize(model, device)
-        actor = engine_cls(model, layout, optim=cfg.actor.optim, device=device)
+        actor = engine_cls(model, layout, optim=cfg.actor.optim, device=device, offload=cfg.actor.offload)
         if lora.enabled:
             actor.lora = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
                           "targets": lora.target_modules, "base_model": cfg.model.path}

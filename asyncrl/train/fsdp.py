@@ -14,6 +14,7 @@ micro-batches, or the job hangs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -46,6 +47,7 @@ from asyncrl.train.common import EngineError, find_blocks, start_step_metrics
 from asyncrl.train.engine import LossFn
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
+from asyncrl.train.offload import OptimizerOffload
 from asyncrl.train.optim import OptimConfig, lr_multiplier
 from transport import trace
 
@@ -241,6 +243,7 @@ class FSDPEngine:
         optim: OptimConfig | None,
         device: str | None = None,
         accumulate_unsharded: bool | None = None,
+        offload: str = "none",
     ) -> None:
         if not dist.is_initialized():
             raise EngineError("call asyncrl.train.init_distributed() before building a FSDPEngine")
@@ -287,6 +290,8 @@ class FSDPEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: lr_multiplier(step, optim)
             )
+        # actor.offload=optimizer: AdamW's state in host memory between its steps (asyncrl.train.offload)
+        self.offload = OptimizerOffload(self.optimizer, offload == "optimizer") if self.optimizer else None
 
     # -- training ---------------------------------------------------------------------------
 
@@ -333,7 +338,12 @@ class FSDPEngine:
         with trace.span("all_reduce metrics", "collective"):
             out = metrics_done()
         out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
-        return out
+        return {**out, **(self.offload.metrics() if self.offload is not None else {})}
+
+    def state_on_device(self) -> Any:
+        """A block in which the optimizer's state is on the device (it may live in host memory
+        between steps: actor.offload)."""
+        return self.offload.on_device() if self.offload is not None else contextlib.nullcontext()
 
     def _accumulates_unsharded(self) -> bool:
         """Whether this step's micro-batches accumulate unsharded: as set, or (None) when
@@ -355,7 +365,8 @@ class FSDPEngine:
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = bool(torch.isfinite(grad_norm))
         if finite:
-            self.optimizer.step()
+            with self.state_on_device():
+                self.optimizer.step()
             self.scheduler.step()
         else:
             log.warning("non-finite grad norm %s: skipping this optimizer step", grad_norm.item())
@@ -433,13 +444,14 @@ class FSDPEngine:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.finish_checkpoint()
-        if asynchronous:
-            if self._checkpoint_group is None:  # the background thread's collectives: never on the training group
-                self._checkpoint_group = dist.new_group(backend="gloo")
-            self._pending_save = dcp.async_save(self._sharded_state(), checkpoint_id=path / "dcp",
-                                                process_group=self._checkpoint_group)
-        else:
-            dcp.save(self._sharded_state(), checkpoint_id=path / "dcp")
+        with self.state_on_device():  # an asynchronous save copies it to host memory before it returns
+            if asynchronous:
+                if self._checkpoint_group is None:  # the background thread's collectives: never on the training group
+                    self._checkpoint_group = dist.new_group(backend="gloo")
+                self._pending_save = dcp.async_save(self._sharded_state(), checkpoint_id=path / "dcp",
+                                                    process_group=self._checkpoint_group)
+            else:
+                dcp.save(self._sharded_state(), checkpoint_id=path / "dcp")
         torch.save(
             {
                 "layout": self.layout.to_wire(),
@@ -490,6 +502,15 @@ class FSDPEngine:
                 "(pipeline stages untie them), but this model ties them, so one trained weight "
                 "would be lost; resume with the same actor.parallel.pp > 1, or start a new run "
                 f"from its export (model.path={path / 'hf'}), which loads untied")
+        with self.state_on_device():
+            self._load_sharded(path)
+        if self.scheduler is not None and meta["scheduler"] is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        log.info("loaded checkpoint %s", path)
+        return meta["extra"]
+
+    def _load_sharded(self, path: Path) -> None:
+        """Model and optimizer shards from `path/dcp` (resharded onto this layout)."""
         state = self._sharded_state()
         copies = _alias_tied_keys(state, path / "dcp")
         dcp.load(state, checkpoint_id=path / "dcp")
@@ -511,10 +532,6 @@ class FSDPEngine:
             )
         else:
             set_model_state_dict(self.model, state["model"])
-        if self.scheduler is not None and meta["scheduler"] is not None:
-            self.scheduler.load_state_dict(meta["scheduler"])
-        log.info("loaded checkpoint %s", path)
-        return meta["extra"]
 
     def _read_meta(self, path: Path) -> dict[str, Any]:
         """This rank's `rank{r}.pt` when `path` was saved in this layout, else rank 0's."""

@@ -272,11 +272,11 @@ class PipelineEngine(FSDPEngine):
     pipelined = True
 
     def __init__(self, model: DecoderStage, layout: ParallelLayout, *, optim: OptimConfig | None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, offload: str = "none") -> None:
         if not isinstance(model, DecoderStage):
             raise EngineError("PipelineEngine needs the stage module that parallelize() returns "
                               "for a layout with pp > 1")
-        super().__init__(model, layout, optim=optim, device=device)
+        super().__init__(model, layout, optim=optim, device=device, offload=offload)
         self.pp_size = layout.size("pp")
         self.pp_rank = layout.coord(self.rank, "pp")
         self.pp_group = layout.submesh("pp", self.device.type).get_group() if self.pp_size > 1 else None

@@ -396,3 +396,13 @@ def test_failover_refuses_what_it_does_not_cover_naming_each_key():
             C.rl_config(bad)
     with pytest.raises(ConfigError, match="actor.parallel tp=2"):
         C.rl_config({**ok, "actor": {"parallel": {"tp": 2}}, "trainer": {"failover": {"enable": True}, "n_workers": 2}})
+    with pytest.raises(ConfigError, match="actor.offload=optimizer"):
+        C.rl_config({**ok, "actor": {"offload": "optimizer"}})
+
+
+def test_an_optimizer_offload_is_refused_where_the_backend_does_not_move_it():
+    assert C.rl_config({"actor": {"offload": "optimizer"}}).actor.offload == "optimizer"
+    with pytest.raises(ConfigError, match=r"actor.offload.*does not move to host memory on actor.backend=megatron"):
+        C.rl_config({"actor": {"offload": "optimizer", "backend": "megatron"}})
+    with pytest.raises(ConfigError, match="actor.offload"):
+        C.rl_config({"actor": {"offload": "params"}})

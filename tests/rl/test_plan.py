@@ -106,6 +106,38 @@ def test_the_7b_plan_runs_as_launch_overrides(capsys):
     assert par.dp * par.tp * par.pp == cfg.trainer.n_workers
 
 
+def test_the_search_moves_the_optimizer_to_host_memory_only_when_the_devices_need_it(capsys):
+    """Qwen2.5-7B's GRPO on 2 H100s fits only with AdamW's state in host memory between its steps:
+    the plan says so (actor.offload=optimizer, its command passes the config check), its estimate
+    holds the state for the optimizer's step alone and prices moving it; on 4 H100s it stays put."""
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+    from asyncrl.plan.memory import OFFLOADED, worker_memory
+
+    user = ["cluster.nnodes=1", "model.path=Qwen/Qwen2.5-7B", "data.max_prompt_len=1024", "rollout.max_tokens=2048",
+            "plan.device=h100"]
+    plans = {}
+    for gpus in (2, 4):
+        assert plan_main(["--config-name", "grpo", "--json", *user, f"cluster.gpus_per_node={gpus}"]) == 0
+        plans[gpus] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "actor.offload=optimizer" in plans[2]["overrides"] and "actor.offload=optimizer" not in plans[4]["overrides"]
+    cfg = rl_config(load_config("grpo", [*user, "cluster.gpus_per_node=2", *plans[2]["overrides"]]))
+    assert cfg.actor.offload == "optimizer"
+    spec = KNOWN_MODELS["Qwen/Qwen2.5-7B"]
+    moved, kept = (worker_memory(c, spec, True, H100.mem_bytes) for c in (cfg, replace(cfg, actor=replace(
+        cfg.actor, offload="none"))))
+    adam = moved.parts[OFFLOADED]
+    assert adam == kept.parts["Adam moments (fp32 shard)"] == 8 * spec.params / 2
+    assert moved.phases["update"] == kept.phases["update"] - adam and moved.phases["optimizer step"] <= kept.total
+    assert moved.host["steps (offloaded optimizer, each rank)"] == adam
+    s = Strategy(dp=1, tp=2, micro_batch=2, gen_tp=2)
+    calls = rl_calls("grpo", critic=False, ref=False, reward_model=False, recompute=False, actor_epochs=1, actor_minis=1)
+    w = Workload(models={"actor": spec}, calls=calls, sequences=512, prompt_len=1024, response_len=2048)
+    train = next(c for c in w.calls if c.kind == "train")
+    plain, off = (forward_backward(spec, replace(s, offload=o), w, train, Mesh(2, 8), H100) for o in (False, True))
+    assert off.time_s - plain.time_s == pytest.approx(train.optimizer_steps * 2 * adam / H100.host_bw)
+
+
 def test_table_and_explain_name_the_plan(capsys):
     assert plan_main(["--config-name", "ppo", "--explain", "cluster.gpus_per_node=8",
                       "model.path=Qwen/Qwen2.5-1.5B", "plan.device=h200"]) == 0
