@@ -151,6 +151,14 @@ class Query:
             raise RunError(f"sort={self.sort!r}: sort by one of {', '.join(SORTS)} (a leading - for descending)")
         if self.page < 1 or not 1 <= self.per_page <= 500:
             raise RunError("page starts at 1, and per_page is 1 to 500")
+        for name in ("step_min", "step_max", "length_min", "length_max"):
+            value = getattr(self, name)
+            if value is not None and abs(value) >= 2**62:
+                raise RunError(f"{name}={value}: out of range")
+        for name in ("reward_min", "reward_max"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise RunError(f"{name}={value}: give a finite number")
 
 
 @dataclass

@@ -126,6 +126,10 @@ def test_bad_input_is_a_page_that_says_what_is_wrong_and_the_server_keeps_servin
         url = "/runs/0/rollouts?sort=-reward"
     elif what == "bad_query":
         url = "/runs/0/rollouts?reward_min=high"
+        for odd, says in (("step_min=-99999999999999999999999", "out of range"), ("reward_max=nan", "finite"),
+                          ("per_page=100000", "per_page is 1 to 500"), ("color=<b>x</b>", "")):
+            page = client(run_dir).get(("/runs/0/rollouts/40/1/3?" if odd.startswith("color") else "/runs/0/rollouts?") + odd)
+            assert page.status_code == 400 and says in page.text and "<b>x" not in page.text, page.text
     else:
         url = "/runs/0/rollouts/7/0/99"
     web = client(*paths)
