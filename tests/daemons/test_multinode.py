@@ -408,8 +408,10 @@ def test_node_exits_when_the_head_is_killed(netpair, tmp_path):
         text_b = out_b.read_text()
         assert rc1 == 1, text_b
         assert "cluster.head_loss_timeout_s=5" in text_b, text_b
-        # the head's silence is counted from its last answer, up to one heartbeat (1 s) before the kill
-        assert 5 - 1.0 - 0.2 < took < 12, (took, text_b)
+        # the head's silence is counted from its last answer: up to a heartbeat (1 s) before the kill,
+        # more when a loaded machine held the head back; the node gave up after the timeout by its clock
+        silent = re.search(r"has been unreachable for (\d+)s", text_b)
+        assert silent and int(silent[1]) >= 5 and took < 12, (took, text_b)
         print(f"node 1 exited {took:.1f}s after the head was killed")
 
 
