@@ -33,9 +33,10 @@ from asyncrl.plan.cost import (
 )
 from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import RUNTIME_BYTES, Knobs, checkpoint_phases
-from asyncrl.plan.workload import Stage, Workload
+from asyncrl.plan.workload import ModelSpec, Stage, Workload
 
 SP_FROM_TOKENS = 8192  # sequences at least this long: the search also tries Ulysses sequence parallelism
+OFFLOAD_FROM = 0.25  # the actor's training state above this share of a device: the search also tries offloading it
 ROLLOUT = "rollout"  # the generation engine as a unit of its own (asyncrl's trainer.placement=split)
 
 
@@ -169,18 +170,20 @@ class SearchSpace:
                 sps = [1]
                 if self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic"):
                     sps = [k for k in _powers_of_two(min(dp, self.per_node)) if (model.heads // tp) % k == 0]
-                offloads = self._offloads() if unit == "actor" else [False]
+                offloads = self._offloads(model, dp, tp, pp) if unit == "actor" else [False]
                 for mb in mbs:
                     out.extend(Strategy(dp, tp, pp, mb, g, sp, off) for g in gens for sp in sps for off in offloads)
         return tuple(out)
 
-    def _offloads(self) -> list[bool]:
+    def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[bool]:
         """Whether the actor's optimizer state lives in host memory between steps: as configured
-        (actor.offload=optimizer), else both tried on a GPU where the backend moves it (FSDP2)."""
+        (actor.offload=optimizer), else both tried on a GPU where the backend moves it (FSDP2) and
+        the training state takes more than OFFLOAD_FROM of a device (elsewhere it cannot matter)."""
         if self.knobs.offload:
             return [True]
         tried = self.profile.kind == "gpu" and self.deployable and not self.knobs.megatron and not self.knobs.lora_params
-        return [False, True] if tried else [False]
+        state = resident_bytes(model, Strategy(dp, tp, pp), True, self.knobs, "actor")
+        return [False, True] if tried and state > OFFLOAD_FROM * self.usable else [False]
 
     # pricing ----------------------------------------------------------------------------------
     def _call_cost(self, index: int, s: Strategy, devices: int) -> CallCost:
