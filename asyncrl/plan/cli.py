@@ -164,6 +164,15 @@ def explain(cost: PlanCost) -> str:
     return "\n".join(lines)
 
 
+def moe_generation_note(spec: Any, profile: DeviceProfile) -> str:
+    """For a mixture of experts: generation holds a whole copy of it on each device (no expert
+    parallelism in the rollout yet), often what does not fit."""
+    if not spec.experts:
+        return ""
+    return (f"; generation holds a whole copy of this mixture of experts on each device "
+            f"({profile.bytes_per_param * spec.params / 2**30:.1f} GiB: expert-parallel generation is not built yet)")
+
+
 def plan_main(args: argparse.Namespace) -> int:
     from asyncrl.config import rl_config
     from asyncrl.launch import load_config
@@ -183,7 +192,7 @@ def plan_main(args: argparse.Namespace) -> int:
               f"when sharded over all {nnodes * per_node} (fp32 weights, and gradients and Adam moments of what "
               f"trains), of a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, "
               "activations and the KV cache; add devices (cluster.nnodes), train LoRA adapters (actor.lora.rank) "
-              "or lower data.batch_size, rollout.n or the sequence lengths",
+              "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile),
               file=sys.stderr)
         return 1
     launch = overrides(result.best, space, profile)

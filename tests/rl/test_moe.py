@@ -244,6 +244,17 @@ def test_the_planner_counts_a_mixture_of_experts_total_and_active_parameters():
     assert one["Adam moments (over DP)"] == two["Adam moments (over DP)"]
 
 
+def test_a_mixture_of_experts_that_fits_no_device_names_the_generation_replica(capsys):
+    """Qwen3-30B-A3B with 16 K-token responses on 8 H100s: no plan (issue 63's bar, not met), and
+    the message says what the native engine's generation holds per device."""
+    from asyncrl.plan.cli import main as plan_main
+
+    assert plan_main(["--config-name", "grpo", "cluster.nnodes=1", "cluster.gpus_per_node=8",
+                      "model.path=Qwen/Qwen3-30B-A3B", "data.max_prompt_len=1024", "rollout.max_tokens=16384"]) == 1
+    said = capsys.readouterr().err
+    assert "generation holds a whole copy of this mixture of experts on each device (56.9 GiB" in said, said
+
+
 def test_mixtral_checkpoints_load_and_export_under_their_own_names(tmp_path):
     """Mixtral's checkpoints name the block `block_sparse_moe` and its experts' projections w1 / w3
     / w2 (transformers 5 renames them at load): asyncrl's loader fuses them into the model's
