@@ -102,6 +102,7 @@ class Knobs:
     sp: int = 1  # actor.parallel.sp (Ulysses): a micro-batch's tokens split over sp ranks
     vision_trains: bool = True  # a vision-language model's tower trains (not actor.freeze_vision, not LoRA)
     offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
+    routes: bool = False  # actor.moe.router_replay != none: each token's experts recorded and carried with its row
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -117,7 +118,7 @@ class Knobs:
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
                    megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp,
                    vision_trains=not (cfg.actor.freeze_vision or cfg.actor.lora.enabled),
-                   offload=cfg.actor.offload == "optimizer")
+                   offload=cfg.actor.offload == "optimizer", routes=cfg.actor.moe.router_replay != "none")
 
 
 def rollout_pool_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -145,6 +146,15 @@ def lora_params(spec: ModelSpec, lora: Any) -> int:
     return lora.rank * (spec.layers * sum(sizes[leaf] for leaf in leaves) + embeddings * (spec.vocab + spec.hidden))
 
 
+def route_bytes(spec: ModelSpec, knobs: Knobs) -> float:
+    """A token's recorded experts (routing replay): every layer's top-k, in the smallest integer
+    type that holds the expert count and -1 (asyncrl.train.moe.route_dtype)."""
+    if not (knobs.routes and spec.experts):
+        return 0.0
+    width = 1 if spec.experts <= 127 else 2 if spec.experts <= 32767 else 4
+    return spec.layers * spec.experts_per_token * width
+
+
 def _moe_extra(spec: ModelSpec) -> float:
     """Saved activations a mixture-of-experts layer adds per token, in compute-dtype widths: each
     of its k experts' gathered input, output and weighted output, and the router's fp32 logits
@@ -155,6 +165,7 @@ def _moe_extra(spec: ModelSpec) -> float:
 # the terms: each a few named parts, bytes per device ------------------------------------------
 ADAM = "Adam moments (fp32 shard)"
 OFFLOADED = "Adam moments (host; on device to step)"
+ROUTES = "routed experts (routing replay)"
 
 
 def training_state(spec: ModelSpec, shards: int, trained: float | None = None) -> dict[str, float]:
@@ -317,6 +328,9 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     up = update_pass(spec, min(ac.micro_batch_size, rows / ac.ppo_mini_batches), seq, width, par.tp, knobs)
     # on a GPU: its bytes leave the device between steps (a CPU's host memory is its device memory)
     moved = {OFFLOADED: resident.pop(ADAM)} if knobs.offload and not knobs.megatron and on_gpu else {}
+    if knobs.routes and spec.experts:  # the rank's rows carry their tokens' experts from generation to the update
+        routes = {ROUTES: rows * seq * route_bytes(spec, knobs)}
+        gen, lp, up = {**gen, **routes}, {**lp, **routes}, {**up, **routes}
     base = sum(resident.values())
     phases = {"generate": base + sum(gen.values()), "evaluate": base + sum(held_out.values()),
               "log-probs": base + sum(lp.values()),

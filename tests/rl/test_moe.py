@@ -255,6 +255,29 @@ def test_a_mixture_of_experts_that_fits_no_device_names_the_generation_replica(c
     assert "generation holds a whole copy of this mixture of experts on each device (56.9 GiB" in said, said
 
 
+def test_the_estimate_prices_the_recorded_experts_in_their_own_integer_type():
+    """Routing replay carries each token's experts (every layer's top-k) with its row from generation
+    to the update: Qwen3-30B-A3B's 128 experts take int16 (768 bytes a token, 0.4 GiB for a rank's 32
+    rows of 17 K tokens), an 8-expert model's int8; nothing without replay."""
+    from asyncrl.config import rl_config
+    from asyncrl.plan.memory import ROUTES, worker_memory
+    from asyncrl.plan.workload import KNOWN_MODELS, ModelSpec
+    from asyncrl.train.moe import route_dtype
+
+    assert route_dtype(128) == torch.int16 and route_dtype(8) == torch.int8 and route_dtype(127) == torch.int8
+    spec = KNOWN_MODELS["Qwen/Qwen3-30B-A3B"]
+    base = {"trainer": {"n_workers": 8}, "data": {"max_prompt_len": 1024}, "rollout": {"max_tokens": 16384}}
+    kept = worker_memory(rl_config({**base, "actor": {"moe": {"router_replay": "rollout"}}}), spec, True, 80e9)
+    plain = worker_memory(rl_config(base), spec, True, 80e9)
+    rows, seq = 32 * 8 / 8, 1024 + 16384
+    assert kept.parts[ROUTES] == rows * seq * 48 * 8 * 2 and ROUTES not in plain.parts
+    assert kept.phases["update"] - plain.phases["update"] == kept.parts[ROUTES]
+    tiny = ModelSpec.from_hf_config("tiny", tiny_qwen3_moe().config.to_dict())
+    cfg = rl_config({"actor": {"moe": {"router_replay": "rollout"}}, "trainer": {"n_workers": 2}})
+    rows, seq = cfg.data.batch_size * cfg.rollout.n / 2, cfg.data.max_prompt_len + cfg.rollout.max_tokens
+    assert worker_memory(cfg, tiny, True, 80e9).parts[ROUTES] == rows * seq * tiny.layers * 2 * 1  # int8
+
+
 def test_mixtral_checkpoints_load_and_export_under_their_own_names(tmp_path):
     """Mixtral's checkpoints name the block `block_sparse_moe` and its experts' projections w1 / w3
     / w2 (transformers 5 renames them at load): asyncrl's loader fuses them into the model's

@@ -232,6 +232,10 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
                and 0.5 < r["moe/aux_loss"] < 8 and r["moe/z_loss"] > 0 for r in steps), steps
     if replay == "rollout":  # on-policy: the update's own routing is the rollout's
         assert all(r["moe/routing_agreement"] == 1.0 for r in steps), steps
+    # the recorded experts stay with their rows: no rank pulls another's for its passes
+    stats = [r for r in steps if "perf/update_actor_cross_rank_mb" in r]
+    assert stats and all(r["perf/update_actor_cross_rank_mb"] == 0 and r["perf/compute_log_prob_cross_rank_mb"] == 0
+                         for r in stats), stats
     exported = _weights(Path(summary["checkpoint"]))
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
     assert not any(k.endswith("gate_up_proj") for k in exported)
