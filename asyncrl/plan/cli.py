@@ -108,6 +108,7 @@ def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile) -> list[st
     out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}"]
     out += [f"actor.parallel.sp={a.sp}"] if a.sp > 1 else []
     out += ["actor.offload=optimizer"] if a.offload else []
+    out += [f"actor.moe.ep={a.ep}"] if a.ep > 1 else []
     out += [f"actor.micro_batch_size={a.micro_batch}", f"actor.log_prob_micro_batch_size={a.micro_batch}",
             f"rollout.parallel.tp={s[ROLLOUT].gen_tp if plan.split else a.gen_tp}"]
     if "critic" in s:
@@ -183,7 +184,11 @@ def plan_main(args: argparse.Namespace) -> int:
     w = workload_from_config(cfg, spec)
     w = replace(w, micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, cfg.actor.micro_batch_size})))
     knobs = Knobs.from_config(cfg, on_gpu=profile.kind == "gpu", device_bytes=profile.mem_bytes, spec=spec)
-    space = SearchSpace(w, profile, nnodes, per_node, deployable=True, knobs=knobs)
+    from asyncrl.engines import backend
+
+    # a rollout pool of its own is fed by the training shards' weight sync, which some backends lack
+    space = SearchSpace(w, profile, nnodes, per_node, deployable=True, knobs=knobs,
+                        allow_split=backend(cfg.actor.backend).feeds_split_pool)
     result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
     if result.best is None:
         floor = sum(training_state(spec, nnodes * per_node, actor_trained(spec, knobs)).values()) / 2**30

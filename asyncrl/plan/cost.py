@@ -22,6 +22,8 @@ from asyncrl.plan.memory import (
     forward_only_weights,
     forward_pass,
     generation,
+    megatron_held,
+    megatron_state,
     training_state,
     update_pass,
 )
@@ -43,6 +45,7 @@ class Strategy:
     gen_tp: int = 1
     sp: int = 1  # Ulysses: groups of sp dp ranks share each micro-batch's tokens
     offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
+    ep: int = 1  # megatron's expert parallelism (actor.moe.ep): a mixture's experts split over ep of the dp ranks
 
     @property
     def devices(self) -> int:
@@ -50,7 +53,8 @@ class Strategy:
 
     def label(self) -> str:
         text = f"dp{self.dp}·tp{self.tp}·pp{self.pp}" + (f"·sp{self.sp}" if self.sp > 1 else "") + f" mb{self.micro_batch}"
-        return text + (f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else "") + (" offload" if self.offload else "")
+        text += f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else ""
+        return text + (f" ep{self.ep}" if self.ep > 1 else "") + (" offload" if self.offload else "")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,10 @@ def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, u
     shards = s.tp * s.pp * s.dp
     if knobs.lora_params and unit == "ref":
         return 0.0
+    if knobs.megatron and unit in ("actor", "ref"):  # whole TP x PP shards, a mixture's experts over ep
+        if trained:
+            return sum(megatron_state(model, s.tp * s.pp, s.dp, knobs.compute_bytes, s.ep).values())
+        return knobs.compute_bytes * megatron_held(model, s.tp * s.pp, s.ep)
     if trained:
         trains = actor_trained(model, knobs) if unit == "actor" else (unit == "critic" and knobs.critic_lora_params) or None
         state = training_state(model, shards, trains)
@@ -132,6 +140,10 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
     if s.pp > 1:
         bw, latency = profile.bandwidth(mesh.spans(s.pp, s.tp))
         stage += (2 if train else 1) * (latency + act / bw)
+    if s.ep > 1:  # each MoE layer and pass: tokens to their experts' ranks and back (two all-to-alls)
+        bw, latency = profile.bandwidth(mesh.spans(s.ep, s.tp * s.pp))
+        sent = act / s.tp * model.experts_per_token * (s.ep - 1) / s.ep
+        stage += passes * model.layers / s.pp * 2 * (latency + sent / bw)
     if s.sp > 1:  # Ulysses: per layer and pass, q/k/v out and attention back, each (sp-1)/sp of a slice
         bw, latency = profile.bandwidth(mesh.spans(s.sp, s.tp * s.pp))
         stage += passes * model.layers / s.pp * 4 * (latency + (s.sp - 1) / s.sp * act / s.tp / bw)

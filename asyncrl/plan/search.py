@@ -171,9 +171,21 @@ class SearchSpace:
                 if self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic"):
                     sps = [k for k in _powers_of_two(min(dp, self.per_node)) if (model.heads // tp) % k == 0]
                 offloads = self._offloads(model, dp, tp, pp) if unit == "actor" else [False]
+                eps = self._expert_parallel(model, dp) if unit in ("actor", "ref") else [1]
                 for mb in mbs:
-                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off) for g in gens for sp in sps for off in offloads)
+                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off, ep) for g in gens for sp in sps
+                               for off in offloads for ep in eps)
         return tuple(out)
+
+    def _expert_parallel(self, model: ModelSpec, dp: int) -> list[int]:
+        """megatron's expert-parallel sizes for a mixture of experts: as configured (actor.moe.ep > 1,
+        where it divides the data-parallel ranks), else the powers of two that divide its data-parallel
+        ranks and its experts (1 elsewhere)."""
+        if not (model.experts and self.knobs.megatron):
+            return [1]
+        if self.knobs.ep > 1:
+            return [self.knobs.ep] if dp % self.knobs.ep == 0 else []
+        return [e for e in _powers_of_two(dp) if model.experts % e == 0]
 
     def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[bool]:
         """Whether the actor's optimizer state lives in host memory between steps: as configured

@@ -255,6 +255,49 @@ def test_a_mixture_of_experts_that_fits_no_device_names_the_generation_replica(c
     assert "generation holds a whole copy of this mixture of experts on each device (56.9 GiB" in said, said
 
 
+def test_expert_parallelism_is_searched_and_priced_on_megatron(tmp_path, capsys):
+    """A Qwen3-MoE shape (9.6 B, 64 experts, top-8) on 8 H100s with megatron: the search tries
+    ep in {1, 2, 4, 8} (FSDP2: 1), each rank's state is megatron's with experts over ep, the two
+    all-to-alls per MoE layer and pass cost time; a configured ep is kept, and the plan's command
+    passes the config check."""
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    from asyncrl.config import rl_config
+    from asyncrl.launch import load_config
+    from asyncrl.plan.cli import main as plan_main
+    from asyncrl.plan.cost import Mesh, Strategy, forward_backward, resident_bytes
+    from asyncrl.plan.hardware import load_profile
+    from asyncrl.plan.memory import Knobs, megatron_state
+    from asyncrl.plan.search import SearchSpace
+    from asyncrl.plan.workload import ModelSpec, Workload, rl_calls
+
+    config = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_hidden_layers=28, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=64, num_experts_per_tok=8, tie_word_embeddings=False).to_dict()
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3MoeForCausalLM"]}))
+    spec, h100 = ModelSpec.from_hf_config("moe", config), load_profile("h100")
+    calls = rl_calls("grpo", critic=False, ref=True, reward_model=False, recompute=False, actor_epochs=1, actor_minis=1)
+    w = Workload(models={"actor": spec, "ref": spec}, calls=calls, sequences=256, prompt_len=1024, response_len=2048)
+    knobs = Knobs(compute_bytes=2, megatron=True)
+    assert {s.ep for s in SearchSpace(w, h100, 1, 8, knobs=knobs).strategies("actor", 8)} == {1, 2, 4, 8}
+    assert {s.ep for s in SearchSpace(w, h100, 1, 8, knobs=Knobs(compute_bytes=2)).strategies("actor", 8)} == {1}
+    held = [resident_bytes(spec, Strategy(8, 1, ep=ep), True, knobs, "actor") for ep in (1, 8)]
+    assert held[1] == sum(megatron_state(spec, 1, 8, 2, ep=8).values()) < held[0]
+    train = next(c for c in calls if c.kind == "train")
+    times = [forward_backward(spec, Strategy(8, 1, ep=ep), w, train, Mesh(8, 8), h100, knobs).time_s for ep in (1, 8)]
+    assert times[1] > times[0]  # the all-to-alls
+    user = ["cluster.nnodes=1", "cluster.gpus_per_node=8", "trainer.n_workers=8", f"model.path={tmp_path / 'moe'}",
+            "actor.backend=megatron", "actor.moe.ep=4", "data.max_prompt_len=1024", "rollout.max_tokens=2048"]
+    assert plan_main(["--config-name", "grpo", "--json", *user]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "actor.moe.ep=4" in out["overrides"]
+    cfg = rl_config(load_config("grpo", [*user, *out["overrides"]]))
+    assert cfg.actor.moe.ep == 4 and cfg.actor.parallel.dp % 4 == 0
+
+
 def test_the_estimate_prices_the_recorded_experts_in_their_own_integer_type():
     """Routing replay carries each token's experts (every layer's top-k) with its row from generation
     to the update: Qwen3-30B-A3B's 128 experts take int16 (768 bytes a token, 0.4 GiB for a rank's 32
