@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError
+from asyncrl.engines import backend
 from asyncrl.plan.hardware import DeviceProfile, load_profile
 from asyncrl.plan.memory import Knobs, actor_trained, training_state
 from asyncrl.plan.search import (
@@ -165,6 +166,17 @@ def explain(cost: PlanCost) -> str:
     return "\n".join(lines)
 
 
+def no_plan_message(spec: Any, knobs: Knobs, profile: DeviceProfile, nnodes: int, per_node: int) -> str:
+    """Why nothing fits: the training state alone when sharded over every device, and what to change."""
+    floor = sum(training_state(spec, nnodes * per_node, actor_trained(spec, knobs)).values()) / 2**30
+    return (f"asyncrl-plan: no plan fits {nnodes}x{per_node} {profile.name} devices for {spec.name} "
+            f"({spec.params / 1e9:.2f}B parameters): its training state alone is {floor:.1f} GiB per device "
+            f"when sharded over all {nnodes * per_node} (fp32 weights, and gradients and Adam moments of what "
+            f"trains), of a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, "
+            "activations and the KV cache; add devices (cluster.nnodes), train LoRA adapters (actor.lora.rank) "
+            "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile))
+
+
 def moe_generation_note(spec: Any, profile: DeviceProfile) -> str:
     """For a mixture of experts: generation holds a whole copy of it on each device (no expert
     parallelism in the rollout yet), often what does not fit."""
@@ -184,21 +196,12 @@ def plan_main(args: argparse.Namespace) -> int:
     w = workload_from_config(cfg, spec)
     w = replace(w, micro_batch_sizes=tuple(sorted({1, 2, 4, 8, 16, 32, cfg.actor.micro_batch_size})))
     knobs = Knobs.from_config(cfg, on_gpu=profile.kind == "gpu", device_bytes=profile.mem_bytes, spec=spec)
-    from asyncrl.engines import backend
-
     # a rollout pool of its own is fed by the training shards' weight sync, which some backends lack
     space = SearchSpace(w, profile, nnodes, per_node, deployable=True, knobs=knobs,
                         allow_split=backend(cfg.actor.backend).feeds_split_pool)
     result = search(space, cfg.plan.search, cfg.plan.time_limit_s, cfg.plan.seed, keep=1 + cfg.plan.runners_up)
     if result.best is None:
-        floor = sum(training_state(spec, nnodes * per_node, actor_trained(spec, knobs)).values()) / 2**30
-        print(f"asyncrl-plan: no plan fits {nnodes}x{per_node} {profile.name} devices for {spec.name} "
-              f"({spec.params / 1e9:.2f}B parameters): its training state alone is {floor:.1f} GiB per device "
-              f"when sharded over all {nnodes * per_node} (fp32 weights, and gradients and Adam moments of what "
-              f"trains), of a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, "
-              "activations and the KV cache; add devices (cluster.nnodes), train LoRA adapters (actor.lora.rank) "
-              "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile),
-              file=sys.stderr)
+        print(no_plan_message(spec, knobs, profile, nnodes, per_node), file=sys.stderr)
         return 1
     launch = overrides(result.best, space, profile)
     memory = worker_breakdown(args, launch, spec, profile)
