@@ -58,36 +58,55 @@ def describe_problem(path: Path) -> str | None:
     return None
 
 
-class Metrics:
-    """metrics.jsonl as one (steps, values) column per metric, extended by `refresh`."""
+class JsonLines:
+    """A JSON-lines file read from where the last read stopped: whole lines only (one still being
+    written waits for its newline), never the whole file at once; `take` sees each new line and
+    `reset` runs first when the file shrank (written again from the start)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
         self.lines = 0
-        self.series: dict[str, tuple[array, array]] = {}
-        self.problems: list[str] = []
-        self.last_step = -1
 
     def refresh(self) -> None:
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
             return
-        if size < self.offset:  # written again from the start
-            self.__init__(self.path)
+        if size < self.offset:
+            self.offset = self.lines = 0
+            self.reset()
         if size == self.offset:
             return
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            for line in f:  # line by line: a long run's file is never held whole
+            for line in f:
                 if not line.endswith(b"\n"):
-                    break  # still being written: read again once it has its newline
+                    break
                 self.offset += len(line)
                 self.lines += 1
-                self._take(line)
+                self.take(line)
 
-    def _take(self, line: bytes) -> None:
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def take(self, line: bytes) -> None:
+        raise NotImplementedError
+
+
+class Metrics(JsonLines):
+    """metrics.jsonl as one (steps, values) column per metric, extended by `refresh`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.reset()
+
+    def reset(self) -> None:
+        self.series: dict[str, tuple[array, array]] = {}
+        self.problems: list[str] = []
+        self.last_step = -1
+
+    def take(self, line: bytes) -> None:
         try:
             row = json.loads(line)
             step = float(row["step"])
@@ -359,32 +378,24 @@ def _key_array(found: set[tuple[int, int]]) -> Any:
     return pa.array([s * (1 << 20) + r for s, r in found], pa.int64())
 
 
-class Samples:
+class Samples(JsonLines):
     """samples.jsonl: each evaluation's held-out completions, by step."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.by_step = path, 0, {}
+        super().__init__(path)
+        self.reset()
+
+    def reset(self) -> None:
+        self.by_step: dict[int, list[dict[str, Any]]] = {}
         self.problems: list[str] = []
 
-    def refresh(self) -> None:
+    def take(self, line: bytes) -> None:
         try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size < self.offset:
-            self.__init__(self.path)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        for line in data[:end].splitlines():
-            try:
-                row = json.loads(line)
-                self.by_step.setdefault(int(row["step"]), []).append(row)
-            except (ValueError, KeyError, TypeError):
-                if line.strip():
-                    self.problems.append("samples.jsonl: a line that is not a sample; skipped")
+            row = json.loads(line)
+            self.by_step.setdefault(int(row["step"]), []).append(row)
+        except (ValueError, KeyError, TypeError):
+            if line.strip():
+                self.problems.append("samples.jsonl: a line that is not a sample; skipped")
 
 
 class Tokens:

@@ -36,6 +36,7 @@ from asyncrl.plan.workload import ModelSpec
 from asyncrl.train.export import EXPORT_SHARD_BYTES
 from asyncrl.train.logits import LOGIT_CHUNK_TOKENS
 from asyncrl.train.lora import INPUT_EMBEDDINGS
+from asyncrl.train.moe import route_dtype
 from transport.checks import ConfigError
 
 GIB = float(1 << 30)
@@ -151,8 +152,7 @@ def route_bytes(spec: ModelSpec, knobs: Knobs) -> float:
     type that holds the expert count and -1 (asyncrl.train.moe.route_dtype)."""
     if not (knobs.routes and spec.experts):
         return 0.0
-    width = 1 if spec.experts <= 127 else 2 if spec.experts <= 32767 else 4
-    return spec.layers * spec.experts_per_token * width
+    return spec.layers * spec.experts_per_token * route_dtype(spec.experts).itemsize
 
 
 def _moe_extra(spec: ModelSpec) -> float:

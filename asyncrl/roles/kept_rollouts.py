@@ -15,6 +15,7 @@ the model's own tokens.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -92,7 +93,7 @@ def _trainer(batch: Any, rows: list[int], ends: list[int], seen: torch.Tensor | 
         return _ragged(batch["old_log_probs"][rows], ends)
     if seen is None:
         return None
-    return [None if r and r[0] != r[0] else r for r in _ragged(seen[rows], ends)]  # NaN: not seen
+    return [None if r and math.isnan(r[0]) else r for r in _ragged(seen[rows], ends)]  # NaN: not seen
 
 
 def _column(batch: Any, name: str, rows: list[int]) -> Any:

@@ -16,6 +16,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a possibly sharded tensor: a DTensor's local shard, any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class EngineError(RuntimeError):
     """The training engine was used in a way it does not support; the message says how to fix it."""
 

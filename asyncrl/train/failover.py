@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.errors import AsyncRLError
+from asyncrl.train.common import local_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -30,18 +31,14 @@ class FailoverError(AsyncRLError):
     """The ranks' kept states do not line up: the pool cannot be restored in place."""
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def state_tensors(engine: Any) -> list[Tensor]:
     """This rank's training state as local tensors, in a fixed order: each trainable parameter's
     shard, then its AdamW step count and moments (created by the first step)."""
     out = []
     for p in (p for group in engine.optimizer.param_groups for p in group["params"]):
         state = engine.optimizer.state.get(p, {})
-        out.append(_local(p.data))
-        out += [_local(state[k]) for k in ("step", *MOMENTS) if k in state]
+        out.append(local_tensor(p.data))
+        out += [local_tensor(state[k]) for k in ("step", *MOMENTS) if k in state]
     return out
 
 
@@ -49,7 +46,7 @@ def frozen_tensors(engine: Any, *others: torch.nn.Module | None) -> list[Tensor]
     """The local shards of the parameters `engine`'s optimizer does not update (LoRA's base) and
     of `others` (a reference policy): sent once, kept as long as the job runs."""
     trained = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
-    return [_local(p.data) for m in (engine.model, *others) if m is not None for p in m.parameters()
+    return [local_tensor(p.data) for m in (engine.model, *others) if m is not None for p in m.parameters()
             if id(p) not in trained]
 
 
@@ -175,5 +172,5 @@ def prime(engine: Any) -> None:
     opt = engine.optimizer
     for p in (p for group in opt.param_groups for p in group["params"]):
         if p not in opt.state or not opt.state[p]:
-            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=_local(p.data).device),
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=local_tensor(p.data).device),
                             **{k: torch.zeros_like(p.data) for k in MOMENTS}}

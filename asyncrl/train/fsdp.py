@@ -43,7 +43,7 @@ from asyncrl.single_controller.config import COLLECTIVE_TIMEOUT_ENV
 from asyncrl.single_controller.memory import release_host_memory, spare_bytes
 from asyncrl.single_controller.parallel import ParallelLayout, pure_dp
 from asyncrl.single_controller.peers import open_group as open_peer_group
-from asyncrl.train.common import EngineError, find_blocks, start_step_metrics
+from asyncrl.train.common import EngineError, find_blocks, local_tensor, start_step_metrics
 from asyncrl.train.engine import LossFn
 from asyncrl.train.export import export_full, export_streamed
 from asyncrl.train.lora import is_lora_param, plain_name
@@ -383,7 +383,7 @@ class FSDPEngine:
             # torch's clip_grads_with_norm_ formula, applied to the local shards in place
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             with torch.no_grad():
-                torch._foreach_mul_([_local(g) for g in grads], coef)
+                torch._foreach_mul_([local_tensor(g) for g in grads], coef)
         return total
 
     # -- generation weights ----------------------------------------------------------------------
@@ -571,10 +571,6 @@ class FSDPEngine:
         set_rng_state(state)
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def global_grad_norm(grads: list[Tensor]) -> Tensor:
     """The L2 norm of `grads`, DTensors that may live on different meshes (FSDP+TP puts matrices
     on ('dp', 'tp') and norms on ('dp',)); a collective whose result every rank shares.
@@ -597,7 +593,7 @@ def global_grad_norm(grads: list[Tensor]) -> Tensor:
                     groups[group.group_name] = group
                     names.add(group.group_name)
         split_over.append(frozenset(names))
-        squares.append(torch.linalg.vector_norm(_local(g), dtype=torch.float32).square())
+        squares.append(torch.linalg.vector_norm(local_tensor(g), dtype=torch.float32).square())
     # one collective per process group over the stacked sums of squares of those split over it
     sums = torch.stack(squares)
     for name, group in groups.items():

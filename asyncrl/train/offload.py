@@ -17,9 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
-
-def local_tensor(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from asyncrl.train.common import local_tensor
 
 
 class HostCopy:

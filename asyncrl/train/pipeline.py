@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from asyncrl.single_controller.parallel import ParallelLayout
-from asyncrl.train.common import owner_stage, stage_layers
-from asyncrl.train.fsdp import EngineError, FSDPEngine, LossFn, _local, global_grad_norm
+from asyncrl.train.common import local_tensor, owner_stage, stage_layers
+from asyncrl.train.fsdp import EngineError, FSDPEngine, LossFn, global_grad_norm
 from asyncrl.train.optim import OptimConfig
 
 log = logging.getLogger(__name__)
@@ -396,7 +396,7 @@ class PipelineEngine(FSDPEngine):
         if max_norm > 0 and torch.isfinite(total) and grads:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             with torch.no_grad():
-                torch._foreach_mul_([_local(g) for g in grads], coef)
+                torch._foreach_mul_([local_tensor(g) for g in grads], coef)
         return total
 
     # -- full state dicts across stages -----------------------------------------------------------

@@ -39,7 +39,8 @@ def test_storages_go_to_host_buffers_and_come_back_bit_for_bit():
 def _job(rank: int, world_size: int, out_dir: Path) -> dict:
     from asyncrl.single_controller.parallel import ParallelConfig, ParallelLayout
     from asyncrl.train import init_distributed
-    from asyncrl.train.offload import local_tensor, optimizer_tensors
+    from asyncrl.train.common import local_tensor
+    from asyncrl.train.offload import optimizer_tensors
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
@@ -51,7 +52,9 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
         for s in range(STEPS):
             metrics.append(engine.train_step(split(rank_rows(step_batch(s), rank, world_size), 2), loss_fn))
             held.append(sum(local_tensor(t).untyped_storage().nbytes() for t in optimizer_tensors(engine.optimizer)))
-        engine.save_checkpoint(out_dir / f"ckpt-{mode}")
+        # offloaded: asynchronously (the state leaves for host memory while the save's thread writes its copy)
+        engine.save_checkpoint(out_dir / f"ckpt-{mode}", asynchronous=mode == "optimizer")
+        engine.finish_checkpoint()
         res[mode] = {"sd": engine.full_state_dict(), "metrics": metrics, "held": held}
         resumed = build_engine(tiny_model(1), OPTIM, layout)
         resumed.offload.enabled = mode == "optimizer"
@@ -65,8 +68,9 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
 
 def test_an_offloaded_optimizer_trains_and_resumes_bit_for_bit(tmp_path):
     """Three steps with the state in host memory between them equal three without, bit for bit;
-    between steps the state holds no bytes where it lives (a device, there); a checkpoint saves
-    and loads it; the next step of the resumed engine equals the continuing one's."""
+    between steps the state holds no bytes where it lives (a device, there); a checkpoint (written
+    asynchronously while the state goes back to host memory) saves and loads it; the next step of
+    the resumed engine equals the continuing one's."""
     rank0, _ = run_ranks(_job, 2, tmp_path)
     plain, moved = rank0["none"], rank0["optimizer"]
     assert all(torch.equal(plain["sd"][k], moved["sd"][k]) for k in plain["sd"])
