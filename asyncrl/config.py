@@ -856,6 +856,7 @@ class RLConfig(LaunchConfig):
         self._check_placement(at)
         self._check_backends(at)
         self._check_router_replay(at)
+        self._check_expert_generation(at)
         self._check_token_budgets(at)
         self._check_teacher(at)
         self._check_failover(at)
@@ -952,6 +953,27 @@ class RLConfig(LaunchConfig):
                "records routes in a colocated, single-turn rollout (the split pool's continuous batch and agent "
                "turns do not record them yet): use trainer.placement=colocated without rollout.multi_turn, or "
                "router_replay=old_policy")
+
+    def _check_expert_generation(self, at: str) -> None:
+        """rollout.parallel.ep > 1: each rank generates with the experts it trains, in the native
+        engine's eager decode, colocated, without generation TP."""
+        ep, key = self.rollout.parallel.ep, at + "rollout.parallel.ep"
+        _positive(key, ep)
+        if ep == 1:
+            return
+        _check(rollout_engine(self.rollout.engine).expert_parallel, key, ep,
+               "expert-parallel generation runs in the native engine: set rollout.engine=native, or ep=1")
+        _check(self.trainer.placement == "colocated", key, ep, "generates with the experts the actor's ranks hold: "
+               "set trainer.placement=colocated, or ep=1")
+        _check(self.rollout.parallel.tp == 1 and self.rollout.decode == "eager", key, ep,
+               f"runs with rollout.parallel.tp=1 and rollout.decode=eager (got tp={self.rollout.parallel.tp}, "
+               f"decode={self.rollout.decode}): the ranks meet at every MoE layer, which a compiled step cannot")
+        par, trains = self.actor.parallel, backend(self.actor.backend)
+        split = self.actor.moe.ep if trains.expert_parallel else self.trainer.n_workers // (par.tp * par.pp)
+        over = (f"{at}actor.moe.ep on {self.actor.backend}" if trains.expert_parallel
+                else f"the data-parallel ranks on {self.actor.backend}, trainer.n_workers / (tp x pp)")
+        _check(ep == split, key, ep, f"must equal the ranks the actor splits each MoE layer's experts over ({over} "
+               f"= {split}): each rank generates with the experts it trains; set rollout.parallel.ep={split} or 1")
 
     def _check_placement(self, at: str) -> None:
         _check(backend(self.actor.backend).feeds_split_pool or self.trainer.placement == "colocated",

@@ -81,6 +81,7 @@ class RolloutEngineKind:
     hard_context_limit: bool = False  # refuses prompt + response past max_position_embeddings
     images: bool = False  # generates from image prompts (`generate(..., images=...)`)
     failover: bool = False  # generates from the actor's weights only: rebuilt with it (trainer.failover)
+    expert_parallel: bool = False  # splits a mixture's experts over the ranks that train them (`rollout.parallel.ep`)
     device_bytes: str | None = None  # "module:function": (cfg, device bytes) -> bytes it takes on a GPU
 
     def build_engine(self, worker: Any, model: Any, colocated: bool) -> Any:
@@ -109,7 +110,7 @@ BACKENDS: dict[str, TrainBackend] = {
 
 ROLLOUT_ENGINES: dict[str, RolloutEngineKind] = {
     "native": RolloutEngineKind("asyncrl.roles.actor:native_rollout", records_routes=True, continuous_batching=True,
-                                compiles_decode=True, images=True, failover=True),
+                                compiles_decode=True, images=True, failover=True, expert_parallel=True),
     "vllm": RolloutEngineKind("asyncrl.roles.actor:vllm_rollout", reads_own_weights=True, any_generation_tp=False,
                               merges_embedding_adapters_on_split_pool=False, merges_adapters_on_split_pool=False,
                               hard_context_limit=True, device_bytes="asyncrl.engines:_vllm_device_bytes"),

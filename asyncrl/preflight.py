@@ -306,15 +306,26 @@ def check_megatron_model(name: str, section: Any, path: str, cfg: RLConfig) -> N
 
 
 def _check_moe(cfg: RLConfig, path: str | None) -> None:
-    """actor.moe.router_replay needs a mixture-of-experts model (at `path`, or the tiny one the job
-    builds): a paragraph before anything starts."""
-    if cfg.actor.moe.router_replay == "none":
+    """actor.moe.router_replay and rollout.parallel.ep need a mixture-of-experts model (at `path`, or
+    the tiny one the job builds), ep a divisor of its experts: a paragraph before anything starts."""
+    ep = cfg.rollout.parallel.ep
+    if cfg.actor.moe.router_replay == "none" and ep == 1:
         return
     from transformers import AutoConfig
 
     from asyncrl.train.moe import is_moe_config
 
-    moe = cfg.model.build_tiny.experts > 0 if path is None else is_moe_config(AutoConfig.from_pretrained(path))
+    config = None if path is None else AutoConfig.from_pretrained(path)
+    moe = cfg.model.build_tiny.experts > 0 if config is None else is_moe_config(config)
+    experts = cfg.model.build_tiny.experts if config is None else (
+        getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+    model = "the tiny model this job builds" if path is None else path
+    if ep > 1 and (not moe or experts % ep):
+        raise ConfigError(f"bad configuration: rollout.parallel.ep={ep} splits a mixture of experts' experts over the "
+                          f"ranks, and {model} has {experts or 'no'} experts: set rollout.parallel.ep to a divisor of "
+                          "them, or 1")
+    if cfg.actor.moe.router_replay == "none":
+        return
     if not moe:
         what = "the tiny model this job builds is dense (set model.build_tiny.experts)" if path is None else (
             f"{path} is a dense model (its config.json has no num_experts / num_local_experts)")

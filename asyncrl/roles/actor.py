@@ -12,6 +12,7 @@ generation model binds without a copy; before the next training step they are re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -213,9 +214,11 @@ class ActorRolloutRefWorker(Worker):
             return
         cfg = self.cfg
         self.gen_tp_group = self._generation_tp_group()
-        self.generation = GenerationModel(base.config, self.actor.generation_buffers(), self.gen_tp_group)
+        ep = cfg.rollout.parallel.ep > 1  # each rank generates with the experts it trains (asyncrl.rollout.experts)
+        self.generation = GenerationModel(base.config, self.actor.generation_buffers(), self.gen_tp_group,
+                                          expert_group=self.actor.expert_group() if ep else None)
         self.resharder = self.actor.resharder(self.gen_layout, self.generation.model,
-                                              compute_dtype(self.device, cfg.model.dtype))
+                                              compute_dtype(self.device, cfg.model.dtype), keep_experts=ep)
         self.rollout = rollout_engine(cfg.rollout.engine).build_engine(self, self.generation.model, colocated=True)
 
     def _pool_state(self, sync_dtype: torch.dtype, sync_specs: list[TensorSpec],
@@ -389,18 +392,22 @@ class ActorRolloutRefWorker(Worker):
         gen = (torch.Generator(device=self.rollout.device).manual_seed(int(seed) * 1000 + shard)
                if seed is not None else self.sample_gen)
         waves = 1
-        if self.agent is not None:
-            out = self._generate_turns(prompts, params, gen)
-        elif self.batcher is not None:
-            out = self.batcher.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
-        else:
-            images = {k: prompts[k] for k in IMAGE_INPUTS} if has_images(prompts) else None
-            out, waves = self._generate_waves(prompts["input_ids"], prompts["attention_mask"], params, gen, images)
+        experts = self.generation.experts if self.generation is not None else None
+        with experts.phase(self.generation.model) if experts is not None else contextlib.nullcontext():
+            if self.agent is not None:
+                out = self._generate_turns(prompts, params, gen)
+            elif self.batcher is not None:
+                out = self.batcher.generate(prompts["input_ids"], prompts["attention_mask"], params, generator=gen)
+            else:
+                images = {k: prompts[k] for k in IMAGE_INPUTS} if has_images(prompts) else None
+                out, waves = self._generate_waves(prompts["input_ids"], prompts["attention_mask"], params, gen, images)
         out = _pad_responses(out, params.max_tokens, self.tokenizer.pad_token_id)
         out[ROW_TOKENS] = out["attention_mask"].sum(-1)  # what balance_tokens reads on the driver
         rest = prompts.select(*prompts.non_tensors, meta=True)
         rest = rest.repeat(params.n, interleave=True) if params.n > 1 else rest
         timing = {"timing/sync_s": t1 - t0, "timing/gen_s": time.perf_counter() - t1}
+        if experts is not None:  # what this rank sent to the others' experts and back
+            timing["perf/expert_exchange_mb"] = experts.stats.bytes_sent / 2**20
         return Batch(out, rest.non_tensors, {**prompts.meta, "n": params.n, "gen_waves": waves, **timing})
 
     def _generate_waves(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams,

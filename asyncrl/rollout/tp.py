@@ -1,6 +1,7 @@
 """The rollout engine's model: a Hugging Face causal LM whose weights are bound, as plain tensors,
 from generation shards (`asyncrl.train.reshard.Resharder.reshard`), tensor parallel over a
-generation TP group of `tg` ranks.
+generation TP group of `tg` ranks, or a mixture's experts split over an expert group
+(`asyncrl.rollout.experts`).
 
 The split is the training plan's (`asyncrl.train.tp`): q/k/v/gate/up hold a slice of the
 heads / intermediate rows and need nothing; o/down hold a slice of their input columns, so their
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from asyncrl.rollout.experts import ExpertParallelGeneration
 from asyncrl.train.fsdp import find_blocks
 from asyncrl.train.load import lm_class
 from asyncrl.train.tp import COLWISE, ROWWISE, check_tp, shards_vocab
@@ -26,7 +28,8 @@ from asyncrl.train.tp import COLWISE, ROWWISE, check_tp, shards_vocab
 class GenerationModel:
     """A weightless copy of `config`'s architecture, tensor parallel over `group` (None: tg=1)."""
 
-    def __init__(self, config, buffers_from: nn.Module | torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, config, buffers_from: nn.Module | torch.device, group: dist.ProcessGroup | None = None, *,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         with torch.device("meta"):
             self.model = lm_class(config).from_config(config)
         self.model.requires_grad_(False)
@@ -49,6 +52,8 @@ class GenerationModel:
         if self.tp > 1:
             check_tp(self.model, self.tp)
             self._split_layers()
+        # a mixture's experts split over `expert_group` (rollout.parallel.ep), each rank binding its block
+        self.experts = ExpertParallelGeneration(self.model, expert_group) if expert_group is not None else None
         self.bound = False
 
     # weights ----------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ class GenerationParallelConfig:
 
     pp: int = 1  # generation pipeline stages (1: generation holds whole layers)
     tp: int = 1  # generation tensor-parallel ranks (HybridFlow's tg): a divisor of the actor's tp
+    # expert-parallel generation of a mixture of experts: each rank keeps the block of experts it trains
+    # (ep = actor.moe.ep on megatron, the data-parallel ranks on fsdp2) and generates its own rows, the
+    # group's tokens exchanged at every MoE layer (asyncrl.rollout.experts); 1: every rank holds every expert
+    ep: int = 1
 
 
 @dataclass(frozen=True)

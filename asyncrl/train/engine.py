@@ -36,9 +36,13 @@ class TrainEngine(Protocol):
     def generation_buffers(self) -> Any:
         """A generation model's buffers: a module to share them from, or the device to make them on."""
 
-    def resharder(self, gen: Any, full_model: torch.nn.Module, dtype: torch.dtype) -> Any:
+    def resharder(self, gen: Any, full_model: torch.nn.Module, dtype: torch.dtype, keep_experts: bool = False) -> Any:
         """The 3D-HybridEngine reshard into the generation layout `gen`: `reshard()` gives each
-        HF-named generation shard, `release()` frees them, `plans` name each one's TP dim."""
+        HF-named generation shard, `release()` frees them, `plans` name each one's TP dim; with
+        `keep_experts` each rank keeps the block of experts it trains (expert-parallel generation)."""
+
+    def expert_group(self) -> Any:
+        """The process group over which a mixture of experts' experts are split in training."""
 
     def release_unsharded(self) -> None:
         """Free what a forward or a gather left unsharded (between phases)."""

@@ -65,8 +65,8 @@ def fuse_experts(tensors: dict[str, Tensor], wanted: set[str] | None, names: Exp
         if m and (wanted is None or f"{m['prefix']}.mlp.experts.gate_up_proj" in wanted):
             groups.setdefault(m["prefix"], {})[(int(m["e"]), m["proj"])] = tensors.pop(name)
     gate, up, down = projs
-    for prefix, parts in groups.items():
-        experts = range(1 + max(e for e, _ in parts))
+    for prefix, parts in groups.items():  # the experts present, in order (an expert-parallel rank holds a block)
+        experts = sorted({e for e, _ in parts})
         tensors[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([parts[(e, gate)], parts[(e, up)]]) for e in experts])
         tensors[f"{prefix}.mlp.experts.down_proj"] = torch.stack([parts[(e, down)] for e in experts])

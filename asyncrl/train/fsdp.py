@@ -392,11 +392,16 @@ class FSDPEngine:
         """Where a generation model takes its buffers (rotary tables) from: this model's own."""
         return self.model
 
-    def resharder(self, gen: ParallelLayout, full_model: nn.Module, dtype: torch.dtype) -> Any:
-        """The 3D-HybridEngine reshard of this engine's shards into the generation layout `gen`."""
+    def resharder(self, gen: ParallelLayout, full_model: nn.Module, dtype: torch.dtype, keep_experts: bool = False) -> Any:
+        """The 3D-HybridEngine reshard of this engine's shards into the generation layout `gen` (with
+        `keep_experts`, each rank's FSDP block of experts only: expert-parallel generation)."""
         from asyncrl.train.reshard import Resharder
 
-        return Resharder(self.model, self.layout, gen, full_model=full_model, dtype=dtype)
+        return Resharder(self.model, self.layout, gen, full_model=full_model, dtype=dtype, keep_experts=keep_experts)
+
+    def expert_group(self) -> Any:
+        """The ranks that split each MoE layer's experts: FSDP2 shards them over the dp ranks."""
+        return self.mesh.get_group()
 
     # -- state dicts and checkpoints -----------------------------------------------------------
 

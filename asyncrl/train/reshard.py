@@ -18,6 +18,10 @@ The generation weights are in the compute dtype (`dtype`: bf16 when training bf1
 master weights): each rank casts its shard before the gather, so the bytes moved and held are
 half the fp32 ones, and where the layouts coincide the cast is the only copy.
 
+Expert-parallel generation (`keep_experts`, asyncrl.rollout.experts): FSDP2 shards a mixture's fused
+experts [E, ...] by rows, so each dp rank's shard is a block of whole experts, which it keeps for
+generation as trained (cast, never gathered); only the dense weights are gathered.
+
 Switching back to training needs no communication: `release()` drops the generation buffer.
 All methods are collectives over the whole training group, called in the same order.
 """
@@ -36,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from asyncrl.single_controller.parallel import MICRO_DP_DIMS, ParallelLayout
 from asyncrl.train.common import EngineError, owner_stage
+from asyncrl.train.experts import FUSED
 from asyncrl.train.lora import is_lora_param
 from asyncrl.train.tp import planned_shard_dim, tp_shard_dim
 from transport import trace
@@ -59,6 +64,7 @@ class ParamPlan:
     direct: bool = False  # all-gathered straight into the generation buffer
     stage: int = 0  # the pipeline stage that trains it
     itemsize: int = 4
+    expert_local: bool = False  # expert-parallel generation: this rank's FSDP block of experts, as trained
 
     @property
     def chunk_numel(self) -> int:
@@ -112,7 +118,7 @@ class Resharder:
 
     def __init__(self, model: nn.Module, train: ParallelLayout, gen: ParallelLayout, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, full_model: nn.Module | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, keep_experts: bool = False) -> None:
         self.p = train.size("pp")
         if self.p > 1 and gen.size("pp") > 1:
             raise EngineError("pipeline-parallel generation (rollout.parallel.pp > 1) is not implemented; "
@@ -139,14 +145,14 @@ class Resharder:
         stored = next(iter(self.params.values())).dtype
         self.dtype = dtype or stored  # the generation weights' (bf16 from fp32 masters: half the bytes moved)
         self.cast = self.dtype != stored
-        self.plans, self.buffer_numel = self._plan()
+        self.plans, self.buffer_numel = self._plan(keep_experts)  # keep_experts: asyncrl.rollout.experts
         self.plans = self._bucket_small(self.plans)
         self.stage_spans = self._stage_spans()
         self.stats = ReshardStats()
         self._buffer: Tensor | None = None
 
     # planning ---------------------------------------------------------------------------------
-    def _plan(self) -> tuple[list[ParamPlan], int]:
+    def _plan(self, keep_experts: bool) -> tuple[list[ParamPlan], int]:
         if self.p == 1:
             params = [(name, p, 0) for name, p in self.params.items()]
         else:  # every stage's weights, the stages' in order (each stage one contiguous span)
@@ -168,6 +174,14 @@ class Resharder:
             chunk = math.ceil(local[0] / self.d) if local else 1
             group = len(self.gather_ranks if k is not None else self.dp_ranks)
             itemsize = self.dtype.itemsize
+            if keep_experts and FUSED.match(name):  # each dp rank's block of whole experts, not gathered
+                gen_shape[0] = self._expert_block(name, shape)
+                kept = ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, itemsize=itemsize, expert_local=True)
+                if self.cast:  # cast into the generation buffer
+                    kept = replace(kept, offset=offset, stage=stage)
+                    offset += math.prod(gen_shape)
+                plans.append(kept)
+                continue
             if group == 1 and self.p == 1 and not self.cast:  # the training shard is the generation shard
                 plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, itemsize=itemsize))
                 continue
@@ -175,6 +189,14 @@ class Resharder:
             plans.append(ParamPlan(name, k, tuple(local), tuple(gen_shape), chunk, offset, direct, stage, itemsize))
             offset += math.prod(gen_shape)
         return plans, offset
+
+    def _expert_block(self, name: str, shape: tuple[int, ...]) -> int:
+        """The experts of `name` each dp rank holds, which generation keeps where they are."""
+        if self.t > 1 or self.p > 1 or shape[0] % self.d:
+            raise EngineError(f"{name}: expert-parallel generation keeps each of the {self.d} data-parallel ranks' "
+                              f"experts where FSDP holds them, which needs tp=pp=1 and the {shape[0]} experts "
+                              f"divisible by {self.d}; set rollout.parallel.ep=1")
+        return shape[0] // self.d
 
     def _split_dim(self, name: str, param: Any, stage: int) -> int | None:
         """The TP split dim of a weight: read from its DTensor placement on this rank's stage,
@@ -339,7 +361,10 @@ class Resharder:
             self._count(local, ranks)
 
     def _group_for(self, plan: ParamPlan) -> tuple[list[int], dist.ProcessGroup | None]:
-        """TP-split weights gather over the micro-DP × dp group, replicated ones over dp."""
+        """TP-split weights gather over the micro-DP × dp group, replicated ones over dp, kept
+        experts over none."""
+        if plan.expert_local:
+            return [self.rank], None
         if plan.tp_dim is not None:
             return self.gather_ranks, self.gather_group
         return self.dp_ranks, self.dp_group

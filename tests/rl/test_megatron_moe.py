@@ -269,20 +269,21 @@ def test_moe_across_ranks_equals_hugging_face_and_trains(tp: int, ep: int, moe_c
 
 def test_moe_quickstart_on_megatron_with_expert_parallelism_2(tmp_path) -> None:
     """`moe_quickstart` with actor.backend=megatron actor.moe.ep=2 through the launcher: 3 GRPO steps
-    with the rollout's experts replayed (the native engine generates from the gathered experts, the
-    trainer's old log-probs equal the rollout's), megatron's router losses logged, the export per
-    expert."""
+    with the rollout's experts replayed (the native engine generates expert-parallel, each rank with the
+    experts its EP rank trains: rollout.parallel.ep=2; the trainer's old log-probs equal the rollout's),
+    megatron's router losses logged, the export per expert."""
     import json
     import sys
 
     cmd = [sys.executable, "-m", "asyncrl.launch", "--config-name", "moe_quickstart", "actor.backend=megatron",
-           "actor.moe.ep=2", "actor.recompute_log_prob=always", "actor.moe.aux_loss_coef=0.001",
+           "actor.moe.ep=2", "rollout.parallel.ep=2", "actor.recompute_log_prob=always", "actor.moe.aux_loss_coef=0.001",
            "trainer.total_steps=3", "trainer.eval_every=3", f"trainer.output_dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'model'}", "trainer.loggers=[jsonl]"]
     res = forked.run(cmd, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
-    assert all(r["rollout/logprob_diff_max"] < 1e-5 and 0.5 < r["moe/aux_loss"] < 8 for r in steps), steps
+    assert all(r["rollout/logprob_diff_max"] < 1e-5 and 0.5 < r["moe/aux_loss"] < 8 and r["perf/expert_exchange_mb"] > 0
+               for r in steps), steps
     from safetensors import safe_open
 
     summary = json.loads(res.stdout.strip().splitlines()[-1])

@@ -197,8 +197,9 @@ def test_router_replay_settings_that_cannot_work_exit_2(tmp_path, capsys):
 
 
 def test_moe_layouts_asyncrl_cannot_run_exit_2_before_anything_starts(tmp_path, capsys):
-    """Tensor parallelism or FSDP2 pipeline stages of a MoE model (neither loads its experts yet) or
-    an expert-parallel size that does not divide the experts: exit 2 with one paragraph naming the key, before a worker
+    """Tensor parallelism or FSDP2 pipeline stages of a MoE model (neither loads its experts yet), an
+    expert-parallel size that does not divide the experts, expert-parallel generation over other ranks
+    than training splits the experts over, compiled or in vLLM: exit 2 with one paragraph naming the key, before a worker
     starts (the model's config.json is read once the head is up, as for the other layout checks)."""
     from asyncrl.launch import main
 
@@ -210,7 +211,11 @@ def test_moe_layouts_asyncrl_cannot_run_exit_2_before_anything_starts(tmp_path, 
     cases = [(["actor.parallel.tp=2", "trainer.n_workers=2"], "actor.parallel.tp=2: "),
              (["actor.backend=megatron", "actor.moe.ep=3", "trainer.n_workers=3"], "actor.moe.ep=3 must divide"),
              (["rollout.parallel.tp=2", "actor.parallel.tp=2", "trainer.n_workers=2"], "without tensor parallelism"),
-             (["actor.parallel.pp=2", "trainer.n_workers=2"], "actor.parallel.pp=2: ")]
+             (["actor.parallel.pp=2", "trainer.n_workers=2"], "actor.parallel.pp=2: "),
+             (["rollout.parallel.ep=3", "trainer.n_workers=3"], "has 4 experts: set rollout.parallel.ep to a divisor"),
+             (["rollout.parallel.ep=2", "trainer.n_workers=4"], "must equal the ranks the actor splits"),
+             (["rollout.parallel.ep=2", "rollout.decode=compiled"], "rollout.decode=eager"),
+             (["rollout.parallel.ep=2", "rollout.engine=vllm"], "runs in the native engine")]
     for extra, hint in cases:
         out = tmp_path / "out"
         assert main(["--config-name", "grpo", f"trainer.output_dir={out}", f"model.path={model}", *extra]) == 2, extra

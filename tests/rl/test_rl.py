@@ -195,7 +195,7 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
     """GRPO on a tiny Qwen3-MoE (8 experts, top-2) built with the quickstart's tokenizer: FSDP2 and
     the native engine, 2 steps (old log-probs recomputed) that make better-scored responses
     likelier, replaying the rollout's experts (one mini-batch: the update's routers agree with the
-    rollout's) or the old policy's (two mini-batches; after one optimizer step this tiny model's
+    rollout's; generated expert-parallel, each rank with the 4 experts it trains) or the old policy's (two mini-batches; after one optimizer step this tiny model's
     near-uniform routers agree with the rollout's on ~0.2 of their choices); the router losses and
     expert load are logged; the export holds the experts as checkpoints do (per expert) and loads
     in transformers."""
@@ -221,7 +221,8 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
                                           "trainer.loggers=[console,jsonl]", "job.entry=tests/helpers/rl_probe.py:main",
                                           f"actor.moe.router_replay={replay}", "actor.recompute_log_prob=always",
                                           f"actor.ppo_mini_batches={1 if replay == 'rollout' else 2}",
-                                          "actor.moe.aux_loss_coef=0.01", "actor.moe.z_loss_coef=0.001"])
+                                          "actor.moe.aux_loss_coef=0.01", "actor.moe.z_loss_coef=0.001",
+                                          *(["rollout.parallel.ep=2"] if replay == "rollout" else [])])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert sum(summary["policy_gain"]) > 0, summary
@@ -230,8 +231,8 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
     # most experts / top-k (each token picks 2 distinct experts of 8)
     assert all(r["rollout/logprob_diff_max"] < 1e-5 and 1.0 < r["moe/expert_load_max"] <= 8 / 2
                and 0.5 < r["moe/aux_loss"] < 8 and r["moe/z_loss"] > 0 for r in steps), steps
-    if replay == "rollout":  # on-policy: the update's own routing is the rollout's
-        assert all(r["moe/routing_agreement"] == 1.0 for r in steps), steps
+    if replay == "rollout":  # on-policy: the update's own routing is the rollout's (its experts split over 2 ranks)
+        assert all(r["moe/routing_agreement"] == 1.0 and r["perf/expert_exchange_mb"] > 0 for r in steps), steps
     # the recorded experts stay with their rows: no rank pulls another's for its passes
     stats = [r for r in steps if "perf/update_actor_cross_rank_mb" in r]
     assert stats and all(r["perf/update_actor_cross_rank_mb"] == 0 and r["perf/compute_log_prob_cross_rank_mb"] == 0

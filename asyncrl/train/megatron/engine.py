@@ -254,11 +254,16 @@ class MegatronEngine:
         """A generation model makes its own rotary tables, on this device."""
         return self.device
 
-    def resharder(self, gen: ParallelLayout, full_model: Any, dtype: torch.dtype) -> Any:
-        """The 3D-HybridEngine reshard of these TP shards into the generation layout `gen`."""
+    def resharder(self, gen: ParallelLayout, full_model: Any, dtype: torch.dtype, keep_experts: bool = False) -> Any:
+        """The 3D-HybridEngine reshard of these TP shards into the generation layout `gen` (with
+        `keep_experts`, each rank's own experts only: expert-parallel generation)."""
         from asyncrl.train.megatron.reshard import MegatronResharder
 
-        return MegatronResharder(self, gen, dtype)
+        return MegatronResharder(self, gen, dtype, keep_experts)
+
+    def expert_group(self) -> Any:
+        """The ranks that split each MoE layer's experts (megatron's EP group), None when one."""
+        return self.experts.group
 
     def release_unsharded(self) -> None:
         release_host_memory()

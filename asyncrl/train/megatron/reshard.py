@@ -35,8 +35,9 @@ class HFPlan:
 class MegatronResharder:
     """Generation shards (HF names, `dtype`) from a `MegatronEngine`'s TP shards."""
 
-    def __init__(self, engine, gen: ParallelLayout, dtype: torch.dtype) -> None:
+    def __init__(self, engine, gen: ParallelLayout, dtype: torch.dtype, keep_experts: bool = False) -> None:
         self.engine, self.dtype = engine, dtype
+        self.keep_experts = keep_experts  # expert-parallel generation over the EP group: each rank its own experts
         self.tg = gen.size("tp")
         if engine.shape.experts and self.tg > 1:
             raise EngineError("a mixture-of-experts model generates at rollout.parallel.tp=1 for now (the "
@@ -76,7 +77,7 @@ class MegatronResharder:
             if rule.kind != COPY:
                 ranks = self.engine.tp if rule.kind == VOCAB and self.vocab_whole else self.span
                 total += (ranks - 1) * local[rule.megatron].numel() * size
-            if ".local_experts." in rule.megatron:  # the other EP ranks' experts, whole (tg = 1)
+            if ".local_experts." in rule.megatron and not self.keep_experts:  # the other EP ranks' experts (tg = 1)
                 total += (self.engine.experts.size - 1) * local[rule.megatron].numel() * self.engine.tp * size
         for stage in range(self.engine.pp):
             if stage != self.engine.pp_rank:
@@ -112,7 +113,7 @@ class MegatronResharder:
                 out.update({k: v.chunk(self.tg)[self.gen_rank] if self.gen_splits_vocab else v for k, v in full.items()})
             else:
                 parts = hf_tensors(rule, self._gather(shard, self.span, self.micro_group), shape, tp)
-                out.update(self.engine.gather_ep(i, parts, self.stats))
+                out.update(parts if self.keep_experts else self.engine.gather_ep(i, parts, self.stats))
         if shape.experts:
             fuse_experts(out, None, shape.names)
         return out
