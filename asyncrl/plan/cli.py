@@ -23,7 +23,7 @@ from typing import Any
 from asyncrl.config import ConfigError
 from asyncrl.engines import backend
 from asyncrl.plan.hardware import DeviceProfile, load_profile
-from asyncrl.plan.memory import Knobs, actor_trained, training_state
+from asyncrl.plan.memory import Knobs, actor_trained, generation_params, training_state
 from asyncrl.plan.search import (
     ROLLOUT,
     Plan,
@@ -93,10 +93,11 @@ def search(space: SearchSpace, how: str, seconds: float, seed: int, keep: int) -
                         first.evaluated + refined.evaluated, "hybridflow+mcmc")
 
 
-def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile) -> list[str]:
-    """The `asyncrl-launch` overrides that run `plan`."""
+def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile, decode_rows: int = 0) -> list[str]:
+    """The `asyncrl-launch` overrides that run `plan` (`decode_rows`: the generation waves it priced)."""
     s = dict(plan.strategies)
     out = [f"cluster.nnodes={space.nnodes}"]
+    out += [f"rollout.decode_slots={decode_rows}"] if decode_rows else []
     if profile.kind == "gpu":
         out.append(f"cluster.gpus_per_node={space.per_node}")
     train_devices = plan.devices[plan.set_of("actor")]
@@ -109,7 +110,9 @@ def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile) -> list[st
     out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}"]
     out += [f"actor.parallel.sp={a.sp}"] if a.sp > 1 else []
     out += ["actor.offload=optimizer"] if a.offload else []
+    out += ["actor.gradient_checkpointing=true"] if a.recompute else []
     out += [f"actor.moe.ep={a.ep}"] if a.ep > 1 else []
+    out += [f"rollout.parallel.ep={a.gen_ep}"] if a.gen_ep > 1 else []
     out += [f"actor.micro_batch_size={a.micro_batch}", f"actor.log_prob_micro_batch_size={a.micro_batch}",
             f"rollout.parallel.tp={s[ROLLOUT].gen_tp if plan.split else a.gen_tp}"]
     if "critic" in s:
@@ -174,16 +177,18 @@ def no_plan_message(spec: Any, knobs: Knobs, profile: DeviceProfile, nnodes: int
             f"when sharded over all {nnodes * per_node} (fp32 weights, and gradients and Adam moments of what "
             f"trains), of a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, "
             "activations and the KV cache; add devices (cluster.nnodes), train LoRA adapters (actor.lora.rank) "
-            "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile))
+            "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile, nnodes * per_node))
 
 
-def moe_generation_note(spec: Any, profile: DeviceProfile) -> str:
-    """For a mixture of experts: generation holds a whole copy of it on each device (no expert
-    parallelism in the rollout yet), often what does not fit."""
+def moe_generation_note(spec: Any, profile: DeviceProfile, devices: int) -> str:
+    """For a mixture of experts: what generation holds on each device, whole and with its experts
+    split over every device (rollout.parallel.ep)."""
     if not spec.experts:
         return ""
-    return (f"; generation holds a whole copy of this mixture of experts on each device "
-            f"({profile.bytes_per_param * spec.params / 2**30:.1f} GiB: expert-parallel generation is not built yet)")
+    whole = profile.bytes_per_param * spec.params / 2**30
+    split = profile.bytes_per_param * generation_params(spec, devices) / 2**30
+    return (f"; generation holds this mixture of experts whole on each device ({whole:.1f} GiB), "
+            f"{split:.1f} GiB with its experts split over all {devices} (rollout.parallel.ep={devices})")
 
 
 def plan_main(args: argparse.Namespace) -> int:
@@ -203,7 +208,7 @@ def plan_main(args: argparse.Namespace) -> int:
     if result.best is None:
         print(no_plan_message(spec, knobs, profile, nnodes, per_node), file=sys.stderr)
         return 1
-    launch = overrides(result.best, space, profile)
+    launch = overrides(result.best, space, profile, result.cost.decode_rows)
     memory = worker_breakdown(args, launch, spec, profile)
     if memory is not None and memory.total > profile.mem_bytes:
         print(f"asyncrl-plan: the best plan needs about {memory.total / 2**30:.1f} GiB per device "

@@ -22,6 +22,7 @@ from asyncrl.plan.memory import (
     forward_only_weights,
     forward_pass,
     generation,
+    generation_params,
     megatron_held,
     megatron_state,
     training_state,
@@ -46,6 +47,8 @@ class Strategy:
     sp: int = 1  # Ulysses: groups of sp dp ranks share each micro-batch's tokens
     offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
     ep: int = 1  # megatron's expert parallelism (actor.moe.ep): a mixture's experts split over ep of the dp ranks
+    gen_ep: int = 1  # expert-parallel generation (rollout.parallel.ep): each rank keeps the experts it trains
+    recompute: bool = False  # actor.gradient_checkpointing: each layer's activations recomputed in the backward
 
     @property
     def devices(self) -> int:
@@ -54,6 +57,8 @@ class Strategy:
     def label(self) -> str:
         text = f"dp{self.dp}·tp{self.tp}·pp{self.pp}" + (f"·sp{self.sp}" if self.sp > 1 else "") + f" mb{self.micro_batch}"
         text += f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else ""
+        text += f" gen-ep{self.gen_ep}" if self.gen_ep > 1 else ""
+        text += " recompute" if self.recompute else ""
         return text + (f" ep{self.ep}" if self.ep > 1 else "") + (" offload" if self.offload else "")
 
 
@@ -95,6 +100,7 @@ def _flops_per_token(model: ModelSpec, context: float) -> float:
 class CallCost:
     time_s: float
     memory_bytes: float  # transient, on top of the model's resident state
+    decode_rows: int = 0  # generation: the native engine's rows at once where all would not fit (rollout.decode_slots)
 
 
 def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, unit: str = "") -> float:
@@ -123,7 +129,8 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
                      profile: DeviceProfile, knobs: Knobs | None = None) -> CallCost:
     """A training call (`call.kind == "train"`) or a forward-only one (`"infer"`) over the batch."""
     train = call.kind == "train"
-    passes = 3.0 if train else 1.0  # backward costs two forwards
+    recompute = train and (s.recompute or (knobs is not None and knobs.gradient_checkpointing))
+    passes = (4.0 if recompute else 3.0) if train else 1.0  # backward costs two forwards (and the recomputed one)
     efficiency = profile.train_efficiency if train else profile.infer_efficiency
     steps = call.optimizer_steps if train else 1
     epochs = call.epochs if train else 1
@@ -164,6 +171,7 @@ def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mes
         per_step += 2 * moved / (profile.host_bw or profile.mem_bw * profile.mem_bw_efficiency)
     time_s = steps * per_step + profile.call_overhead_s
     knobs = replace(knobs or Knobs(compute_bytes=profile.bytes_per_param), sp=s.sp)
+    knobs = replace(knobs, gradient_checkpointing=knobs.gradient_checkpointing or s.recompute)
     width = w.response_len + 1  # the scored positions
     if train:
         parts = update_pass(model, rows, w.seq_len, width, s.tp, knobs, layers=model.layers / s.pp,
@@ -181,16 +189,20 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     share of the device, all of them (the native engine), or what the colocated models leave
     (`free_bytes` per device; `Knobs()`). Its memory is the larger of a wave's and a held-out
     evaluation wave's (the native engine decodes `rollout.decode_slots` held-out rows at once)."""
-    knobs = knobs or Knobs(compute_bytes=profile.bytes_per_param)
+    knobs = replace(knobs or Knobs(compute_bytes=profile.bytes_per_param), gen_ep=s.gen_ep)
     tg = s.gen_tp
     replicas = mesh.devices // tg
     rows = math.ceil(w.sequences / replicas)
-    weights = model.params * profile.bytes_per_param / tg
+    weights = generation_params(model, s.gen_ep) * profile.bytes_per_param / tg
     kv_row = model.kv_bytes_per_token * profile.bytes_per_param / 2 / tg * w.seq_len
     engine = knobs.vllm_bytes or free_bytes
     kv_budget = engine - weights - 0.05 * profile.mem_bytes  # activations and workspace
+    waved = 0
     if knobs.all_rows:  # the native engine: every row at once, or waves of rollout.decode_slots
         at_once = min(rows, knobs.decode_rows) if knobs.decode_rows else rows
+        if not knobs.decode_rows and weights + at_once * kv_row > free_bytes:  # the plan sets decode_slots: waves
+            groups = int((free_bytes - weights) // (kv_row * knobs.samples)) if free_bytes > weights else 0
+            at_once = waved = groups * knobs.samples  # whole prompts (their n samples) per wave
         kv_budget = at_once * kv_row if weights + at_once * kv_row <= free_bytes else 0.0
     if kv_budget < kv_row:
         return CallCost(INFEASIBLE, INFEASIBLE)
@@ -209,15 +221,21 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     step_memory = reads / (profile.mem_bw * profile.mem_bw_efficiency)
     step = (max(step_compute, step_memory) + profile.decode_step_overhead_s + model.layers * profile.layer_overhead_s
             + 2 * model.layers * _ring(profile, batch * model.hidden * profile.bytes_per_param, tg, spans, tp=True))
+    if s.gen_ep > 1:  # each MoE layer: the group's tokens gathered, the experts' outputs reduce-scattered back
+        ep_spans = mesh.spans(s.gen_ep)
+        prefill += 2 * model.layers * _ring(profile, s.gen_ep * prompt_tokens * model.hidden * profile.bytes_per_param,
+                                            s.gen_ep, ep_spans, factor=1.0)
+        step += 2 * model.layers * _ring(profile, s.gen_ep * batch * model.hidden * profile.bytes_per_param,
+                                         s.gen_ep, ep_spans, factor=1.0)
     time_s = waves * (prefill + w.response_len * step) + profile.call_overhead_s
-    held_out = knobs.decode_rows if knobs.all_rows else 0  # the evaluation's waves: decode_slots rows each
-    return CallCost(time_s, sum(generation(model, max(batch, held_out), w.seq_len, tg, knobs).values()))
+    held_out = (knobs.decode_rows or waved) if knobs.all_rows else 0  # the evaluation's waves: decode_slots rows each
+    return CallCost(time_s, sum(generation(model, max(batch, held_out), w.seq_len, tg, knobs).values()), waved)
 
 
 def reshard(model: ModelSpec, s: Strategy, mesh: Mesh, profile: DeviceProfile) -> float:
     """Colocated hybrid engine: gather the training shards into the generation layout (FSDP
     shards over dp, then the micro-DP all-gather inside each training TP·PP group)."""
-    full = model.params * profile.bytes_per_param
+    full = generation_params(model, s.gen_ep, gathered=True) * profile.bytes_per_param
     fsdp = _ring(profile, full / (s.tp * s.pp), s.dp, mesh.spans(s.dp, s.tp * s.pp), factor=1.0)
     micro_dp = s.tp * s.pp // s.gen_tp
     micro = _ring(profile, full / s.gen_tp, micro_dp, mesh.spans(s.tp * s.pp), factor=1.0)

@@ -95,6 +95,7 @@ class Knobs:
     # the colocated models leave, in waves (HybridFlow's simulator; the planner benchmarks')
     all_rows: bool = False
     decode_rows: int = 0  # the native engine's rows at once (rollout.decode_slots; 0 = all)
+    samples: int = 1  # rollout.n: a wave of the native engine holds whole prompts' samples
     async_save: bool = False  # trainer.async_save: a save copies the training state to host memory first
     lora_params: int = 0  # actor.lora: the adapters' parameters (they alone train; no reference model)
     critic_lora_params: int = 0  # critic.lora: its adapters' parameters (they and the value head train)
@@ -104,6 +105,7 @@ class Knobs:
     vision_trains: bool = True  # a vision-language model's tower trains (not actor.freeze_vision, not LoRA)
     offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
     routes: bool = False  # actor.moe.router_replay != none: each token's experts recorded and carried with its row
+    gen_ep: int = 1  # rollout.parallel.ep: generation keeps each rank's block of the experts (experts / gen_ep)
 
     @classmethod
     def from_config(cls, cfg: Any, on_gpu: bool, device_bytes: float | None = None,
@@ -114,12 +116,14 @@ class Knobs:
         bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and on_gpu)
         budget = max(0, cfg.actor.max_tokens_per_micro_batch) if token_budget is None else token_budget
         return cls(2.0 if bf16 else 4.0, cfg.actor.gradient_checkpointing, budget,
-                   vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, async_save=cfg.trainer.async_save,
+                   vllm, all_rows=not vllm, decode_rows=cfg.rollout.decode_slots, samples=cfg.rollout.n,
+                   async_save=cfg.trainer.async_save,
                    lora_params=lora_params(spec, cfg.actor.lora) if spec is not None else 0,
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
                    megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp,
                    vision_trains=not (cfg.actor.freeze_vision or cfg.actor.lora.enabled),
-                   offload=cfg.actor.offload == "optimizer", routes=cfg.actor.moe.router_replay != "none")
+                   offload=cfg.actor.offload == "optimizer", routes=cfg.actor.moe.router_replay != "none",
+                   gen_ep=cfg.rollout.parallel.ep)
 
 
 def rollout_pool_bytes(cfg: Any, on_gpu: bool, device_bytes: float | None) -> float:
@@ -260,14 +264,24 @@ def ulysses_buffers(spec: ModelSpec, tokens: float, tp: int, knobs: Knobs) -> fl
     return 2 * tokens * width * knobs.compute_bytes
 
 
+def generation_params(spec: ModelSpec, gen_ep: int, gathered: bool = False) -> float:
+    """The parameters a generation rank holds: all of them, or with expert-parallel generation the
+    dense ones and its block of the experts (`gathered`: of those, the ones a reshard gathers:
+    the dense ones only, each rank's experts being the ones it trains)."""
+    if gen_ep <= 1 or not spec.experts:
+        return spec.params
+    dense = spec.params - spec.expert_params
+    return dense if gathered else dense + spec.expert_params / gen_ep
+
+
 def generation(spec: ModelSpec, rows: float, seq: float, gen_tp: int, knobs: Knobs) -> dict[str, float]:
     """The rollout on one device: vLLM's share of it, or the native engine's weights (the
-    reshard's full tensors over the generation TP group, compute dtype) and its KV cache for
-    `rows` rows of `seq` tokens."""
+    reshard's full tensors over the generation TP group, a mixture's experts over rollout ep,
+    compute dtype) and its KV cache for `rows` rows of `seq` tokens."""
     if knobs.vllm_bytes:
         return {"vLLM (weights + KV cache)": knobs.vllm_bytes}
     cb = knobs.compute_bytes
-    return {"generation weights (full, / rollout tp)": cb * spec.params / gen_tp,
+    return {"generation weights (/ rollout tp, experts / ep)": cb * generation_params(spec, knobs.gen_ep) / gen_tp,
             KV: rows * seq * spec.kv_bytes_per_token / 2 * cb / gen_tp}
 
 

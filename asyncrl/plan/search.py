@@ -69,6 +69,7 @@ class PlanCost:
     calls: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device, per set
     why: str = ""  # why a plan is infeasible
+    decode_rows: int = 0  # the native engine's rows at once the plan needs (rollout.decode_slots), 0: all
 
     @property
     def feasible(self) -> bool:
@@ -168,13 +169,17 @@ class SearchSpace:
                     gens = [g for g in _powers_of_two(min(limit, self.per_node)) if limit % g == 0 and model.heads % g == 0]
                     gens = [1] if model.experts and self.deployable else gens
                 sps = [1]
-                if self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic"):
+                if (self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic")
+                        and not (model.experts and self.deployable)):  # asyncrl's Ulysses splits no routed tokens yet
                     sps = [k for k in _powers_of_two(min(dp, self.per_node)) if (model.heads // tp) % k == 0]
                 offloads = self._offloads(model, dp, tp, pp) if unit == "actor" else [False]
                 eps = self._expert_parallel(model, dp) if unit in ("actor", "ref") else [1]
+                recomputes = self._recomputes(unit)
                 for mb in mbs:
-                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off, ep) for g in gens for sp in sps
-                               for off in offloads for ep in eps)
+                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off, ep, gen_ep, rc) for g in gens for sp in sps
+                               for off in offloads for ep in eps
+                               for gen_ep in self._expert_generation(model, unit, dp, tp * pp, ep, g)
+                               for rc in recomputes)
         return tuple(out)
 
     def _expert_parallel(self, model: ModelSpec, dp: int) -> list[int]:
@@ -186,6 +191,27 @@ class SearchSpace:
         if self.knobs.ep > 1:
             return [self.knobs.ep] if dp % self.knobs.ep == 0 else []
         return [e for e in _powers_of_two(dp) if model.experts % e == 0]
+
+    def _expert_generation(self, model: ModelSpec, unit: str, dp: int, model_shards: int, ep: int, gen_tp: int
+                           ) -> list[int]:
+        """Expert-parallel generation sizes for the actor of a mixture of experts: as configured
+        (rollout.parallel.ep > 1), else both 1 and the ranks training splits the experts over
+        (megatron's ep; FSDP2's dp ranks at tp = pp = 1), where they divide the experts."""
+        if not (model.experts and unit == "actor" and self.deployable) or gen_tp > 1:
+            return [1]
+        split = ep if self.knobs.megatron else (dp if model_shards == 1 else 1)
+        if self.knobs.gen_ep > 1:
+            return [self.knobs.gen_ep] if self.knobs.gen_ep == split else []
+        return [1, split] if split > 1 and model.experts % split == 0 else [1]
+
+    def _recomputes(self, unit: str) -> list[bool]:
+        """Whether the actor recomputes its layers' activations in the backward: as configured, else
+        both tried for sequences of at least SP_FROM_TOKENS tokens on a GPU (where activations can
+        outgrow the device)."""
+        if unit != "actor" or self.knobs.gradient_checkpointing:
+            return [False]
+        tried = self.profile.kind == "gpu" and self.deployable and self.w.seq_len >= SP_FROM_TOKENS
+        return [False, True] if tried else [False]
 
     def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[bool]:
         """Whether the actor's optimizer state lives in host memory between steps: as configured
@@ -214,6 +240,7 @@ class SearchSpace:
             return PlanCost(INFEASIBLE, why="split placement trains without pipeline stages (actor pp must be 1)")
         busy: dict[tuple[str, int], float] = {}
         calls: dict[str, float] = {}
+        decode_rows = 0
         memory: dict[str, float] = {}
         gen_set = plan.set_of(ROLLOUT) if ROLLOUT in self.units else plan.set_of("actor")
         for i, (units, devices) in enumerate(zip(plan.sets, plan.devices, strict=True)):
@@ -234,6 +261,7 @@ class SearchSpace:
                 g = generate(w.models["actor"], strat[unit], w, Mesh(devices, self.per_node), profile,
                              self.usable - resident, self.knobs)
                 calls["actor.generate"] = g.time_s
+                decode_rows = g.decode_rows
                 busy[(Stage.GENERATE, i)] = g.time_s
                 transient = max(transient, g.memory_bytes)
             peak = resident + transient
@@ -257,7 +285,7 @@ class SearchSpace:
             step = max(stages[Stage.GENERATE], rest)
         else:
             step = stages[Stage.GENERATE] + rest
-        return PlanCost(step, stages, calls, memory)
+        return PlanCost(step, stages, calls, memory, decode_rows=decode_rows)
 
     def unit_time(self, unit: str, s: Strategy, devices: int) -> float:
         """One unit's own calls summed (HybridFlow's per-model simulation), generation at full memory."""

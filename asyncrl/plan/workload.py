@@ -160,6 +160,8 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("Qwen/Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
         ModelSpec("Qwen/Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151936, head_dim=128, experts=128,
                   experts_per_token=8, expert_ffn=768),
+        ModelSpec("Qwen/Qwen3-235B-A22B", 94, 4096, 64, 4, 12288, 151936, head_dim=128, experts=128,
+                  experts_per_token=8, expert_ffn=1536),
         ModelSpec("mistralai/Mixtral-8x7B-v0.1", 32, 4096, 32, 8, 14336, 32000, experts=8, experts_per_token=2,
                   expert_ffn=14336),
         # vision-language: Qwen2.5-VL's tower (32 blocks of 1280, MLP 3420) before its language model
