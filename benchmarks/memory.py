@@ -5,6 +5,7 @@
     python -m benchmarks.memory --worlds 2 --steps 1
     python -m benchmarks.memory --worlds 1 --steps 1 --engine vllm   # on one GPU (tests/rl/test_memory_gpu.py)
     python -m benchmarks.memory --model moe --worlds 2 --steps 1      # a mixture of experts (~0.5B, 32 experts)
+    python -m benchmarks.memory --model moe --worlds 2 --steps 1 --rollout-ep 2   # its experts split in generation
 
 The model is built here with Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV heads,
 intermediate 4864, vocabulary 151,936, tied embeddings) and random bf16 weights, saved as a
@@ -77,8 +78,9 @@ def build_model(out: Path, moe: bool = False) -> Path:
 
 def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "bfloat16",
               checkpointing: bool = True, engine: str = "native", val: int = 256, decode_slots: int = 16,
-              moe: bool = False) -> list[str]:
-    return [f"model.path={model}", *(["actor.moe.router_replay=rollout"] if moe else []), f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
+              moe: bool = False, rollout_ep: int = 1) -> list[str]:
+    return [f"model.path={model}", *(["actor.moe.router_replay=rollout"] if moe else []),
+            *([f"rollout.parallel.ep={rollout_ep}"] if rollout_ep > 1 else []), f"model.dtype={dtype}", f"actor.gradient_checkpointing={str(checkpointing).lower()}",
             f"rollout.engine={engine}",
             f"trainer.n_workers={world}", f"cluster.cpu_devices={world}",
             f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}", f"trainer.eval_every={steps}",
@@ -89,7 +91,7 @@ def overrides(model: Path, world: int, steps: int, run_dir: Path, dtype: str = "
 
 
 async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bool, engine: str = "native",
-              val: int = 256, decode_slots: int = 16, moe: bool = False) -> dict:
+              val: int = 256, decode_slots: int = 16, moe: bool = False, rollout_ep: int = 1) -> dict:
     """One run of the trainer on `world` ranks (GPUs where this machine has them, else gloo CPU
     ranks); on a GPU also torch's peak allocation per phase (`cuda_phase_peak_gib`)."""
     from asyncrl.config import rl_config
@@ -100,9 +102,9 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     from asyncrl.trainer import Trainer
     from asyncrl.trainer import main as trainer_main
 
-    run_dir = OUT / f"run-{'moe-' if moe else ''}dp{world}"
+    run_dir = OUT / f"run-{'moe-' if moe else ''}dp{world}{f'-ep{rollout_ep}' if rollout_ep > 1 else ''}"
     cfg = load_config("grpo", overrides(model, world, steps, run_dir, dtype, checkpointing, engine, val, decode_slots,
-                                        moe))
+                                        moe, rollout_ep))
     typed = rl_config(cfg)
     on_gpu = torch.cuda.is_available()
     device_bytes = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
@@ -117,7 +119,10 @@ async def run(model: Path, world: int, steps: int, dtype: str, checkpointing: bo
     dp = world
     state = 16 * spec.params / dp  # fp32 master + gradients + Adam's two moments
     cb = 2 if dtype == "bfloat16" else 4
-    floor = state + cb * spec.params / dp + cb * spec.params  # + reference shard + full generation weights
+    from asyncrl.plan.memory import generation_params
+
+    # + reference shard + the generation weights (a mixture's experts / rollout ep)
+    floor = state + cb * spec.params / dp + cb * generation_params(spec, rollout_ep)
     phases = sorted({name for s in stats for name in s["phases"]})
     phase_peaks = {name: round(max(s["phases"].get(name, {}).get("peak_rss", 0.0) for s in stats) / GIB, 3)
                    for name in phases}
@@ -146,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-slots", type=int, default=16, help="rollout.decode_slots: held-out rows decoded at once "
                                                                 "(a training batch's rows are fewer)")
     p.add_argument("--model", default="dense", choices=["dense", "moe"], help="Qwen2.5-0.5B's shape or MOE_SHAPE")
+    p.add_argument("--rollout-ep", type=int, default=1, help="rollout.parallel.ep (moe: each rank generates with "
+                   "the experts it trains; must equal the world)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from asyncrl.plan.workload import model_spec
@@ -156,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"model": "Qwen3-MoE shape (MOE_SHAPE)" if moe else "Qwen2.5-0.5B shape", "params": spec.params,
                  "active_params": spec.active_params, "dtype": args.dtype,
                  "gradient_checkpointing": not args.no_checkpointing, "held_out": args.val,
-                 "decode_slots": args.decode_slots}
+                 "decode_slots": args.decode_slots, "rollout_ep": args.rollout_ep}
     for world in args.worlds:
         r = asyncio.run(run(model, world, args.steps, args.dtype, not args.no_checkpointing, args.engine, args.val,
-                            args.decode_slots, moe))
+                            args.decode_slots, moe, args.rollout_ep))
         print(json.dumps(r), flush=True)
         tag = f"dp{world}"
         out.update({f"peak_gib_{tag}": max(r["peak_gib"]), f"peak_gib_per_rank_{tag}": r["peak_gib"],

@@ -3,6 +3,7 @@
     python -m benchmarks.moe                 # all of it, 3 seeds of learning (~17 minutes)
     python -m benchmarks.moe --seeds 0       # one seed of learning
     python -m benchmarks.moe --skip-learning # Megatron's logits and the routing numbers (~2 minutes)
+    python -m benchmarks.moe --skip-megatron --hidden 128 --layers 4   # learning at a larger tiny size
 
 - Routing (in process, a tiny Qwen3-MoE with 8 experts, top-2, random weights): the native engine
   samples 64 responses and records each token's experts; the trainer (fp32) recomputes the
@@ -139,25 +140,33 @@ def megatron_logits(workdir: Path) -> dict:
     return {"logits_max_abs_diff": max(diffs.values()), "logits_by_layout": diffs}
 
 
-def learning(seeds: list[int], workdir: Path) -> dict[str, float]:
-    moe = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe"], workdir, "moe", seeds)
-    megatron = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *MEGATRON_EP2], workdir, "moe-megatron", seeds)
-    dense = arm("quickstart", [f"model.path={workdir}/tiny-dense"], workdir, "dense", seeds)
+def learning(seeds: list[int], workdir: Path, size: list[str], megatron_arm: bool = True) -> dict[str, float]:
+    """`size`: overrides of both tiny models' shape (model.build_tiny.*), the same for each arm."""
+    moe = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *size], workdir, "moe", seeds)
+    megatron = (arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *size, *MEGATRON_EP2], workdir, "moe-megatron",
+                    seeds) if megatron_arm else None)
+    dense = arm("quickstart", [f"model.path={workdir}/tiny-dense", *size], workdir, "dense", seeds)
     print(json.dumps({"moe": moe, "moe_megatron_ep2": megatron, "dense": dense}), flush=True)
     gain = lambda r: r["end"] - r["start"]  # noqa: E731
-    return {"gain_ratio": round(gain(moe) / max(1e-9, gain(dense)), 3),
-            "gain_ratio_megatron_ep2": round(gain(megatron) / max(1e-9, gain(dense)), 3),
-            "step_time_ratio": round(megatron["update_s"] / moe["update_s"], 3),
-            "moe_ends": moe["ends"], "moe_megatron_ep2_ends": megatron["ends"], "dense_ends": dense["ends"],
-            "wall_s": {"moe": moe["wall_s"], "moe_megatron_ep2": megatron["wall_s"], "dense": dense["wall_s"]}}
+    out = {"gain_ratio": round(gain(moe) / max(1e-9, gain(dense)), 3), "moe_ends": moe["ends"],
+           "dense_ends": dense["ends"], "wall_s": {"moe": moe["wall_s"], "dense": dense["wall_s"]}, "size": size}
+    if megatron is not None:
+        out.update(gain_ratio_megatron_ep2=round(gain(megatron) / max(1e-9, gain(dense)), 3),
+                   step_time_ratio=round(megatron["update_s"] / moe["update_s"], 3), moe_megatron_ep2_ends=megatron["ends"])
+        out["wall_s"]["moe_megatron_ep2"] = megatron["wall_s"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--skip-learning", action="store_true")
-    p.add_argument("--skip-megatron", action="store_true", help="no megatron-core logits (it is not installed)")
+    p.add_argument("--skip-megatron", action="store_true", help="no megatron-core logits or learning arm")
+    p.add_argument("--hidden", type=int, default=0, help="both tiny models' hidden size (0: the quickstarts')")
+    p.add_argument("--layers", type=int, default=0, help="both tiny models' layers (0: the quickstarts')")
     a = p.parse_args(argv)
+    size = [*([f"model.build_tiny.hidden={a.hidden}", f"model.build_tiny.heads={a.hidden // 32}"] if a.hidden else []),
+            *([f"model.build_tiny.layers={a.layers}"] if a.layers else [])]
     out: dict = {"benchmark": "moe"}
     if not a.skip_megatron:
         with tempfile.TemporaryDirectory(prefix="asyncrl-moe-logits-") as tmp:
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     out["routing_agreement_no_replay"] = out["routing_agreement_no_replay_bf16"]
     if not a.skip_learning:
         with tempfile.TemporaryDirectory(prefix="asyncrl-moe-") as tmp:
-            out.update(learning(a.seeds, Path(tmp)))
+            out.update(learning(a.seeds, Path(tmp), size, megatron_arm=not a.skip_megatron))
     print(json.dumps(out), flush=True)
     return 0
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import (
     ADAM,
+    MEGATRON_ADAM,
     Knobs,
     actor_trained,
     forward_only_weights,
@@ -111,7 +112,8 @@ def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, u
         return 0.0
     if knobs.megatron and unit in ("actor", "ref"):  # whole TP x PP shards, a mixture's experts over ep
         if trained:
-            return sum(megatron_state(model, s.tp * s.pp, s.dp, knobs.compute_bytes, s.ep).values())
+            state = megatron_state(model, s.tp * s.pp, s.dp, knobs.compute_bytes, s.ep)
+            return sum(state.values()) - (state[MEGATRON_ADAM] if s.offload else 0.0)
         return knobs.compute_bytes * megatron_held(model, s.tp * s.pp, s.ep)
     if trained:
         trains = actor_trained(model, knobs) if unit == "actor" else (unit == "critic" and knobs.critic_lora_params) or None
@@ -122,7 +124,11 @@ def resident_bytes(model: ModelSpec, s: Strategy, trained: bool, knobs: Knobs, u
 
 def offloaded_bytes(model: ModelSpec, s: Strategy, knobs: Knobs) -> float:
     """The actor's optimizer state a device holds only while it steps (Strategy.offload)."""
-    return training_state(model, s.tp * s.pp * s.dp, actor_trained(model, knobs))[ADAM] if s.offload else 0.0
+    if not s.offload:
+        return 0.0
+    if knobs.megatron:
+        return megatron_state(model, s.tp * s.pp, s.dp, knobs.compute_bytes, s.ep)[MEGATRON_ADAM]
+    return training_state(model, s.tp * s.pp * s.dp, actor_trained(model, knobs))[ADAM]
 
 
 def forward_backward(model: ModelSpec, s: Strategy, w: Workload, call: Call, mesh: Mesh,

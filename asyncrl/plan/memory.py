@@ -168,6 +168,7 @@ def _moe_extra(spec: ModelSpec) -> float:
 
 # the terms: each a few named parts, bytes per device ------------------------------------------
 ADAM = "Adam moments (fp32 shard)"
+MEGATRON_ADAM = "Adam moments (over DP)"
 OFFLOADED = "Adam moments (host; on device to step)"
 ROUTES = "routed experts (routing replay)"
 
@@ -200,7 +201,7 @@ def megatron_state(spec: ModelSpec, model_shards: int, dp: int, cb: float, ep: i
     +4 bytes a parameter at the step)."""
     held, shard = megatron_held(spec, model_shards, ep), spec.params / model_shards
     return {"weights (TP x PP shard)": cb * held, "gradients (fp32 buffer)": 4 * held,
-            "fp32 masters (over DP)": (4 * shard / dp) if cb < 4 else 0.0, "Adam moments (over DP)": 8 * shard / dp,
+            "fp32 masters (over DP)": (4 * shard / dp) if cb < 4 else 0.0, MEGATRON_ADAM: 8 * shard / dp,
             "Adam step temporaries (over DP)": 4 * shard / dp}
 
 
@@ -341,7 +342,7 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
     lp = forward_pass(spec, min(ac.log_prob_micro_batch_size, rows), width, par.tp, knobs)
     up = update_pass(spec, min(ac.micro_batch_size, rows / ac.ppo_mini_batches), seq, width, par.tp, knobs)
     # on a GPU: its bytes leave the device between steps (a CPU's host memory is its device memory)
-    moved = {OFFLOADED: resident.pop(ADAM)} if knobs.offload and not knobs.megatron and on_gpu else {}
+    moved = {OFFLOADED: resident.pop(MEGATRON_ADAM if knobs.megatron else ADAM)} if knobs.offload and on_gpu else {}
     if knobs.routes and spec.experts:  # the rank's rows carry their tokens' experts from generation to the update
         routes = {ROUTES: rows * seq * route_bytes(spec, knobs)}
         gen, lp, up = {**gen, **routes}, {**lp, **routes}, {**up, **routes}

@@ -215,11 +215,11 @@ class SearchSpace:
 
     def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[bool]:
         """Whether the actor's optimizer state lives in host memory between steps: as configured
-        (actor.offload=optimizer), else both tried on a GPU where the backend moves it (FSDP2) and
+        (actor.offload=optimizer), else both tried on a GPU (FSDP2 and megatron move it) where
         the training state takes more than OFFLOAD_FROM of a device (elsewhere it cannot matter)."""
         if self.knobs.offload:
             return [True]
-        tried = self.profile.kind == "gpu" and self.deployable and not self.knobs.megatron and not self.knobs.lora_params
+        tried = self.profile.kind == "gpu" and self.deployable and not self.knobs.lora_params
         state = resident_bytes(model, Strategy(dp, tp, pp), True, self.knobs, "actor")
         return [False, True] if tried and state > OFFLOAD_FROM * self.usable else [False]
 

@@ -818,7 +818,7 @@ def megatron_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layou
     common = {"device": device, "dtype": dtype, "seed": cfg.seed, "ep": moe.ep}
     actor = (MegatronEngine(cfg.model.path, layout, optim=cfg.actor.optim, recompute=cfg.actor.gradient_checkpointing,
                             aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
-                            router_replay=moe.router_replay != "none", **common)
+                            router_replay=moe.router_replay != "none", offload=cfg.actor.offload, **common)
              if "actor" in roles else None)
     ref = MegatronEngine(cfg.model.path, layout, optim=None, **common) if "ref" in roles else None
     return actor, ref

@@ -291,7 +291,7 @@ class FSDPEngine:
                 self.optimizer, lambda step: lr_multiplier(step, optim)
             )
         # actor.offload=optimizer: AdamW's state in host memory between its steps (asyncrl.train.offload)
-        self.offload = OptimizerOffload(self.optimizer, offload == "optimizer") if self.optimizer else None
+        self.offload = OptimizerOffload([self.optimizer], offload == "optimizer") if self.optimizer else None
 
     # -- training ---------------------------------------------------------------------------
 

@@ -76,19 +76,22 @@ class HostCopy:
         return sum(h.nbytes() for h in self.host)
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
-    """Every tensor of the optimizer's per-parameter state (moments, step counts)."""
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, Tensor):
-                yield value
+def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[Tensor]:
+    """Every tensor of the optimizers' per-parameter state (moments, step counts)."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor):
+                    yield value
 
 
 class OptimizerOffload:
-    """actor.offload=optimizer for one engine: the state in host memory between optimizer steps."""
+    """actor.offload=optimizer for one engine: the state in host memory between optimizer steps
+    (`optimizers`: the torch optimizers that hold it; megatron's distributed optimizer wraps one per
+    parameter group)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, enabled: bool) -> None:
-        self.optimizer, self.enabled = optimizer, enabled
+    def __init__(self, optimizers: list[torch.optim.Optimizer], enabled: bool) -> None:
+        self.optimizers, self.enabled = optimizers, enabled
         self.copy = HostCopy()
 
     @contextlib.contextmanager
@@ -99,7 +102,7 @@ class OptimizerOffload:
             yield
         finally:
             if self.enabled:
-                self.copy.away(optimizer_tensors(self.optimizer))
+                self.copy.away(optimizer_tensors(self.optimizers))
 
     def metrics(self) -> dict[str, float]:
         """The time spent moving since the last call and the host bytes held."""

@@ -400,9 +400,15 @@ def test_failover_refuses_what_it_does_not_cover_naming_each_key():
         C.rl_config({**ok, "actor": {"offload": "optimizer"}})
 
 
-def test_an_optimizer_offload_is_refused_where_the_backend_does_not_move_it():
-    assert C.rl_config({"actor": {"offload": "optimizer"}}).actor.offload == "optimizer"
-    with pytest.raises(ConfigError, match=r"actor.offload.*does not move to host memory on actor.backend=megatron"):
-        C.rl_config({"actor": {"offload": "optimizer", "backend": "megatron"}})
+def test_an_optimizer_offload_is_refused_where_the_backend_does_not_move_it(monkeypatch):
+    import dataclasses
+
+    from asyncrl.engines import BACKENDS
+
+    for name in ("fsdp2", "megatron"):
+        assert C.rl_config({"actor": {"offload": "optimizer", "backend": name}}).actor.offload == "optimizer"
+    monkeypatch.setitem(BACKENDS, "stateful", dataclasses.replace(BACKENDS["fsdp2"], offload=False))
+    with pytest.raises(ConfigError, match=r"actor.offload.*does not move to host memory on actor.backend=stateful"):
+        C.rl_config({"actor": {"offload": "optimizer", "backend": "stateful"}})
     with pytest.raises(ConfigError, match="actor.offload"):
         C.rl_config({"actor": {"offload": "params"}})

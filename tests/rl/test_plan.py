@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from asyncrl.plan.cli import main as plan_main
-from asyncrl.plan.cost import Mesh, Strategy, forward_backward, generate
+from asyncrl.plan.cost import (
+    Mesh,
+    Strategy,
+    forward_backward,
+    generate,
+    offloaded_bytes,
+    resident_bytes,
+)
 from asyncrl.plan.hardware import load_profile
 from asyncrl.plan.search import ROLLOUT, SearchSpace, exhaustive, hybridflow, mcmc, set_partitions
 from asyncrl.plan.workload import KNOWN_MODELS, Call, Workload, rl_calls
@@ -112,7 +119,7 @@ def test_the_search_moves_the_optimizer_to_host_memory_only_when_the_devices_nee
     holds the state for the optimizer's step alone and prices moving it; on 4 H100s it stays put."""
     from asyncrl.config import rl_config
     from asyncrl.launch import load_config
-    from asyncrl.plan.memory import OFFLOADED, worker_memory
+    from asyncrl.plan.memory import OFFLOADED, Knobs, worker_memory
 
     user = ["cluster.nnodes=1", "model.path=Qwen/Qwen2.5-7B", "data.max_prompt_len=1024", "rollout.max_tokens=2048",
             "plan.device=h100"]
@@ -136,6 +143,15 @@ def test_the_search_moves_the_optimizer_to_host_memory_only_when_the_devices_nee
     train = next(c for c in w.calls if c.kind == "train")
     plain, off = (forward_backward(spec, replace(s, offload=o), w, train, Mesh(2, 8), H100) for o in (False, True))
     assert off.time_s - plain.time_s == pytest.approx(train.optimizer_steps * 2 * adam / H100.host_bw)
+    # megatron moves its distributed optimizer's Adam moments the same way
+    mcfg = replace(cfg, actor=replace(cfg.actor, backend="megatron"))
+    mmoved, mkept = (worker_memory(c, spec, True, H100.mem_bytes) for c in (mcfg, replace(mcfg, actor=replace(
+        mcfg.actor, offload="none"))))
+    assert mmoved.parts[OFFLOADED] == mkept.parts["Adam moments (over DP)"] > 0
+    assert mmoved.phases["update"] == mkept.phases["update"] - mmoved.parts[OFFLOADED]
+    mknobs = Knobs(compute_bytes=2, megatron=True)
+    assert (resident_bytes(spec, s, True, mknobs, "actor") - resident_bytes(spec, replace(s, offload=True), True, mknobs,
+                                                                             "actor") == offloaded_bytes(spec, replace(s, offload=True), mknobs) > 0)
 
 
 def test_table_and_explain_name_the_plan(capsys):

@@ -40,6 +40,7 @@ from asyncrl.train.megatron.model import (
     moe_config,
 )
 from asyncrl.train.megatron.schedule import run_pipeline
+from asyncrl.train.offload import OptimizerOffload
 from asyncrl.train.optim import OptimConfig, lr_multiplier
 from asyncrl.train.pipeline import all_gather_values, broadcast_value, forward_through
 
@@ -84,7 +85,7 @@ class MegatronEngine:
     def __init__(self, path: str, layout: ParallelLayout, *, optim: OptimConfig | None, device: str | torch.device,
                  dtype: torch.dtype, seed: int = 0, recompute: bool = False, reader: Reader | None = None,
                  value_head: bool = False, ep: int = 1, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 router_replay: bool = False) -> None:
+                 router_replay: bool = False, offload: str = "none") -> None:
         from transformers import AutoConfig
 
         adapt_for_cpu()
@@ -120,6 +121,8 @@ class MegatronEngine:
             self.gpt.eval()
         else:
             self._build_optimizer(optim, dtype)
+        # actor.offload=optimizer: Adam's state in host memory between its steps (asyncrl.train.offload)
+        self.offload = OptimizerOffload([o.optimizer for o in self._optimizers()], offload == "optimizer")
 
     @property
     def rank(self) -> int:
@@ -293,14 +296,14 @@ class MegatronEngine:
         else:
             self._accumulate(micro_batches, on_output)
         lr = self._set_lr()
-        with cuda_on_cpu():
+        with cuda_on_cpu(), self.offload.on_device():
             stepped, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         out = self._metrics(results, len(micro_batches)) if self.is_last else None
         if self.pp > 1:
             out = broadcast_value(out, dist.get_global_rank(self.pp_group, self.pp - 1), self.pp_group, self.device)
         return {**out, **self._router_losses(len(micro_batches)), "grad_norm": float(grad_norm or 0.0), "lr": lr,
-                "skipped": 0.0 if stepped else 1.0}
+                "skipped": 0.0 if stepped else 1.0, **self.offload.metrics()}
 
     def _router_losses(self, micro_batches: int) -> dict[str, float]:
         """A mixture of experts' load-balancing and z-losses of this step (megatron tracks them
@@ -359,8 +362,9 @@ class MegatronEngine:
         (path / "megatron").mkdir(parents=True, exist_ok=True)
         state = {"layout": self.layout.to_wire(), "steps": self.steps, "extra": extra}
         if self.optimizer is not None:
-            save_optimizer(self, path / "megatron" / "optim")
-            state["adam_step"] = adam_step(self)
+            with self.offload.on_device():
+                save_optimizer(self, path / "megatron" / "optim")
+                state["adam_step"] = adam_step(self)
         torch.save(state, path / "megatron" / f"rank{self.rank}.pt")
         export_hf(self, path / "hf", tokenizer, export_dtype)
         log.info("saved checkpoint %s", path)
@@ -385,7 +389,8 @@ class MegatronEngine:
         if state["layout"] != self.layout.to_wire():
             state = torch.load(first, map_location="cpu", weights_only=False)
             log.info("resuming a checkpoint of layout %s in %s", state["layout"], self.layout.to_wire())
-        load_optimizer(self, path / "optim", state.get("adam_step", 0.0))
+        with self.offload.on_device():
+            load_optimizer(self, path / "optim", state.get("adam_step", 0.0))
         self.steps = int(state["steps"])
         log.info("loaded checkpoint %s in %.1f s", path.parent, time.perf_counter() - t0)
         return state["extra"]
