@@ -441,16 +441,23 @@ class ActorConfig(PPOUpdateConfig):
     # its distributed optimizer (docs/megatron.md); the reference policy runs on the same backend
     backend: str = "fsdp2"
     # optimizer: AdamW's moments in host memory except while the optimizer steps or a checkpoint
-    # reads them (asyncrl.train.offload): the forward, backward and generation run without them
-    offload: Annotated[str, Literal["none", "optimizer"]] = "none"
+    # reads them (asyncrl.train.offload): the forward, backward and generation run without them;
+    # all: besides, the actor's and the reference's weight shards while the rollout generates
+    offload: Annotated[str, Literal["none", "optimizer", "all"]] = "none"
 
     def check(self, at: str) -> None:
         super().check(at)
         self.lora.check(at + "lora.")
-        _one_of(at + "offload", self.offload, ("none", "optimizer"))
+        _one_of(at + "offload", self.offload, ("none", "optimizer", "all"))
         _check(self.offload == "none" or backend(self.backend).offload, at + "offload", self.offload,
                f"the optimizer's state does not move to host memory on {at}backend={self.backend} yet; set "
                f"{at}offload=none or {_those(at + 'backend', 'offload')}")
+        _check(self.offload != "all" or backend(self.backend).offload_weights, at + "offload", self.offload,
+               f"the weights do not move to host memory on {at}backend={self.backend} yet; set {at}offload=optimizer "
+               f"or {_those(at + 'backend', 'offload_weights')}")
+        _check(self.offload != "all" or not self.lora.enabled, at + "offload", self.offload,
+               "LoRA's frozen base is read while the rollout generates (adapters merged or served): set "
+               f"{at}offload=optimizer (the adapters' optimizer state is small anyway)")
         self.moe.check(at + "moe.")
         _check_lora_layout(self, at)
         _check_backend(self, at)
@@ -979,6 +986,9 @@ class RLConfig(LaunchConfig):
         _check(backend(self.actor.backend).feeds_split_pool or self.trainer.placement == "colocated",
                at + "trainer.placement", self.trainer.placement, f"the weight sync between pools reads FSDP2 shards: "
                f"{at}actor.backend={self.actor.backend} runs with trainer.placement=colocated for now")
+        _check(self.actor.offload != "all" or self.trainer.placement == "colocated", at + "actor.offload", "all",
+               "moves the training weights out of the way of a rollout that shares their devices: set "
+               "trainer.placement=colocated, or actor.offload=optimizer")
         """What a separate rollout pool can do: it holds a full replica (no generation TP) and
         receives whole weights (no pipeline stages to stitch)."""
         split, engine = self.trainer.placement == "split", rollout_engine(self.rollout.engine)

@@ -44,6 +44,7 @@ class TrainBackend:
     images: bool = False  # trains vision-language models on image prompts (`asyncrl.data.images`)
     failover: bool = False  # its engines rebuild on a re-formed process group from kept states (trainer.failover)
     offload: bool = False  # keeps the optimizer's state in host memory between its steps (`actor.offload`)
+    offload_weights: bool = False  # keeps the weights in host memory while the rollout generates (`actor.offload=all`)
     requires: str | None = None  # "module:function" raising ConfigError when its library is missing
     model_check: str | None = None  # "module:function": (role, section, model path, cfg) -> None, before workers start
 
@@ -100,7 +101,7 @@ BACKENDS: dict[str, TrainBackend] = {
     "fsdp2": TrainBackend("asyncrl.roles.actor:fsdp_engines", "asyncrl.roles.critic:fsdp_critic",
                           teacher_engine="asyncrl.roles.teacher:fsdp_teacher", lora=True,
                           sequence_parallel=True, packing=True, hf_routers=True, feeds_split_pool=True, images=True,
-                          failover=True, offload=True),
+                          failover=True, offload=True, offload_weights=True),
     "megatron": TrainBackend("asyncrl.roles.actor:megatron_engines", "asyncrl.roles.critic:megatron_critic",
                              expert_parallel=True, one_layout_per_process=True, moe_tensor_parallel=True,
                              moe_pipeline=True, whole_tp_pp_shards=True, offload=True,

@@ -109,7 +109,7 @@ def overrides(plan: Plan, space: SearchSpace, profile: DeviceProfile, decode_row
     a = s["actor"]
     out += [f"actor.parallel.dp={a.dp}", f"actor.parallel.tp={a.tp}", f"actor.parallel.pp={a.pp}"]
     out += [f"actor.parallel.sp={a.sp}"] if a.sp > 1 else []
-    out += ["actor.offload=optimizer"] if a.offload else []
+    out += [f"actor.offload={'all' if a.offload_weights else 'optimizer'}"] if a.offload else []
     out += ["actor.gradient_checkpointing=true"] if a.recompute else []
     out += [f"actor.moe.ep={a.ep}"] if a.ep > 1 else []
     out += [f"rollout.parallel.ep={a.gen_ep}"] if a.gen_ep > 1 else []

@@ -47,6 +47,7 @@ class Strategy:
     gen_tp: int = 1
     sp: int = 1  # Ulysses: groups of sp dp ranks share each micro-batch's tokens
     offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
+    offload_weights: bool = False  # actor.offload=all: besides, the weights in host memory while the rollout runs
     ep: int = 1  # megatron's expert parallelism (actor.moe.ep): a mixture's experts split over ep of the dp ranks
     gen_ep: int = 1  # expert-parallel generation (rollout.parallel.ep): each rank keeps the experts it trains
     recompute: bool = False  # actor.gradient_checkpointing: each layer's activations recomputed in the backward
@@ -60,7 +61,8 @@ class Strategy:
         text += f" gen-tp{self.gen_tp}" if self.gen_tp > 1 else ""
         text += f" gen-ep{self.gen_ep}" if self.gen_ep > 1 else ""
         text += " recompute" if self.recompute else ""
-        return text + (f" ep{self.ep}" if self.ep > 1 else "") + (" offload" if self.offload else "")
+        return text + (f" ep{self.ep}" if self.ep > 1 else "") + (" offload" if self.offload else "") + (
+            "-all" if self.offload_weights else "")
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,14 @@ def generate(model: ModelSpec, s: Strategy, w: Workload, mesh: Mesh, profile: De
     time_s = waves * (prefill + w.response_len * step) + profile.call_overhead_s
     held_out = (knobs.decode_rows or waved) if knobs.all_rows else 0  # the evaluation's waves: decode_slots rows each
     return CallCost(time_s, sum(generation(model, max(batch, held_out), w.seq_len, tg, knobs).values()), waved)
+
+
+def weights_moved(s: Strategy, held: float, profile: DeviceProfile) -> float:
+    """actor.offload=all: the models' `held` bytes (a device's, the optimizer's already away) to host
+    memory after the reshard and back before the next pass, at the profile's host bandwidth."""
+    if not s.offload_weights:
+        return 0.0
+    return 2 * held / (profile.host_bw or profile.mem_bw * profile.mem_bw_efficiency)
 
 
 def reshard(model: ModelSpec, s: Strategy, mesh: Mesh, profile: DeviceProfile) -> float:

@@ -103,7 +103,8 @@ class Knobs:
     ep: int = 1  # actor.moe.ep (megatron): each rank holds experts / ep of the experts
     sp: int = 1  # actor.parallel.sp (Ulysses): a micro-batch's tokens split over sp ranks
     vision_trains: bool = True  # a vision-language model's tower trains (not actor.freeze_vision, not LoRA)
-    offload: bool = False  # actor.offload=optimizer: AdamW's state in host memory between its steps
+    offload: bool = False  # actor.offload=optimizer or all: AdamW's state in host memory between its steps
+    offload_weights: bool = False  # actor.offload=all: the training and reference weights in host memory while generating
     routes: bool = False  # actor.moe.router_replay != none: each token's experts recorded and carried with its row
     gen_ep: int = 1  # rollout.parallel.ep: generation keeps each rank's block of the experts (experts / gen_ep)
 
@@ -122,7 +123,8 @@ class Knobs:
                    critic_lora_params=lora_params(spec, cfg.critic.lora) if spec is not None else 0,
                    megatron=backend(cfg.actor.backend).whole_tp_pp_shards, ep=cfg.actor.moe.ep, sp=cfg.actor.parallel.sp,
                    vision_trains=not (cfg.actor.freeze_vision or cfg.actor.lora.enabled),
-                   offload=cfg.actor.offload == "optimizer", routes=cfg.actor.moe.router_replay != "none",
+                   offload=cfg.actor.offload != "none", offload_weights=cfg.actor.offload == "all",
+                   routes=cfg.actor.moe.router_replay != "none",
                    gen_ep=cfg.rollout.parallel.ep)
 
 
@@ -347,12 +349,16 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
         routes = {ROUTES: rows * seq * route_bytes(spec, knobs)}
         gen, lp, up = {**gen, **routes}, {**lp, **routes}, {**up, **routes}
     base = sum(resident.values())
-    phases = {"generate": base + sum(gen.values()), "evaluate": base + sum(held_out.values()),
+    # actor.offload=all on a GPU: the rollout runs beside the process alone (the weights wait in host memory)
+    rollout_base = RUNTIME_BYTES if knobs.offload_weights and on_gpu and not knobs.megatron else base
+    phases = {"generate": rollout_base + sum(gen.values()), "evaluate": rollout_base + sum(held_out.values()),
               "log-probs": base + sum(lp.values()),
               "update": base + sum(up.values())}
     if moved:  # the state comes back for the optimizer's step, after the backward's activations are freed
         phases["optimizer step"] = base + moved[OFFLOADED]
-    host = {**checkpoint_phases(spec, shards, knobs, base), **({"steps (offloaded optimizer, each rank)": moved[OFFLOADED]} if moved else {})}
+    host = {**checkpoint_phases(spec, shards, knobs, base), **({"steps (offloaded optimizer, each rank)": moved[OFFLOADED]} if moved else {}),
+            **({"rollout (offloaded weights, each rank)": base - rollout_base + sum(moved.values())}
+               if rollout_base != base else {})}
     if not on_gpu:  # the checkpoint's bytes are host memory: the device's own on a CPU
         phases.update(host)
     return MemoryEstimate({**resident, **moved, **gen, **eval_kv, **lp, **up}, phases, host)

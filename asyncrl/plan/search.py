@@ -30,6 +30,7 @@ from asyncrl.plan.cost import (
     resident_bytes,
     sequence_transfer,
     weight_broadcast,
+    weights_moved,
 )
 from asyncrl.plan.hardware import DeviceProfile
 from asyncrl.plan.memory import RUNTIME_BYTES, Knobs, checkpoint_phases
@@ -172,12 +173,12 @@ class SearchSpace:
                 if (self.w.seq_len >= SP_FROM_TOKENS and pp == 1 and unit in ("actor", "ref", "critic")
                         and not (model.experts and self.deployable)):  # asyncrl's Ulysses splits no routed tokens yet
                     sps = [k for k in _powers_of_two(min(dp, self.per_node)) if (model.heads // tp) % k == 0]
-                offloads = self._offloads(model, dp, tp, pp) if unit == "actor" else [False]
+                offloads = self._offloads(model, dp, tp, pp) if unit == "actor" else [(False, False)]
                 eps = self._expert_parallel(model, dp) if unit in ("actor", "ref") else [1]
                 recomputes = self._recomputes(unit)
                 for mb in mbs:
-                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off, ep, gen_ep, rc) for g in gens for sp in sps
-                               for off in offloads for ep in eps
+                    out.extend(Strategy(dp, tp, pp, mb, g, sp, off, all_, ep, gen_ep, rc) for g in gens for sp in sps
+                               for off, all_ in offloads for ep in eps
                                for gen_ep in self._expert_generation(model, unit, dp, tp * pp, ep, g)
                                for rc in recomputes)
         return tuple(out)
@@ -213,15 +214,18 @@ class SearchSpace:
         tried = self.profile.kind == "gpu" and self.deployable and self.w.seq_len >= SP_FROM_TOKENS
         return [False, True] if tried else [False]
 
-    def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[bool]:
-        """Whether the actor's optimizer state lives in host memory between steps: as configured
-        (actor.offload=optimizer), else both tried on a GPU (FSDP2 and megatron move it) where
-        the training state takes more than OFFLOAD_FROM of a device (elsewhere it cannot matter)."""
+    def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[tuple[bool, bool]]:
+        """What of the actor's state lives in host memory (the optimizer's between its steps; with it
+        the weights while the rollout runs): as configured (actor.offload), else on a GPU, where the
+        training state takes more than OFFLOAD_FROM of a device, the optimizer's tried (FSDP2 and
+        megatron move it) and the weights too (FSDP2); elsewhere it cannot matter."""
         if self.knobs.offload:
-            return [True]
+            return [(True, self.knobs.offload_weights)]
         tried = self.profile.kind == "gpu" and self.deployable and not self.knobs.lora_params
         state = resident_bytes(model, Strategy(dp, tp, pp), True, self.knobs, "actor")
-        return [False, True] if tried and state > OFFLOAD_FROM * self.usable else [False]
+        if not (tried and state > OFFLOAD_FROM * self.usable):
+            return [(False, False)]
+        return [(False, False), (True, False), *([] if self.knobs.megatron else [(True, True)])]
 
     # pricing ----------------------------------------------------------------------------------
     def _call_cost(self, index: int, s: Strategy, devices: int) -> CallCost:
@@ -256,15 +260,17 @@ class SearchSpace:
                 calls[call.name] = c.time_s + extra
                 busy[(call.stage, i)] = busy.get((call.stage, i), 0.0) + c.time_s + extra
                 transient = max(transient, c.memory_bytes)
+            peak = resident + transient
             if i == gen_set:
                 unit = ROLLOUT if units == (ROLLOUT,) else "actor"
+                # actor.offload=all: the set's weights wait in host memory while the rollout runs
+                beside = RUNTIME_BYTES if strat[unit].offload_weights else resident
                 g = generate(w.models["actor"], strat[unit], w, Mesh(devices, self.per_node), profile,
-                             self.usable - resident, self.knobs)
-                calls["actor.generate"] = g.time_s
+                             self.usable - beside, self.knobs)
+                calls["actor.generate"] = g.time_s + weights_moved(strat[unit], resident - RUNTIME_BYTES, profile)
                 decode_rows = g.decode_rows
-                busy[(Stage.GENERATE, i)] = g.time_s
-                transient = max(transient, g.memory_bytes)
-            peak = resident + transient
+                busy[(Stage.GENERATE, i)] = calls["actor.generate"]
+                peak = max(peak, beside + g.memory_bytes)
             if profile.kind == "cpu" and "actor" in models:  # a CPU's memory holds the checkpoint's bytes too
                 shards = strat["actor"].devices
                 peak = max(peak, *checkpoint_phases(w.models["actor"], shards, self.knobs, resident).values())

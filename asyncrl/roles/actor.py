@@ -308,6 +308,11 @@ class ActorRolloutRefWorker(Worker):
                 self.rollout_current = True
         elif not self.generation.bound:
             self.generation.bind(self._merge_adapters(self.resharder.reshard()))
+        if self.cfg.actor.offload == "all":  # the rollout runs with the device to itself
+            keep = list(self.generation.model.parameters()) if self.generation.bound else []
+            for engine in (self.actor, self.ref):
+                if engine is not None:
+                    engine.weights_away(keep)
 
     def _merge_adapters(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """LoRA: each adapted weight's generation tensor as W0 + (alpha / rank) B A, computed in
@@ -342,9 +347,14 @@ class ActorRolloutRefWorker(Worker):
             yield plan.name, torch.cat(parts, dim=plan.tp_dim)
 
     def _release_generation_weights(self) -> None:
-        """Before training: drop the generation shards (the next generate reshards again)."""
+        """Before training: drop the generation shards (the next generate reshards again), and
+        bring the training weights back where the rollout ran without them (actor.offload=all)."""
         if self.generation is None:
             return
+        if self.cfg.actor.offload == "all":
+            for engine in (self.actor, self.ref):
+                if engine is not None:
+                    engine.weights_back()
         if self.rollout.holds_own_weights:
             self.rollout_current = False
             cast(OwnWeightsRollout, self.rollout).sleep()  # CUDA: weights and KV cache freed for training
@@ -799,7 +809,7 @@ def fsdp_engines(worker: ActorRolloutRefWorker, base: torch.nn.Module, layout: P
         ref = parallelize(ref, layout, mp)
         materialize(ref, device)
         copy_shards(actor.model, ref)
-        ref_engine = engine_cls(ref, layout, optim=None, device=device)
+        ref_engine = engine_cls(ref, layout, optim=None, device=device, offload=cfg.actor.offload)
     return actor, ref_engine
 
 

@@ -14,7 +14,6 @@ micro-batches, or the job hangs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -290,8 +289,10 @@ class FSDPEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: lr_multiplier(step, optim)
             )
-        # actor.offload=optimizer: AdamW's state in host memory between its steps (asyncrl.train.offload)
-        self.offload = OptimizerOffload([self.optimizer], offload == "optimizer") if self.optimizer else None
+        # actor.offload: AdamW's state in host memory between its steps, with `all` the weights during the
+        # rollout too (asyncrl.train.offload)
+        self.offload = OptimizerOffload([self.optimizer] if self.optimizer else [], offload != "none" and bool(self.optimizer),
+                                        weights=offload == "all")
 
     # -- training ---------------------------------------------------------------------------
 
@@ -338,12 +339,21 @@ class FSDPEngine:
         with trace.span("all_reduce metrics", "collective"):
             out = metrics_done()
         out.update(grad_norm=grad_norm.item(), lr=float(lr), skipped=0.0 if finite else 1.0)
-        return {**out, **(self.offload.metrics() if self.offload is not None else {})}
+        return {**out, **self.offload.metrics()}
 
     def state_on_device(self) -> Any:
         """A block in which the optimizer's state is on the device (it may live in host memory
         between steps: actor.offload)."""
-        return self.offload.on_device() if self.offload is not None else contextlib.nullcontext()
+        return self.offload.on_device()
+
+    def weights_away(self, keep: list[Tensor]) -> None:
+        """actor.offload=all, while the rollout generates: the weight shards to host memory (but
+        those `keep` shares: generation weights that are the training shards themselves)."""
+        self.offload.weights_away(self.model.parameters(), keep)
+
+    def weights_back(self) -> None:
+        """The weight shards on the device again (before a pass that reads them)."""
+        self.offload.weights_back()
 
     def _accumulates_unsharded(self) -> bool:
         """Whether this step's micro-batches accumulate unsharded: as set, or (None) when

@@ -2,7 +2,10 @@
 
 `optimizer`: AdamW's moments (and step counts) live in host memory except while the optimizer
 steps (or a checkpoint reads them), as verl's optimizer offload does: the update's forward and
-backward passes and the rollout run without them on the device. Tensors keep their identity —
+backward passes and the rollout run without them on the device. `all`: besides, the weight
+shards (and any gradients) of the actor and the reference policy leave the device while the
+rollout generates (after the reshard has built the generation weights from them), and come back
+before the next pass that needs them: the rollout runs with the device to itself. Tensors keep their identity —
 their storages' bytes go to host buffers and the device storages shrink to nothing, then grow back
 and take the bytes again — so the optimizer, and everything holding its state, sees the same
 objects, bit for bit. Host buffers are kept between steps (pinned once, on a GPU).
@@ -86,13 +89,29 @@ def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[T
 
 
 class OptimizerOffload:
-    """actor.offload=optimizer for one engine: the state in host memory between optimizer steps
+    """actor.offload for one engine: the optimizer's state in host memory between its steps
     (`optimizers`: the torch optimizers that hold it; megatron's distributed optimizer wraps one per
-    parameter group)."""
+    parameter group), and with `weights` its weight shards during the rollout (`weights_away`)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], enabled: bool) -> None:
-        self.optimizers, self.enabled = optimizers, enabled
+    def __init__(self, optimizers: list[torch.optim.Optimizer], enabled: bool, weights: bool = False) -> None:
+        self.optimizers, self.enabled, self.weights = optimizers, enabled, weights
         self.copy = HostCopy()
+        self.weight_copy = HostCopy()
+
+    def weights_away(self, params: Iterable[Tensor], keep: Iterable[Tensor] = ()) -> int:
+        """The shards of `params` (and their gradients) to host memory, but for storages that
+        `keep`'s tensors share (generation weights that are the training shards themselves);
+        the bytes moved (0 unless `weights`)."""
+        if not self.weights:
+            return 0
+        kept = {local_tensor(t).untyped_storage().data_ptr() for t in keep}
+        moving = [t for p in params for t in (p, p.grad) if t is not None
+                  and local_tensor(t).untyped_storage().data_ptr() not in kept]
+        return self.weight_copy.away(moving)
+
+    def weights_back(self) -> None:
+        """The weight shards on the device again, bit for bit."""
+        self.weight_copy.back()
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
@@ -108,5 +127,7 @@ class OptimizerOffload:
         """The time spent moving since the last call and the host bytes held."""
         if not self.enabled:
             return {}
-        moved, self.copy.moved_s = self.copy.moved_s, 0.0
-        return {"perf/offload_s": moved, "perf/offload_host_gib": self.copy.held_bytes() / 2**30}
+        moved = self.copy.moved_s + self.weight_copy.moved_s
+        self.copy.moved_s = self.weight_copy.moved_s = 0.0
+        held = self.copy.held_bytes() + self.weight_copy.held_bytes()
+        return {"perf/offload_s": moved, "perf/offload_host_gib": held / 2**30}

@@ -412,3 +412,9 @@ def test_an_optimizer_offload_is_refused_where_the_backend_does_not_move_it(monk
         C.rl_config({"actor": {"offload": "optimizer", "backend": "stateful"}})
     with pytest.raises(ConfigError, match="actor.offload"):
         C.rl_config({"actor": {"offload": "params"}})
+    assert C.rl_config({"actor": {"offload": "all"}}).actor.offload == "all"  # fsdp2: the weights too
+    for bad, says in (({"actor": {"offload": "all", "backend": "megatron"}}, "weights do not move"),
+                      ({"actor": {"offload": "all", "lora": {"rank": 4}}}, "LoRA's frozen base"),
+                      ({"actor": {"offload": "all"}, "trainer": {"placement": "split"}}, "trainer.placement=colocated")):
+        with pytest.raises(ConfigError, match=says):
+            C.rl_config(bad)

@@ -45,19 +45,23 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
     res: dict = {}
-    for mode in ("none", "optimizer"):
+    for mode in ("none", "optimizer", "all"):
         engine = build_engine(tiny_model(0), OPTIM, layout)
-        engine.offload.enabled = mode == "optimizer"
-        metrics, held = [], []
+        engine.offload.enabled, engine.offload.weights = mode != "none", mode == "all"
+        metrics, held, weights_held = [], [], []
         for s in range(STEPS):
             metrics.append(engine.train_step(split(rank_rows(step_batch(s), rank, world_size), 2), loss_fn))
             held.append(sum(local_tensor(t).untyped_storage().nbytes() for t in optimizer_tensors([engine.optimizer])))
+            engine.weights_away([])  # the rollout's turn (all: the weights leave the device)
+            weights_held.append(sum(local_tensor(p).untyped_storage().nbytes() for p in engine.model.parameters()))
+            engine.weights_back()
+        res.setdefault("weights_held", {})[mode] = weights_held
         # offloaded: asynchronously (the state leaves for host memory while the save's thread writes its copy)
         engine.save_checkpoint(out_dir / f"ckpt-{mode}", asynchronous=mode == "optimizer")
         engine.finish_checkpoint()
         res[mode] = {"sd": engine.full_state_dict(), "metrics": metrics, "held": held}
         resumed = build_engine(tiny_model(1), OPTIM, layout)
-        resumed.offload.enabled = mode == "optimizer"
+        resumed.offload.enabled = mode != "none"
         resumed.load_checkpoint(out_dir / f"ckpt-{mode}")
         res[mode]["resumed_held"] = sum(local_tensor(t).untyped_storage().nbytes() for t in optimizer_tensors([resumed.optimizer]))
         after = split(rank_rows(step_batch(STEPS), rank, world_size), 2)
@@ -67,13 +71,20 @@ def _job(rank: int, world_size: int, out_dir: Path) -> dict:
 
 
 def test_an_offloaded_optimizer_trains_and_resumes_bit_for_bit(tmp_path):
-    """Three steps with the state in host memory between them equal three without, bit for bit;
+    """Three steps with the state in host memory between them (and with offload=all the weights too,
+    sent away and back between steps as around a rollout) equal three without, bit for bit;
     between steps the state holds no bytes where it lives (a device, there); a checkpoint (written
     asynchronously while the state goes back to host memory) saves and loads it; the next step of
     the resumed engine equals the continuing one's."""
     rank0, _ = run_ranks(_job, 2, tmp_path)
-    plain, moved = rank0["none"], rank0["optimizer"]
-    assert all(torch.equal(plain["sd"][k], moved["sd"][k]) for k in plain["sd"])
+    plain, moved, both = rank0["none"], rank0["optimizer"], rank0["all"]
+    assert all(torch.equal(plain["sd"][k], moved["sd"][k]) and torch.equal(plain["sd"][k], both["sd"][k])
+               for k in plain["sd"])
+    assert [m["loss"] for m in plain["metrics"]] == [m["loss"] for m in both["metrics"]]
+    # offload=all: between a step and the next pass the weight shards hold no bytes where they live
+    assert rank0["weights_held"]["all"] == [0] * STEPS and all(h > 0 for h in rank0["weights_held"]["none"])
+    assert both["held"] == [0] * STEPS and both["metrics"][-1]["perf/offload_host_gib"] > moved["metrics"][-1][
+        "perf/offload_host_gib"]
     assert [m["loss"] for m in plain["metrics"]] == [m["loss"] for m in moved["metrics"]]
     assert all(h > 0 for h in plain["held"]) and moved["held"] == [0] * STEPS
     assert moved["metrics"][-1]["perf/offload_host_gib"] * 2**30 == plain["held"][-1]

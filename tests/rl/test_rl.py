@@ -74,8 +74,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     # bf16 compute over fp32 master weights on CPU ranks, the reference policy stored in bf16; the
     # update's token budget sized by each worker from the memory estimate
     ("grpo", ["model.dtype=bfloat16", "actor.use_kl_loss=true", "actor.max_tokens_per_micro_batch=-1"]),
-    # AdamW's state in host memory between its steps (actor.offload), through a checkpoint
-    ("grpo", ["actor.offload=optimizer"]),
+    # AdamW's state in host memory between its steps, the weights while the rollout generates
+    # (actor.offload=all), through a checkpoint
+    ("grpo", ["actor.offload=all"]),
     # two-turn trajectories with an environment: observation tokens masked out of the loss
     ("grpo", ["rollout.multi_turn.enable=true", "rollout.multi_turn.env=tests/helpers/agent_envs.py:CountOnes",
               "rollout.multi_turn.max_turn_tokens=4", "rollout.max_tokens=16", "actor.use_kl_loss=true"]),
@@ -135,7 +136,7 @@ def test_algorithm_trains_a_few_steps(config, extra, tiny_model, tmp_path):
     if not extra:  # advantages where the rows live: no rank pulls another's rows for them
         assert all(r["perf/advantage_cross_rank_mb"] == 0 and r["perf/compute_reward_cross_rank_mb"] == 0
                    for r in steps), steps
-    if "actor.offload=optimizer" in extra:  # the moments' bytes held in host memory, the time moving them
+    if "actor.offload=all" in extra:  # the moments' and weights' bytes held in host memory, the time moving them
         assert all(r["perf/offload_host_gib"] > 0 and r["perf/offload_s"] > 0 for r in steps), steps
     if "rollout.multi_turn.enable=true" in extra:  # every trajectory ran its two turns
         assert all(r["agent/num_turns_mean"] == 2.0 for r in steps), steps
