@@ -44,7 +44,12 @@ def _expert_generation(rank: int, full, shards: dict[str, torch.Tensor], group) 
     generation.bind(shards)
     out = _generate(generation.model, rank)
     served = experts.drain(next(iter(shards.values())))
+    experts.experts = 1 << 25  # more experts than fp32 holds exactly: tokens, experts and weights gathered apart
+    apart = _generate(generation.model, rank)
+    experts.drain(next(iter(shards.values())))
     whole = _generate(full, rank)
+    assert torch.equal(apart["responses"], out["responses"]) and torch.equal(apart["rollout_log_probs"],
+                                                                           out["rollout_log_probs"])
     return {"out": out, "whole": whole, "served": served, "range": experts.expert_range(),
             "shapes": {k: tuple(v.shape) for k, v in shards.items() if ".experts." in k},
             "exchanged": experts.stats.bytes_sent}
