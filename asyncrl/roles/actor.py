@@ -403,7 +403,7 @@ class ActorRolloutRefWorker(Worker):
                if seed is not None else self.sample_gen)
         waves = 1
         experts = self.generation.experts if self.generation is not None else None
-        with experts.phase(self.generation.model) if experts is not None else contextlib.nullcontext():
+        with experts.phase() if experts is not None else contextlib.nullcontext():
             if self.agent is not None:
                 out = self._generate_turns(prompts, params, gen)
             elif self.batcher is not None:

@@ -37,12 +37,10 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 class ExpertStats:
     """What the expert exchange moved on this rank since the last `reset`."""
 
-    layers: int = 0  # MoE layer calls (with tokens or draining)
     bytes_sent: int = 0
-    tokens_in: int = 0  # tokens of the group this rank's experts saw
 
     def reset(self) -> None:
-        self.layers = self.bytes_sent = self.tokens_in = 0
+        self.bytes_sent = 0
 
 
 class ExpertParallelGeneration:
@@ -76,11 +74,9 @@ class ExpertParallelGeneration:
 
     # the exchange ---------------------------------------------------------------------------
     def _forward_for(self, module: nn.Module) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        own = type(module).forward
-
         def forward(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
             counts, _ = self._meet(hidden.shape[0], done=False, device=hidden.device)
-            return self._exchange(module, own, hidden, top_k_index, top_k_weights, counts)
+            return self._exchange(module, hidden, top_k_index, top_k_weights, counts)
         return forward
 
     def _meet(self, tokens: int, done: bool, device: torch.device) -> tuple[list[int], bool]:
@@ -91,11 +87,9 @@ class ExpertParallelGeneration:
         pairs = every.view(self.size, 2).tolist()
         return [n for n, _ in pairs], all(d for _, d in pairs)
 
-    def _exchange(self, module: nn.Module, own: Callable, hidden: Tensor, index: Tensor, weights: Tensor,
-                  counts: list[int]) -> Tensor:
-        """This rank's tokens' MoE output: the group's tokens through this rank's experts, summed
-        over the ranks."""
-        self.stats.layers += 1
+    def _exchange(self, module: nn.Module, hidden: Tensor, index: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+        """This rank's tokens' MoE output: the group's tokens through this rank's experts (the
+        module's own forward, as transformers defines it), summed over the ranks."""
         width, n = max(counts), hidden.shape[0]
         if width == 0:
             return hidden.new_zeros(hidden.shape)
@@ -103,8 +97,7 @@ class ExpertParallelGeneration:
         local = every_i - self.first
         outside = (local < 0) | (local >= self.local)
         local = local.masked_fill(outside, self.local)  # the sentinel: no expert of this rank
-        out = own(module, every_h, local, every_w.masked_fill(outside, 0).to(every_h.dtype))
-        self.stats.tokens_in += sum(counts)
+        out = type(module).forward(module, every_h, local, every_w.masked_fill(outside, 0).to(every_h.dtype))
         mine = out.new_empty((width, *out.shape[1:]))
         if self.nccl:
             _reduce_scatter(mine, out, self.group)
@@ -137,22 +130,22 @@ class ExpertParallelGeneration:
 
     # the end of a phase -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def phase(self, model: nn.Module) -> Iterator[ExpertStats]:
+    def phase(self) -> Iterator[ExpertStats]:
         """One generation phase on this rank (its stats reset), drained at its end, also when it
         raises (the others' layers then still get their answer)."""
         self.stats.reset()
         try:
             yield self.stats
         finally:
-            self.drain(next(iter(model.parameters())))
+            self.drain()
 
     @torch.no_grad()
-    def drain(self, like: Tensor) -> int:
+    def drain(self) -> int:
         """Answer the other ranks' MoE layers with no tokens until every rank is done (a
-        collective: every rank calls it once at the end of each generation phase); returns how
-        many of the others' forwards this rank served. `like`: a tensor of the generation
-        dtype and device (one of the model's weights)."""
-        hidden = like.new_zeros((0, self.modules[0].gate_up_proj.shape[-1]))
+        collective: every rank calls it once at the end of each generation phase, its experts
+        bound); returns how many of the others' forwards this rank served."""
+        like = self.modules[0].gate_up_proj  # the generation weights' dtype and device
+        hidden = like.new_zeros((0, like.shape[-1]))
         index = torch.zeros((0, self.top_k), dtype=torch.int64, device=like.device)
         weights = torch.zeros((0, self.top_k), dtype=torch.float32, device=like.device)
         served = 0
@@ -162,7 +155,7 @@ class ExpertParallelGeneration:
                 if everyone:
                     return served
                 served += i == 0
-                self._exchange(module, type(module).forward, hidden, index, weights, counts)
+                self._exchange(module, hidden, index, weights, counts)
 
 
 def _reduce_scatter(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None) -> None:

@@ -291,8 +291,7 @@ class FSDPEngine:
             )
         # actor.offload: AdamW's state in host memory between its steps, with `all` the weights during the
         # rollout too (asyncrl.train.offload)
-        self.offload = OptimizerOffload([self.optimizer] if self.optimizer else [], offload != "none" and bool(self.optimizer),
-                                        weights=offload == "all")
+        self.offload = OptimizerOffload([self.optimizer] if self.optimizer else [], offload)
 
     # -- training ---------------------------------------------------------------------------
 

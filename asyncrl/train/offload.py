@@ -89,12 +89,14 @@ def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[T
 
 
 class OptimizerOffload:
-    """actor.offload for one engine: the optimizer's state in host memory between its steps
-    (`optimizers`: the torch optimizers that hold it; megatron's distributed optimizer wraps one per
-    parameter group), and with `weights` its weight shards during the rollout (`weights_away`)."""
+    """actor.offload (`mode`) for one engine: the optimizer's state in host memory between its steps
+    (`optimizers`: the torch optimizers that hold it, none for a forward-only engine; megatron's
+    distributed optimizer wraps one per parameter group), and with `all` its weight shards during
+    the rollout (`weights_away`)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], enabled: bool, weights: bool = False) -> None:
-        self.optimizers, self.enabled, self.weights = optimizers, enabled, weights
+    def __init__(self, optimizers: list[torch.optim.Optimizer], mode: str) -> None:
+        self.optimizers = optimizers
+        self.enabled, self.weights = mode != "none" and bool(optimizers), mode == "all"
         self.copy = HostCopy()
         self.weight_copy = HostCopy()
 

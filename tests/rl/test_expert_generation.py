@@ -43,10 +43,10 @@ def _expert_generation(rank: int, full, shards: dict[str, torch.Tensor], group) 
     experts = generation.experts
     generation.bind(shards)
     out = _generate(generation.model, rank)
-    served = experts.drain(next(iter(shards.values())))
+    served = experts.drain()
     experts.experts = 1 << 25  # more experts than fp32 holds exactly: tokens, experts and weights gathered apart
     apart = _generate(generation.model, rank)
-    experts.drain(next(iter(shards.values())))
+    experts.drain()
     whole = _generate(full, rank)
     assert torch.equal(apart["responses"], out["responses"]) and torch.equal(apart["rollout_log_probs"],
                                                                            out["rollout_log_probs"])
@@ -55,7 +55,8 @@ def _expert_generation(rank: int, full, shards: dict[str, torch.Tensor], group) 
             "exchanged": experts.stats.bytes_sent}
 
 
-def _fsdp_job(rank: int, world_size: int, out_dir: Path) -> dict:
+def _layouts(world_size: int) -> tuple:
+    """The training layout (data parallel over every rank) and its expert-parallel generation layout."""
     from asyncrl.single_controller.parallel import (
         GenerationParallelConfig,
         ParallelConfig,
@@ -63,13 +64,18 @@ def _fsdp_job(rank: int, world_size: int, out_dir: Path) -> dict:
         generation_layout,
     )
     from asyncrl.train import init_distributed
-    from tests.rl.test_fsdp_engine import OPTIM, build_engine
 
     init_distributed()
     layout = ParallelLayout.from_config(ParallelConfig(), world_size)
+    return layout, generation_layout(layout, GenerationParallelConfig(ep=world_size))
+
+
+def _fsdp_job(rank: int, world_size: int, out_dir: Path) -> dict:
+    from tests.rl.test_fsdp_engine import OPTIM, build_engine
+
+    layout, gen = _layouts(world_size)
     engine = build_engine(tiny_qwen3_moe(), OPTIM, layout)
     full = tiny_qwen3_moe()
-    gen = generation_layout(layout, GenerationParallelConfig(ep=world_size))
     resharder = engine.resharder(gen, full, torch.float32, keep_experts=True)
     shards = resharder.reshard()
     trained = {k: v for k, v in engine.model.named_parameters() if ".experts." in k}
@@ -82,23 +88,13 @@ def _fsdp_job(rank: int, world_size: int, out_dir: Path) -> dict:
 
 
 def _megatron_job(rank: int, world_size: int, out_dir: Path) -> dict:
-    from asyncrl.single_controller.parallel import (
-        GenerationParallelConfig,
-        ParallelConfig,
-        ParallelLayout,
-        generation_layout,
-    )
-    from asyncrl.train import init_distributed
     from asyncrl.train.megatron.engine import MegatronEngine
 
-    init_distributed()
-    layout = ParallelLayout.from_config(ParallelConfig(), world_size)
+    layout, gen = _layouts(world_size)
     engine = MegatronEngine(str(out_dir / "model"), layout, optim=None, device="cpu", dtype=torch.float32, seed=0,
                             ep=world_size)
-    full = tiny_qwen3_moe()
-    resharder = engine.resharder(generation_layout(layout, GenerationParallelConfig(ep=world_size)), None,
-                                 torch.float32, keep_experts=True)
-    res = _expert_generation(rank, full, resharder.reshard(), engine.expert_group())
+    resharder = engine.resharder(gen, None, torch.float32, keep_experts=True)
+    res = _expert_generation(rank, tiny_qwen3_moe(), resharder.reshard(), engine.expert_group())
     res.update(received=resharder.stats.bytes_received, expected=resharder.expected_bytes_received())
     return res
 

@@ -122,7 +122,7 @@ class MegatronEngine:
         else:
             self._build_optimizer(optim, dtype)
         # actor.offload=optimizer: Adam's state in host memory between its steps (asyncrl.train.offload)
-        self.offload = OptimizerOffload([o.optimizer for o in self._optimizers()], offload == "optimizer")
+        self.offload = OptimizerOffload([o.optimizer for o in self._optimizers()], offload)
 
     @property
     def rank(self) -> int:
