@@ -668,9 +668,12 @@ class PlanConfig:
     # 0 = the caps, data.max_prompt_len and rollout.max_tokens
     prompt_len: int = 0
     response_len: int = 0  # see prompt_len
+    # a node's host memory, where actor.offload's state waits (GiB); 0: the profile's (DGX: 2 TB for h100/h200)
+    host_memory_gib: float = 0.0
 
     def check(self, at: str) -> None:
         _positive(at + "prompt_len", self.prompt_len, allow_zero=True)
+        _positive(at + "host_memory_gib", self.host_memory_gib, allow_zero=True)
         _positive(at + "response_len", self.response_len, allow_zero=True)
         _positive(at + "time_limit_s", self.time_limit_s)
         _positive(at + "runners_up", self.runners_up, allow_zero=True)

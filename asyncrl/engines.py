@@ -104,7 +104,7 @@ BACKENDS: dict[str, TrainBackend] = {
                           failover=True, offload=True, offload_weights=True),
     "megatron": TrainBackend("asyncrl.roles.actor:megatron_engines", "asyncrl.roles.critic:megatron_critic",
                              expert_parallel=True, one_layout_per_process=True, moe_tensor_parallel=True,
-                             moe_pipeline=True, whole_tp_pp_shards=True, offload=True,
+                             moe_pipeline=True, whole_tp_pp_shards=True, offload=True, offload_weights=True,
                              requires="asyncrl.train.megatron:require_megatron",
                              model_check="asyncrl.preflight:check_megatron_model"),
 }

@@ -23,8 +23,9 @@ from typing import Any
 from asyncrl.config import ConfigError
 from asyncrl.engines import backend
 from asyncrl.plan.hardware import DeviceProfile, load_profile
-from asyncrl.plan.memory import Knobs, actor_trained, generation_params, training_state
+from asyncrl.plan.memory import ADAM, Knobs, actor_trained, generation_params, training_state
 from asyncrl.plan.search import (
+    HOST_USABLE,
     ROLLOUT,
     Plan,
     PlanCost,
@@ -65,6 +66,8 @@ def device_setup(cfg: Any) -> tuple[DeviceProfile, int, int]:
         else:
             name = "h100" if cfg.cluster.gpus_per_node > 0 else "cpu"
     profile = load_profile(name)
+    if cfg.plan.host_memory_gib:
+        profile = replace(profile, host_mem_bytes=cfg.plan.host_memory_gib * 2**30)
     if profile.kind == "cpu":
         per_node = cfg.cluster.cpu_devices
     else:
@@ -177,7 +180,21 @@ def no_plan_message(spec: Any, knobs: Knobs, profile: DeviceProfile, nnodes: int
             f"when sharded over all {nnodes * per_node} (fp32 weights, and gradients and Adam moments of what "
             f"trains), of a {profile.name}'s {profile.mem_bytes / 2**30:.0f} GiB, before weights for generation, "
             "activations and the KV cache; add devices (cluster.nnodes), train LoRA adapters (actor.lora.rank) "
-            "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile, nnodes * per_node))
+            "or lower data.batch_size, rollout.n or the sequence lengths" + moe_generation_note(spec, profile, nnodes * per_node)
+            + host_memory_note(spec, knobs, profile, nnodes, per_node))
+
+
+def host_memory_note(spec: Any, knobs: Knobs, profile: DeviceProfile, nnodes: int, per_node: int) -> str:
+    """On GPUs whose nodes' host memory cannot hold the optimizer's state that offloading it
+    (actor.offload) would move there: the figure."""
+    limit = profile.host_mem_bytes * HOST_USABLE
+    if profile.kind != "gpu" or not limit:
+        return ""
+    node = per_node * training_state(spec, nnodes * per_node, actor_trained(spec, knobs))[ADAM]
+    if node <= limit:
+        return ""
+    return (f"; offloading its optimizer state (actor.offload=optimizer) would need {node / 2**30:.0f} GiB of host "
+            f"memory a node, more than the {limit / 2**30:.0f} GiB usable (plan.host_memory_gib)")
 
 
 def moe_generation_note(spec: Any, profile: DeviceProfile, devices: int) -> str:

@@ -50,6 +50,7 @@ class DeviceProfile:
     # pinned host <-> device copies per device, each way, with a node's devices copying at once
     # (actor.offload); 0: the device's memory is the host's (a CPU: a copy at mem_bw)
     host_bw: float = 0.0
+    host_mem_bytes: float = 0.0  # a node's host memory, where offloaded state waits (0: not checked)
 
     def bandwidth(self, across_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency) of a collective inside one node or across nodes."""

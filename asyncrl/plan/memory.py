@@ -350,7 +350,7 @@ def worker_memory(cfg: Any, spec: ModelSpec, on_gpu: bool, device_bytes: float |
         gen, lp, up = {**gen, **routes}, {**lp, **routes}, {**up, **routes}
     base = sum(resident.values())
     # actor.offload=all on a GPU: the rollout runs beside the process alone (the weights wait in host memory)
-    rollout_base = RUNTIME_BYTES if knobs.offload_weights and on_gpu and not knobs.megatron else base
+    rollout_base = RUNTIME_BYTES if knobs.offload_weights and on_gpu else base
     phases = {"generate": rollout_base + sum(gen.values()), "evaluate": rollout_base + sum(held_out.values()),
               "log-probs": base + sum(lp.values()),
               "update": base + sum(up.values())}

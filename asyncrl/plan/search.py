@@ -26,6 +26,7 @@ from asyncrl.plan.cost import (
     Strategy,
     forward_backward,
     generate,
+    offloaded_bytes,
     reshard,
     resident_bytes,
     sequence_transfer,
@@ -33,11 +34,12 @@ from asyncrl.plan.cost import (
     weights_moved,
 )
 from asyncrl.plan.hardware import DeviceProfile
-from asyncrl.plan.memory import RUNTIME_BYTES, Knobs, checkpoint_phases
+from asyncrl.plan.memory import RUNTIME_BYTES, Knobs, checkpoint_phases, training_state
 from asyncrl.plan.workload import ModelSpec, Stage, Workload
 
 SP_FROM_TOKENS = 8192  # sequences at least this long: the search also tries Ulysses sequence parallelism
 OFFLOAD_FROM = 0.25  # the actor's training state above this share of a device: the search also tries offloading it
+HOST_USABLE = 0.8  # of a node's host memory for offloaded state (the rest: the OS, the workers' processes, data)
 ROLLOUT = "rollout"  # the generation engine as a unit of its own (asyncrl's trainer.placement=split)
 
 
@@ -217,15 +219,15 @@ class SearchSpace:
     def _offloads(self, model: ModelSpec, dp: int, tp: int, pp: int) -> list[tuple[bool, bool]]:
         """What of the actor's state lives in host memory (the optimizer's between its steps; with it
         the weights while the rollout runs): as configured (actor.offload), else on a GPU, where the
-        training state takes more than OFFLOAD_FROM of a device, the optimizer's tried (FSDP2 and
-        megatron move it) and the weights too (FSDP2); elsewhere it cannot matter."""
+        training state takes more than OFFLOAD_FROM of a device, the optimizer's tried and the
+        weights too; elsewhere it cannot matter."""
         if self.knobs.offload:
             return [(True, self.knobs.offload_weights)]
         tried = self.profile.kind == "gpu" and self.deployable and not self.knobs.lora_params
         state = resident_bytes(model, Strategy(dp, tp, pp), True, self.knobs, "actor")
         if not (tried and state > OFFLOAD_FROM * self.usable):
             return [(False, False)]
-        return [(False, False), (True, False), *([] if self.knobs.megatron else [(True, True)])]
+        return [(False, False), (True, False), (True, True)]
 
     # pricing ----------------------------------------------------------------------------------
     def _call_cost(self, index: int, s: Strategy, devices: int) -> CallCost:
@@ -243,14 +245,14 @@ class SearchSpace:
         if self.deployable and plan.split and strat["actor"].pp > 1:
             return PlanCost(INFEASIBLE, why="split placement trains without pipeline stages (actor pp must be 1)")
         busy: dict[tuple[str, int], float] = {}
-        calls: dict[str, float] = {}
-        decode_rows = 0
-        memory: dict[str, float] = {}
+        calls, memory, decode_rows = {}, {}, 0
         gen_set = plan.set_of(ROLLOUT) if ROLLOUT in self.units else plan.set_of("actor")
         for i, (units, devices) in enumerate(zip(plan.sets, plan.devices, strict=True)):
             models = [u for u in units if u != ROLLOUT]
             resident = RUNTIME_BYTES + sum(resident_bytes(w.models[m], strat[m], m in self.trained, self.knobs, m)
                                            for m in models)
+            if "actor" in models and (why := self._host_memory(strat["actor"], resident, devices)):
+                return PlanCost(INFEASIBLE, calls=calls, memory=memory, why=why)
             transient = 0.0
             for index, call in enumerate(w.calls):
                 if call.model not in models or call.kind == "generate":
@@ -292,6 +294,28 @@ class SearchSpace:
         else:
             step = stages[Stage.GENERATE] + rest
         return PlanCost(step, stages, calls, memory, decode_rows=decode_rows)
+
+    def _host_memory(self, s: Strategy, resident: float, devices: int) -> str:
+        """Why a node's host memory cannot hold what the plan keeps there ('' when it can, or the
+        profile does not say): each of the set's devices on the node its offloaded optimizer state
+        (and with actor.offload=all its weights while the rollout runs), and rank 0 a checkpoint's
+        tensors as it loads or saves one (`checkpoint_phases`)."""
+        limit = self.profile.host_mem_bytes * HOST_USABLE
+        if not limit or self.profile.kind != "gpu":  # a CPU's device memory is its host memory: priced as such
+            return ""
+        actor, ranks = self.w.models["actor"], min(devices, self.per_node)
+        optimizer = offloaded_bytes(actor, s, self.knobs)
+        weights = resident - RUNTIME_BYTES if s.offload_weights else 0.0
+        staged = checkpoint_phases(actor, s.devices, self.knobs, 0.0)
+        copies = sum(training_state(actor, s.devices).values()) if self.knobs.async_save else 0.0  # every rank's
+        need = {"the offloaded state": ranks * (optimizer + weights),
+                "a save": ranks * optimizer + staged["save (rank 0)"] + (ranks - 1) * copies,
+                "a load on rank 0": staged["load (rank 0)"]}
+        what, most = max(need.items(), key=lambda kv: kv[1])
+        if most <= limit:
+            return ""
+        return (f"{what} needs {most / 2**30:.0f} GiB of host memory a node, of the {limit / 2**30:.0f} GiB "
+                f"usable ({HOST_USABLE:.0%} of plan.host_memory_gib or the profile's)")
 
     def unit_time(self, unit: str, s: Strategy, devices: int) -> float:
         """One unit's own calls summed (HybridFlow's per-model simulation), generation at full memory."""

@@ -100,16 +100,22 @@ class OptimizerOffload:
         self.copy = HostCopy()
         self.weight_copy = HostCopy()
 
-    def weights_away(self, params: Iterable[Tensor], keep: Iterable[Tensor] = ()) -> int:
+    def weights_away(self, params: Iterable[Tensor], keep: Iterable[Tensor] = (), *, copy_kept: bool = False) -> int:
         """The shards of `params` (and their gradients) to host memory, but for storages that
-        `keep`'s tensors share (generation weights that are the training shards themselves);
-        the bytes moved (0 unless `weights`)."""
+        `keep`'s tensors share (generation weights that are the training shards themselves) —
+        or, with `copy_kept` (one buffer holds every weight: megatron's), each such kept tensor
+        given its own copy first and the buffer moved; the bytes moved (0 unless `weights`)."""
         if not self.weights:
             return 0
+        tensors = [t for p in params for t in (p, getattr(p, "main_grad", None), p.grad) if t is not None]
+        storage = {local_tensor(t).untyped_storage().data_ptr() for t in tensors}
+        keep = [t for t in keep if local_tensor(t).untyped_storage().data_ptr() in storage]
+        if copy_kept:
+            for t in keep:
+                t.data = t.data.clone()
+            keep = []
         kept = {local_tensor(t).untyped_storage().data_ptr() for t in keep}
-        moving = [t for p in params for t in (p, p.grad) if t is not None
-                  and local_tensor(t).untyped_storage().data_ptr() not in kept]
-        return self.weight_copy.away(moving)
+        return self.weight_copy.away(t for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in kept)
 
     def weights_back(self) -> None:
         """The weight shards on the device again, bit for bit."""

@@ -412,8 +412,10 @@ def test_an_optimizer_offload_is_refused_where_the_backend_does_not_move_it(monk
         C.rl_config({"actor": {"offload": "optimizer", "backend": "stateful"}})
     with pytest.raises(ConfigError, match="actor.offload"):
         C.rl_config({"actor": {"offload": "params"}})
-    assert C.rl_config({"actor": {"offload": "all"}}).actor.offload == "all"  # fsdp2: the weights too
-    for bad, says in (({"actor": {"offload": "all", "backend": "megatron"}}, "weights do not move"),
+    for name in ("fsdp2", "megatron"):  # the weights too
+        assert C.rl_config({"actor": {"offload": "all", "backend": name}}).actor.offload == "all"
+    monkeypatch.setitem(BACKENDS, "pinned", dataclasses.replace(BACKENDS["fsdp2"], offload_weights=False))
+    for bad, says in (({"actor": {"offload": "all", "backend": "pinned"}}, "weights do not move.*actor.offload=optimizer"),
                       ({"actor": {"offload": "all", "lora": {"rank": 4}}}, "LoRA's frozen base"),
                       ({"actor": {"offload": "all"}, "trainer": {"placement": "split"}}, "trainer.placement=colocated")):
         with pytest.raises(ConfigError, match=says):

@@ -254,8 +254,9 @@ def test_qwen3_30b_a3b_plans_on_8_h100s_with_expert_parallel_generation_and_235b
     at most 78 GiB a device, the search choosing expert-parallel generation (each rank its 16 of 128
     experts), the optimizer in host memory, recomputed activations and generation waves the KV cache
     holds, or the weights in host memory while the rollout runs (actor.offload=all: every row at
-    once, the plan it prefers); its command passes the config check. Qwen3-235B-A22B on 4 x 8 is refused with the
-    figure (its training state alone, 16 bytes a parameter over 32 devices)."""
+    once, the plan it prefers); its command passes the config check; a node's host memory bounds what is
+    offloaded (plan.host_memory_gib). Qwen3-235B-A22B on 4 x 8 is refused with the figure (its training
+    state alone, 16 bytes a parameter over 32 devices)."""
     import json
 
     from asyncrl.config import rl_config
@@ -280,6 +281,14 @@ def test_qwen3_30b_a3b_plans_on_8_h100s_with_expert_parallel_generation_and_235b
     dense = spec.params - spec.expert_params
     weights = [next(iter(generation(spec, 8, 100, 1, Knobs(gen_ep=ep)).values())) for ep in (1, 8)]
     assert weights == [2 * spec.params, 2 * (dense + spec.expert_params / 8)], weights
+    # a node's host memory holds what is offloaded (8 x 64 GiB with the weights, 8 x 28 GiB without):
+    # with 600 GiB (480 usable) only the optimizer goes; with 200 nothing fits, and the refusal says why
+    assert plan_main(["--config-name", "grpo", "--json", *user, "plan.host_memory_gib=600"]) == 0
+    smaller = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["overrides"]
+    assert "actor.offload=optimizer" in smaller and "rollout.parallel.ep=8" in smaller, smaller
+    assert plan_main(["--config-name", "grpo", *user, "plan.host_memory_gib=200"]) == 1
+    said = capsys.readouterr().err
+    assert "actor.offload=optimizer) would need 227 GiB of host memory a node, more than the 160 GiB usable" in said, said
     big = ["cluster.nnodes=4", "cluster.gpus_per_node=8", "cluster.insecure=true", "model.path=Qwen/Qwen3-235B-A22B",
            "data.max_prompt_len=1024", "rollout.max_tokens=16384"]
     assert plan_main(["--config-name", "grpo", *big]) == 1

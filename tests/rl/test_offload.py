@@ -114,13 +114,26 @@ def _megatron_job(rank: int, world_size: int, out_dir: Path) -> dict:
     def held(e: MegatronEngine) -> int:
         return sum(t.untyped_storage().nbytes() for t in optimizer_tensors([o.optimizer for o in e._optimizers()]))
 
+    def buffers(e: MegatronEngine) -> int:  # the parameter and gradient buffers' bytes where they live
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for p in e.gpt.parameters()
+                    for t in (p, p.main_grad)}
+        return sum(storages.values())
+
     res: dict = {}
-    for mode in ("none", "optimizer"):
+    for mode in ("none", "optimizer", "all"):
         e = engine(mode)
-        metrics, bytes_held = [], []
+        metrics, bytes_held, away = [], [], []
         for s in range(STEPS):
             metrics.append(e.train_step([step_rows(s, 64)], lm_loss))
             bytes_held.append(held(e))
+            # the rollout's turn, its generation weights viewing the buffers (as a tp = tg reshard's do)
+            generation = [p.detach()[:2] for p in e.gpt.parameters()]
+            copies = [g.clone() for g in generation]
+            e.weights_away(generation)
+            away.append(buffers(e))
+            res.setdefault("kept", []).append(all(torch.equal(g, c) for g, c in zip(generation, copies, strict=True)))
+            e.weights_back()
+        res.setdefault("away", {})[mode] = away
         e.save_checkpoint(out_dir / f"megatron-{mode}", extra={}, export_dtype=torch.float32)
         resumed = engine(mode)
         resumed.load_checkpoint(out_dir / f"megatron-{mode}")
@@ -133,8 +146,9 @@ def _megatron_job(rank: int, world_size: int, out_dir: Path) -> dict:
 
 def test_megatrons_offloaded_optimizer_trains_and_resumes_bit_for_bit(tmp_path):
     """The same on megatron's distributed optimizer (TP 2 on two gloo ranks): its Adam state in host
-    memory between steps, the steps and weights equal to the state kept, a checkpoint that resumes
-    the same next step."""
+    memory between steps (and with offload=all its parameter and gradient buffers around each
+    rollout), the steps and weights equal to the state kept, a checkpoint that resumes the same
+    next step."""
     import pytest
 
     pytest.importorskip("megatron.core")
@@ -142,11 +156,18 @@ def test_megatrons_offloaded_optimizer_trains_and_resumes_bit_for_bit(tmp_path):
 
     hf_model("qwen3").save_pretrained(tmp_path / "model")
     rank0, _ = run_ranks(_megatron_job, 2, tmp_path, timeout_s=240)
-    plain, moved = rank0["none"], rank0["optimizer"]
-    assert [m["loss"] for m in plain["metrics"]] == [m["loss"] for m in moved["metrics"]]
-    assert all(torch.equal(plain["sd"][k], moved["sd"][k]) for k in plain["sd"])
+    plain, moved, both = rank0["none"], rank0["optimizer"], rank0["all"]
+    assert [m["loss"] for m in plain["metrics"]] == [m["loss"] for m in moved["metrics"]] == [
+        m["loss"] for m in both["metrics"]]
+    assert all(torch.equal(plain["sd"][k], moved["sd"][k]) and torch.equal(plain["sd"][k], both["sd"][k])
+               for k in plain["sd"])
+    # offload=all: while the rollout runs the buffers hold no bytes where they live, and the
+    # generation weights that viewed them read as they were (their own copies)
+    assert rank0["away"]["all"] == [0] * STEPS and all(b > 0 for b in rank0["away"]["optimizer"])
+    assert all(rank0["kept"]) and both["metrics"][-1]["perf/offload_host_gib"] > moved["metrics"][-1][
+        "perf/offload_host_gib"]
     assert all(h > 0 for h in plain["held"]) and moved["held"] == [0] * STEPS
     assert moved["metrics"][-1]["perf/offload_host_gib"] * 2**30 == plain["held"][-1]
     assert moved["resumed_held"] == 0
-    for mode in (plain, moved):
+    for mode in (plain, moved, both):
         assert mode["next"][0] == mode["next"][1]

@@ -81,7 +81,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     ("grpo", ["rollout.multi_turn.enable=true", "rollout.multi_turn.env=tests/helpers/agent_envs.py:CountOnes",
               "rollout.multi_turn.max_turn_tokens=4", "rollout.max_tokens=16", "actor.use_kl_loss=true"]),
     # the megatron-core backend: actor and reference as GPTModels at tp=2, generation resharded into tp=2
-    ("grpo", ["actor.backend=megatron", "actor.parallel.tp=2", "rollout.parallel.tp=2", "actor.use_kl_loss=true"]),
+    # (its views of the training buffers copied while the buffers wait in host memory: actor.offload=all)
+    ("grpo", ["actor.backend=megatron", "actor.parallel.tp=2", "rollout.parallel.tp=2", "actor.use_kl_loss=true",
+              "actor.offload=all"]),
     # ... and its pipeline stages (megatron's 1F1B schedule; the tied embedding and head on two stages)
     # (~20 s each, slow: tests/rl/test_megatron.py checks the stages' training and the critic by default)
     pytest.param("grpo", ["actor.backend=megatron", "actor.parallel.pp=2", "actor.use_kl_loss=true"],

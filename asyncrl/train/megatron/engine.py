@@ -271,6 +271,17 @@ class MegatronEngine:
     def release_unsharded(self) -> None:
         release_host_memory()
 
+    def weights_away(self, keep: list[Tensor]) -> None:
+        """actor.offload=all, while the rollout generates: the parameter and gradient buffers (and
+        the distributed optimizer's fp32 main shards) to host memory; generation weights that view
+        them (`keep`) get their own copies first."""
+        main = [p for o in self._optimizers() for group in o.optimizer.param_groups for p in group["params"]]
+        self.offload.weights_away([*self.gpt.parameters(), *main], keep, copy_kept=True)
+
+    def weights_back(self) -> None:
+        """The buffers on the device again, bit for bit, before the next pass."""
+        self.offload.weights_back()
+
     # training ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[Any], loss_fn: LossFn) -> dict[str, float]:
         """Gradients summed over the micro-batches (through the pipeline when pp > 1), averaged
