@@ -135,8 +135,10 @@ class Trainer:
                 log.info("step 0: held-out reward %.3f", self.val_log[-1][1])
             bar = progress(tc.total_steps, self.step, desc=self.cfg.algorithm.name, console="console" in tc.loggers)
             # what setup built lives as long as the run: kept out of the collector's full passes
-            # (each took ~200 ms on the quickstart's driver, about one per 55 steps)
-            gc.collect()
+            # (each took ~200 ms on the quickstart's driver, about one per 55 steps); the young
+            # garbage collected first, not the whole heap (a daemon's, after a few jobs, blocked
+            # its loop for a second), and all of it unfrozen when the run ends (below)
+            gc.collect(1)
             gc.freeze()
             guard = StepGuard(self) if tc.failover.enable else None  # a step a rank died in runs again
             while self.step < tc.total_steps:
@@ -150,6 +152,7 @@ class Trainer:
                     await self.save(wait=False)
             return {**await self._finish(writer, t_start), **({"failovers": guard.events} if guard else {})}
         finally:
+            gc.unfreeze()  # a daemon runs job after job: this run's objects collectable again
             if bar is not None:
                 bar.close()
             if isinstance(self.rollout, ElasticRollout):
