@@ -60,7 +60,8 @@ LOSS_AGG_MODES, MODEL_DTYPES, KL_TYPES = (choices_of(t) for t in (LossAggMode, M
 # the RL job --------------------------------------------------------------------------------------
 @dataclass
 class TinyModelConfig:
-    """Build a random-init Llama-architecture model and word-level tokenizer (quickstart only)."""
+    """Build a random-init Llama-architecture model (a Qwen3 or Qwen3-MoE if asked) and word-level
+    tokenizer (the quickstarts)."""
 
     task: str = "sort"  # a synthetic task, or reasoning_gym: vocabulary and warm start from data.source
     hidden: int = 64
@@ -68,6 +69,9 @@ class TinyModelConfig:
     heads: int = 2  # head_dim 32: vLLM's CPU attention takes multiples of 32
     experts: int = 0  # > 0: a Qwen3-MoE of this many experts (moe_quickstart), each 4 * hidden / experts_per_token wide
     experts_per_token: int = 2
+    # Qwen3's attention, queries and keys RMS-normalised per head: true builds a dense Qwen3 (the
+    # dense twin of the experts' Qwen3-MoE); null: the family's (a Llama has none, a Qwen3-MoE has it)
+    qk_norm: bool | None = None
     sft_steps: int = 0
     # the warm start's answers: "format" (random symbols of the right shape: RL learns the task)
     # or "task" (the true answers; for `lookup`, a fifth of the conversations call the tool)
@@ -85,6 +89,8 @@ class TinyModelConfig:
         _positive(at + "experts_per_token", self.experts_per_token)
         _check(not self.experts or self.experts_per_token <= self.experts, at + "experts_per_token",
                self.experts_per_token, f"must be at most {at}experts={self.experts}")
+        _check(not self.experts or self.qk_norm is not False, at + "qk_norm", self.qk_norm,
+               f"a Qwen3-MoE ({at}experts={self.experts}) normalises its queries and keys; leave it unset")
         _positive(at + "sft_steps", self.sft_steps, allow_zero=True)
 
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts RL on CPU: Megatron's logits, routing replay, learning against a dense model.
 
-    python -m benchmarks.moe                 # all of it, 3 seeds of learning (~17 minutes)
+    python -m benchmarks.moe                 # all of it, 3 seeds of learning (~22 minutes)
     python -m benchmarks.moe --seeds 0       # one seed of learning
     python -m benchmarks.moe --skip-learning # Megatron's logits and the routing numbers (~2 minutes)
     python -m benchmarks.moe --skip-megatron --hidden 128 --layers 4   # learning at a larger tiny size
@@ -18,9 +18,12 @@
   rows) at (tp, ep) ∈ {(1, 1), (1, 2), (2, 1), (2, 2)} (`logits_by_layout`).
 - Learning: `asyncrl-launch --config-name moe_quickstart` (FSDP2, routing replay on), the same on
   Megatron with expert parallelism 2 (`actor.backend=megatron actor.moe.ep=2
-  actor.moe.router_replay=none`) and `--config-name quickstart` (the dense Llama with the same
-  active MLP parameters), the same steps and seeds: `gain_ratio` = MoE's held-out gain / dense's
-  (each the mean over seeds), `gain_ratio_megatron_ep2` the same for the Megatron arm, and
+  actor.moe.router_replay=none`), its dense twin `--config-name quickstart
+  model.build_tiny.qk_norm=true` (a Qwen3: the same attention, one MLP with the active experts'
+  parameters) and the quickstart's Llama (no query-key norms), the same steps and seeds:
+  `gain_ratio` = MoE's held-out gain / the twin's (each the mean over seeds),
+  `gain_ratio_vs_llama` and `dense_vs_llama` against the Llama, `gain_ratio_megatron_ep2` the
+  Megatron arm's against the twin, and
   `step_time_ratio` = the Megatron arm's mean update time / FSDP2's (`timing/update_actor_s`, the
   same 2 ranks).
 
@@ -145,11 +148,17 @@ def learning(seeds: list[int], workdir: Path, size: list[str], megatron_arm: boo
     moe = arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *size], workdir, "moe", seeds)
     megatron = (arm("moe_quickstart", [f"model.path={workdir}/tiny-moe", *size, *MEGATRON_EP2], workdir, "moe-megatron",
                     seeds) if megatron_arm else None)
-    dense = arm("quickstart", [f"model.path={workdir}/tiny-dense", *size], workdir, "dense", seeds)
-    print(json.dumps({"moe": moe, "moe_megatron_ep2": megatron, "dense": dense}), flush=True)
+    # the twin: a dense Qwen3, the MoE's attention (queries and keys normalised) with one MLP as
+    # wide as the active experts; the quickstart's Llama (no such norms) beside it
+    dense = arm("quickstart", [f"model.path={workdir}/tiny-qwen3", "model.build_tiny.qk_norm=true", *size], workdir,
+                "dense", seeds)
+    llama = arm("quickstart", [f"model.path={workdir}/tiny-llama", *size], workdir, "llama", seeds)
+    print(json.dumps({"moe": moe, "moe_megatron_ep2": megatron, "dense": dense, "llama": llama}), flush=True)
     gain = lambda r: r["end"] - r["start"]  # noqa: E731
     out = {"gain_ratio": round(gain(moe) / max(1e-9, gain(dense)), 3), "moe_ends": moe["ends"],
-           "dense_ends": dense["ends"], "wall_s": {"moe": moe["wall_s"], "dense": dense["wall_s"]}, "size": size}
+           "dense_ends": dense["ends"], "gain_ratio_vs_llama": round(gain(moe) / max(1e-9, gain(llama)), 3),
+           "dense_vs_llama": round(gain(dense) / max(1e-9, gain(llama)), 3), "llama_ends": llama["ends"],
+           "wall_s": {"moe": moe["wall_s"], "dense": dense["wall_s"], "llama": llama["wall_s"]}, "size": size}
     if megatron is not None:
         out.update(gain_ratio_megatron_ep2=round(gain(megatron) / max(1e-9, gain(dense)), 3),
                    step_time_ratio=round(megatron["update_s"] / moe["update_s"], 3), moe_megatron_ep2_ends=megatron["ends"])

@@ -43,17 +43,21 @@ log = logging.getLogger(__name__)
 MARKER = "asyncrl_tiny.json"
 
 
-def build_config(tokenizer, *, hidden: int, layers: int, heads: int, experts: int = 0, experts_per_token: int = 2):
+def build_config(tokenizer, *, hidden: int, layers: int, heads: int, experts: int = 0, experts_per_token: int = 2,
+                 qk_norm: bool | None = None):
     """A small `LlamaConfig` sized to the tokenizer; with `experts` a `Qwen3MoeConfig` whose
-    experts are 4 * hidden / experts_per_token wide (the dense MLP's active parameters)."""
-    from transformers import LlamaConfig, Qwen3MoeConfig
+    experts are 4 * hidden / experts_per_token wide (the dense MLP's active parameters); with
+    `qk_norm` and no experts a dense `Qwen3Config` (the Qwen3-MoE's twin: the same attention)."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     shape = {"intermediate_size": 4 * hidden}
     if experts:
         shape = {"intermediate_size": 4 * hidden, "num_experts": experts, "num_experts_per_tok": experts_per_token,
                  "moe_intermediate_size": 4 * hidden // experts_per_token, "norm_topk_prob": True,
                  "head_dim": hidden // heads, "router_aux_loss_coef": 0.0}
-    return (Qwen3MoeConfig if experts else LlamaConfig)(
+    elif qk_norm:
+        shape = {"intermediate_size": 4 * hidden, "head_dim": hidden // heads}
+    return (Qwen3MoeConfig if experts else Qwen3Config if qk_norm else LlamaConfig)(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         **shape,
@@ -196,6 +200,7 @@ def build_tiny_model(
     heads: int = 4,
     experts: int = 0,
     experts_per_token: int = 2,
+    qk_norm: bool | None = None,
     seed: int = 0,
     sft_steps: int = 0,
     sft_lr: float = 1e-3,
@@ -204,7 +209,7 @@ def build_tiny_model(
     reasoning_gym: dict | None = None,
 ) -> Path:
     """Write tokenizer + (optionally SFT-warmed) random-init Llama (with `experts`: a Qwen3-MoE of
-    `experts` experts, top-`experts_per_token`; for a task with images, `squares`: a Qwen2.5-VL and
+    `experts` experts, top-`experts_per_token`; with `qk_norm` alone a Qwen3; for a task with images, `squares`: a Qwen2.5-VL and
     its image processor) to `out_dir`; return the path.
     task="reasoning_gym" builds for `reasoning_gym` ({"source": data.source, **data.reasoning_gym}):
     the vocabulary is every word of its rows, the warm start its training rows."""
@@ -221,7 +226,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG
         torch.manual_seed(seed)
         model = _fresh_model(tokenizer, visual, hidden=hidden, layers=layers, heads=heads, experts=experts,
-                             experts_per_token=experts_per_token)
+                             experts_per_token=experts_per_token, qk_norm=qk_norm)
         if sft_steps > 0:
             warm = vl_warm_start if visual else functools.partial(sft_warm_start, examples=examples)
             loss = warm(model, tokenizer, task, steps=sft_steps, lr=sft_lr, batch_size=sft_batch_size, seed=seed,
@@ -232,7 +237,7 @@ def build_tiny_model(
     if visual:
         build_image_processor().save_pretrained(out)
     info = {"task": task, "hidden": hidden, "layers": layers, "heads": heads, "experts": experts,
-            "experts_per_token": experts_per_token, "seed": seed, "sft_steps": sft_steps, "sft_lr": sft_lr,
+            "experts_per_token": experts_per_token, "qk_norm": qk_norm, "seed": seed, "sft_steps": sft_steps, "sft_lr": sft_lr,
             "sft_batch_size": sft_batch_size, "sft_targets": sft_targets, "reasoning_gym": reasoning_gym,
             "vocab_size": len(tokenizer), "sft_final_loss": loss, "params": sum(p.numel() for p in model.parameters())}
     # the marker goes last: a directory without it is a half-written build
@@ -254,13 +259,13 @@ def gym_examples(spec: dict | None) -> tuple[list[tuple[list[dict], str]], list[
 
 
 def _fresh_model(tokenizer, visual: bool, *, hidden: int, layers: int, heads: int, experts: int,
-                 experts_per_token: int):
-    """A random-init Llama (or Qwen3-MoE with `experts`), or with `visual` a Qwen2.5-VL, for `tokenizer`."""
+                 experts_per_token: int, qk_norm: bool | None):
+    """A random-init Llama (Qwen3-MoE with `experts`, Qwen3 with `qk_norm`), or with `visual` a Qwen2.5-VL, for `tokenizer`."""
     from asyncrl.train.load import lm_class
 
     config = (build_vl_config(tokenizer, hidden=hidden, layers=layers, heads=heads) if visual else
               build_config(tokenizer, hidden=hidden, layers=layers, heads=heads, experts=experts,
-                           experts_per_token=experts_per_token))
+                           experts_per_token=experts_per_token, qk_norm=qk_norm))
     model = lm_class(config).from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -337,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--qk-norm", action="store_true", help="a dense Qwen3 (queries and keys normalised), not a Llama")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sft-steps", type=int, default=d.sft_steps)
     p.add_argument("--sft-lr", type=float, default=1e-3)
@@ -345,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tiny %(levelname)s %(message)s")
     try:
         path = ensure_tiny_model(a.out_dir, task=a.task, hidden=a.hidden, layers=a.layers, heads=a.heads,
-                                 seed=a.seed, sft_steps=a.sft_steps, sft_lr=a.sft_lr, sft_targets=a.sft_targets)
+                                 qk_norm=a.qk_norm or None, seed=a.seed, sft_steps=a.sft_steps, sft_lr=a.sft_lr, sft_targets=a.sft_targets)
     except ConfigError as e:
         raise SystemExit(f"asyncrl.models.tiny: {e}") from None
     print(path)

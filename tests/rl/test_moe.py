@@ -431,3 +431,30 @@ def test_a_split_rollout_pool_receives_the_experts(tmp_path):
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert len(steps) == 3 and all(r["rollout/logprob_diff_max"] < 1e-5 and r["perf/weight_sync_mb"] > 0
                                    for r in steps), steps
+
+
+def test_the_tiny_moes_dense_twin_has_its_attention_and_its_active_parameters():
+    """model.build_tiny.qk_norm=true builds a dense Qwen3: the attention of the tiny Qwen3-MoE
+    (queries and keys normalised per head, the same tensors) and one MLP with the active experts'
+    parameters; unset, the quickstart's Llama (no such norms); with experts it cannot be false."""
+    import pytest
+
+    from asyncrl.config import ConfigError, rl_config
+    from asyncrl.models.tiny import build_config, build_tokenizer
+    from asyncrl.train.load import lm_class
+
+    tok = build_tokenizer([str(i) for i in range(10)])
+    kinds = {name: build_config(tok, hidden=64, layers=2, heads=2, **kw)
+             for name, kw in (("moe", {"experts": 8}), ("twin", {"qk_norm": True}), ("llama", {}))}
+    models = {name: lm_class(c).from_config(c) for name, c in kinds.items()}
+    assert [type(m).__name__ for m in models.values()] == ["Qwen3MoeForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"]
+    shapes = {name: {k: tuple(v.shape) for k, v in m.state_dict().items()} for name, m in models.items()}
+    attention = {k: v for k, v in shapes["moe"].items() if ".self_attn." in k}
+    assert any("q_norm" in k for k in attention) and all(shapes["twin"][k] == v for k, v in attention.items())
+    assert not any("_norm" in k for k in shapes["llama"] if ".self_attn." in k)
+    def mlp(name: str, part: str = ".mlp.") -> int:
+        return sum(v.numel() for k, v in models[name].state_dict().items() if part in k)
+
+    assert mlp("moe", ".mlp.experts.") * 2 // 8 == mlp("twin") == mlp("llama")  # top-2 of 8 experts active
+    with pytest.raises(ConfigError, match="qk_norm"):
+        rl_config({"model": {"build_tiny": {"experts": 8, "qk_norm": False}}})
