@@ -209,8 +209,8 @@ def build_tiny_model(
     reasoning_gym: dict | None = None,
 ) -> Path:
     """Write tokenizer + (optionally SFT-warmed) random-init Llama (with `experts`: a Qwen3-MoE of
-    `experts` experts, top-`experts_per_token`; with `qk_norm` alone a Qwen3; for a task with images, `squares`: a Qwen2.5-VL and
-    its image processor) to `out_dir`; return the path.
+    `experts` experts, top-`experts_per_token`; with `qk_norm` alone a Qwen3; for a task with
+    images, `squares`: a Qwen2.5-VL and its image processor) to `out_dir`; return the path.
     task="reasoning_gym" builds for `reasoning_gym` ({"source": data.source, **data.reasoning_gym}):
     the vocabulary is every word of its rows, the warm start its training rows."""
     if sft_targets not in ("task", "format"):
@@ -237,8 +237,8 @@ def build_tiny_model(
     if visual:
         build_image_processor().save_pretrained(out)
     info = {"task": task, "hidden": hidden, "layers": layers, "heads": heads, "experts": experts,
-            "experts_per_token": experts_per_token, "qk_norm": qk_norm, "seed": seed, "sft_steps": sft_steps, "sft_lr": sft_lr,
-            "sft_batch_size": sft_batch_size, "sft_targets": sft_targets, "reasoning_gym": reasoning_gym,
+            "experts_per_token": experts_per_token, "qk_norm": qk_norm, "seed": seed, "sft_steps": sft_steps,
+            "sft_lr": sft_lr, "sft_batch_size": sft_batch_size, "sft_targets": sft_targets, "reasoning_gym": reasoning_gym,
             "vocab_size": len(tokenizer), "sft_final_loss": loss, "params": sum(p.numel() for p in model.parameters())}
     # the marker goes last: a directory without it is a half-written build
     (out / MARKER).write_text(json.dumps(info, indent=1))
@@ -260,7 +260,8 @@ def gym_examples(spec: dict | None) -> tuple[list[tuple[list[dict], str]], list[
 
 def _fresh_model(tokenizer, visual: bool, *, hidden: int, layers: int, heads: int, experts: int,
                  experts_per_token: int, qk_norm: bool | None):
-    """A random-init Llama (Qwen3-MoE with `experts`, Qwen3 with `qk_norm`), or with `visual` a Qwen2.5-VL, for `tokenizer`."""
+    """A random-init Llama (Qwen3-MoE with `experts`, Qwen3 with `qk_norm`), or with `visual` a
+    Qwen2.5-VL, for `tokenizer`."""
     from asyncrl.train.load import lm_class
 
     config = (build_vl_config(tokenizer, hidden=hidden, layers=layers, heads=heads) if visual else
@@ -351,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tiny %(levelname)s %(message)s")
     try:
         path = ensure_tiny_model(a.out_dir, task=a.task, hidden=a.hidden, layers=a.layers, heads=a.heads,
-                                 qk_norm=a.qk_norm or None, seed=a.seed, sft_steps=a.sft_steps, sft_lr=a.sft_lr, sft_targets=a.sft_targets)
+                                 qk_norm=a.qk_norm or None, seed=a.seed, sft_steps=a.sft_steps, sft_lr=a.sft_lr,
+                                 sft_targets=a.sft_targets)
     except ConfigError as e:
         raise SystemExit(f"asyncrl.models.tiny: {e}") from None
     print(path)
