@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ class LoopLagMonitor:
         self._handle: asyncio.TimerHandle | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._excused: list[str] = []  # why stalls are expected now (`excused`), innermost last
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -73,6 +75,10 @@ class LoopLagMonitor:
             elif lag <= self.threshold_s and began is not None:
                 seconds = self._tick - began
                 self.stalls.append((seconds, where))
+                if where.startswith("excused: "):
+                    self.log.debug("the %s's event loop waited %.1f s (%s)", self.role, seconds, where)
+                    began = None
+                    continue
                 self.log.warning(
                     "the %s's event loop was blocked for %.1f s%s: blocking code in `async def` holds "
                     "up every call, RPC and reply of this process; run it with `await "
@@ -80,8 +86,20 @@ class LoopLagMonitor:
                     f" (in {where})" if where else "")
                 began = None
 
+    @contextlib.contextmanager
+    def excused(self, why: str) -> Iterator[None]:
+        """Stalls that begin inside the block are expected (`why`: e.g. heavy imports on a thread
+        of the loop's process, whose C code holds the GIL): recorded, not warned about."""
+        self._excused.append(why)
+        try:
+            yield
+        finally:
+            self._excused.remove(why)
+
     def _where(self) -> str:
         """The innermost frame of the loop's thread outside the standard library and this module."""
+        if self._excused:
+            return f"excused: {self._excused[-1]}"
         frame = sys._current_frames().get(self._loop_thread)
         stdlib = os.path.dirname(os.__file__)
         innermost = frame

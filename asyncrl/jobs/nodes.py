@@ -142,7 +142,8 @@ async def run_head(cfg: DictConfig, daemon: bool = False, summary: list | None =
                 nodes.result()
                 # the driver's imports (torch, the trainer, transformers) off the loop: on it they
                 # would stall heartbeats and the loop-lag warning would blame the user's code
-                entry = await asyncio.to_thread(load_entry, cfg.job.entry)
+                with head.loop_lag.excused("the driver's imports"):  # their C code holds the GIL at times
+                    entry = await asyncio.to_thread(load_entry, cfg.job.entry)
                 await ctx.open()
                 driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
                 if await _unless_stopped(driver, stops):
@@ -177,7 +178,8 @@ class JobService:
         # job (the RL trainer) checks them against its schema when it starts
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
                                   OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
-        fn = await asyncio.to_thread(load_entry, entry)  # its imports would stall the daemon's loop
+        with self.head.loop_lag.excused(f"job {entry}'s imports"):  # on the loop they would stall it
+            fn = await asyncio.to_thread(load_entry, entry)
         ctx = JobContext(self.coordinator, job_cfg, job_id)
         spec = self.head.spec
         try:

@@ -260,6 +260,33 @@ async def test_loop_lag_monitor_names_the_blocking_frame():
     assert 1.1 < seconds < 1.8 and where.startswith("_block_the_loop at test_live_faults.py:"), monitor.stalls
 
 
+async def test_a_stall_the_loop_was_excused_for_is_recorded_not_warned(caplog):
+    """The driver's imports run on a thread, but their C code holds the GIL at times: a stall that
+    begins while the monitor is told so is recorded without the warning that blames user code;
+    the next stall is warned about as before."""
+    import logging
+
+    from transport.loop import LoopLagMonitor
+
+    monitor = LoopLagMonitor("driver", threshold_s=0.4)
+    monitor.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="transport.loop"):
+            with monitor.excused("the driver's imports"):
+                await asyncio.sleep(0.3)
+                _block_the_loop(1.2)
+            await asyncio.sleep(0.5)
+            _block_the_loop(1.2)
+            await asyncio.sleep(0.5)
+    finally:
+        monitor.stop()
+    (_, first), (_, second) = monitor.stalls
+    assert first == "excused: the driver's imports" and second.startswith("_block_the_loop at "), monitor.stalls
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "_block_the_loop" in warned[0], warned
+    assert any("waited" in r.getMessage() and "imports" in r.getMessage() for r in caplog.records)
+
+
 async def test_rpc_client_survives_its_own_loop_blocking_past_the_heartbeat_timeout():
     """A call in flight while our loop is blocked longer than heartbeat_timeout: the server
     answered meanwhile, so the call succeeds instead of failing with ConnectionLost."""
