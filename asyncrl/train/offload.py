@@ -79,6 +79,10 @@ class HostCopy:
         return sum(h.nbytes() for h in self.host)
 
 
+def _storage(t: Tensor) -> int:
+    return local_tensor(t).untyped_storage().data_ptr()
+
+
 def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[Tensor]:
     """Every tensor of the optimizers' per-parameter state (moments, step counts)."""
     for optimizer in optimizers:
@@ -108,14 +112,14 @@ class OptimizerOffload:
         if not self.weights:
             return 0
         tensors = [t for p in params for t in (p, getattr(p, "main_grad", None), p.grad) if t is not None]
-        storage = {local_tensor(t).untyped_storage().data_ptr() for t in tensors}
-        keep = [t for t in keep if local_tensor(t).untyped_storage().data_ptr() in storage]
+        keep = list(keep)
+        kept = {_storage(t) for t in keep} & {_storage(t) for t in tensors}
         if copy_kept:
             for t in keep:
-                t.data = t.data.clone()
-            keep = []
-        kept = {local_tensor(t).untyped_storage().data_ptr() for t in keep}
-        return self.weight_copy.away(t for t in tensors if local_tensor(t).untyped_storage().data_ptr() not in kept)
+                if _storage(t) in kept:
+                    t.data = t.data.clone()
+            kept = set()
+        return self.weight_copy.away(t for t in tensors if _storage(t) not in kept)
 
     def weights_back(self) -> None:
         """The weight shards on the device again, bit for bit."""
