@@ -124,7 +124,7 @@ class Trainer:
         resumed, self.pulled = self.step > 0, (self.step, None)
         if isinstance(self.rollout, ElasticRollout):  # its ledger of what each step trained
             self.rollout.ledger.resume(self.step)
-        run = {"project": tc.project, "name": self.cfg.job.name, "config": to_dict(self.cfg)}
+        run = {"project": tc.project, "name": self.cfg.job.name, "config": await asyncio.to_thread(to_dict, self.cfg)}
         writer = await asyncio.to_thread(MetricsWriter, self.out_dir, tc.loggers, self.step if resumed else None, run)
         bar = None
         try:  # the loggers and the bar (with its logging redirect) end however the loop does
@@ -341,7 +341,7 @@ class Trainer:
         await asyncio.to_thread(self.data.load)  # tokenization blocks: off the event loop (heartbeats)
         split = cfg.trainer.placement == "split"
         pool = self._pool("actor_ref" if split else "actor_rollout_ref", "trainer.n_workers", cfg.trainer.n_workers)
-        wire = to_dict(cfg)  # workers rebuild the typed config from this plain dict
+        wire = await asyncio.to_thread(to_dict, cfg)  # workers rebuild the typed config from this plain dict
         actor = (ActorRolloutRefWorker, (wire, ("actor", "ref")), {}) if split else (ActorRolloutRefWorker, wire)
         reward = ((RewardModelWorker, (wire, "scores", cfg.reward.model_path), {}) if cfg.reward.model_path
                   else (RuleRewardWorker, wire))
@@ -538,8 +538,8 @@ class Trainer:
 async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> dict[str, Any]:
     """The job: check the inputs, claim the run directory, set up the workers (then `on_setup`,
     e.g. a test's instrumentation), train."""
-    cfg = rl_config(ctx.cfg)
-    # model building and file checks block: keep them off the event loop (heartbeats)
+    # the schema's merge and checks, model building and file checks block: off the event loop (heartbeats)
+    cfg = await asyncio.to_thread(rl_config, ctx.cfg)
     cfg.model.path = await asyncio.to_thread(resolve_model, cfg.model, data=cfg.data)
     await asyncio.to_thread(check_inputs, cfg)
     if cfg.trainer.mode == "replay":  # the run's directory is read, not claimed: it may still be training
@@ -567,7 +567,7 @@ async def main(ctx: Any, on_setup: Callable[[Trainer], None] | None = None) -> d
                 log.warning("%s: %s", cfg.trainer.output_dir, msg)
                 return {"status": "already_complete", "steps": done_at, "message": msg,
                         "checkpoint": str(start / "actor" / "hf")}
-        run.record_config()
+        await asyncio.to_thread(run.record_config)
         restarts = 0
         while True:
             trainer = Trainer(ctx, cfg, restarts)

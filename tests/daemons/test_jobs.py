@@ -507,8 +507,9 @@ def test_the_readme_commands_run_as_written(tmp_path):
         (down,) = by_kind["shutdown"]
         assert run(down, 60).returncode == 0
         assert daemon.finish(30) == SHUTDOWN_EXIT, daemon.out
-        # the first RL job's imports happen off the daemon's loop: no false "blocked" warning
-        assert "event loop was blocked" not in daemon.out, daemon.out
+        # the RL jobs' imports and config checks run off the daemon's loop: no "blocked" warning
+        blocked = [line for line in daemon.out.splitlines() if "event loop was blocked" in line]
+        assert not blocked, blocked
     finally:
         for p in procs:
             p.kill()
