@@ -28,7 +28,7 @@ def start(imports: list[str] | tuple[str, ...], env: dict[str, str] | None = Non
     if _state["env"] is not None:
         return
     env = dict(os.environ) if env is None else env
-    multiprocessing.set_forkserver_preload(list(imports))
+    multiprocessing.set_forkserver_preload([*imports, "daemons.preloaded"])  # the last one freezes the heap
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # multiprocessing starts the server with this process's environment

@@ -22,6 +22,7 @@ from asyncrl.single_controller.schema import typed
 from daemons.cluster import ClusterSpec, HeadNode, NodeOnly
 from daemons.coordinator import Coordinator
 from daemons.errors import JobError
+from daemons.heap import settle
 from daemons.state import StateKind, new_job_id, remove_state, state_for_this_process, write_state
 from daemons.worker import entry_package, resolve
 from transport import CurveConfig
@@ -55,6 +56,14 @@ def security(cfg: DictConfig) -> tuple[CurveConfig | None, bool]:
     if cfg.cluster.key_dir:
         return CurveConfig.load(cfg.cluster.key_dir), False
     return CurveConfig.ephemeral(), False
+
+
+def load_settled(entry: str | None) -> Any:
+    """`load_entry`, then what the imports made frozen (`daemons.heap.settle`): otherwise the
+    collector's first full passes over it stall the driver's loop (0.4-1 s each, the GIL held)."""
+    fn = load_entry(entry)
+    settle()
+    return fn
 
 
 def load_entry(entry: str | None) -> Any:
@@ -143,7 +152,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False, summary: list | None =
                 # the driver's imports (torch, the trainer, transformers) off the loop: on it they
                 # would stall heartbeats and the loop-lag warning would blame the user's code
                 with head.loop_lag.excused("the driver's imports"):  # their C code holds the GIL at times
-                    entry = await asyncio.to_thread(load_entry, cfg.job.entry)
+                    entry = await asyncio.to_thread(load_settled, cfg.job.entry)
                 await ctx.open()
                 driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
                 if await _unless_stopped(driver, stops):
@@ -179,7 +188,7 @@ class JobService:
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
                                   OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
         with self.head.loop_lag.excused(f"job {entry}'s imports"):  # on the loop they would stall it
-            fn = await asyncio.to_thread(load_entry, entry)
+            fn = await asyncio.to_thread(load_settled, entry)
         ctx = JobContext(self.coordinator, job_cfg, job_id)
         spec = self.head.spec
         try:
