@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import sys
 import typing
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,9 +35,7 @@ from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
-import torch
 
-from transport.dtypes import DTYPES, tensor_bytes, tensor_from_bytes
 from transport.errors import CodecError
 from transport.wire import FIRST_USER_CODE, Ext
 
@@ -109,13 +108,29 @@ def _ndarray_from_bytes(buf: Any, dtype_str: str, shape: Sequence[int]) -> np.nd
     return np.frombuffer(mv, dtype=dtype).reshape(shape)
 
 
+def _dtypes() -> Any:
+    """`transport.dtypes`, which imports torch: loaded with the first tensor sent or received, so
+    the command line's messages start no torch."""
+    global _DTYPES_MODULE
+    if _DTYPES_MODULE is None:
+        import transport.dtypes
+
+        _DTYPES_MODULE = transport.dtypes
+    return _DTYPES_MODULE
+
+
+_DTYPES_MODULE: Any = None
+
+
 def encode(obj: Any, split: bool = True) -> list[Any]:
     """Encode `obj` into frames: [body, *buffers]. Buffers are zero-copy views; with `split`,
     frames above FRAME_BYTES are cut into chunks (`split_frames`)."""
     buffers: list[Any] = []
+    torch = sys.modules.get("torch")  # a process that never imported it holds no tensor (the CLI)
 
     def default(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
+        if torch is not None and isinstance(o, torch.Tensor):
+            tensor_bytes = _dtypes().tensor_bytes
             if o.numel() * o.element_size() <= INLINE_TENSOR_BYTES:
                 return msgpack.ExtType(EXT_INLINE_TENSOR, msgpack.packb(
                     [str(o.dtype)[6:], list(o.shape), bytes(tensor_bytes(o))]))
@@ -130,9 +145,9 @@ def encode(obj: Any, split: bool = True) -> list[Any]:
         if isinstance(o, Blob):
             buffers.append(memoryview(o.data).cast("B"))
             return msgpack.ExtType(EXT_BLOB, msgpack.packb(len(buffers)))
-        if isinstance(o, torch.dtype):
+        if torch is not None and isinstance(o, torch.dtype):
             return msgpack.ExtType(EXT_DTYPE, str(o)[6:].encode())
-        if isinstance(o, (tuple, torch.Size)):
+        if isinstance(o, tuple):  # torch.Size too
             return list(o)
         if isinstance(o, np.generic):
             return o.item()
@@ -231,17 +246,17 @@ def decode(frames: Sequence[Any]) -> Any:
     def ext_hook(code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
             dtype_name, shape, index = msgpack.unpackb(data)
-            return tensor_from_bytes(frame(index), dtype_name, shape)
+            return _dtypes().tensor_from_bytes(frame(index), dtype_name, shape)
         if code == EXT_INLINE_TENSOR:
             dtype_name, shape, raw = msgpack.unpackb(data)
-            return tensor_from_bytes(bytearray(raw), dtype_name, shape)
+            return _dtypes().tensor_from_bytes(bytearray(raw), dtype_name, shape)
         if code == EXT_NDARRAY:
             dtype_str, shape, index = msgpack.unpackb(data)
             return _ndarray_from_bytes(frame(index), dtype_str, shape)
         if code == EXT_BLOB:
             return memoryview(frame(msgpack.unpackb(data))).cast("B")
         if code == EXT_DTYPE:
-            dt = DTYPES.get(data.decode())
+            dt = _dtypes().DTYPES.get(data.decode())
             if dt is None:
                 raise CodecError(f"unknown dtype {data!r}")
             return dt
