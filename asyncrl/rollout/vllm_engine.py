@@ -69,6 +69,33 @@ def unlink_mapped_shm(marker: str) -> list[str]:
     return gone
 
 
+def message_queue_sockets() -> list[str]:
+    """The socket files (`ipc://` paths in the temporary directory) of the vLLM message queues
+    this process writes: a tensor-parallel group's first rank binds two per group."""
+    from vllm.distributed import parallel_state
+
+    paths = []
+    for ref in list(parallel_state._groups.values()):  # vLLM's registry of its process groups
+        queue = getattr(ref(), "mq_broadcaster", None)
+        handle = getattr(queue, "handle", None)
+        if handle is not None and getattr(queue, "_is_writer", False):
+            paths += [a.removeprefix("ipc://") for a in (handle.local_subscribe_addr, handle.local_notify_addr)
+                      if a and a.startswith("ipc://")]
+    return paths
+
+
+def unlink_message_queue_sockets() -> list[str]:
+    """Unlink `message_queue_sockets()`; returns them. Like the /dev/shm files, vLLM removes them
+    only as its sockets close, which a worker's `os._exit` skips (two files left in /tmp per
+    engine); every reader has connected once the engine is built."""
+    gone = []
+    for path in message_queue_sockets():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            gone.append(path)
+    return gone
+
+
 def vllm_lora_rank(rank: int) -> int:
     """The smallest max_lora_rank vLLM accepts that holds a rank-`rank` adapter."""
     for allowed in VLLM_LORA_RANKS:
@@ -348,6 +375,7 @@ class VLLMRolloutEngine:
             torch.set_num_threads = set_threads
         if kwargs.get("tensor_parallel_size", 1) > 1:
             unlink_mapped_shm("cpushm")
+            unlink_message_queue_sockets()
         return llm
 
     def _rpc(self, method: str, *args: Any) -> Any:

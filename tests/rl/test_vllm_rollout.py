@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -171,7 +172,11 @@ def _weight_sync(rank: int, world_size: int, out_dir: Path, tg: int = 1) -> dict
     greedy = SamplingParams(greedy=True, max_tokens=10)
     maps = [line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()]
     shm = sorted({m for m in maps if "cpushm" in m})  # vLLM's CPU TP buffers, mapped here
+    from asyncrl.rollout.vllm_engine import message_queue_sockets
+
+    sockets = message_queue_sockets()  # a TP group's message queue: socket files its first rank bound
     res: dict = {"rounds": [], "tg": tg, "shm_mapped": shm, "shm_named": [m for m in shm if Path(m).exists()],
+                 "rank": rank, "sockets": sockets, "sockets_named": [p for p in sockets if os.path.exists(p)],
                  # vLLM's CPU kernels for AVX2-only machines have no shared-memory communicator
                  "shm_built": hasattr(torch.ops._C, "init_shm_manager")}
     unsynced = engine.generate(ids, mask, greedy)
@@ -218,6 +223,7 @@ def test_resharded_weights_reach_vllm_before_and_after_an_update(weight_sync):
         # a TP group's shared-memory buffers stay mapped but leave no name behind (os._exit skips vLLM's
         # teardown), where vLLM's build has them (on AVX2-only CPUs its groups use gloo)
         assert bool(res["shm_mapped"]) == (res["tg"] > 1 and res["shm_built"]) and not res["shm_named"], res
+        assert not res["sockets_named"] and (bool(res["sockets"]) == (res["tg"] > 1 and res["rank"] == 0)), res
 
 
 # RL with the vLLM backend --------------------------------------------------------------------------
