@@ -330,7 +330,7 @@ def test_killed_run_resumes_where_it_stopped(tiny_model, tmp_path):
         kill_group(proc, grace_s=1)
     rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert 2 <= max(rows) < 8  # killed after the step-2 checkpoint, before the end
-    res = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=REPO, env=_env(out))
+    res = forked.launch(args[len(LAUNCH):], env=_env(out), cwd=REPO, timeout=240)  # the resume: no cold imports
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
