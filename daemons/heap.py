@@ -9,10 +9,18 @@ the permanent generation, which no collection walks.
 
 from __future__ import annotations
 
+import atexit
 import gc
+
+_unfreeze_at_exit: list[bool] = []
 
 
 def settle() -> None:
-    """Collect once, then freeze what is left: call it after a process's imports, not per step."""
+    """Collect once, then freeze what is left: call it after a process's imports, not per step.
+    At exit they are unfrozen again, so the exit's collection frees them (an extension that checks
+    its objects at teardown, triton's, would otherwise print them as leaks after the job's output)."""
     gc.collect()
     gc.freeze()
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit.append(True)
