@@ -373,7 +373,9 @@ def test_split_sync_sends_deltas_that_rebuild_the_weights_bit_for_bit(tiny_model
 
     def numbers(rows: list[dict]) -> list[dict]:
         return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
-    assert numbers(delta_rows) == numbers(full_rows)
+    differ = [(d["step"], {k: (d.get(k), f.get(k)) for k in d.keys() | f.keys() if d.get(k) != f.get(k)})
+              for d, f in zip(numbers(delta_rows), numbers(full_rows), strict=True) if d != f]
+    assert not differ, differ  # (step, {key: (delta, full)})
 
 
 def test_a_tensor_parallel_actor_sends_deltas_of_the_gathered_weights(tiny_model, tmp_path):
