@@ -50,6 +50,7 @@ from asyncrl.single_controller.group import WorkerCallError
 from asyncrl.single_controller.trace import Recording
 from asyncrl.train.weight_sync import bridge_plan
 from daemons.errors import PlacementError, WorkerDiedError
+from daemons.heap import settle
 from transport import trace
 from transport.checks import ConfigError
 from transport.dtypes import torch_dtype
@@ -138,8 +139,7 @@ class Trainer:
             # (each took ~200 ms on the quickstart's driver, about one per 55 steps); the young
             # garbage collected first, not the whole heap (a daemon's, after a few jobs, blocked
             # its loop for a second), and all of it unfrozen when the run ends (below)
-            gc.collect(1)
-            gc.freeze()
+            settle(generation=1)
             guard = StepGuard(self) if tc.failover.enable else None  # a step a rank died in runs again
             while self.step < tc.total_steps:
                 metrics = await (guard.run_step() if guard else self.train_step())

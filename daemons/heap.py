@@ -4,7 +4,9 @@ A full collection walks every object the collector tracks: after torch, transfor
 that is ~390 K objects, 0.4 s on the 2-core machine (over 1 s when it is loaded), with the GIL
 held, so an event loop on another thread of the process stalls as long, and a worker forked from
 a server that imported them touches every inherited page (copied on write). Frozen objects sit in
-the permanent generation, which no collection walks.
+the permanent generation, which no collection walks. At exit they are unfrozen, so the exit's
+collection frees them (an extension that checks its objects at teardown, triton's, would
+otherwise print them as leaks after a job's output).
 """
 
 from __future__ import annotations
@@ -12,15 +14,11 @@ from __future__ import annotations
 import atexit
 import gc
 
-_unfreeze_at_exit: list[bool] = []
+atexit.register(gc.unfreeze)
 
 
-def settle() -> None:
-    """Collect once, then freeze what is left: call it after a process's imports, not per step.
-    At exit they are unfrozen again, so the exit's collection frees them (an extension that checks
-    its objects at teardown, triton's, would otherwise print them as leaks after the job's output)."""
-    gc.collect()
+def settle(generation: int = 2) -> None:
+    """Collect `generation` (2: the whole heap), then freeze what is left: after a process's imports,
+    or a run's set-up (`gc.unfreeze()` when the run ends), never per step."""
+    gc.collect(generation)
     gc.freeze()
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit.append(True)

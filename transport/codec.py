@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import sys
 import typing
@@ -108,18 +109,13 @@ def _ndarray_from_bytes(buf: Any, dtype_str: str, shape: Sequence[int]) -> np.nd
     return np.frombuffer(mv, dtype=dtype).reshape(shape)
 
 
+@functools.cache
 def _dtypes() -> Any:
     """`transport.dtypes`, which imports torch: loaded with the first tensor sent or received, so
     the command line's messages start no torch."""
-    global _DTYPES_MODULE
-    if _DTYPES_MODULE is None:
-        import transport.dtypes
+    import transport.dtypes
 
-        _DTYPES_MODULE = transport.dtypes
-    return _DTYPES_MODULE
-
-
-_DTYPES_MODULE: Any = None
+    return transport.dtypes
 
 
 def encode(obj: Any, split: bool = True) -> list[Any]:

@@ -58,12 +58,17 @@ def security(cfg: DictConfig) -> tuple[CurveConfig | None, bool]:
     return CurveConfig.ephemeral(), False
 
 
-def load_settled(entry: str | None) -> Any:
-    """`load_entry`, then what the imports made frozen (`daemons.heap.settle`): otherwise the
-    collector's first full passes over it stall the driver's loop (0.4-1 s each, the GIL held)."""
-    fn = load_entry(entry)
-    settle()
-    return fn
+async def import_entry(head: HeadNode, entry: str | None) -> Any:
+    """`load_entry` on a thread, its stalls of the loop excused (C code of the imports holds the
+    GIL at times), then what the imports made frozen (`daemons.heap.settle`): otherwise the
+    collector's first full passes over it stall the loop (0.4-1 s each, the GIL held)."""
+    def load() -> Any:
+        fn = load_entry(entry)
+        settle()
+        return fn
+
+    with head.loop_lag.excused(f"job {entry}'s imports"):
+        return await asyncio.to_thread(load)
 
 
 def load_entry(entry: str | None) -> Any:
@@ -151,8 +156,7 @@ async def run_head(cfg: DictConfig, daemon: bool = False, summary: list | None =
                 nodes.result()
                 # the driver's imports (torch, the trainer, transformers) off the loop: on it they
                 # would stall heartbeats and the loop-lag warning would blame the user's code
-                with head.loop_lag.excused("the driver's imports"):  # their C code holds the GIL at times
-                    entry = await asyncio.to_thread(load_settled, cfg.job.entry)
+                entry = await import_entry(head, cfg.job.entry)
                 await ctx.open()
                 driver = asyncio.get_running_loop().create_task(entry(ctx), name="driver")
                 if await _unless_stopped(driver, stops):
@@ -187,8 +191,7 @@ class JobService:
         # job (the RL trainer) checks them against its schema when it starts
         job_cfg = OmegaConf.merge(OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True)),
                                   OmegaConf.create(overrides or {}), {"job": {"entry": entry}})
-        with self.head.loop_lag.excused(f"job {entry}'s imports"):  # on the loop they would stall it
-            fn = await asyncio.to_thread(load_settled, entry)
+        fn = await import_entry(self.head, entry)
         ctx = JobContext(self.coordinator, job_cfg, job_id)
         spec = self.head.spec
         try:

@@ -61,8 +61,13 @@ def unlink_mapped_shm(marker: str) -> list[str]:
         return []
     fields = (line.split(None, 5) for line in maps.splitlines())
     paths = {f[5] for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/")}
+    return _unlink(sorted(p for p in paths if marker in Path(p).name and not p.endswith("(deleted)")))
+
+
+def _unlink(paths: Iterable[str]) -> list[str]:
+    """Unlink each of `paths`; the ones that existed."""
     gone = []
-    for path in sorted(p for p in paths if marker in Path(p).name and not p.endswith("(deleted)")):
+    for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             gone.append(path)
@@ -88,12 +93,7 @@ def unlink_message_queue_sockets() -> list[str]:
     """Unlink `message_queue_sockets()`; returns them. Like the /dev/shm files, vLLM removes them
     only as its sockets close, which a worker's `os._exit` skips (two files left in /tmp per
     engine); every reader has connected once the engine is built."""
-    gone = []
-    for path in message_queue_sockets():
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            gone.append(path)
-    return gone
+    return _unlink(message_queue_sockets())
 
 
 def vllm_lora_rank(rank: int) -> int:
