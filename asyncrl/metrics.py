@@ -196,12 +196,10 @@ class MetricsWriter:
     def plot(self, history: list[dict[str, float]], val: list[list[float]], path: Path, title: str = "") -> None:
         """Training and held-out reward, and response length, per step: one PNG, axes scaled to
         the data (rewards in [-1, 1] or any other range show), titled with the run."""
-        import matplotlib
+        from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax, lx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
+        fig = Figure(figsize=(7, 6))
+        ax, lx = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
         steps = [h["step"] for h in history if "critic/score_mean" in h]
         ax.plot(steps, [h["critic/score_mean"] for h in history if "critic/score_mean" in h],
                 label="train reward (mean over samples)", alpha=0.7)
@@ -222,7 +220,6 @@ class MetricsWriter:
             fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
 
     def close(self) -> None:
         """Idempotent: the files, TensorBoard and the wandb run are closed once."""

@@ -43,7 +43,7 @@ def schema() -> Any:
                       ("rollout_log_probs", floats), ("trainer_log_probs", floats), ("advantages", floats)])
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """One empty table written to memory: what the first real write would load, loaded now."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -113,7 +113,7 @@ class RolloutKeeper:
         self.want = rows_per_step if rows_per_step < 0 else -(-rows_per_step // world_size)
         self.columns: dict[str, list[Any]] = {}  # the kept rows since the last flush, by column
         self.steps: set[int] = set()  # and their steps
-        _warm_up()  # parquet's first write (~0.3 s: imports, the codec) at setup, not in a step
+        warm_up()  # parquet's first write (~0.3 s: imports, the codec) at setup, not in a step
 
     def add(self, batch: Any, step: int, version: int, trainer_log_probs: torch.Tensor | None = None) -> None:
         """Keep this step's sample of `batch` (the update's rows on this rank), column by column; the

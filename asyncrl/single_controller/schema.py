@@ -89,7 +89,7 @@ def typed(schema: type, cfg: DictConfig | dict) -> Any:
                           + f". Valid keys in {key.rpartition('.')[0] or 'the top level'}: "
                           + ", ".join(valid_keys(schema, key.rpartition(".")[0])) + ".")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        merged = OmegaConf.merge(_defaults(schema), cfg)  # merge copies the cached defaults first
         value = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(explain(e, schema)) from None
@@ -149,6 +149,28 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
+@functools.cache
+def _plain_hints(cls: type) -> dict[str, Any]:
+    """`cls`'s resolved annotations, once a process (resolving them is most of a config check's time)."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _defaults(schema: type) -> DictConfig:
+    """`schema`'s defaults as a structured config, built once a process: never changed in place."""
+    return OmegaConf.structured(schema)
+
+
+def warm(schema: type) -> None:
+    """What `typed(schema, ...)` resolves on its first call, resolved now (a fork server does it
+    once for the workers it forks)."""
+    _defaults(schema)
+    todo = [schema]
+    while todo:
+        cls = todo.pop()
+        todo += [inner for f in fields(cls) if (inner := _dataclass_of(f.type, cls)) is not None]
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A plain, resolved dict of a typed config (what travels to workers and into run dirs)."""
     node = OmegaConf.structured(cfg) if is_dataclass(cfg) else cfg
@@ -175,20 +197,16 @@ def _section(schema: type, path: str) -> type | None:
 
 def _is_mapping(schema: type, path: str) -> bool:
     """Whether dotted `path` in `schema` is a dict-typed field (free-form keys)."""
-    import typing
-
     section, _, name = path.rpartition(".")
     node = _section(schema, section)
     if node is None or name not in {f.name for f in fields(node)}:
         return False
-    hint = typing.get_type_hints(node)[name]
+    hint = _plain_hints(node)[name]
     return (typing.get_origin(hint) or hint) is dict
 
 
 def _dataclass_of(annotation: Any, owner: type) -> type | None:
-    import typing
-
-    hints = typing.get_type_hints(owner)
+    hints = _plain_hints(owner)
     for f in fields(owner):
         if f.type is annotation:
             annotation = hints[f.name]

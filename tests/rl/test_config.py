@@ -88,6 +88,45 @@ def test_typed_view_checks_values_and_keys():
         C.rl_config({"algorithm": {"name": "dpo"}})
 
 
+def _worker_setup_loads(model: str, wire: dict, out: object) -> None:
+    """Forked from the session's fork server: a worker's set-up steps that load code or resolve
+    types lazily; what they loaded anew goes to `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.roles.kept_rollouts import warm_up
+    from asyncrl.single_controller import schema
+
+    before, hints, defaults = set(sys.modules), schema._plain_hints.cache_info(), schema._defaults.cache_info()
+    warm_up()
+    AutoTokenizer.from_pretrained(model)
+    AutoModelForCausalLM.from_pretrained(model)
+    C.rl_config(wire)
+    out.put((sorted(set(sys.modules) - before), schema._plain_hints.cache_info().misses - hints.misses,
+             schema._defaults.cache_info().misses - defaults.misses))
+
+
+def test_the_rl_configs_fork_server_loads_what_a_worker_would_load_on_its_first_job(tmp_path):
+    """The RL configs' `cluster.warm_imports` (asyncrl.roles.warm): a CPU worker forked from the
+    server finds pyarrow's parquet writer and the pandas it loads, the tokenizer and model classes
+    transformers resolves by name, and the config check's resolved types already there (each a
+    0.2-1 s of CPU in every worker of every job before)."""
+    from asyncrl.models.tiny import ensure_tiny_model
+
+    assert load_config("grpo", []).cluster.warm_imports == ["asyncrl.roles.warm"]
+    assert "asyncrl.roles.warm" in forked.PRELOAD  # the suite's server imports it as a node's would
+    model = ensure_tiny_model(tmp_path / "model")
+    wire = C.to_dict(C.rl_config(load_config("grpo", [f"model.path={model}"])))
+    ctx = forked.context()
+    out = ctx.SimpleQueue()
+    proc = ctx.Process(target=_worker_setup_loads, args=(str(model), wire, out))
+    proc.start()
+    loaded, hint_misses, default_misses = out.get()
+    proc.join(60)
+    lazy = [m for m in loaded if m.split(".")[0] in ("pandas", "pyarrow")
+            or m.startswith(("transformers.models.", "asyncrl."))]
+    assert lazy == [] and hint_misses == 0 and default_misses == 0, (lazy, hint_misses, default_misses)
+
+
 def test_a_keys_choices_are_its_type_checked_for_every_section():
     """A field typed `Annotated[str, Literal[...]]` is checked by the schema alone (no `check`
     repeats it) and the config reference lists its values."""
