@@ -85,13 +85,14 @@ def sft_batches(tokenizer, task: str, batch_size: int, seed: int, targets: str =
     spec = get_task(task)
     rng = random.Random(f"sft-format:{task}:{seed}")
     step = 0
+    seen: dict[tuple, tuple[list[int], list[int]]] = {}  # a conversation's ids, templated once
     while True:
         pairs = make_examples(task, batch_size, seed=10_000 * (seed + 1) + step)
         rows = []
         for prompt, answer in pairs:
             if spec.name == "lookup":  # conversations with the tool (asyncrl.agents.tasks)
                 rows.append(_lookup_demo(tokenizer, prompt, rng, _lookup_call_rate(targets, step, steps),
-                                         copy=targets == "task"))
+                                         copy=targets == "task", seen=seen))
                 continue
             if targets == "format":
                 answer = " ".join(rng.choice(spec.answer_symbols) for _ in answer.split())
@@ -138,17 +139,27 @@ def _lookup_call_rate(targets: str, step: int, steps: int) -> float:
     return 0.2 if step < 0.7 * steps else 0.03
 
 
-def _lookup_demo(tokenizer, prompt: str, rng: random.Random, call_rate: float,
-                 copy: bool = True) -> tuple[list[int], list[int]]:
+def _lookup_demo(tokenizer, prompt: str, rng: random.Random, call_rate: float, copy: bool = True,
+                 seen: dict[tuple, tuple[list[int], list[int]]] | None = None) -> tuple[list[int], list[int]]:
     """One `lookup` conversation as the multi-turn rollout's ids (the observation rendered as
     `ObservationRenderer` does), loss on the assistant's tokens: it calls the tool with
     probability `call_rate`; its answer is the tool's digit after a call with `copy`, else a
-    random digit (a guess: the task cannot be solved without the tool)."""
+    random digit (a guess: the task cannot be solved without the tool). `seen` keeps the ids of
+    conversations already templated (the same prompt, call and guess give the same ids)."""
+    call = rng.random() < call_rate
+    guess = str(rng.randrange(10))
+    seen = {} if seen is None else seen
+    key = (prompt, call, guess, copy)
+    if key not in seen:
+        seen[key] = _lookup_ids(tokenizer, prompt, call, guess, copy)
+    ids, labels = seen[key]
+    return list(ids), list(labels)
+
+
+def _lookup_ids(tokenizer, prompt: str, call: bool, guess: str, copy: bool) -> tuple[list[int], list[int]]:
     from asyncrl.agents.rollout import ObservationRenderer
     from asyncrl.agents.tasks import lookup_demonstration
 
-    call = rng.random() < call_rate
-    guess = str(rng.randrange(10))
     messages = lookup_demonstration(prompt, [guess], call)
     if call and copy:
         messages[-1]["content"] = messages[-2]["content"]

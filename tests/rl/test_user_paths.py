@@ -1,6 +1,8 @@
 """Documented paths a new user takes, run as the user runs them (the installed commands, their own
 files): the planner's printed command, a null ground truth, a prompt and response longer than the
-model's context, and the JSON summary as the terminal's last line."""
+model's context, and the JSON summary as the terminal's last line. The refusals at start run
+`asyncrl-launch` forked from the session's pre-imported server (tests/helpers/forked.py: what it
+prints and exits with, without a fresh interpreter's imports and fork server)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import forked
 from tests.rl.test_rl import tiny_model  # noqa: F401  (a module-scoped fixture)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,6 +25,12 @@ BIN = Path(sys.executable).parent
 def _run(argv: list[str], cwd: Path, stderr: int = subprocess.PIPE) -> subprocess.CompletedProcess:
     env = {**os.environ, "ASYNCRL_STATE_DIR": str(cwd / "state")}
     return subprocess.run(argv, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=240, cwd=cwd, env=env)
+
+
+def _launch(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`asyncrl-launch *argv`, forked."""
+    return forked.launch(argv, env={**os.environ, "ASYNCRL_STATE_DIR": str(cwd / "state"), "PYTHONPATH": str(REPO)},
+                         cwd=cwd, timeout=240)
 
 
 def test_the_planners_printed_command_runs_as_printed(tmp_path):
@@ -54,8 +63,8 @@ def test_a_null_ground_truth_is_refused_naming_the_row(tmp_path, tiny_model):  #
     """`reward_model: {style: rule, ground_truth: null}` is refused before training, as a missing
     reward_model is: exit 2, the file and the row named."""
     data = _data(tmp_path, None)
-    r = _run([str(BIN / "asyncrl-launch"), "--config-name", "grpo", f"model.path={tiny_model}",
-              f"data.train_files={data}", "data.batch_size=4", "trainer.total_steps=2"], tmp_path)
+    r = _launch(["--config-name", "grpo", f"model.path={tiny_model}", f"data.train_files={data}", "data.batch_size=4",
+                 "trainer.total_steps=2"], tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"data.train_files={data}: row 5 has a null reward_model.ground_truth" in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
@@ -68,8 +77,8 @@ def test_a_context_too_long_for_the_model_is_named_at_start(tmp_path, tiny_model
     keys; the native engine runs and says so once."""
     # the native case: the same check, with a short generation (the prompt budget is what is long)
     lengths = ["rollout.max_tokens=250"] if engine == "vllm" else ["rollout.max_tokens=8", "data.max_prompt_len=250"]
-    r = _run([str(BIN / "asyncrl-launch"), "--config-name", "eval", f"model.path={tiny_model}", "rollout.n=1",
-              "evaluation.ks=[1]", f"rollout.engine={engine}", "data.synthetic.n_val=2", *lengths], tmp_path)
+    r = _launch(["--config-name", "eval", f"model.path={tiny_model}", "rollout.n=1", "evaluation.ks=[1]",
+                 f"rollout.engine={engine}", "data.synthetic.n_val=2", *lengths], tmp_path)
     said = "more than the model's context of 256 (max_position_embeddings"
     if exits:
         assert r.returncode == exits and said in r.stderr and "rollout.max_tokens" in r.stderr, r.stderr[-3000:]
