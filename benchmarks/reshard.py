@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import sys
@@ -525,7 +526,10 @@ def run_ranks(s: Setup, timeout_s: float) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="asyncrl-reshard-") as out_dir:
         port = free_port()
-        codes = run_spawned(_rank_main, [(r, s, port, out_dir) for r in range(s.ranks)], timeout_s)
+        # the ranks fork from one server that imported this module (and torch) once
+        multiprocessing.set_forkserver_preload([__name__ if __name__ != "__main__" else "benchmarks.reshard"])
+        codes = run_spawned(_rank_main, [(r, s, port, out_dir) for r in range(s.ranks)], timeout_s,
+                            start_method="forkserver")
         errors = [f.read_text() for f in sorted(Path(out_dir).glob("error*.txt"))]
         if errors or any(codes):
             reasons = ", ".join(f"rank {r} {exit_reason(c)}" for r, c in enumerate(codes))

@@ -101,8 +101,10 @@ def measure_two_ranks(spec: ModelSpec, threads: int, rows: list[int], seq: int,
         out = os.path.join(tmp, "result")
         init = "file://" + os.path.join(tmp, "store")
         try:
+            # forked from multiprocessing's fork server: one this process already runs (its imports
+            # done) or a fresh one, whose two children import what they need as spawned ones would
             mp.start_processes(_two_rank_worker, args=(init, sizes, repeat, out, threads, asdict(spec), rows, seq),
-                               nprocs=2, start_method="spawn", join=True)
+                               nprocs=2, start_method="forkserver", join=True)
         except mp.ProcessExitedException:
             # gloo can abort a rank while tearing down after the results are written ("terminate
             # called without an active exception"): the measurements stand; anything else does not

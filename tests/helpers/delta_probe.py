@@ -1,6 +1,7 @@
-"""A trainer job for the delta sync test: the real trainer (trainer.placement=split); after step
-FORGET_AT every rollout worker is told it holds another version (the next delta cannot rebuild
-there); at the end, the bytes of the training pool's weights and every rollout worker's."""
+"""A trainer job for the delta sync test: the real trainer (trainer.placement=split); after every
+step (its sync done: the trainer's step ends with it) the bytes of the training pool's weights and
+every rollout worker's; after step FORGET_AT every rollout worker is told it holds another version
+(the next delta cannot rebuild there); at the end, the same bytes once more."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ FORGET_AT = 4
 async def main(ctx: Any) -> dict[str, Any]:
     trainers: list[Any] = []
     held: list[int] = []
+    differ: list[int] = []  # the steps after which a rollout worker's weights were not the training pool's
 
     def instrument(trainer: Any) -> None:
         trainers.append(trainer)
@@ -23,6 +25,9 @@ async def main(ctx: Any) -> dict[str, Any]:
 
         async def then_forget() -> dict[str, float]:
             metrics = await step()
+            train = (await trainer.roles.actor.apply(weights_digest, protocol=ONE_TO_ALL))[0]
+            if any(r != train for r in await trainer.rollout.apply(weights_digest, protocol=ONE_TO_ALL)):
+                differ.append(trainer.step)
             if trainer.step == FORGET_AT:
                 held.extend(await trainer.rollout.apply(forget_held_version, protocol=ONE_TO_ALL))
             return metrics
@@ -33,4 +38,5 @@ async def main(ctx: Any) -> dict[str, Any]:
     t = trainers[0]
     train = (await t.roles.actor.apply(weights_digest, protocol=ONE_TO_ALL))[0]
     rollout = await t.rollout.apply(weights_digest, protocol=ONE_TO_ALL)
-    return {**summary, "train_digest": train, "rollout_digests": rollout, "held_before_forgetting": held}
+    return {**summary, "train_digest": train, "rollout_digests": rollout, "held_before_forgetting": held,
+            "steps_differing": differ}

@@ -4,7 +4,6 @@ staleness, split placement end to end (and its resume after a killed rollout wor
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -55,7 +54,7 @@ def _member(rank: int, port: int, size: int, q) -> None:
 def test_bridge_broadcasts_every_tensor_to_every_rollout_rank():
     size = 3
     store = WeightBridge.listen(size, 30)
-    ctx = mp.get_context("spawn")
+    ctx = forked.context()  # the ranks fork from the session's pre-imported server
     q = ctx.Queue()
     procs = [ctx.Process(target=_member, args=(r, store.port, size, q), daemon=True) for r in (1, 2)]
     for p in procs:
@@ -348,34 +347,27 @@ def test_split_weight_sync_carries_the_compute_dtype(tiny_model, tmp_path):
 
 def test_split_sync_sends_deltas_that_rebuild_the_weights_bit_for_bit(tiny_model, tmp_path):
     """rollout.weight_sync=delta, two FSDP training ranks (each sends its own shards' deltas), 8
-    steps: every step logs the same numbers as a full-sync run (the weights are the same bytes),
-    the rollout worker ends with the training pool's weights byte for byte, and a rollout worker
-    told after step 4 that it holds another version fails the next delta with a
-    DeltaMismatchError and gets that version in full (logged; `perf/weight_sync_fallbacks` 1)."""
-    def run(mode: str) -> tuple[dict, list[dict], str]:
-        out = tmp_path / mode
-        res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=1",
-                                                "cluster.cpu_devices=3", "trainer.total_steps=8", "trainer.eval_every=8",
-                                                f"rollout.weight_sync={mode}", "trainer.loggers=[jsonl]",
-                                                "job.entry=tests/helpers/delta_probe.py:main",
-                                                "cluster.allowed_packages=[tests]"])
-        assert res.returncode == 0, res.stderr[-3000:]
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        return json.loads(res.stdout.strip().splitlines()[-1]), rows, res.stderr
-
-    (_, full_rows, _), (delta, delta_rows, log) = run("full"), run("delta")
+    steps: after every step's sync the rollout worker holds the training pool's weights byte for
+    byte, and a rollout worker told after step 4 that it holds another version fails the next delta
+    with a DeltaMismatchError and gets that version in full (logged; `perf/weight_sync_fallbacks`
+    1). (The byte check replaced a comparison of every step's metrics with a full-sync run's: on a
+    loaded machine the split pool's continuous batch takes a step's requests at other moments, its
+    batches differ in composition, and a float difference can change a sampled token in either run.)"""
+    out = tmp_path / "delta"
+    res = _launch("grpo", out, tiny_model, ["trainer.placement=split", "trainer.n_workers=2", "rollout.n_workers=1",
+                                            "cluster.cpu_devices=3", "trainer.total_steps=8", "trainer.eval_every=8",
+                                            "rollout.weight_sync=delta", "trainer.loggers=[jsonl]",
+                                            "job.entry=tests/helpers/delta_probe.py:main",
+                                            "cluster.allowed_packages=[tests]"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    delta = json.loads(res.stdout.strip().splitlines()[-1])
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert delta["steps"] == 8 and delta["steps_differing"] == [], delta
     assert delta["rollout_digests"] == [delta["train_digest"]], delta
     assert delta["held_before_forgetting"] == [4]
-    assert "weight sync of version 5" in log and "sending it in full" in log
-    steps = delta_rows[1:]
+    assert "weight sync of version 5" in res.stderr and "sending it in full" in res.stderr
     assert [r["perf/weight_sync_fallbacks"] for r in steps] == [0.0] * 4 + [1.0] * 4, steps
     assert all(0 < r["perf/weight_sync_delta_ratio"] < 1.05 for r in steps), steps
-
-    def numbers(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
-    differ = [(d["step"], {k: (d.get(k), f.get(k)) for k in d.keys() | f.keys() if d.get(k) != f.get(k)})
-              for d, f in zip(numbers(delta_rows), numbers(full_rows), strict=True) if d != f]
-    assert not differ, differ  # (step, {key: (delta, full)})
 
 
 def test_a_tensor_parallel_actor_sends_deltas_of_the_gathered_weights(tiny_model, tmp_path):
