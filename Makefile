@@ -11,7 +11,7 @@ PYTEST := $(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS)
 .PHONY: run test test-all lint bench clean vllm
 
 # Packages go in through uv (from PyPI; it downloads and unpacks in parallel, with pip's find-links
-# and compiled to bytecode as pip does): ~1.5 min on the 2-core CI machine where pip took ~5.5.
+# and compiled to bytecode as pip does): `make vllm` ~2 min on the 2-core CI machine where pip took ~5.5.
 # pip installs instead where uv cannot be had or fails.
 define install
 { $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
