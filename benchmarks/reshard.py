@@ -527,7 +527,7 @@ def run_ranks(s: Setup, timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="asyncrl-reshard-") as out_dir:
         port = free_port()
         # the ranks fork from one server that imported this module (and torch) once
-        multiprocessing.set_forkserver_preload([__name__ if __name__ != "__main__" else "benchmarks.reshard"])
+        multiprocessing.set_forkserver_preload(["benchmarks.reshard"])
         codes = run_spawned(_rank_main, [(r, s, port, out_dir) for r in range(s.ranks)], timeout_s,
                             start_method="forkserver")
         errors = [f.read_text() for f in sorted(Path(out_dir).glob("error*.txt"))]

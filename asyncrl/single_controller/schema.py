@@ -168,6 +168,7 @@ def warm(schema: type) -> None:
     todo = [schema]
     while todo:
         cls = todo.pop()
+        _hints(cls)  # what `validate` reads
         todo += [inner for f in fields(cls) if (inner := _dataclass_of(f.type, cls)) is not None]
 
 
