@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.algorithms.core import response_span
 from asyncrl.config import RLConfig
-from asyncrl.roles.forward import response_span
 from asyncrl.rundir import new_eval_file
 from transport.checks import ConfigError
 

@@ -41,7 +41,7 @@ from asyncrl.data.images import (
     no_images,
     process_images,
 )
-from asyncrl.rollout.engine import SamplingParams
+from asyncrl.rollout.params import SamplingParams
 from asyncrl.serve.backend import Sampling
 
 TRAJECTORY_METRICS = ("num_turns", "tool_calls", "tool_errors", "env_errors", "env_s", "env_reward")

@@ -17,7 +17,7 @@ Conventions to know when comparing runs with other frameworks:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -112,6 +112,15 @@ def scores_to_tokens(scores: Tensor, response_mask: Tensor) -> Tensor:
     last = torch.where(response_mask.bool(), positions, -1).max(dim=-1).values.clamp(min=0)
     out[torch.arange(len(scores), device=last.device), last] = scores.float().to(out.device)
     return out * response_mask.float()
+
+
+def response_span(batch: Mapping[str, Tensor]) -> Tensor:
+    """Attended response columns per row [B]: the model's tokens and, in a multi-turn trajectory,
+    the observations between its turns (what the length budget counts)."""
+    width = batch["responses"].shape[1]
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:, -width:].sum(-1) if width else batch["responses"].new_zeros(len(batch))
+    return batch["response_mask"].sum(-1)
 
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float) -> Tensor:

@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -53,9 +53,8 @@ from asyncrl.roles.kept_rollouts import RolloutKeeper
 from asyncrl.roles.pools import PoolWeights, adapter_settings
 from asyncrl.roles.process import load_causal_lm, setup_process
 from asyncrl.roles.update import micro_batches, ppo_update, row_micro_batches
-from asyncrl.rollout import RolloutEngine, SamplingParams
 from asyncrl.rollout.base import BoundRollout, OwnWeightsRollout, Rollout
-from asyncrl.rollout.continuous import ContinuousBatcher, continuous_batcher
+from asyncrl.rollout.params import SamplingParams
 from asyncrl.rollout.tp import GenerationModel
 from asyncrl.rollout.vllm_engine import VLLMRolloutEngine, kv_bytes_per_token
 from asyncrl.single_controller.batch import Batch
@@ -101,6 +100,10 @@ from asyncrl.train.weight_sync import (
     specs_of,
 )
 from transport import trace
+
+if TYPE_CHECKING:  # the engine's model code loads in the workers that generate, not in the driver
+    from asyncrl.rollout.continuous import ContinuousBatcher
+    from asyncrl.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +235,8 @@ class ActorRolloutRefWorker(Worker):
         self.batcher: ContinuousBatcher | None = None
         if (self.rollout is not None and self.rollout.continuous_batching and self.actor is None
                 and self.cfg.trainer.placement == "split"):
+            from asyncrl.rollout.continuous import continuous_batcher
+
             self.batcher = continuous_batcher(self.rollout, decode_rows(self.cfg, self.rollout, self.gen_layout),
                                              self.pool)
 
@@ -744,6 +749,8 @@ def seen_log_probs(seen: list | None, batch: Batch) -> torch.Tensor | None:
 
 def native_rollout(worker: ActorRolloutRefWorker, model: torch.nn.Module, colocated: bool) -> RolloutEngine:
     """rollout.engine=native: decodes with `model` itself (colocated: the weights the reshard fills)."""
+    from asyncrl.rollout.engine import RolloutEngine
+
     tok = worker.tokenizer
     return RolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, device=worker.device,
                          decode=worker.cfg.rollout.decode)

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
+from asyncrl.algorithms.core import response_span
 from asyncrl.data.images import model_image_kwargs
-from asyncrl.rollout.engine import last_positions
+from asyncrl.rollout.params import last_positions
 from asyncrl.single_controller.batch import Batch
 from asyncrl.train.logits import keeps_logits as _keeps_logits
 from asyncrl.train.logits import response_logprobs
@@ -126,15 +127,6 @@ def sequence_scores(model: torch.nn.Module, mb: Batch) -> torch.Tensor:
     slots = pk.slots()[torch.arange(len(ids), device=ids.device), last]
     hidden = getattr(model, model.base_model_prefix)(**packed_inputs(pk, mb), use_cache=False).last_hidden_state
     return model.score(hidden[0, slots.clamp(min=0)])
-
-
-def response_span(batch: Batch) -> torch.Tensor:
-    """Attended response columns per row [B]: the model's tokens and, in a multi-turn trajectory,
-    the observations between its turns (what the length budget counts)."""
-    width = batch["responses"].shape[1]
-    if "attention_mask" in batch:
-        return batch["attention_mask"][:, -width:].sum(-1) if width else batch["responses"].new_zeros(len(batch))
-    return batch["response_mask"].sum(-1)
 
 
 def decode_responses(tokenizer: Any, batch: Batch) -> list[str]:

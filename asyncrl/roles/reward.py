@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.algorithms.core import overlong_penalty, scores_to_tokens
+from asyncrl.algorithms.core import overlong_penalty, response_span, scores_to_tokens
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.metrics import timed
 from asyncrl.rewards import (
@@ -23,7 +23,7 @@ from asyncrl.rewards import (
     checked_score,
     load_reward_fn,
 )
-from asyncrl.roles.forward import decode_responses, response_span, sequence_scores
+from asyncrl.roles.forward import decode_responses, sequence_scores
 from asyncrl.roles.process import check_node_paths, same_init_on_every_rank, setup_process
 from asyncrl.roles.update import micro_batches
 from asyncrl.single_controller.batch import Batch

@@ -13,6 +13,7 @@ from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
 from asyncrl.config import RLConfig
 from asyncrl.roles import actor  # noqa: F401
 from asyncrl.roles.kept_rollouts import warm_up
+from asyncrl.rollout import continuous, engine  # noqa: F401  (the roles import them at their first generate)
 from asyncrl.single_controller.schema import warm
 
 warm(RLConfig)

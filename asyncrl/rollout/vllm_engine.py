@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.rollout.engine import SamplingParams, WeightLoadError, rollout_outputs
+from asyncrl.rollout.params import SamplingParams, WeightLoadError, rollout_outputs
 from asyncrl.train.experts import expert_names_at, per_expert
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.rollout.engine import SamplingParams
+from asyncrl.rollout.params import SamplingParams
 
 Generation = tuple[list[int], list[float], list[int]]  # token ids, their log-probs, the policy version of each
 

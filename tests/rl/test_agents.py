@@ -361,7 +361,8 @@ def test_an_environment_that_always_raises_is_reported_as_broken(tiny, monkeypat
 
 
 def test_pipeline_handles_holes_in_the_response_mask():
-    from asyncrl.roles.forward import decode_responses, response_span
+    from asyncrl.algorithms.core import response_span
+    from asyncrl.roles.forward import decode_responses
     from asyncrl.roles.update import trim_padding
     from asyncrl.single_controller.batch import Batch
 
