@@ -31,7 +31,8 @@ from daemons.proc import end_group
 # what every rank group and launch imports; one list: the server reads it once, when it starts
 PRELOAD = ["torch", "torch.distributed", "transformers", "asyncrl.launch", "asyncrl.trainer",
            "asyncrl.roles.warm", "asyncrl.train.fsdp", "asyncrl.train.pipeline", "asyncrl.rollout.engine",
-           "daemons.worker", "matplotlib.figure", "tests.helpers.forked", "tests.helpers.gloo_ranks"]
+           "daemons.worker", "matplotlib.figure", "tests.helpers.forked", "tests.helpers.gloo_ranks",
+           "tests.helpers.vllm_warm"]
 
 
 def context() -> Any:
