@@ -390,12 +390,14 @@ def test_the_readme_commands_run_as_written(tmp_path):
 
     text = (UNITS / "README.md").read_text()
     keys, state = tmp_path / "keys", tmp_path / "state"
-    # wide enough that a step takes ~1.4 s here: the remote job's 200 default steps outlast the
-    # status calls before its stop (at hidden 64 they took ~45 s, and a loaded CI machine's CLI
-    # calls outlasted them: the job had ended when `stop --job` ran)
-    model = ensure_tiny_model(tmp_path / "model", task="sort", hidden=256, layers=4, heads=4)
+    # the remote jobs' model is wide enough that a step takes ~1.4 s here: their 200 default steps
+    # outlast the status calls before their stop (at hidden 64 they took ~45 s, and a loaded CI
+    # machine's CLI calls outlasted them: the job had ended when `stop --job` ran); the local job
+    # runs its 5 steps to the end on the small one
+    wide = ensure_tiny_model(tmp_path / "model", task="sort", hidden=256, layers=4, heads=4)
+    small = ensure_tiny_model(tmp_path / "small", task="sort")
     subst = {"/opt/asyncrl/.venv/bin/asyncrl": "asyncrl", "/etc/asyncrl/keys": str(keys), "/path/to/keys": str(keys),
-             "/var/lib/asyncrl/state": str(state), "/models/qwen": str(model)}
+             "/var/lib/asyncrl/state": str(state), "/models/qwen": str(small)}
 
     def argv(line: str) -> list[str]:
         for a, b in subst.items():
@@ -471,6 +473,7 @@ def test_the_readme_commands_run_as_written(tmp_path):
 
         # a remote RL job, twice: stopped from this node by id, then remotely; each its own id and
         # working directory (its outputs/grpo there), so nothing of the first is the second's
+        subst["/models/qwen"] = str(wide)
         (remote,) = by_kind["submit remote rl"]
         stoppers = (*[ln for ln in by_kind["stop"] if "--job ID" in ln], *by_kind["stop remote"])
         for i, stopper in enumerate(stoppers, start=1):
