@@ -398,9 +398,9 @@ class PoolWeights:
 
     def apply_staged(self) -> None:
         """Load the staged version into the rollout engine (nothing when none is staged)."""
-        if self._staged_version is None:
-            return
         with self._weights_lock:
+            if self._staged_version is None:  # checked under the lock: two callers may race to apply one version
+                return
             staged = [(spec.name, t) for spec, t in zip(self.sync_specs, self._staged, strict=True)]
             if self.cfg.actor.lora.enabled and self.rollout.lora_rank:  # vLLM serves the adapter
                 cast(OwnWeightsRollout, self.rollout).load_adapter(self._staged_version, dict(staged),

@@ -370,6 +370,35 @@ def test_split_sync_sends_deltas_that_rebuild_the_weights_bit_for_bit(tiny_model
     assert all(0 < r["perf/weight_sync_delta_ratio"] < 1.05 for r in steps), steps
 
 
+def test_a_version_a_failed_delta_dropped_is_not_applied_by_the_waiting_decode_loop():
+    """The decode loop's apply waits for the weights lock while a delta fails (which drops the
+    staged version): it then applies nothing, not the half-built copy as version None (a CI run's
+    continuous batch crashed on such a None)."""
+    import threading
+
+    from asyncrl.config import rl_config
+    from asyncrl.roles.pools import PoolWeights
+
+    loaded = []
+
+    class Rollout:
+        lora_rank = 0
+
+        def load_weights(self, named):
+            loaded.append([n for n, _ in named])
+
+    spec = TensorSpec("w", (2,), torch.float32)
+    pool = PoolWeights(rl_config({}), 0, torch.device("cpu"), None, Rollout(), torch.float32, [spec], {}, lambda: 0)
+    pool._staged, pool._staged_version = [torch.zeros(2)], 3
+    with pool._weights_lock:  # a delta being received
+        loop = threading.Thread(target=pool.apply)
+        loop.start()
+        time.sleep(0.3)  # the loop reaches the lock
+        pool._staged_version = pool._held_version = None  # the delta did not rebuild: dropped
+    loop.join(10)
+    assert loaded == [] and pool.version == 0 and not pool.pending()
+
+
 def test_a_tensor_parallel_actor_sends_deltas_of_the_gathered_weights(tiny_model, tmp_path):
     """rollout.weight_sync=delta with actor.parallel.tp=2 (the weights gathered, rank 0 sending
     each whole): the deltas rebuild the weights bit for bit on the rollout worker, a worker told it
