@@ -7,6 +7,11 @@ PYTEST_ARGS ?=
 # the suite's pytest-xdist workers (tests/conftest.py: which tests share one, which run alone); 0: one process
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS)
+SOURCES := asyncrl transport objectstore daemons benchmarks tests
+# the sources' bytecode written once before the suite: ~250 fresh interpreters read it instead of
+# compiling what they import (~0.35 s each for a launch's imports, measured on the 2-core machine),
+# also where PYTHONDONTWRITEBYTECODE keeps Python from writing it
+COMPILE := $(BIN)/python -m compileall -q -j 2 $(SOURCES) >/dev/null
 
 .PHONY: run test test-all lint bench clean vllm
 
@@ -44,12 +49,14 @@ run: $(STAMP)
 	$(BIN)/asyncrl-launch --config-name quickstart
 
 test: $(STAMP)
-	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
+	$(BIN)/ruff check $(SOURCES)
+	$(COMPILE)
 	$(PYTEST) $(PYTEST_ARGS)
 
 # every test, the ones marked slow too (make test skips them and says so)
 test-all: $(STAMP)
-	$(BIN)/ruff check asyncrl transport objectstore daemons benchmarks tests
+	$(BIN)/ruff check $(SOURCES)
+	$(COMPILE)
 	$(PYTEST) --run-slow $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -112,7 +112,7 @@ def test_a_null_ground_truth_is_fine_when_a_reward_model_scores(tiny_model):  # 
 
 @pytest.mark.parametrize("override, hint", [("sed=3", "did you mean seed?"), ("actr.optim.lr=1", "did you mean actor?")])
 def test_a_typo_in_a_top_level_key_gets_the_closest_key(tmp_path, override, hint):
-    r = _run([str(BIN / "asyncrl-launch"), "--config-name", "grpo", override], tmp_path)
+    r = _launch(["--config-name", "grpo", override], tmp_path)
     assert r.returncode == 2 and hint in r.stderr, r.stderr
 
 
