@@ -45,10 +45,15 @@ def _rank_main(fn: Callable[[int, int, Path], Any], rank: int, world_size: int, 
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
+        import atexit
+
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        # what multiprocessing's exit skips: libraries' exit handlers (wandb, which megatron
+        # imports, removes its temporary directories there; without this each rank left two in /tmp)
+        atexit._run_exitfuncs()
 
 
 def run_ranks(fn: Callable[[int, int, Path], Any], world_size: int, out_dir: Path,
