@@ -346,6 +346,7 @@ def test_daemon_mode_stops_cleanly_on_sigterm(tmp_path):
         print(f"daemon stopped {took:.2f}s after SIGTERM")
 
 
+@pytest.mark.slow  # ~35 s (suite time); test_a_training_rank_on_the_other_node_fails_over runs these steps by default
 @pytest.mark.multinode
 def test_grpo_across_two_namespaces(netpair, tmp_path):
     """Two GRPO steps with one FSDP rank per node: gloo across the veth, DistBatch pulls over TCP."""
@@ -469,7 +470,8 @@ def test_blocked_driver_does_not_lose_the_other_node(netpair, tmp_path):
 def test_a_training_rank_on_the_other_node_fails_over(netpair, tmp_path):
     """kill -9 the FSDP rank on node 1 (its node daemon lives on) mid-GRPO with
     trainer.max_restarts=1: the job restarts its workers on both nodes from the last complete
-    checkpoint, over the veth again, and finishes every step once."""
+    checkpoint, over the veth again, and finishes every step once. Its steps before the kill are
+    test_grpo_across_two_namespaces' (one FSDP rank per node, gloo across the veth)."""
     ns_a, ns_b = netpair
     keys, procs, tmp = _job_dirs(tmp_path, "failover")
     rl = _small_grpo(tmp, "trainer.total_steps=6", "trainer.save_every=2", "trainer.eval_every=6",
