@@ -42,6 +42,7 @@ STOP_CHECK_EVERY = 8  # a compiled decode reads "all rows finished?" back to the
 # (attention over a group is block-diagonal but computed whole: its cost grows with the square)
 PACKED_PREFILL_TOKENS = 2048
 
+
 def row_uniforms(generators: Sequence[torch.Generator], steps: int, device: torch.device) -> torch.Tensor:
     """[rows, steps] uniforms, row i drawn from `generators[i]` alone (on its own device, then
     moved): a row's first k draws are the same whatever `steps` is and whatever rows share the call."""
