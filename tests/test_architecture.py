@@ -30,9 +30,10 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, *, runtime_only: bool) -> set[str]:
+def _imports(path: Path, *, runtime_only: bool, at_import: bool = False) -> set[str]:
     """The project modules `path` imports anywhere in it (with `runtime_only`, not in an
-    `if TYPE_CHECKING:` block, which imports nothing at run time)."""
+    `if TYPE_CHECKING:` block, which imports nothing at run time; with `at_import`, only those
+    that run as it loads, not in a function's body)."""
     tree = ast.parse(path.read_text())
     if runtime_only:
         for node in ast.walk(tree):
@@ -40,7 +41,7 @@ def _imports(path: Path, *, runtime_only: bool) -> set[str]:
                 node.body = []
     here = ".".join(path.relative_to(REPO).with_suffix("").parts)
     found = set()
-    for node in ast.walk(tree):
+    for node in _run_at_import(tree.body) if at_import else ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -154,24 +155,18 @@ def _loaded_at_import(name: str, modules: dict[str, Path]) -> set[str]:
         if mod in seen or mod not in modules or modules[mod].is_dir():
             continue
         seen.add(mod)
-        tree = ast.parse(modules[mod].read_text())
-        for imp in _run_at_import(tree.body):
-            names = ([a.name for a in imp.names] if isinstance(imp, ast.Import)
-                     else [f"{imp.module}.{a.name}" for a in imp.names])
-            for full in names:
-                if (found := _resolve(full, modules)) is not None:
-                    todo.extend(p for p in _with_packages(found, mod) if p in modules)
+        for imported in _imports(modules[mod], runtime_only=True, at_import=True):
+            if (found := _resolve(imported, modules)) is not None:
+                todo.extend(p for p in _with_packages(found, mod) if p in modules)
     return seen
 
 
-def _run_at_import(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+def _run_at_import(body: list[ast.stmt]) -> list[ast.stmt]:
     """The import statements of `body` that run as the module loads (not in a function's body)."""
-    out: list[ast.Import | ast.ImportFrom] = []
+    out: list[ast.stmt] = []
     for node in body:
         if isinstance(node, ast.Import | ast.ImportFrom):
             out.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
         elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             for field in ("body", "orelse", "finalbody", "handlers"):
                 out += _run_at_import([n for n in getattr(node, field, []) if isinstance(n, ast.stmt | ast.excepthandler)])

@@ -36,13 +36,11 @@ from asyncrl.rollout.engine import (
     PACKED_PREFILL_TOKENS,
     STATIC_WIDTH_STEP,
     RolloutEngine,
-    SamplingParams,
-    last_positions,
     prefill_packed,
-    rollout_outputs,
     sample_tokens,
     token_groups,
 )
+from asyncrl.rollout.params import SamplingParams, last_positions, rollout_outputs
 
 COMPACT_EVERY = 16  # drop fully masked leading cache columns once this many have piled up
 
