@@ -471,5 +471,18 @@ def cli() -> None:
     exit_now(main())
 
 
+def launch() -> None:
+    """The `asyncrl-launch` command (`asyncrl.launch.cli`), with the workers' allocator settings
+    set before it loads torch: its CPU node's fork server is this process, forked."""
+    import os
+
+    from daemons.proc import with_allocator_settings
+
+    with_allocator_settings(os.environ)  # type: ignore[arg-type]
+    from asyncrl.launch import cli as launch_cli
+
+    launch_cli()
+
+
 if __name__ == "__main__":
     cli()

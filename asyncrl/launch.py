@@ -15,14 +15,25 @@ A daemon runs submitted jobs side by side; `asyncrl stop` ends one of them, `asy
 the daemon (exit status `SHUTDOWN_EXIT`, so systemd's `Restart=on-failure` brings it back).
 """
 
+# ruff: noqa: E402  (the allocator settings come before the imports that load torch)
 from __future__ import annotations
 
+import os
+import sys
+
+from daemons.proc import with_allocator_settings
+
+if __name__ == "__main__":  # `python -m asyncrl.launch`: as `asyncrl-launch` (asyncrl.cli.launch), before torch loads
+    with_allocator_settings(os.environ)  # type: ignore[arg-type]
+# torch reads its allocator settings (`daemons.proc.ALLOCATOR_ENV`) as it first allocates, which the
+# imports below do: a launcher whose torch loaded with them forks its CPU node's fork server (`_fork_server`)
+_LOADS_AS_A_FORK_SERVER = "torch" not in sys.modules and with_allocator_settings(dict(os.environ)) == dict(os.environ)
+
 import argparse
+import importlib
 import itertools
 import logging
-import os
 import secrets
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +51,10 @@ from asyncrl.jobs.nodes import (
 )
 from asyncrl.metrics import json_line
 from asyncrl.single_controller.schema import explain, job_schema, register_with_hydra
+from daemons import forking
 from daemons.errors import DaemonError
 from daemons.logs import setup_logging
+from daemons.node import discover_devices, fork_server_imports
 from daemons.proc import exit_now
 from daemons.slurm import check_gpus, cluster_overrides, job_keys, remove_job_keys, slurm_step
 from transport import AuthenticationError, TransportError
@@ -288,7 +301,11 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
         with open_dict(cfg):  # hydra.run.dir / hydra.sweep.dir decide where a run writes
             OmegaConf.update(cfg, key, os.path.relpath(out) if out.is_relative_to(Path.cwd()) else str(out))
     try:  # `main` checked this config before Hydra ran it
+        forked = _fork_server(cfg, daemon)
         setup_logging("coordinator" if cfg.cluster.coordinator is None else "node", cfg.cluster.node_rank)
+        if forked:
+            log.info("the CPU workers' fork server is this launcher, forked (pid %d): it imports only "
+                     "what the launcher has not", forked)
         if cfg.cluster.coordinator is not None:
             return run(run_node(cfg, daemon=daemon))
         summary: list[Any] = []
@@ -306,6 +323,25 @@ def run_job(cfg: DictConfig, daemon: bool = False) -> int:
         log.exception("job failed")
         print(f"asyncrl-launch: job failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+def _fork_server(cfg: DictConfig, daemon: bool) -> int | None:
+    """Start this CPU node's fork server (`cluster.warm_imports`) as a fork of this process, before
+    the job starts a thread: torch, hydra and (on the head) the driver's module, imported here
+    already, are not imported again by the server (~7 s of CPU a launch on 2 cores). Otherwise
+    (GPU nodes, a torch loaded without the workers' allocator settings) the node starts its own.
+    The server's pid when it forked one."""
+    c = cfg.cluster
+    imports = fork_server_imports(discover_devices(c.cpu_devices, c.gpus_per_node), c.warm_imports)
+    if not imports or not _LOADS_AS_A_FORK_SERVER:
+        return None
+    module, _, _ = (cfg.job.entry or "").rpartition(":")
+    if c.coordinator is None and not daemon and module and not module.endswith(".py"):
+        try:
+            importlib.import_module(module)
+        except Exception:  # the driver's own import of it reports this (asyncrl.jobs.nodes.load_entry)
+            pass
+    return forking.start(imports, with_allocator_settings(dict(os.environ)), here=True)
 
 
 def cli() -> None:

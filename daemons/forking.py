@@ -7,28 +7,46 @@ its own environment, keys and log before it runs anything (`daemons.worker.forke
 server belongs to the process (multiprocessing keeps one per process), so its state is this
 module's. A worker whose load-time settings or code path differ from the server's starts cold
 (`daemons.node._loads_as` checks).
+
+The server is a fresh interpreter, or (`start(..., here=True)`, `asyncrl-launch` before it starts
+anything) this process forked: what it imported already (torch, the job's module: ~7 s of a
+launch's ~11 s of server imports) is then not imported again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.process
 import os
+import socket
+import sys
+import threading
 import time
+from multiprocessing import connection, resource_tracker
 from typing import Any
 
 _state: dict[str, Any] = {"env": None, "imports": ()}
+_SERVER_MAIN_PARAMETERS = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]  # Python 3.11 and 3.12
 
 
-def start(imports: list[str] | tuple[str, ...], env: dict[str, str] | None = None) -> None:
+def start(imports: list[str] | tuple[str, ...], env: dict[str, str] | None = None, here: bool = False) -> int | None:
     """Start this process's fork server importing `imports`, with environment `env` (this
-    process's by default); a no-op if it runs already. What forks from it skips those imports."""
+    process's by default); a no-op if it runs already. What forks from it skips those imports.
+    `here`: the server is this process, forked, when it can be (`can_fork_here`; else a fresh
+    interpreter): it must have loaded what it imported with `env`'s load-time settings. The
+    server's pid when this process forked it."""
     if _state["env"] is not None:
-        return
+        return None
     env = dict(os.environ) if env is None else env
     multiprocessing.set_forkserver_preload([*imports, "daemons.preloaded"])  # the last one freezes the heap
+    if here and can_fork_here():
+        pid = _fork_here(env)
+        _state.update(env=env, imports=tuple(imports))
+        return pid
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)  # multiprocessing starts the server with this process's environment
@@ -38,6 +56,52 @@ def start(imports: list[str] | tuple[str, ...], env: dict[str, str] | None = Non
         os.environ.clear()
         os.environ.update(saved)
     _state.update(env=env, imports=tuple(imports))
+    return None
+
+
+def can_fork_here() -> bool:
+    """Whether a fork of this process would be whole: one thread (no other Python thread, no zmq
+    context's I/O threads, no running event loop), on a Python whose fork server `_fork_here`
+    knows how to start (3.14's, say, is also given a key to check its clients with)."""
+    zmq = sys.modules.get("zmq")
+    try:
+        asyncio.get_running_loop()
+        return False
+    except RuntimeError:
+        pass
+    known = list(inspect.signature(multiprocessing.forkserver.main).parameters) == _SERVER_MAIN_PARAMETERS
+    return threading.active_count() == 1 and (zmq is None or zmq.Context._instance is None) and known
+
+
+def _fork_here(env: dict[str, str]) -> int:
+    """multiprocessing's `ForkServer.ensure_running`, with this process forked instead of a fresh
+    interpreter started: the child takes `env` and the allocator settings, imports the preload
+    list and serves; it ends (as that server does) when every holder of the alive pipe has."""
+    from daemons.proc import use_allocator_settings
+
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    resource_tracker.ensure_running()  # before the fork: the server's children share this one
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                os.environ.clear()
+                os.environ.update(env)
+                use_allocator_settings()
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, server._preload_modules)
+            finally:
+                os._exit(0)  # the launcher's exit handlers and buffers are not this process's
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return pid
 
 
 def running() -> dict[str, str] | None:

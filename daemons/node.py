@@ -97,6 +97,13 @@ def discover_devices(cpu_devices: int, gpus_per_node: int = 0) -> list[str]:
     return [f"cpu:{i}" for i in range(cpu_devices)]
 
 
+def fork_server_imports(devices: list[str], warm_imports: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """What a node with `devices` has its fork server import (`cluster.warm_imports`): nothing
+    with GPUs, whose workers start cold (a GPU worker's CUDA_VISIBLE_DEVICES must be set before
+    anything it imports could touch CUDA)."""
+    return () if any(d.startswith("cuda") for d in devices) else tuple(warm_imports)
+
+
 def gpu_env(device: str, visible: str | None) -> dict[str, str]:
     """The environment that pins a worker to `device` ("cuda:i", the i-th GPU this node sees):
     CUDA_VISIBLE_DEVICES names that GPU as the node itself was given it (entry i of the node's
@@ -238,9 +245,7 @@ class NodeDaemon:
         # None: each store's share of the node's default (a worker per device, and a driver)
         self.store_memory_limit = resolve_memory_limit(store_memory_limit, stores_on_node=len(self.devices) + 1)
         self.children: dict[str, _Child] = {}
-        # the fork server's imports: CPU devices only (a GPU worker's CUDA_VISIBLE_DEVICES must be
-        # set before anything it imports could touch CUDA)
-        self.warm_imports = () if any(d.startswith("cuda") for d in self.devices) else tuple(warm_imports)
+        self.warm_imports = fork_server_imports(self.devices, warm_imports)
         self._handed_ports: dict[int, float] = {}  # port -> when free_port gave it out
         self.server = RpcServer(f"tcp://{host}:0", curve=curve, insecure=insecure, limits=limits,
                                 name=f"node-{node_rank}")

@@ -435,3 +435,47 @@ print(faults_writing(64 << 20), faults_writing(48 << 20) + faults_writing(48 << 
     if mode.is_file() and "[never]" not in mode.read_text():
         assert first < (64 << 20) // 4096 // 4, first
     assert second < 64, second
+
+
+_FORK_HERE = """
+import json, os, sys, threading, time
+from daemons.proc import with_allocator_settings
+with_allocator_settings(os.environ)  # as asyncrl-launch does before it loads torch
+import torch
+torch.zeros(1)  # as the launcher's imports allocate: torch reads its allocator settings then
+from daemons import forking
+if sys.argv[2] == "thread":
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+here = forking.start(["json.decoder"], {**os.environ, "FROM_START": "1"}, here=True)
+server = __import__("multiprocessing.forkserver").forkserver._forkserver._forkserver_pid
+worker = forking.spawn("tests.helpers.fork_probe:report", (sys.argv[1],))
+print(json.dumps({"here": here, "server": server, "me": os.getpid(), "exit": worker.wait(60),
+                  "same_command": open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["alone", "thread"])
+def test_a_launcher_forks_its_fork_server_from_itself_when_it_runs_one_thread(tmp_path, mode):
+    """`forking.start(..., here=True)`, as asyncrl-launch calls it before it starts anything: the
+    server is the process itself, forked (no fresh interpreter), with the environment it was
+    given; its worker writes a fresh 64 MiB tensor in 2 MiB pages (where the kernel lends them on
+    request: torch loaded with the allocator settings) and reuses glibc's heap (the server's
+    mallopt). With a second thread running, a fork could not copy it: a fresh server starts."""
+    from daemons.proc import ALLOCATOR_ENV
+
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}  # glibc reads them as it starts
+    res = subprocess.run([sys.executable, "-c", _FORK_HERE, str(out), mode], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**env, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    ran, report = json.loads(res.stdout.splitlines()[-1]), json.loads(out.read_text())
+    assert ran["exit"] == 0 and report["parent"] == ran["server"] and report["json_loaded"]
+    assert report["env"]["FROM_START"] == "1" and all(report["env"][k] == v for k, v in ALLOCATOR_ENV.items())
+    if mode == "thread":
+        assert ran["here"] is None and not ran["same_command"]
+        return
+    assert ran["here"] == ran["server"] and ran["same_command"]
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.is_file() and "[never]" not in thp.read_text():
+        assert report["fresh_faults"] < (64 << 20) // 4096 // 4, report
+    assert report["reused_faults"] < 64, report

@@ -89,13 +89,16 @@ def test_a_context_too_long_for_the_model_is_named_at_start(tmp_path, tiny_model
 
 
 def test_the_json_summary_is_the_terminals_last_line(tmp_path, tiny_model):  # noqa: F811
-    """stdout and stderr on one terminal: the summary comes after the workers' exit lines."""
+    """stdout and stderr on one terminal: the summary comes after the workers' exit lines. The
+    command as installed: its CPU workers fork from the launcher's own fork (`daemons.forking`)."""
     r = _run([str(BIN / "asyncrl-launch"), "--config-name", "eval", f"model.path={tiny_model}", "rollout.n=1",
               "evaluation.ks=[1]", "rollout.max_tokens=4", "data.synthetic.n_val=2"], tmp_path,
              stderr=subprocess.STDOUT)
     assert r.returncode == 0, r.stdout[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["mode"] == "eval"
     assert "event loop was blocked" not in r.stdout  # the driver's imports ran before the loop
+    # its CPU workers forked from a fork of the launcher, which had imported torch and the driver
+    assert "fork server is this launcher, forked" in r.stdout and "forked from the fork server" in r.stdout
 
 
 def test_a_null_ground_truth_is_fine_when_a_reward_model_scores(tiny_model):  # noqa: F811
