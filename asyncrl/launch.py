@@ -62,6 +62,7 @@ from transport.checks import ConfigError
 from transport.loop import run
 
 log = logging.getLogger("asyncrl.launch")
+_THREADS_AFTER_IMPORTS = forking.threads()  # torch's own idle one: a fresh fork server has it too
 
 # configuration -----------------------------------------------------------------------------------
 def shipped_config_dir() -> Path:
@@ -329,18 +330,23 @@ def _fork_server(cfg: DictConfig, daemon: bool) -> int | None:
     """Start this CPU node's fork server (`cluster.warm_imports`) as a fork of this process, before
     the job starts a thread: torch, hydra and (on the head) the driver's module, imported here
     already, are not imported again by the server (~7 s of CPU a launch on 2 cores). Otherwise
-    (GPU nodes, a torch loaded without the workers' allocator settings) the node starts its own.
+    (GPU nodes, a torch loaded without the workers' allocator settings, a native thread started
+    since this module's imports) the node starts its own.
     The server's pid when it forked one."""
     c = cfg.cluster
     imports = fork_server_imports(discover_devices(c.cpu_devices, c.gpus_per_node), c.warm_imports)
     if not imports or not _LOADS_AS_A_FORK_SERVER:
         return None
+    # asyncrl's own driver module only: a user's could start threads or register exit handlers
+    # (the workers would run them), so the driver imports it as before
     module, _, _ = (cfg.job.entry or "").rpartition(":")
-    if c.coordinator is None and not daemon and module and not module.endswith(".py"):
+    if c.coordinator is None and not daemon and module.startswith("asyncrl."):
         try:
             importlib.import_module(module)
         except Exception:  # the driver's own import of it reports this (asyncrl.jobs.nodes.load_entry)
             pass
+    if forking.threads() > _THREADS_AFTER_IMPORTS:  # a fork copies no thread, only the locks it holds
+        return None
     return forking.start(imports, with_allocator_settings(dict(os.environ)), here=True)
 
 

@@ -43,8 +43,7 @@ def start(imports: list[str] | tuple[str, ...], env: dict[str, str] | None = Non
         return None
     env = dict(os.environ) if env is None else env
     multiprocessing.set_forkserver_preload([*imports, "daemons.preloaded"])  # the last one freezes the heap
-    if here and can_fork_here():
-        pid = _fork_here(env)
+    if here and can_fork_here() and (pid := _fork_here(env)) is not None:
         _state.update(env=env, imports=tuple(imports))
         return pid
     saved = dict(os.environ)
@@ -73,12 +72,11 @@ def can_fork_here() -> bool:
     return threading.active_count() == 1 and (zmq is None or zmq.Context._instance is None) and known
 
 
-def _fork_here(env: dict[str, str]) -> int:
+def _fork_here(env: dict[str, str]) -> int | None:
     """multiprocessing's `ForkServer.ensure_running`, with this process forked instead of a fresh
     interpreter started: the child takes `env` and the allocator settings, imports the preload
-    list and serves; it ends (as that server does) when every holder of the alive pipe has."""
-    from daemons.proc import use_allocator_settings
-
+    list and serves; it ends (as that server does) when every holder of the alive pipe has. None
+    when the fork fails (no server: the caller starts a fresh one)."""
     server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
     resource_tracker.ensure_running()  # before the fork: the server's children share this one
     with socket.socket(socket.AF_UNIX) as listener:
@@ -89,19 +87,62 @@ def _fork_here(env: dict[str, str]) -> int:
         alive_r, alive_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no memory or no process slot for a copy of this process
+            os.close(alive_r)
+            os.close(alive_w)
+            return None
         if pid == 0:
-            try:
-                os.close(alive_w)
-                os.environ.clear()
-                os.environ.update(env)
-                use_allocator_settings()
-                multiprocessing.forkserver.main(listener.fileno(), alive_r, server._preload_modules)
-            finally:
-                os._exit(0)  # the launcher's exit handlers and buffers are not this process's
+            os.close(alive_w)
+            _serve_here(listener.fileno(), alive_r, env, server._preload_modules)
         os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return pid
+
+
+def _serve_here(listener: int, alive_r: int, env: dict[str, str], preload: list[str]) -> None:
+    """The forked server's life: only the descriptors a fresh one is given (the others this process
+    inherited from its own parent would stay open in every worker: a pipe's reader would never see
+    its end), `env`, then multiprocessing's server loop; its exit status as a fresh one's (0 when
+    the alive pipe closes, 1 and the traceback on an error), never the launcher's exit handlers."""
+    import traceback
+
+    from daemons.proc import use_allocator_settings
+
+    code = 1
+    try:
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2 and fd not in (listener, alive_r) and _inheritable(fd):
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        use_allocator_settings()
+        multiprocessing.forkserver.main(listener, alive_r, preload)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _inheritable(fd: int) -> bool:
+    try:
+        return os.get_inheritable(fd)
+    except OSError:  # the listing's own descriptor, closed by now
+        return False
+
+
+def threads() -> int:
+    """The threads this process runs, native ones included (Linux: /proc; 0 elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def running() -> dict[str, str] | None:

@@ -446,10 +446,16 @@ torch.zeros(1)  # as the launcher's imports allocate: torch reads its allocator 
 from daemons import forking
 if sys.argv[2] == "thread":
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+theirs, ours = os.pipe()  # as a pipe this process's parent handed it: its reader waits for the end
+os.set_inheritable(ours, True)
 here = forking.start(["json.decoder"], {**os.environ, "FROM_START": "1"}, here=True)
 server = __import__("multiprocessing.forkserver").forkserver._forkserver._forkserver_pid
 worker = forking.spawn("tests.helpers.fork_probe:report", (sys.argv[1],))
-print(json.dumps({"here": here, "server": server, "me": os.getpid(), "exit": worker.wait(60),
+exit_code = worker.wait(60)
+os.close(ours)
+import select
+ended = bool(select.select([theirs], [], [], 10)[0]) and os.read(theirs, 1) == b""
+print(json.dumps({"here": here, "server": server, "me": os.getpid(), "exit": exit_code, "pipe_ended": ended,
                   "same_command": open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()}))
 """
 
@@ -458,9 +464,10 @@ print(json.dumps({"here": here, "server": server, "me": os.getpid(), "exit": wor
 def test_a_launcher_forks_its_fork_server_from_itself_when_it_runs_one_thread(tmp_path, mode):
     """`forking.start(..., here=True)`, as asyncrl-launch calls it before it starts anything: the
     server is the process itself, forked (no fresh interpreter), with the environment it was
-    given; its worker writes a fresh 64 MiB tensor in 2 MiB pages (where the kernel lends them on
-    request: torch loaded with the allocator settings) and reuses glibc's heap (the server's
-    mallopt). With a second thread running, a fork could not copy it: a fresh server starts."""
+    given and none of the descriptors the process inherited (a pipe's reader sees its end); its
+    worker writes a fresh 64 MiB tensor in 2 MiB pages (where the kernel lends them on request:
+    torch loaded with the allocator settings) and reuses glibc's heap (the server's mallopt). With a
+    second thread running, a fork could not copy it: a fresh server starts."""
     from daemons.proc import ALLOCATOR_ENV
 
     out = tmp_path / "report.json"
@@ -470,6 +477,7 @@ def test_a_launcher_forks_its_fork_server_from_itself_when_it_runs_one_thread(tm
     assert res.returncode == 0, res.stderr[-3000:]
     ran, report = json.loads(res.stdout.splitlines()[-1]), json.loads(out.read_text())
     assert ran["exit"] == 0 and report["parent"] == ran["server"] and report["json_loaded"]
+    assert ran["pipe_ended"]  # neither the server nor its worker holds what the process inherited
     assert report["env"]["FROM_START"] == "1" and all(report["env"][k] == v for k, v in ALLOCATOR_ENV.items())
     if mode == "thread":
         assert ran["here"] is None and not ran["same_command"]
