@@ -138,11 +138,22 @@ def _inheritable(fd: int) -> bool:
 
 
 def threads() -> int:
-    """The threads this process runs, native ones included (Linux: /proc; 0 elsewhere)."""
+    """The threads this process runs, native ones included (Linux: /proc; 0 elsewhere), but not
+    jemalloc's background thread (pyarrow's allocator, started by its first table: jemalloc's own
+    fork handlers take care of it, and a fresh server that imported `asyncrl.roles.warm` has one too)."""
     try:
-        return len(os.listdir("/proc/self/task"))
+        tasks = os.listdir("/proc/self/task")
     except OSError:
         return 0
+    return sum(1 for t in tasks if _thread_name(t) != "jemalloc_bg_thd")
+
+
+def _thread_name(task: str) -> str:
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read().strip()
+    except OSError:  # it ended meanwhile
+        return ""
 
 
 def running() -> dict[str, str] | None:

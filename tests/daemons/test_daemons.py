@@ -487,3 +487,20 @@ def test_a_launcher_forks_its_fork_server_from_itself_when_it_runs_one_thread(tm
     if thp.is_file() and "[never]" not in thp.read_text():
         assert report["fresh_faults"] < (64 << 20) // 4096 // 4, report
     assert report["reused_faults"] < 64, report
+
+
+def test_the_thread_count_that_stops_a_fork_leaves_out_jemallocs_background_thread():
+    """A launcher that read a user's parquet runs pyarrow's jemalloc background thread (a fresh
+    fork server that imported the roles runs one too; jemalloc's fork handlers take care of it):
+    `forking.threads` does not count it, so such a launcher still forks its server."""
+    code = ("import os\nimport numpy\nfrom daemons.forking import threads\nbefore = threads()\n"  # numpy's one, torch's too
+            "import pyarrow as pa\n"
+            "pa.table({'x': list(range(100000))})\n"
+            "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+            "print(before, threads(), 'jemalloc_bg_thd' in names)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    before, after, jemalloc = res.stdout.split()
+    assert before == after, res.stdout + res.stderr
+    if jemalloc != "True":
+        pytest.skip("this pyarrow started no jemalloc background thread")
