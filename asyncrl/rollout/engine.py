@@ -487,8 +487,12 @@ def prefill_packed(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch.
     positions = order - (ends - lengths)[segment]  # each token's place in its own prompt
     causal = (segment[:, None] == segment[None, :]) & (order[:, None] >= order[None, :])
     cache = _new_cache(model)
-    out = model(input_ids=tokens[None], attention_mask=causal[None, None], position_ids=positions[None],
-                past_key_values=cache, use_cache=True, logits_to_keep=ends - 1)
+    # on CPU attention runs prompt by prompt (`asyncrl.rollout.attention`), not over the whole mask
+    by_prompt = dev.type == "cpu"
+    bounds = {"cu_seq_lens_q": torch.cat([ends.new_zeros(1), ends])} if by_prompt else {}
+    with attention.decoding(model) if by_prompt else contextlib.nullcontext():
+        out = model(input_ids=tokens[None], attention_mask=causal[None, None], position_ids=positions[None],
+                    past_key_values=cache, use_cache=True, logits_to_keep=ends - 1, **bounds)
     return out.logits[0].float(), cache
 
 

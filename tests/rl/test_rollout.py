@@ -364,6 +364,30 @@ def test_decode_attention_by_matmuls_is_sdpas():
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
+def test_a_packed_prefill_on_cpu_attends_prompt_by_prompt_as_each_prompt_alone(monkeypatch):
+    """On CPU the packed prefill's attention runs each prompt alone (`attention.prompt_by_prompt`,
+    not SDPA over the whole block-diagonal mask): each prompt's last logits and its keys and
+    values are those of the prompt through the model by itself."""
+    import asyncrl.rollout.attention as attention_module
+    from asyncrl.rollout.engine import prefill_packed
+
+    model = tiny_llama(seed=0).requires_grad_(False)
+    lengths = torch.tensor([3, 7, 1, 5])
+    tokens = torch.randint(3, 32, (int(lengths.sum()),), generator=torch.Generator().manual_seed(2))
+    bounds, real = [], attention_module.prompt_by_prompt
+    monkeypatch.setattr(attention_module, "prompt_by_prompt", lambda *a: bounds.append(a[3]) or real(*a))
+    logits, cache = prefill_packed(model, tokens, lengths)
+    assert bounds == [[0, 3, 10, 11, 16]] * model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"  # restored
+    starts = [0, 3, 10, 11]
+    for i, (start, length) in enumerate(zip(starts, lengths.tolist(), strict=True)):
+        alone = model(input_ids=tokens[None, start:start + length], use_cache=True)
+        torch.testing.assert_close(logits[i], alone.logits[0, -1].float(), atol=1e-5, rtol=1e-5)
+        for ours, theirs in zip(cache.layers, alone.past_key_values.layers, strict=True):
+            torch.testing.assert_close(ours.keys[0, :, start:start + length], theirs.keys[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.values[0, :, start:start + length], theirs.values[0], atol=1e-5, rtol=1e-5)
+
+
 def test_packed_linears_run_on_onednn_packed_weights_and_match_plain_ones():
     """`asyncrl.rollout.packed`: inside `active()` an installed model's linears run the packed op
     (a packed copy per weight, repacked after an in-place change), with F.linear's results."""
