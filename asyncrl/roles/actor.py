@@ -473,7 +473,10 @@ class ActorRolloutRefWorker(Worker):
         seeded = {} if own else {"seed": int(torch.randint(2**62, (1,), generator=gen, device=gen.device))}
         if has_images(prompts):  # each prompt's own (patches, grids), as the data read them
             seeded["images"] = row_images({k: prompts[k].cpu() for k in IMAGE_INPUTS})
-        trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens, **seeded)
+        # the native engine's waves of decodes (same weights) pack its linears once (compiled, CPU)
+        keeping_packs = getattr(self.rollout, "keeping_packs", contextlib.nullcontext)
+        with keeping_packs():
+            trajs = self.agent.rollout(plain, rows, params.n, turns, params.max_tokens, **seeded)
         out = trajectories_to_tensors(trajs, None if own else ids.cpu(), None if own else mask.cpu(),
                                       params.max_tokens, self.tokenizer.pad_token_id, prompt_width=ids.shape[1])
         out = {k: v.to(ids.device) for k, v in out.items()}

@@ -420,6 +420,13 @@ class RolloutEngine:
             self._packable = True
         return packed.active()
 
+    def keeping_packs(self) -> contextlib.AbstractContextManager:
+        """Around calls with the same weights (a multi-turn rollout's waves): a compiled CPU decode
+        packs each linear once for all of them, not once a call (`asyncrl.rollout.packed.kept`)."""
+        if self.decode != "compiled" or self.device.type != "cpu" or not packed.available():
+            return contextlib.nullcontext()
+        return packed.kept()
+
     @contextlib.contextmanager
     def compiled_decoding(self) -> Iterator[None]:
         """Where the compiled step runs on CPU: packed linears and attention by matmuls."""

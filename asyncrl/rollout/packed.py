@@ -7,7 +7,8 @@ and inductor's `freezing` use). Inductor's freezing folds the weights into the g
 weight update would compile again; here a custom op takes the weight as an input and packs it
 itself, once per call of `generate` and again whenever the weight changes (its version counter:
 weights loaded in place between decode steps are seen). The packed copies live for one call (in a
-continuous batch: while its rows are live).
+continuous batch: while its rows are live; inside `kept()`: until it ends, as for a multi-turn
+rollout's waves of calls).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 _packed: dict[tuple[int, tuple[int, ...]], tuple[Tensor, int | None, Tensor]] = {}
 _active = 0  # compiled decodes running (a call, a continuous batch): plain fp32 linears use the packed op
+_kept = 0  # `kept()` blocks open: packed weights outlive the calls that made them
 _lock = threading.Lock()
 
 
@@ -39,10 +41,14 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     key, version = (weight.data_ptr(), tuple(weight.shape)), _version(weight)
     hit = _packed.get(key)
     if hit is None or hit[1] != version:
-        rows = x.numel() // x.shape[-1]
-        hit = (weight, version, torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows))
+        hit = (weight, version, _reorder(weight, x.numel() // x.shape[-1]))
         _packed[key] = hit  # holds the weight too: its address cannot pass to another tensor meanwhile
     return torch.ops.mkldnn._linear_pointwise(x, hit[2], bias, "none", [], "")
+
+
+def _reorder(weight: Tensor, rows: int) -> Tensor:
+    """`weight` in oneDNN's blocked layout for `rows`-row inputs (a new copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=rows)
 
 
 def _version(weight: Tensor) -> int | None:
@@ -93,5 +99,21 @@ def active() -> Iterator[None]:
     finally:
         with _lock:
             _active -= 1
-            if not _active:
+            if not _active and not _kept:
+                _packed.clear()
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """Packed weights made inside outlive their calls until the last `kept` block ends (calls with
+    the same weights pack each once; a weight changed in place is repacked as ever)."""
+    global _kept
+    with _lock:
+        _kept += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _kept -= 1
+            if not _kept and not _active:
                 _packed.clear()

@@ -411,6 +411,37 @@ def test_packed_linears_run_on_onednn_packed_weights_and_match_plain_ones():
     assert not torch.allclose(doubled, out)
 
 
+def test_calls_inside_keeping_packs_pack_each_linear_once(prompts, monkeypatch):
+    """`RolloutEngine.keeping_packs` (the actor's multi-turn rollouts run inside it): compiled CPU
+    decodes inside pack each linear once for all their calls, repack one changed in place (with
+    its new results), and drop the packs when it ends; outside it every call packs again."""
+    from asyncrl.rollout import packed
+
+    if not packed.available():
+        pytest.skip("this torch has no oneDNN linear packing")
+    _, input_ids, attention_mask = prompts
+    made, real = [], packed._reorder
+    monkeypatch.setattr(packed, "_reorder", lambda weight, rows: made.append(weight) or real(weight, rows))
+    model = tiny_llama(seed=0).requires_grad_(False)
+    engine = RolloutEngine(model, eos_token_id=[], pad_token_id=PAD, decode="compiled")
+    params = SamplingParams(greedy=True, max_tokens=3)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    engine.generate(input_ids, attention_mask, params)
+    engine.generate(input_ids, attention_mask, params)
+    assert len(made) == 2 * linears and not packed._packed
+    made.clear()
+    with engine.keeping_packs():
+        engine.generate(input_ids, attention_mask, params)
+        engine.generate(input_ids, attention_mask, params)
+        assert len(made) == linears and len(packed._packed) == linears
+        model.lm_head.weight.mul_(-1)
+        flipped = engine.generate(input_ids, attention_mask, params)
+        assert [w.data_ptr() for w in made[linears:]] == [model.lm_head.weight.data_ptr()]
+    assert not packed._packed
+    eager = RolloutEngine(model, eos_token_id=[], pad_token_id=PAD).generate(input_ids, attention_mask, params)
+    assert torch.equal(flipped["responses"], eager["responses"])
+
+
 def test_packed_prefill_groups_rows_within_the_token_budget():
     from asyncrl.rollout.engine import token_groups
 
