@@ -106,7 +106,8 @@ def active() -> Iterator[None]:
 @contextlib.contextmanager
 def kept() -> Iterator[None]:
     """Packed weights made inside outlive their calls until the last `kept` block ends (calls with
-    the same weights pack each once; a weight changed in place is repacked as ever)."""
+    the same weights pack each once; a weight changed in place is repacked as ever, but an
+    inference tensor, which has no version counter, not: change none inside)."""
     global _kept
     with _lock:
         _kept += 1
