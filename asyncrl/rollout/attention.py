@@ -37,8 +37,8 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     rows, heads, q_len, dim = query.shape
     unusual = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "sliding_window"))
     bounds = kwargs.get("cu_seq_lens_q")
-    causal = getattr(module, "is_causal", True)
-    if bounds is not None and rows == 1 and key.shape[2] == q_len and causal and not dropout and not unusual:
+    if (bounds is not None and rows == 1 and key.shape[2] == q_len and getattr(module, "is_causal", True)
+            and not dropout and not unusual):
         return prompt_by_prompt(query, key, value, bounds.tolist(), scaling), None
     plain_mask = attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
     if q_len != 1 or not plain_mask or dropout or unusual:

@@ -413,7 +413,7 @@ class RolloutEngine:
     def _packed_linears(self, eager: bool) -> contextlib.AbstractContextManager:
         """decode=compiled on CPU: the call's linears on oneDNN-packed weights (`asyncrl.rollout.packed`);
         not for a call that decodes eagerly (routes recorded, image prompts)."""
-        if self.decode != "compiled" or eager or self.device.type != "cpu" or not packed.available():
+        if eager or not self._packs():
             return contextlib.nullcontext()
         if not self._packable:
             packed.install(self.model)
@@ -423,9 +423,11 @@ class RolloutEngine:
     def keeping_packs(self) -> contextlib.AbstractContextManager:
         """Around calls with the same weights (a multi-turn rollout's waves): a compiled CPU decode
         packs each linear once for all of them, not once a call (`asyncrl.rollout.packed.kept`)."""
-        if self.decode != "compiled" or self.device.type != "cpu" or not packed.available():
-            return contextlib.nullcontext()
-        return packed.kept()
+        return packed.kept() if self._packs() else contextlib.nullcontext()
+
+    def _packs(self) -> bool:
+        """Whether a compiled decode's linears run packed here (decode=compiled, CPU, oneDNN)."""
+        return self.decode == "compiled" and self.device.type == "cpu" and packed.available()
 
     @contextlib.contextmanager
     def compiled_decoding(self) -> Iterator[None]:
