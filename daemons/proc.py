@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -50,6 +51,18 @@ def use_allocator_settings() -> None:
                 libc.mallopt(param, ctypes.c_int(min(int(env[key]), 2**31 - 1)))
     except (OSError, AttributeError, ValueError):  # not glibc: its settings do not apply
         pass
+
+
+def lock_progress_bars_by_thread() -> None:
+    """tqdm's bars in this process lock with a thread lock instead of its default multiprocessing
+    lock: in a process forked from a fork server that is a named semaphore in /dev/shm, which a
+    worker killed (kill -9) together with its resource tracker leaves behind. A worker's bars
+    (transformers draws one as it loads weights) share their lock with no other process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no bars to lock
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def die_with_parent() -> None:

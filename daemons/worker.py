@@ -36,7 +36,7 @@ from daemons.errors import NotAllowedError
 from daemons.logs import setup_logging
 from daemons.messages import WorkerReady
 from daemons.node import KEYS_ON_STDIN_ENV, SHM_POOL_ENV, STORE_MEMORY_LIMIT_ENV
-from daemons.proc import die_with, exit_now, use_allocator_settings
+from daemons.proc import die_with, exit_now, lock_progress_bars_by_thread, use_allocator_settings
 from objectstore import ObjectRef, ObjectStore
 from objectstore.memory import resolve_memory_limit
 from transport import CurveConfig, RpcClient, RpcServer, expose, trace
@@ -357,6 +357,7 @@ def main() -> None:
 
 def _serve(env: dict[str, str]) -> None:
     use_allocator_settings()  # by mallopt too: a GLIBC_TUNABLES in the environment would override ALLOCATOR_ENV
+    lock_progress_bars_by_thread()  # no named semaphore a kill -9 would leave in /dev/shm
     for key in [k for k in os.environ if k.startswith("ASYNCRL_CURVE_")]:
         del os.environ[key]  # the code this worker runs, and its children, need no keys
     setup_logging("worker", env.get("RANK"))

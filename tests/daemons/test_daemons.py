@@ -288,7 +288,9 @@ async def test_workers_fork_from_the_fork_server_with_their_own_work_keys_and_lo
     the test session's), each in its own process group with its own environment, CurveZMQ keys
     (never in its environment), log file and asyncrl's allocator settings; a worker whose
     load-time settings differ from the server's starts cold; the node's close leaves none behind.
-    What the server imported is frozen (`daemons.heap`): a worker's collections never walk it."""
+    What the server imported is frozen (`daemons.heap`): a worker's collections never walk it.
+    A worker's tqdm bars make no named semaphore (a forked process's multiprocessing lock is
+    one, which a kill -9 of the worker and its resource tracker would leave in /dev/shm)."""
     import multiprocessing.forkserver
 
     from daemons.cluster import ClusterConfig, ClusterSpec, HeadNode
@@ -299,7 +301,7 @@ async def test_workers_fork_from_the_fork_server_with_their_own_work_keys_and_lo
     assert server is not None  # the session's (tests/conftest.py)
     secret = CurveConfig.ephemeral()
     spec = ClusterSpec(ClusterConfig(cpu_devices=3, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=0.5,
-                                     allowed_packages=["os", "posix", "gc"], warm_imports=["json"]),
+                                     allowed_packages=["os", "posix", "gc", "tests"], warm_imports=["json"]),
                        curve=secret, state_dir=tmp_path / "st")
     async with HeadNode.start(spec) as head:
         workers = await head.coordinator.spawn_workers(head.coordinator.create_pool("p", world_size=2))
@@ -312,6 +314,7 @@ async def test_workers_fork_from_the_fork_server_with_their_own_work_keys_and_lo
             assert all([await w.run("os:getenv", k, timeout=10) == v for k, v in ALLOCATOR_ENV.items()])
             assert secret.secret_key not in Path(f"/proc/{w.info.pid}/environ").read_bytes()
             assert await w.run("gc:get_freeze_count", timeout=10) > 100_000  # torch, transformers, asyncrl
+            assert await w.run("tests.helpers.fork_probe:progress_bar_semaphores", timeout=10) == []
         monkeypatch.setenv("OMP_NUM_THREADS", "3")  # read as libraries load: the server read its own
         (third,) = await head.coordinator.spawn_workers(head.coordinator.create_pool("q", world_size=1))
         assert _parent(third.info.pid) == os.getpid()  # a cold start, the node's own child

@@ -27,3 +27,27 @@ def report(path: str) -> None:
     with open(path, "w") as f:
         json.dump({"parent": os.getppid(), "fresh_faults": fresh, "reused_faults": reused,
                    "json_loaded": "json.decoder" in sys.modules, "env": dict(os.environ)}, f)
+
+
+def progress_bar_semaphores() -> list[str]:
+    """The named semaphores (files in /dev/shm) this process makes to draw a tqdm bar, as
+    transformers does while it loads weights."""
+    import io
+    import multiprocessing.synchronize as sync
+
+    from tqdm.auto import tqdm
+
+    made, init = [], sync.SemLock.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self._semlock.name:  # None: unlinked as it was made (a forked process's)
+            made.append(self._semlock.name)
+
+    sync.SemLock.__init__ = spy
+    try:
+        for _ in tqdm(range(3), file=io.StringIO()):
+            pass
+    finally:
+        sync.SemLock.__init__ = init
+    return made
