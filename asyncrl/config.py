@@ -838,8 +838,7 @@ class RLConfig(LaunchConfig):
         _check(wants or self.teacher.path is None, at + "teacher.path", self.teacher.path,
                f"only algorithm.name=opd uses a teacher (got {self.algorithm.name}); remove it")
         if wants:
-            _check(self.teacher.parallel.pp == 1, at + "teacher.parallel.pp", self.teacher.parallel.pp,
-                   "the teacher runs forward only over FSDP2 x TP; set it to 1")
+            self._check_teacher_layout(at)
             _check(self.teacher.task_reward_coef == 0 or self.rollout.n >= 2, at + "rollout.n", self.rollout.n,
                    "teacher.task_reward_coef > 0 compares each prompt's samples (GRPO's advantage); set rollout.n >= 2")
             size = self.teacher.n_workers or self.trainer.n_workers
@@ -847,6 +846,25 @@ class RLConfig(LaunchConfig):
                 ParallelLayout.from_config(self.teacher.parallel, size)
             except LayoutError as e:
                 raise ConfigError(f"bad configuration: {at}teacher.{e} (its pool: {size} workers)") from None
+
+    def _check_teacher_layout(self, at: str) -> None:
+        """Pipeline stages where the teacher's backend runs them; a teacher on the actor's processes
+        shares megatron-core's one parallel state per process with an actor on the same backend."""
+        t, a = self.teacher.parallel, self.actor.parallel
+        _check(t.pp == 1 or backend(self.teacher.backend).teacher_pipeline, at + "teacher.parallel.pp", t.pp,
+               f"teacher.backend={self.teacher.backend} runs the teacher without pipeline stages; set it to 1, or "
+               f"{_those(at + 'teacher.backend', 'teacher_pipeline')}")
+        shared = (not self.teacher.n_workers and self.teacher.backend == self.actor.backend
+                  and backend(self.teacher.backend).one_layout_per_process)
+        if not shared:
+            return
+        _check((t.tp, t.pp) == (a.tp, a.pp), at + "teacher.parallel", f"tp={t.tp} pp={t.pp}",
+               f"must equal {at}actor.parallel (tp={a.tp} pp={a.pp}): a teacher on the actor's workers shares "
+               f"{self.actor.backend}'s one parallel layout per process; set the same tp and pp, or give the "
+               f"teacher a pool of its own ({at}teacher.n_workers)")
+        _check(self.actor.moe.ep == 1, at + "actor.moe.ep", self.actor.moe.ep,
+               f"a teacher on the actor's workers runs without expert parallelism in the same {self.actor.backend} "
+               f"parallel state; give the teacher a pool of its own ({at}teacher.n_workers), or set it to 1")
 
     def _check_token_budgets(self, at: str) -> None:
         """A row is never split across micro-batches: every token budget holds the longest row."""

@@ -31,6 +31,7 @@ class TrainBackend:
     actor_engines: str  # "module:function": (worker, base, layout, one_copy) -> (actor, ref) engines
     critic_engine: str  # "module:function": (worker, model path, layout) -> the critic's engine
     teacher_engine: str | None = None  # "module:function": (worker, model path, layout) -> a forward-only engine
+    teacher_pipeline: bool = False  # its teacher engine runs pipeline stages (`teacher.parallel.pp` > 1)
     lora: bool = False  # trains LoRA adapters (`*.lora`)
     sequence_parallel: bool = False  # Ulysses (`*.parallel.sp` > 1)
     packing: bool = False  # packed sequences (`*.pack_sequences`)
@@ -103,6 +104,7 @@ BACKENDS: dict[str, TrainBackend] = {
                           sequence_parallel=True, packing=True, hf_routers=True, feeds_split_pool=True, images=True,
                           failover=True, offload=True, offload_weights=True),
     "megatron": TrainBackend("asyncrl.roles.actor:megatron_engines", "asyncrl.roles.critic:megatron_critic",
+                             teacher_engine="asyncrl.roles.teacher:megatron_teacher", teacher_pipeline=True,
                              expert_parallel=True, one_layout_per_process=True, moe_tensor_parallel=True,
                              moe_pipeline=True, whole_tp_pp_shards=True, offload=True, offload_weights=True,
                              requires="asyncrl.train.megatron:require_megatron",

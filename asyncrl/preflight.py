@@ -49,6 +49,7 @@ def _check_teacher(cfg: RLConfig) -> None:
     if not (cfg.teacher.path and needs_teacher(cfg.algorithm.name)):
         return
     path = cfg.teacher.path = resolve_model(ModelConfig(path=cfg.teacher.path), key="teacher.path")
+    backend(cfg.teacher.backend).check("teacher", cfg.teacher, path, cfg)  # its library, and a model it maps
     student, teacher = AutoTokenizer.from_pretrained(cfg.model.path), AutoTokenizer.from_pretrained(path)
     s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
     differ = sorted(set(s_vocab.items()) ^ set(t_vocab.items()), key=str)[:3]
@@ -291,7 +292,8 @@ def _check_backends(cfg: RLConfig) -> None:
 
 
 def check_megatron_model(name: str, section: Any, path: str, cfg: RLConfig) -> None:
-    """actor/critic.backend=megatron: the model one megatron-core maps, with tp, pp and ep that divide it."""
+    """actor/critic/teacher.backend=megatron: the model one megatron-core maps, with tp, pp and ep that
+    divide it (the teacher runs without expert parallelism)."""
     from transformers import AutoConfig
 
     from asyncrl.train.megatron.convert import GPTShape
@@ -300,7 +302,7 @@ def check_megatron_model(name: str, section: Any, path: str, cfg: RLConfig) -> N
         shape = GPTShape.from_hf(AutoConfig.from_pretrained(path))
         shape.check_tp(section.parallel.tp, section.parallel.pp)
         shape.check_pp(section.parallel.pp)
-        shape.check_ep(cfg.actor.moe.ep)
+        shape.check_ep(1 if name == "teacher" else cfg.actor.moe.ep)
     except ConfigError as e:
         raise ConfigError(str(e).replace("actor.", f"{name}.") + f" ({path})") from None
 

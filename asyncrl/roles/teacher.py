@@ -1,6 +1,6 @@
 """On-policy distillation's teacher: a frozen policy of its own (`teacher.path`) that scores the
-student's sampled tokens, sharded over its workers by its backend (`teacher.backend`; FSDP2 x TP
-like the reference policy)."""
+student's sampled tokens, sharded over its workers by its backend (`teacher.backend`: FSDP2 x TP
+like the reference policy, or megatron-core's TP x PP)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,18 @@ class TeacherWorker(Worker):
         model.eval()
         temp = sampling_temperature(batch, self.cfg.rollout.temperature)
         mbs, join = row_micro_batches(batch, self.cfg.teacher.micro_batch_size, packed=is_packing(model))
+        def forward(m: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return response_forward(m, mb, temp, packed=packed_view(m, mb)[0])
+
         with torch.no_grad():
-            outs = [response_forward(model, mb, temp, packed=packed_view(model, mb)[0])[0] for mb in mbs]
-        self.engine.release_unsharded()
+            if self.engine.pipelined and mbs:
+                staged = self.engine.forward(mbs, forward)
+                if staged is None:  # not the last pipeline stage: the last one answers
+                    return None
+                outs = [lp for lp, _ in staged]
+            else:
+                outs = [forward(model, mb)[0] for mb in mbs]
+                self.engine.release_unsharded()
         width = batch["responses"].shape[1]
         return Batch({TEACHER_LOG_PROBS: join(outs) if outs else torch.zeros(0, width, device=self.device)})
 
@@ -61,3 +70,16 @@ def fsdp_teacher(worker: TeacherWorker, path: str, layout: ParallelLayout) -> FS
     load_sharded(engine, path)  # rank 0 reads, the shards are broadcast
     resolve_packing(engine.model, None, "teacher.")  # rows packed where the model can (exact)
     return engine
+
+
+def megatron_teacher(worker: TeacherWorker, path: str, layout: ParallelLayout) -> Any:
+    """teacher.backend=megatron: the model at `path` as a forward-only megatron-core GPTModel, TP x PP
+    over `layout`, each rank reading its own shards of the checkpoint."""
+    from asyncrl.train.megatron import require_megatron
+
+    require_megatron()
+    from asyncrl.train.megatron.engine import MegatronEngine
+
+    cfg, device = worker.cfg, worker.device
+    return MegatronEngine(path, layout, optim=None, device=device, dtype=compute_dtype(device, cfg.model.dtype),
+                          seed=cfg.seed)

@@ -112,13 +112,36 @@ def test_unknown_names_list_the_known_ones():
         backend("deepspeed")
 
 
-def test_the_teacher_is_built_by_its_backend_and_one_without_a_teacher_engine_is_refused():
+def test_the_teacher_is_built_by_its_backend_and_one_without_a_teacher_engine_is_refused(monkeypatch):
+    """Both backends build teachers, megatron with pipeline stages; a backend without a teacher
+    engine is refused naming those that have one; a teacher on a megatron actor's workers shares
+    its parallel layout (megatron-core keeps one a process), on a pool of its own it need not."""
+    from dataclasses import replace
+
     from asyncrl.config import rl_config
+    from asyncrl.engines import BACKENDS
     from asyncrl.launch import load_config
 
+    def opd(*extra: str):
+        return rl_config(load_config("opd", ["teacher.path=/models/teacher", *extra]))
+
     assert backend("fsdp2").teacher_engine == "asyncrl.roles.teacher:fsdp_teacher"
-    with pytest.raises(ConfigError, match="teacher.backend=megatron builds no teacher engine; use teacher.backend=fsdp2"):
-        rl_config(load_config("opd", ["teacher.path=/models/teacher", "teacher.backend=megatron"]))
+    assert backend("megatron").teacher_engine == "asyncrl.roles.teacher:megatron_teacher"
+    monkeypatch.setitem(BACKENDS, "plain", replace(BACKENDS["fsdp2"], teacher_engine=None))
+    with pytest.raises(ConfigError, match="teacher.backend=plain builds no teacher engine; use teacher.backend=fsdp2 or "
+                                          "teacher.backend=megatron"):
+        opd("teacher.backend=plain")
+    with pytest.raises(ConfigError, match="teacher.backend=fsdp2 runs the teacher without pipeline stages; set it to 1, "
+                                          "or teacher.backend=megatron"):
+        opd("teacher.parallel.pp=2", "trainer.n_workers=2")
+    assert opd("teacher.backend=megatron", "teacher.parallel.pp=2", "trainer.n_workers=2").teacher.parallel.pp == 2
+    megatron_actor = ["actor.backend=megatron", "teacher.backend=megatron", "trainer.n_workers=2"]
+    with pytest.raises(ConfigError, match=r"teacher.parallel.*must equal actor.parallel \(tp=2 pp=1\)"):
+        opd(*megatron_actor, "actor.parallel.tp=2", "rollout.parallel.tp=2")
+    assert opd(*megatron_actor, "actor.parallel.tp=2", "rollout.parallel.tp=2", "teacher.n_workers=1")
+    assert opd(*megatron_actor, "actor.parallel.tp=2", "rollout.parallel.tp=2", "teacher.parallel.tp=2")
+    with pytest.raises(ConfigError, match="a teacher on the actor's workers runs without expert parallelism"):
+        opd(*megatron_actor, "actor.moe.ep=2")
 
 
 def test_mapped_shared_memory_files_are_unlinked_and_others_left(tmp_path):

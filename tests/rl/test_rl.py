@@ -246,12 +246,15 @@ def test_a_mixture_of_experts_model_trains_and_exports_per_expert(replay, tiny_m
     assert type(AutoModelForCausalLM.from_pretrained(summary["checkpoint"])).__name__ == "Qwen3MoeForCausalLM"
 
 
-@pytest.mark.parametrize("pool", [[], pytest.param(["teacher.n_workers=1", "cluster.cpu_devices=3"], marks=pytest.mark.slow)],
-                         ids=["colocated", "own_pool"])  # own_pool: ~16 s, the same step on a pool of its own
+@pytest.mark.parametrize("pool", [[], ["teacher.backend=megatron", "teacher.parallel.pp=2"],
+                                  pytest.param(["teacher.n_workers=1", "cluster.cpu_devices=3"], marks=pytest.mark.slow)],
+                         ids=["colocated", "megatron_pp2", "own_pool"])  # own_pool: ~16 s, on a pool of its own
 def test_on_policy_distillation_moves_the_student_toward_the_teacher(pool, tiny_model, tmp_path):
     """OPD with a teacher of the same tokenizer (another init): every update raises the tokens the
-    teacher prefers (`policy_gain` per token), the reverse KL is logged, the teacher's pool where
-    asked. A teacher of another vocabulary is refused before a worker starts (exit 2)."""
+    teacher prefers (`policy_gain` per token), the teacher's log-probs are the Hugging Face
+    teacher's (FSDP2, or megatron-core in two pipeline stages beside the FSDP2 actor), the reverse
+    KL is logged, the teacher's pool where asked. A teacher of another vocabulary is refused before
+    a worker starts (exit 2)."""
     from asyncrl.models.tiny import ensure_tiny_model
 
     teacher = ensure_tiny_model(tmp_path / "teacher", task="sort", hidden=64, layers=2, heads=4, sft_steps=0, seed=1)
@@ -262,6 +265,7 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(pool, tiny_
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["algorithm"] == "opd" and len(summary["policy_gain"]) == 2 and min(summary["policy_gain"]) > 0, summary
+    assert len(summary["teacher_gap"]) == 2 and max(summary["teacher_gap"]) < 1e-4, summary
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["distill/reverse_kl"]) and r["timing/teacher_log_prob_s"] > 0 for r in rows if r["step"] > 0)
     if pool:
