@@ -43,6 +43,7 @@ class TeacherWorker(Worker):
         model.eval()
         temp = sampling_temperature(batch, self.cfg.rollout.temperature)
         mbs, join = row_micro_batches(batch, self.cfg.teacher.micro_batch_size, packed=is_packing(model))
+
         def forward(m: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
             return response_forward(m, mb, temp, packed=packed_view(m, mb)[0])
 
