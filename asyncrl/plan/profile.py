@@ -39,8 +39,12 @@ def _timed(fn: Callable[[], Any], repeat: int) -> float:
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """y = a + b·x with the slope b from the two largest x (where the per-token cost dominates)
-    and the fixed cost a from the smallest (where it does)."""
+    and the fixed cost a from the smallest (where it does). Where a busy machine timed the largest
+    x no slower than the next, b is the largest x's time per unit instead (an upper bound: it
+    holds the fixed cost too), never a zero or negative cost."""
     b = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    if b <= 0:
+        b = ys[-1] / xs[-1]
     return max(0.0, ys[0] - b * xs[0]), b
 
 
@@ -200,7 +204,8 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
                      f"{devices} devices of {threads} thread(s), layers of {spec.name} (hidden {spec.hidden}); "
                      f"call_overhead_s assumed"),
         mem_bytes=mem_total / devices, intra_bw=bw, inter_bw=bw, intra_latency_s=latency, inter_latency_s=latency,
-        train_efficiency=3 * per_token / (peak * b_t), infer_efficiency=per_token / (peak * b_f),
+        # at most the peak matmul rate: a noisy slope must not price a layer faster than that
+        train_efficiency=min(1.0, 3 * per_token / (peak * b_t)), infer_efficiency=min(1.0, per_token / (peak * b_f)),
         mem_bw_efficiency=1.0, half_efficiency_tokens=0.0, layer_overhead_s=layer_overhead,
         decode_step_overhead_s=decode_overhead, call_overhead_s=ASSUMED_CALL_OVERHEAD_S,
         micro_batch_overhead_s=max(0.0, plain_per_micro - 3 * spec.layers * layer_overhead), tp_latency_s=tp_latency,
