@@ -48,6 +48,12 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return max(0.0, ys[0] - b * xs[0]), b
 
 
+def _efficiency(flops: float, peak: float, seconds: float) -> float:
+    """`flops` in `seconds` as a fraction of the peak matmul rate, at most 1: a noisy slope must not
+    price a layer faster than the peak measured in the same run."""
+    return min(1.0, flops / (peak * seconds))
+
+
 def _train_step(model: Any, ids: Any) -> None:
     import torch
 
@@ -204,8 +210,7 @@ def measure(spec: ModelSpec, devices: int, quick: bool = False) -> DeviceProfile
                      f"{devices} devices of {threads} thread(s), layers of {spec.name} (hidden {spec.hidden}); "
                      f"call_overhead_s assumed"),
         mem_bytes=mem_total / devices, intra_bw=bw, inter_bw=bw, intra_latency_s=latency, inter_latency_s=latency,
-        # at most the peak matmul rate: a noisy slope must not price a layer faster than that
-        train_efficiency=min(1.0, 3 * per_token / (peak * b_t)), infer_efficiency=min(1.0, per_token / (peak * b_f)),
+        train_efficiency=_efficiency(3 * per_token, peak, b_t), infer_efficiency=_efficiency(per_token, peak, b_f),
         mem_bw_efficiency=1.0, half_efficiency_tokens=0.0, layer_overhead_s=layer_overhead,
         decode_step_overhead_s=decode_overhead, call_overhead_s=ASSUMED_CALL_OVERHEAD_S,
         micro_batch_overhead_s=max(0.0, plain_per_micro - 3 * spec.layers * layer_overhead), tp_latency_s=tp_latency,
