@@ -36,8 +36,9 @@ class UpdateProbe:
         before = await self.group.compute_log_prob(batch)
         metrics = await self.group.update_actor(batch)
         after = await self.group.compute_log_prob(batch)
-        cols = [c for c in ("scores", "costs", "response_mask", "uid", "teacher_log_probs", "input_ids",
-                            "attention_mask", "position_ids", "responses") if c in batch.columns]
+        cols = [c for c in ("scores", "costs", "response_mask", "uid", "teacher_log_probs") if c in batch.columns]
+        if "teacher_log_probs" in cols:  # and what the Hugging Face teacher reads
+            cols += ["input_ids", "attention_mask", "position_ids", "responses"]
         b = await batch.select(*cols).fetch()
         lp0 = (await before.select("old_log_probs").fetch())["old_log_probs"]
         lp1 = (await after.select("old_log_probs").fetch())["old_log_probs"]
@@ -55,7 +56,6 @@ class UpdateProbe:
             centred[rows] -= outcome[rows].mean()
         self.gains.append(float((centred * moved).mean()))
         return metrics
-
 
     def _teacher_gap(self, b: Any) -> float:
         from transformers import AutoModelForCausalLM
