@@ -48,7 +48,7 @@ from asyncrl.engines import backend, rollout_engine
 from asyncrl.metrics import timed
 from asyncrl.roles import replay, routing
 from asyncrl.roles.failover import Failover, rebuilding
-from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
+from asyncrl.roles.forward import forward_only, packed_view, response_forward, sampling_temperature
 from asyncrl.roles.kept_rollouts import RolloutKeeper
 from asyncrl.roles.pools import PoolWeights, adapter_settings
 from asyncrl.roles.process import load_causal_lm, setup_process
@@ -78,7 +78,6 @@ from asyncrl.train import (
     set_rng_state,
 )
 from asyncrl.train.common import full_tensor
-from asyncrl.train.engine import PipelinedEngine
 from asyncrl.train.fsdp import warn_if_bf16_is_slow
 from asyncrl.train.load import copy_shards, load_sharded, load_streamed, materialize, skeleton
 from asyncrl.train.lora import (
@@ -94,7 +93,7 @@ from asyncrl.train.lora import (
 from asyncrl.train.moe import NOT_RECORDED, OLD_ROUTES, ROUTES, route_dtype, routers
 from asyncrl.train.packing import AUTO_ATTR, is_packing, resolve_packing
 from asyncrl.train.pipeline import PipelineEngine, untie_embeddings
-from asyncrl.train.ulysses import run_turns, sequence_parallel, turn_loss
+from asyncrl.train.ulysses import sequence_parallel, turn_loss
 from asyncrl.train.weight_sync import (
     TensorSpec,
     specs_of,
@@ -510,14 +509,9 @@ class ActorRolloutRefWorker(Worker):
                 tap.stop()
             return out
 
-        with torch.no_grad():
-            if engine.pipelined and mbs:
-                outs = cast(PipelinedEngine, engine).forward(mbs, forward)
-                if outs is None:
-                    return None, None
-            else:
-                outs = run_turns(engine.model, mbs, lambda mb: forward(engine.model, mb))
-                engine.release_unsharded()  # no backward follows a forward-only pass to reshard it
+        outs = forward_only(engine, mbs, forward)
+        if outs is None:  # not the last pipeline stage
+            return None, None
         if not outs:
             return torch.zeros(0, device=engine.device), None
         logps, ents = [lp for lp, _ in outs], [ent for _, ent in outs]

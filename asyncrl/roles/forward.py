@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -11,10 +11,11 @@ from asyncrl.algorithms.core import response_span
 from asyncrl.data.images import model_image_kwargs
 from asyncrl.rollout.params import last_positions
 from asyncrl.single_controller.batch import Batch
+from asyncrl.train.engine import PipelinedEngine, TrainEngine
 from asyncrl.train.logits import keeps_logits as _keeps_logits
 from asyncrl.train.logits import response_logprobs
 from asyncrl.train.packing import Packed, is_packing, pack, predicting_slots, worth_packing
-from asyncrl.train.ulysses import LOGPROBS, VALUES, ulysses_of
+from asyncrl.train.ulysses import LOGPROBS, VALUES, run_turns, ulysses_of
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,18 @@ def response_forward(model: torch.nn.Module, mb: Batch, temperature: float = 1.0
     kwargs = {"logits_to_keep": last_positions(ids.shape[1], r + 1, ids.device)} if _keeps_logits(model) else {}
     out = model(**model_inputs(mb), use_cache=False, **kwargs)
     return response_logprobs(out.logits[:, -r - 1:-1], responses, temperature, with_entropy)
+
+
+def forward_only(engine: TrainEngine, mbs: list[Batch], fn: Any) -> list | None:
+    """`fn(model, mb)` for each micro-batch without gradients: through the pipeline's stages (None
+    on a stage other than the last), or in the group's sequence-parallel turns with the unsharded
+    weights released after (no backward follows to reshard them)."""
+    with torch.no_grad():
+        if engine.pipelined and mbs:
+            return cast(PipelinedEngine, engine).forward(mbs, fn)
+        outs = run_turns(engine.model, mbs, lambda mb: fn(engine.model, mb))
+        engine.release_unsharded()
+        return outs
 
 
 def model_inputs(mb: Batch) -> dict[str, torch.Tensor]:

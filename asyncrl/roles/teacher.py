@@ -11,7 +11,7 @@ import torch
 from asyncrl.config import RLConfig, rl_config
 from asyncrl.engines import backend
 from asyncrl.metrics import timed
-from asyncrl.roles.forward import packed_view, response_forward, sampling_temperature
+from asyncrl.roles.forward import forward_only, packed_view, response_forward, sampling_temperature
 from asyncrl.roles.process import setup_process
 from asyncrl.roles.update import row_micro_batches
 from asyncrl.single_controller.batch import Batch
@@ -47,15 +47,10 @@ class TeacherWorker(Worker):
         def forward(m: torch.nn.Module, mb: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
             return response_forward(m, mb, temp, packed=packed_view(m, mb)[0])
 
-        with torch.no_grad():
-            if self.engine.pipelined and mbs:
-                staged = self.engine.forward(mbs, forward)
-                if staged is None:  # not the last pipeline stage: the last one answers
-                    return None
-                outs = [lp for lp, _ in staged]
-            else:
-                outs = [forward(model, mb)[0] for mb in mbs]
-                self.engine.release_unsharded()
+        staged = forward_only(self.engine, mbs, forward)
+        if staged is None:  # not the last pipeline stage: the last one answers
+            return None
+        outs = [lp for lp, _ in staged]
         width = batch["responses"].shape[1]
         return Batch({TEACHER_LOG_PROBS: join(outs) if outs else torch.zeros(0, width, device=self.device)})
 
